@@ -1,0 +1,110 @@
+"""mlxrunner: run language models on MLX, extended by plugins.
+
+This module is the public API: plugins and users import names from here (and
+from ``mlxrunner.testing``) only. Names resolve lazily so that ``mlxrunner
+--help`` starts without importing MLX.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # plugins
+    "hookimpl": "hookspecs",
+    "register": "plugins",
+    # errors
+    "MLXRunnerError": "errors",
+    "ModelFolderError": "errors",
+    "UnknownNameError": "errors",
+    "PluginError": "errors",
+    "ModelfileError": "errors",
+    "ConversationError": "errors",
+    "DraftConfigError": "errors",
+    # models and caches
+    "Model": "model",
+    "Cache": "caches",
+    "KVCache": "caches",
+    "RingCache": "caches",
+    "RecurrentCache": "caches",
+    # loading
+    "load_model": "loading",
+    "load": "loading",
+    "Bundle": "loading",
+    "read_config": "loading",
+    "Tokenizer": "tokenizer",
+    "Modelfile": "modelfile",
+    "read_modelfile": "modelfile",
+    # sampling
+    "topk_indices": "topk",
+    "SamplerOptions": "sampler",
+    "Sampler": "sampler",
+    # generation
+    "generate": "generate",
+    "GenerationResult": "generate",
+    # chat formats
+    "RenderContext": "chat",
+    "Renderer": "chat",
+    "Parser": "chat",
+    "ParsedMessage": "chat",
+    "ToolCall": "chat",
+    "validate_conversation": "chat",
+    "get_renderer": "chat",
+    "get_parser": "chat",
+    # drafts
+    "DraftModel": "drafts",
+    "DraftSession": "drafts",
+    "DraftProposal": "drafts",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mlxrunner' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .caches import Cache, KVCache, RecurrentCache, RingCache  # noqa: F401
+    from .chat import (  # noqa: F401
+        ConversationError,
+        ParsedMessage,
+        Parser,
+        RenderContext,
+        Renderer,
+        ToolCall,
+        get_parser,
+        get_renderer,
+        validate_conversation,
+    )
+    from .drafts import DraftModel, DraftProposal, DraftSession  # noqa: F401
+    from .errors import (  # noqa: F401
+        DraftConfigError,
+        MLXRunnerError,
+        ModelfileError,
+        ModelFolderError,
+        PluginError,
+        UnknownNameError,
+    )
+    from .generate import GenerationResult, generate  # noqa: F401
+    from .hookspecs import hookimpl  # noqa: F401
+    from .loading import Bundle, load, load_model, read_config  # noqa: F401
+    from .model import Model  # noqa: F401
+    from .modelfile import Modelfile, read_modelfile  # noqa: F401
+    from .plugins import register  # noqa: F401
+    from .sampler import Sampler, SamplerOptions  # noqa: F401
+    from .tokenizer import Tokenizer  # noqa: F401
+    from .topk import topk_indices  # noqa: F401

@@ -1,0 +1,336 @@
+"""The ``mlxrunner`` command line.
+
+Heavy imports (MLX, plugins' models) happen inside the commands that need
+them, so ``mlxrunner --help`` stays fast. Every user error is one line on
+stderr and a non-zero exit; ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import plugins
+from .errors import MLXRunnerError, UnknownNameError
+
+DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+class CommandRegistry:
+    """Handed to ``register_commands(cli)``: plugins add subcommands through it."""
+
+    def __init__(self, subparsers: Any) -> None:
+        self._subparsers = subparsers
+        self.handlers: dict[str, Callable[[argparse.Namespace], int | None]] = {}
+
+    def command(self, name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                run: Callable[[argparse.Namespace], int | None]) -> None:
+        if name in self.handlers:
+            raise MLXRunnerError(f"command {name!r} is registered twice")
+        parser = self._subparsers.add_parser(name, help=help, description=help)
+        add_arguments(parser)
+        self.handlers[name] = run
+
+
+# -- listing commands --------------------------------------------------------
+def cmd_plugins(args: argparse.Namespace) -> int:
+    host = plugins.host()
+    items = [{"plugin": p.name, "distribution": p.distribution, "version": p.version,
+              "hooks": p.hooks} for p in host.plugin_list()]
+    print(json.dumps(items, indent=2))
+    return 0
+
+
+def _list_kind(kind: str, as_json: bool) -> int:
+    regs = sorted(plugins.iter_registrations(kind), key=lambda r: r.name)
+    if as_json:
+        print(json.dumps([{"name": r.name, "plugin": r.plugin} for r in regs], indent=2))
+        return 0
+    if not regs:
+        print(f"no {kind} installed")
+        return 0
+    width = max(len(r.name) for r in regs)
+    for r in regs:
+        print(f"{r.name.ljust(width)}  {r.plugin}")
+    return 0
+
+
+# -- show ------------------------------------------------------------------
+def cmd_show(args: argparse.Namespace) -> int:
+    from .loading import load, parameter_count
+
+    bundle = load(args.model, draft=args.draft, renderer=args.renderer, dtype=args.dtype)
+    model = bundle.model
+    arch = (bundle.config.get("architectures") or [bundle.config.get("model_type")])[0]
+    info: dict[str, Any] = {
+        "model": str(bundle.path),
+        "architecture": arch,
+        "parameters": parameter_count(model),
+        "layers": model.num_layers,
+        "vocab_size": model.vocab_size,
+        "target_precision": model.weight_precision,
+        "draft": str(bundle.draft_path) if bundle.draft_path else
+        ("bundled" if bundle.draft is not None else None),
+        "draft_precision": getattr(bundle.draft, "weight_precision", None)
+        if bundle.draft is not None else None,
+        "renderer": bundle.renderer_name,
+        "parser": bundle.parser_name,
+        "taps": bool(getattr(model, "supports_taps", False)),
+        "defaults": {k: v for k, v in vars(bundle.defaults).items() if v is not None},
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for key in ("model", "architecture", "parameters", "layers", "vocab_size",
+                "target_precision", "draft", "draft_precision", "renderer", "parser", "taps"):
+        value = info[key]
+        if key == "parameters":
+            value = _human_count(value)
+        print(f"{key.replace('_', ' '):17} {value if value is not None else '-'}")
+    return 0
+
+
+def _human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit} ({n})"
+    return str(n)
+
+
+# -- run -------------------------------------------------------------------
+SAMPLER_FLAGS = {
+    "temperature": float, "top_k": int, "top_p": float, "min_p": float,
+    "repeat_last_n": int, "repeat_penalty": float, "presence_penalty": float,
+    "frequency_penalty": float, "seed": int, "top_logprobs": int,
+}
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs="*", metavar="[MODEL] [PROMPT]",
+                   help="model folder, Modelfile or registered name (default: the model "
+                        "registered as 'default'), then the prompt ('-' reads stdin)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (256)")
+    for name, kind in SAMPLER_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    p.add_argument("--logprobs", action="store_true", default=None,
+                   help="report log-probabilities (decodes without drafting)")
+    p.add_argument("--renderer", help="chat-format renderer by name")
+    p.add_argument("--parser", help="output parser by name")
+    p.add_argument("--draft", help="draft folder (DFlash/DFlash2) for speculative decoding")
+    p.add_argument("--no-draft", action="store_true", help="decode without the model's draft")
+    p.add_argument("--think", choices=["on", "off"], help="thinking on or off (template default)")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is (no chat format)")
+    p.add_argument("--dtype", help="cast weights: float32, float16, bfloat16")
+    p.add_argument("--stats", action="store_true", help="print statistics to stderr")
+    p.add_argument("--compare", action="store_true",
+                   help="also decode without the draft and print both statistics")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
+def _split_model_and_prompt(args: Sequence[str]) -> tuple[str | None, str | None]:
+    if not args:
+        return None, None
+    if len(args) >= 2:
+        return args[0], " ".join(args[1:])
+    only = args[0]
+    looks_like_model = Path(only).expanduser().exists() or "/" in only or \
+        only in plugins.host().registry("models")
+    return (only, None) if looks_like_model else (None, only)
+
+
+def _sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out = {name: getattr(args, name) for name in SAMPLER_FLAGS if getattr(args, name) is not None}
+    if args.logprobs:
+        out["logprobs"] = True
+    return out
+
+
+def build_prompt_ids(bundle: Any, prompt: str, *, raw: bool, system: str | None,
+                     think: bool | None) -> list[int]:
+    tok = bundle.tokenizer
+    if raw or bundle.renderer is None:
+        return tok.encode(prompt, add_special_tokens=True)
+    messages = []
+    system = system if system is not None else bundle.extra.get("system")
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": prompt})
+    text = bundle.renderer.render(messages, None, think=think, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    model_arg, prompt = _split_model_and_prompt(args.args)
+    if model_arg is None:
+        if "default" not in plugins.host().registry("models"):
+            raise MLXRunnerError(
+                "no model given and none is registered as 'default': pass a model folder "
+                "(mlxrunner run ./model \"prompt\") or install the demo plugin "
+                "(pip install ./plugins/demo)")
+        model_arg = "default"
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if prompt is None:
+        prompt = DEFAULT_PROMPT
+    from .generate import generate
+    from .loading import load
+
+    bundle = load(model_arg, draft=args.draft, renderer=args.renderer, parser=args.parser,
+                  dtype=args.dtype, use_draft=not args.no_draft)
+    options = bundle.defaults.merged(_sampler_overrides(args))
+    max_tokens = args.max_tokens or bundle.extra.get("max_tokens") or 256
+    think = None if args.think is None else args.think == "on"
+    raw = args.raw or (model_arg == "default" and bundle.renderer is None)
+    prompt_ids = build_prompt_ids(bundle, prompt, raw=raw, system=args.system, think=think)
+    tok = bundle.tokenizer
+    detok = tok.detokenizer()
+    stream = not args.json
+
+    def on_token(token: int) -> None:
+        if stream:
+            sys.stdout.write(detok.add(token))
+            sys.stdout.flush()
+
+    result = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
+                      eos_ids=tok.eos_ids, on_token=on_token, draft=bundle.draft)
+    if stream:
+        sys.stdout.write(detok.finish() + "\n")
+        sys.stdout.flush()
+    stats = {"run": result.stats.as_dict()}
+    if args.compare and bundle.draft is not None:
+        plain = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
+                         eos_ids=tok.eos_ids)
+        stats["plain"] = plain.stats.as_dict()
+        same = plain.tokens == result.tokens
+        stats["identical_to_plain"] = same
+        run_tps = stats["run"].get("tokens_per_second") or 0.0
+        plain_tps = stats["plain"].get("tokens_per_second") or 0.0
+        stats["speedup"] = round(run_tps / plain_tps, 3) if plain_tps else None
+    if args.json:
+        text = tok.decode(result.tokens)
+        out: dict[str, Any] = {"model": str(bundle.path), "prompt_tokens": len(prompt_ids),
+                               "tokens": result.tokens, "text": text,
+                               "finish_reason": result.finish_reason, "statistics": stats}
+        if bundle.parser is not None:
+            parsed = bundle.parser.parse(text)
+            out["message"] = {"content": parsed.content, "thinking": parsed.thinking,
+                              "tool_calls": [{"name": c.name, "arguments": c.arguments}
+                                             for c in parsed.tool_calls]}
+        if result.logprobs:
+            out["logprobs"] = result.logprobs
+        print(json.dumps(out, ensure_ascii=False))
+    elif args.stats or args.compare:
+        print(result.stats.format(), file=sys.stderr)
+        if "plain" in stats:
+            s = stats["plain"]
+            print(f"plain: {s['generated_tokens']} tokens, {s['tokens_per_second']} tok/s; "
+                  f"speedup {stats['speedup']}x; identical output: {stats['identical_to_plain']}",
+                  file=sys.stderr)
+    return 0
+
+
+# -- render ----------------------------------------------------------------
+def cmd_render(args: argparse.Namespace) -> int:
+    from .chat import RenderContext, get_renderer, load_conversation_file
+
+    messages, tools = load_conversation_file(args.file)
+    if args.tools:
+        _, tools_from_file = load_conversation_file(args.tools, tools_only=True)
+        tools = tools_from_file
+    context = RenderContext()
+    if args.template:
+        try:
+            context.chat_template = Path(args.template).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise MLXRunnerError(f"{args.template}: cannot read template ({exc.strerror})") \
+                from None
+    if args.model_name:
+        context.model_name = args.model_name
+    renderer = get_renderer(args.renderer, context)
+    think = None if args.think is None else args.think == "on"
+    text = renderer.render(messages, tools, think=think,
+                           add_generation_prompt=not args.no_generation_prompt)
+    sys.stdout.write(text)
+    return 0
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
+    parser = argparse.ArgumentParser(
+        prog="mlxrunner",
+        description="Run language models on MLX; architectures, chat formats and drafts "
+                    "come from plugins.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    registry = CommandRegistry(sub)
+
+    def simple(name: str, help: str, run: Callable[[argparse.Namespace], int],
+               add: Callable[[argparse.ArgumentParser], None] = lambda p: None) -> None:
+        registry.command(name, help, add, run)
+
+    def add_json(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print JSON")
+
+    simple("plugins", "list loaded plugins (JSON)", cmd_plugins)
+    for kind in ("architectures", "renderers", "parsers", "drafts", "models"):
+        simple(kind, f"list installed {kind} and the plugin behind each",
+               lambda a, kind=kind: _list_kind(kind, a.json), add_json)
+
+    def add_show(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model")
+        p.add_argument("--draft")
+        p.add_argument("--renderer")
+        p.add_argument("--dtype")
+        add_json(p)
+
+    simple("show", "describe a model folder", cmd_show, add_show)
+    simple("run", "generate text", cmd_run, _add_run_arguments)
+
+    def add_render(p: argparse.ArgumentParser) -> None:
+        p.add_argument("file", help="conversation JSON: a list of messages or "
+                                    "{\"messages\": [...], \"tools\": [...]}")
+        p.add_argument("--renderer", required=True)
+        p.add_argument("--tools", help="tools JSON (a list)")
+        p.add_argument("--think", choices=["on", "off"])
+        p.add_argument("--template", help="template file for the jinja renderer")
+        p.add_argument("--model-name", help="model name for renderers that depend on it")
+        p.add_argument("--no-generation-prompt", action="store_true")
+
+    simple("render", "print the prompt a conversation becomes", cmd_render, add_render)
+    return parser, registry
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        parser, registry = build_parser()
+        plugins.host().call_commands_hook(registry)
+        args = parser.parse_args(argv)
+        if not args.command:
+            parser.print_help()
+            return 0
+        return int(registry.handlers[args.command](args) or 0)
+    except MLXRunnerError as exc:
+        if debug:
+            raise
+        print(f"mlxrunner: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # a bug, not a user error: still one line unless --debug
+        if debug:
+            raise
+        print(f"mlxrunner: internal error: {type(exc).__name__}: {exc} "
+              "(rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Errors that reach the user as one line.
+
+Every failure a user can cause (a broken model folder, an unknown name, a bad
+Modelfile) raises a subclass of :class:`MLXRunnerError`; the CLI prints its
+message on one line and exits non-zero. Anything else is a bug and keeps its
+traceback (with ``--debug``).
+"""
+
+from __future__ import annotations
+
+
+class MLXRunnerError(Exception):
+    """A problem with the user's input, reported as one clear line."""
+
+
+class ModelFolderError(MLXRunnerError):
+    """The model folder is missing, incomplete or corrupt."""
+
+
+class UnknownNameError(MLXRunnerError):
+    """An architecture, renderer, parser, draft or model name nobody registered."""
+
+
+class PluginError(MLXRunnerError):
+    """Plugins conflict (two registered one name) or misbehave."""
+
+
+class ModelfileError(MLXRunnerError):
+    """A Modelfile line could not be read."""
+
+
+class ConversationError(MLXRunnerError):
+    """A malformed conversation (messages, tools) handed to a renderer."""
+
+
+class DraftConfigError(MLXRunnerError):
+    """A draft's config does not fit its target."""

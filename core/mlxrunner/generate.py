@@ -1,0 +1,168 @@
+"""Plain decoding: prefill in chunks, then one token per target forward.
+
+The sampler is the same pipeline the speculative round uses; greedy is its
+point-mass case. Tokens stream as soon as they are known, while the next
+forward is already queued (MLX evaluates lazily, so the host sync of token t
+overlaps the graph of token t+1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from .model import Model
+from .sampler import Sampler, SamplerOptions
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    target_forwards: int = 0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": "plain",
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "target_forwards": self.target_forwards,
+            "prefill_tokens_per_second": round(self.prefill_tokens_per_second, 2),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+        }
+
+    def format(self) -> str:
+        d = self.as_dict()
+        return (f"plain: {d['generated_tokens']} tokens, {d['tokens_per_second']} tok/s "
+                f"(prefill {d['prompt_tokens']} tokens, {d['prefill_tokens_per_second']} tok/s)")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    finish_reason: str  # "stop" (EOS) or "length"
+    stats: Any
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[int] | None = None,
+            chunk: int = PREFILL_CHUNK) -> tuple[mx.array, mx.array | None]:
+    """Run all prompt tokens through the model; return the last row's logits (and all taps)."""
+    ids = mx.array(list(prompt), dtype=mx.int32)[None]
+    tapped_parts = []
+    logits = None
+    for start in range(0, ids.shape[1], chunk):
+        out = model(ids[:, start:start + chunk], cache, taps=taps) if taps else \
+            model(ids[:, start:start + chunk], cache)
+        if taps:
+            out, tapped = out
+            tapped_parts.append(tapped)
+        logits = out[:, -1, :]
+        mx.eval(logits, *[c.state for c in cache if c is not None],
+                *(tapped_parts[-1:] if taps else []))
+    tapped_all = mx.concatenate(tapped_parts, axis=1) if tapped_parts else None
+    return logits, tapped_all
+
+
+def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_tokens: int,
+                 eos_ids: frozenset[int] | set[int] = frozenset(),
+                 stats: GenerationStats | None = None,
+                 want_logprobs: bool = False) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """Yield ``(token, logprob_info)`` one at a time; stops after an EOS token or ``max_tokens``."""
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    stats = stats if stats is not None else GenerationStats()
+    cache = model.make_cache()
+    history = list(prompt)
+    t0 = time.perf_counter()
+    logits, _ = prefill(model, prompt, cache)
+    stats.prompt_tokens = len(prompt)
+    stats.target_forwards += 1
+
+    def pick(logits_row: mx.array) -> tuple[mx.array, Any]:
+        token = sampler.sample(logits_row, history)
+        info = sampler.logprobs(logits_row.reshape(1, -1), token.reshape(1)) \
+            if want_logprobs else None
+        return token, info
+
+    token, info = pick(logits)
+    mx.async_eval(token)
+    first = True
+    t_decode = time.perf_counter()
+    for n in range(max_tokens):
+        next_token = next_info = None
+        value = int(token.item())
+        if first:
+            stats.prefill_seconds = time.perf_counter() - t0
+            t_decode = time.perf_counter()
+            first = False
+        history.append(value)
+        if n + 1 < max_tokens and value not in eos_ids:
+            logits = model(mx.array([[value]], dtype=mx.int32), cache)[:, -1, :]
+            stats.target_forwards += 1
+            next_token, next_info = pick(logits)
+            mx.async_eval(next_token)
+        stats.generated_tokens += 1
+        yield value, _logprob_dict(info)
+        if value in eos_ids or next_token is None:
+            break
+        token, info = next_token, next_info
+    stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
+
+
+def _logprob_dict(info: Any) -> dict[str, Any] | None:
+    if info is None:
+        return None
+    chosen, top_ids, top_lp = info
+    return {"logprob": float(chosen[0].item()),
+            "top_logprobs": [(int(i), float(v)) for i, v in
+                             zip(top_ids[0].tolist(), top_lp[0].tolist())]}
+
+
+def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | None = None,
+             max_tokens: int = 256, eos_ids: frozenset[int] | set[int] = frozenset(),
+             on_token: Callable[[int], None] | None = None, draft: Any = None,
+             draft_options: dict[str, Any] | None = None) -> GenerationResult:
+    """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids).
+
+    With a ``draft`` (and no logprobs requested) the speculative loop runs; its
+    output equals what plain decoding would give, and its stats say how it went.
+    """
+    options = options or SamplerOptions()
+    sampler = Sampler(options, model.vocab_size)
+    want_logprobs = bool(options.logprobs or options.top_logprobs)
+    tokens: list[int] = []
+    logprobs: list[dict[str, Any]] = []
+    if draft is not None and not want_logprobs:
+        from .speculative import speculative_generate
+
+        result = speculative_generate(model, draft, prompt, sampler=sampler,
+                                      max_tokens=max_tokens, eos_ids=eos_ids,
+                                      on_token=on_token, **(draft_options or {}))
+        return result
+    stats = GenerationStats()
+    for token, info in stream_plain(model, prompt, sampler, max_tokens, eos_ids, stats,
+                                    want_logprobs):
+        tokens.append(token)
+        if info is not None:
+            logprobs.append(info)
+        if on_token is not None:
+            on_token(token)
+    finish = "stop" if tokens and tokens[-1] in eos_ids else "length"
+    return GenerationResult(tokens=tokens, finish_reason=finish, stats=stats, logprobs=logprobs)

@@ -1,0 +1,64 @@
+"""The hooks a plugin implements: the plugin author's reference.
+
+A plugin is a module named by an entry point in the ``mlxrunner`` group. It
+holds functions marked ``@mlxrunner.hookimpl`` with the names below. Each hook
+is handed a ``register`` callback; call it once per thing the plugin adds::
+
+    import mlxrunner
+
+    @mlxrunner.hookimpl
+    def register_architectures(register):
+        register("MyModelForCausalLM", MyModel)
+        register("my_model", MyModel)
+
+Names are global: two plugins registering one name is an error naming both.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("mlxrunner")
+hookimpl = pluggy.HookimplMarker("mlxrunner")
+
+
+@hookspec
+def register_architectures(register):
+    """Target architectures: ``register(name, model_class)``.
+
+    ``name`` is matched against ``config.json``'s ``architectures[0]``, then its
+    ``model_type``. ``model_class`` subclasses :class:`mlxrunner.Model`.
+    """
+
+
+@hookspec
+def register_drafts(register):
+    """Draft architectures: ``register(name, draft_class)``.
+
+    ``name`` is matched against the draft config's ``architectures[0]``.
+    ``draft_class`` follows :class:`mlxrunner.DraftModel`.
+    """
+
+
+@hookspec
+def register_renderers(register):
+    """Chat-format renderers: ``register(name, factory)``.
+
+    ``factory(context: RenderContext) -> Renderer``; the renderer has
+    ``render(messages, tools=None, *, think=None, add_generation_prompt=True) -> str``.
+    """
+
+
+@hookspec
+def register_parsers(register):
+    """Output parsers: ``register(name, factory)``; ``factory(context) -> Parser``."""
+
+
+@hookspec
+def register_commands(cli):
+    """Extra CLI commands: ``cli.command(name, help, add_arguments, run)``."""
+
+
+@hookspec
+def register_models(register):
+    """Named model folders: ``register(name, path)`` (e.g. the embedded demo as ``default``)."""

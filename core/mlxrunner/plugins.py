@@ -1,0 +1,242 @@
+"""Plugin discovery and the registries plugins fill.
+
+Plugins are found once, lazily, through entry points in the ``mlxrunner`` group.
+A plugin whose import or hook raises is reported in one warning line and
+skipped; the rest load. ``MLXRUNNER_LOAD_PLUGINS`` (comma-separated
+distribution names, empty for none) limits which entry points load; the core's
+own built-ins always load.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from importlib import import_module
+from importlib.metadata import entry_points
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .errors import PluginError, UnknownNameError
+
+ENTRY_POINT_GROUP = "mlxrunner"
+KINDS = ("architectures", "drafts", "renderers", "parsers", "models")
+HOOK_OF_KIND = {kind: f"register_{kind}" for kind in KINDS}
+DIRECT = "<mlxrunner.register>"
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    distribution: str | None
+    version: str | None
+    hooks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Registration:
+    name: str
+    obj: Any
+    plugin: str
+
+
+class PluginHost:
+    """One plugin manager plus the registries its hooks fill."""
+
+    def __init__(self, use_entry_points: bool = True) -> None:
+        self.pm = pluggy.PluginManager("mlxrunner")
+        self.pm.add_hookspecs(hookspecs)
+        self.use_entry_points = use_entry_points
+        self.plugins: dict[str, PluginInfo] = {}
+        self.warnings: list[str] = []
+        self._registries: dict[str, dict[str, Registration]] | None = None
+        self._direct: dict[str, dict[str, Registration]] = {kind: {} for kind in KINDS}
+        self._discovered = False
+
+    # -- discovery ---------------------------------------------------------
+    def _warn(self, message: str) -> None:
+        self.warnings.append(message)
+        print(f"mlxrunner: warning: {message}", file=sys.stderr)
+
+    def add_plugin(self, module: Any, name: str, distribution: str | None = None,
+                   version: str | None = None) -> None:
+        """Register a module or object holding hook implementations (tests use this)."""
+        self.pm.register(module, name=name)
+        hooks = sorted(impl_name for impl_name in dir(module)
+                       if impl_name.startswith("register_") and hasattr(self.pm.hook, impl_name))
+        self.plugins[name] = PluginInfo(name, distribution, version, hooks)
+        self._registries = None
+
+    def _discover(self) -> None:
+        if self._discovered:
+            return
+        self._discovered = True
+        from . import builtins
+
+        self.add_plugin(builtins, "mlxrunner.builtins", "mlxrunner", _version("mlxrunner"))
+        if not self.use_entry_points:
+            return
+        allowed = os.environ.get("MLXRUNNER_LOAD_PLUGINS")
+        allowed_set = None
+        if allowed is not None:
+            allowed_set = {_norm(n) for n in allowed.split(",") if n.strip()}
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist is not None else None
+            version = ep.dist.version if ep.dist is not None else None
+            if allowed_set is not None and _norm(dist or ep.name) not in allowed_set:
+                continue
+            if ep.value == "mlxrunner.builtins":
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # a broken plugin must not take the others down
+                self._warn(f"plugin {ep.name!r} ({dist}) failed to import: "
+                           f"{type(exc).__name__}: {exc}; skipped")
+                continue
+            try:
+                self.add_plugin(module, ep.name, dist, version)
+            except Exception as exc:
+                self._warn(f"plugin {ep.name!r} ({dist}) could not be registered: {exc}; skipped")
+
+    # -- registries --------------------------------------------------------
+    def registry(self, kind: str) -> dict[str, Registration]:
+        if kind not in KINDS:
+            raise ValueError(f"unknown registry kind {kind!r}")
+        if self._registries is None:
+            self._discover()
+            self._registries = self._collect()
+        merged = dict(self._registries[kind])
+        for name, reg in self._direct[kind].items():
+            if name in merged and merged[name].plugin != reg.plugin:
+                raise PluginError(f"{kind[:-1]} {name!r} is registered by both "
+                                  f"{merged[name].plugin!r} and {reg.plugin!r}")
+            merged[name] = reg
+        return merged
+
+    def _collect(self) -> dict[str, dict[str, Registration]]:
+        registries: dict[str, dict[str, Registration]] = {kind: {} for kind in KINDS}
+        for kind in KINDS:
+            caller = getattr(self.pm.hook, HOOK_OF_KIND[kind])
+            for impl in reversed(caller.get_hookimpls()):
+                plugin = impl.plugin_name
+                found: dict[str, Registration] = {}
+
+                def register(name: str, obj: Any, _found=found, _plugin=plugin) -> None:
+                    if not isinstance(name, str) or not name:
+                        raise PluginError(f"plugin {_plugin!r} registered an empty name")
+                    if name in _found:
+                        raise PluginError(f"plugin {_plugin!r} registered {name!r} twice")
+                    _found[name] = Registration(name, obj, _plugin)
+
+                try:
+                    impl.function(register)
+                except Exception as exc:
+                    self._warn(f"plugin {plugin!r} failed in {HOOK_OF_KIND[kind]}: "
+                               f"{type(exc).__name__}: {exc}; skipped")
+                    continue
+                for name, reg in found.items():
+                    if name in registries[kind]:
+                        other = registries[kind][name].plugin
+                        raise PluginError(f"{kind[:-1]} {name!r} is registered by both "
+                                          f"{other!r} and {plugin!r}")
+                    registries[kind][name] = reg
+        return registries
+
+    def register_direct(self, kind: str, name: str, obj: Any) -> None:
+        self._direct[kind][name] = Registration(name, obj, DIRECT)
+
+    def plugin_list(self) -> list[PluginInfo]:
+        self._discover()
+        return list(self.plugins.values())
+
+    def call_commands_hook(self, cli: Any) -> None:
+        self._discover()
+        for impl in reversed(self.pm.hook.register_commands.get_hookimpls()):
+            try:
+                impl.function(cli)
+            except Exception as exc:
+                self._warn(f"plugin {impl.plugin_name!r} failed in register_commands: "
+                           f"{type(exc).__name__}: {exc}; skipped")
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+_host: PluginHost | None = None
+
+
+def host() -> PluginHost:
+    """The process-wide plugin host, created on first use."""
+    global _host
+    if _host is None:
+        _host = PluginHost()
+    return _host
+
+
+def reset(new_host: PluginHost | None = None) -> PluginHost:
+    """Replace the process-wide host (tests use this to start from a clean slate)."""
+    global _host
+    _host = new_host if new_host is not None else PluginHost()
+    return _host
+
+
+def register(name: str, model_class: type) -> None:
+    """Register a target architecture from unpackaged code (feeds the same registry)."""
+    host().register_direct("architectures", name, model_class)
+
+
+def lookup(kind: str, name: str, suggestion: str | None = None) -> Registration:
+    reg = host().registry(kind).get(name)
+    if reg is None:
+        available = ", ".join(sorted(host().registry(kind))) or "none"
+        hint = f"; {suggestion}" if suggestion else ""
+        raise UnknownNameError(f"unknown {kind[:-1]} {name!r} (installed: {available}){hint}")
+    return reg
+
+
+def names(kind: str) -> list[str]:
+    return sorted(host().registry(kind))
+
+
+def architecture_for(config: dict[str, Any]) -> type:
+    """The registered class for a parsed config.json: ``architectures[0]``, then ``model_type``."""
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    registry = host().registry("architectures")
+    for key in [*archs[:1], model_type]:
+        if key and key in registry:
+            return registry[key].obj
+    wanted = archs[0] if archs else model_type
+    installed = ", ".join(sorted(registry)) or "none"
+    pkg = "mlxrunner-" + str(model_type or wanted).lower().replace("_", "-")
+    raise UnknownNameError(f"unknown architecture {wanted!r} (installed: {installed}); "
+                           f"try `pip install {pkg}` or a plugin that provides it")
+
+
+def import_object(spec: str) -> Any:
+    """``module:attr`` to the object (used for lazily named factories)."""
+    module, _, attr = spec.partition(":")
+    obj = import_module(module)
+    for part in attr.split(".") if attr else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+def iter_registrations(kind: str) -> Iterable[Registration]:
+    return host().registry(kind).values()
+
+
+Factory = Callable[..., Any]

@@ -1,0 +1,150 @@
+"""Loading model folders: text_config, shards, quantized checkpoints, dtype, strictness."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import mlxrunner
+from mlxrunner import KVCache, Model, plugins
+from mlxrunner.errors import ModelFolderError
+
+
+class TinyLM(Model):
+    """Embedding -> one projection per layer -> tied head; enough to exercise loading."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.n_layers = config["num_hidden_layers"]
+        self.embed = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.layers = [nn.Linear(config["hidden_size"], config["hidden_size"], bias=False)
+                       for _ in range(self.n_layers)]
+
+    def sanitize(self, weights):
+        prefix = "model.language_model."
+        return {k.removeprefix(prefix): v for k, v in weights.items()
+                if not k.startswith("model.visual.")}
+
+    def make_cache(self):
+        return [KVCache() for _ in range(self.n_layers)]
+
+    def __call__(self, ids, cache=None, *, taps=None):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.embed.as_linear(h)
+
+    @property
+    def num_layers(self):
+        return self.n_layers
+
+    @property
+    def vocab_size(self):
+        return self.embed.weight.shape[0]
+
+
+CONFIG = {"architectures": ["TinyLMForTest"], "model_type": "tiny_lm_test",
+          "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 96}
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    previous = plugins._host
+    plugins.reset(plugins.PluginHost(use_entry_points=False))
+    mlxrunner.register("TinyLMForTest", TinyLM)
+    yield
+    plugins._host = previous
+
+
+def write(folder, config, weights, shards=1):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    names = sorted(weights)
+    if shards == 1:
+        mx.save_safetensors(str(folder / "model.safetensors"), weights)
+        return
+    weight_map = {}
+    for i in range(shards):
+        part = {k: weights[k] for k in names[i::shards]}
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        mx.save_safetensors(str(folder / fname), part)
+        weight_map.update({k: fname for k in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def reference_weights(seed=0):
+    mx.random.seed(seed)
+    return dict(tree_flatten(TinyLM(CONFIG).parameters()))
+
+
+def test_single_file_loads_and_matches(tmp_path):
+    weights = reference_weights()
+    write(tmp_path / "m", CONFIG, weights)
+    model = mlxrunner.load_model(tmp_path / "m")
+    ids = mx.array([[1, 2, 3, 4]])
+    expected = TinyLM(CONFIG)
+    expected.load_weights(list(weights.items()))
+    assert model(ids).shape == (1, 4, 96)
+    np.testing.assert_array_equal(np.array(model(ids)), np.array(expected(ids)))
+
+
+def test_sharded_with_index_and_text_config_and_prefix(tmp_path):
+    weights = {"model.language_model." + k: v for k, v in reference_weights().items()}
+    weights["model.visual.patch"] = mx.zeros((2, 2))
+    config = {"architectures": ["TinyLMForTest"], "model_type": "wrapper",
+              "text_config": {k: v for k, v in CONFIG.items() if k != "architectures"}}
+    write(tmp_path / "m", config, weights, shards=3)
+    model = mlxrunner.load_model(tmp_path / "m")
+    assert model.num_layers == 2 and model(mx.array([[5]])).shape == (1, 1, 96)
+
+
+def test_dtype_kept_or_cast(tmp_path):
+    weights = {k: v.astype(mx.bfloat16) for k, v in reference_weights().items()}
+    write(tmp_path / "m", CONFIG, weights)
+    assert mlxrunner.load_model(tmp_path / "m").dtype == mx.bfloat16
+    assert mlxrunner.load_model(tmp_path / "m", dtype="float32").dtype == mx.float32
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mlx_affine_quantized_checkpoint(tmp_path, bits):
+    mx.random.seed(1)
+    model = TinyLM(CONFIG)
+    dense_out = model(mx.array([[1, 2, 3]]))
+    nn.quantize(model, group_size=32, bits=bits)
+    weights = dict(tree_flatten(model.parameters()))
+    assert any(k.endswith(".scales") for k in weights)
+    config = dict(CONFIG, quantization={"group_size": 32, "bits": bits})
+    write(tmp_path / "q", config, weights)
+    loaded = mlxrunner.load_model(tmp_path / "q")
+    assert loaded.weight_precision == f"{bits}-bit affine"
+    out = loaded(mx.array([[1, 2, 3]]))
+    np.testing.assert_allclose(np.array(out), np.array(model(mx.array([[1, 2, 3]]))), atol=1e-5)
+    # and close to the unquantized model (quantization error only)
+    assert float(mx.abs(out - dense_out).max()) < (0.5 if bits == 4 else 0.1)
+
+
+def test_strictness(tmp_path):
+    weights = reference_weights()
+    extra = dict(weights, **{"stray.weight": mx.zeros((1,))})
+    write(tmp_path / "extra", CONFIG, extra)
+    with pytest.raises(ModelFolderError, match="unexpected tensor 'stray.weight'"):
+        mlxrunner.load_model(tmp_path / "extra")
+    missing = dict(weights)
+    del missing["layers.1.weight"]
+    write(tmp_path / "missing", CONFIG, missing)
+    with pytest.raises(ModelFolderError, match="missing tensor 'layers.1.weight'"):
+        mlxrunner.load_model(tmp_path / "missing")
+
+
+def test_pickle_only_folder_is_refused(tmp_path):
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    with pytest.raises(ModelFolderError, match="pickle weights are never loaded"):
+        mlxrunner.load_model(folder)

@@ -1,0 +1,136 @@
+"""The plugin host: registration, conflicts, failure isolation, MLXRUNNER_LOAD_PLUGINS."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import mlxrunner
+from mlxrunner import plugins
+from mlxrunner.errors import PluginError, UnknownNameError
+
+
+@pytest.fixture
+def host():
+    previous = plugins._host
+    h = plugins.reset(plugins.PluginHost(use_entry_points=False))
+    yield h
+    plugins._host = previous
+
+
+def make_plugin(**hooks):
+    module = types.SimpleNamespace()
+    for name, fn in hooks.items():
+        setattr(module, name, mlxrunner.hookimpl(fn))
+    return module
+
+
+def test_builtins_register_the_jinja_renderer(host):
+    assert plugins.lookup("renderers", "jinja").plugin == "mlxrunner.builtins"
+
+
+def test_registers_through_the_callback(host):
+    class A:
+        pass
+
+    host.add_plugin(make_plugin(register_architectures=lambda register: register("AForLM", A)),
+                    "a-plugin")
+    assert plugins.architecture_for({"architectures": ["AForLM"]}) is A
+    assert plugins.architecture_for({"architectures": ["Other"], "model_type": "AForLM"}) is A
+    assert host.plugins["a-plugin"].hooks == ["register_architectures"]
+
+
+def test_two_plugins_one_name_is_an_error_naming_both(host):
+    host.add_plugin(make_plugin(register_renderers=lambda register: register("same", object)),
+                    "first")
+    host.add_plugin(make_plugin(register_renderers=lambda register: register("same", object)),
+                    "second")
+    with pytest.raises(PluginError, match="'first'.*'second'|'second'.*'first'"):
+        plugins.names("renderers")
+
+
+def test_a_failing_hook_is_skipped_and_the_rest_load(host, capsys):
+    def broken(register):
+        register("half", object)
+        raise RuntimeError("boom")
+
+    host.add_plugin(make_plugin(register_architectures=broken), "broken")
+    host.add_plugin(make_plugin(register_architectures=lambda r: r("Good", object)), "good")
+    assert plugins.names("architectures") == ["Good"]  # nothing half-registered
+    err = capsys.readouterr().err
+    assert "'broken'" in err and "boom" in err and len(err.strip().splitlines()) == 1
+
+
+def test_direct_register_feeds_the_same_registry(host):
+    class B:
+        pass
+
+    mlxrunner.register("BDirect", B)
+    assert plugins.architecture_for({"architectures": ["BDirect"]}) is B
+
+
+def test_unknown_architecture_lists_installed_and_suggests_a_package(host):
+    host.add_plugin(make_plugin(register_architectures=lambda r: r("Known", object)), "k")
+    with pytest.raises(UnknownNameError) as info:
+        plugins.architecture_for({"architectures": ["FooForCausalLM"], "model_type": "foo_bar"})
+    message = str(info.value)
+    assert "FooForCausalLM" in message and "Known" in message
+    assert "pip install mlxrunner-foo-bar" in message
+
+
+def _fake_distribution(site: Path, dist: str, module: str, source: str) -> None:
+    info = site / f"{dist}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[mlxrunner]\n{dist} = {module}\n")
+    (site / f"{module}.py").write_text(source)
+
+
+def _cli(args, env_extra, tmp_path):
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-m", "mlxrunner.cli", *args], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+
+
+GOOD_PLUGIN = """
+import mlxrunner
+
+@mlxrunner.hookimpl
+def register_renderers(register):
+    register("fake-good", lambda context: None)
+"""
+
+
+def test_a_plugin_that_raises_on_import_is_named_and_others_work(tmp_path):
+    site = tmp_path / "site"
+    _fake_distribution(site, "fake-broken", "fake_broken_plugin", "raise ImportError('nope')\n")
+    _fake_distribution(site, "fake-good", "fake_good_plugin", GOOD_PLUGIN)
+    env = {"PYTHONPATH": str(site) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("MLXRUNNER_LOAD_PLUGINS", None)
+    result = _cli(["renderers", "--json"], env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    names = {r["name"] for r in json.loads(result.stdout)}
+    assert {"fake-good", "jinja"} <= names
+    warning = [line for line in result.stderr.splitlines() if "fake-broken" in line]
+    assert len(warning) == 1 and "failed to import" in warning[0] and "nope" in warning[0]
+
+    listing = json.loads(_cli(["plugins"], env, tmp_path).stdout)
+    good = [p for p in listing if p["distribution"] == "fake-good"]
+    assert good and good[0]["version"] == "0.1" and good[0]["hooks"] == ["register_renderers"]
+
+
+def test_load_plugins_env_limits_loading(tmp_path):
+    site = tmp_path / "site"
+    _fake_distribution(site, "fake-good", "fake_good_plugin", GOOD_PLUGIN)
+    base = {"PYTHONPATH": str(site) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    none = json.loads(_cli(["plugins"], {**base, "MLXRUNNER_LOAD_PLUGINS": ""}, tmp_path).stdout)
+    assert [p["plugin"] for p in none] == ["mlxrunner.builtins"]
+    only = json.loads(_cli(["plugins"], {**base, "MLXRUNNER_LOAD_PLUGINS": "fake-good"},
+                           tmp_path).stdout)
+    assert {p["distribution"] for p in only} == {"mlxrunner", "fake-good"}

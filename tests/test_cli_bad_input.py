@@ -1,0 +1,139 @@
+"""Every bad input is one line on stderr naming the problem, and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("MLXRUNNER_LOAD_PLUGINS", None)
+    return subprocess.run([sys.executable, "-m", "mlxrunner.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=300)
+
+
+def one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
+    assert result.returncode != 0, result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("mlxrunner: error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def test_missing_folder(tmp_path):
+    one_line_error(cli("show", "./no-such-model", cwd=tmp_path), "no-such-model", "not found")
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "m").mkdir()
+    one_line_error(cli("show", "./m", cwd=tmp_path), "config.json")
+
+
+def test_config_without_architecture(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    one_line_error(cli("show", "./m", cwd=tmp_path), "names no architecture")
+
+
+def test_config_not_json(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{not json")
+    one_line_error(cli("show", "./m", cwd=tmp_path), "config.json", "not valid JSON")
+
+
+def test_unknown_architecture_lists_installed_and_suggests(tmp_path, example_model_folder):
+    config = json.loads((example_model_folder / "config.json").read_text())
+    config.update(architectures=["MysteryForCausalLM"], model_type="mystery")
+    (example_model_folder / "config.json").write_text(json.dumps(config))
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path),
+                   "MysteryForCausalLM", "ExampleLlamaForCausalLM", "pip install mlxrunner-mystery")
+
+
+def _rewrite_weights(folder: Path, edit) -> None:
+    import mlx.core as mx
+
+    weights = dict(mx.load(str(folder / "model.safetensors")))
+    edit(weights)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+
+
+def test_missing_tensor(tmp_path, example_model_folder):
+    victim = {}
+
+    def drop(weights):
+        name = sorted(k for k in weights if "layers.1" in k)[0]
+        victim["name"] = name
+        del weights[name]
+
+    _rewrite_weights(example_model_folder, drop)
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path), "missing tensor")
+
+
+def test_tensor_of_wrong_shape(tmp_path, example_model_folder):
+    import mlx.core as mx
+
+    def reshape(weights):
+        name = sorted(k for k in weights if k.endswith("weight") and "layers.0" in k)[0]
+        weights[name] = mx.zeros((3, 5))
+
+    _rewrite_weights(example_model_folder, reshape)
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path), "shape", "(3, 5)")
+
+
+def test_truncated_safetensors(tmp_path, example_model_folder):
+    path = example_model_folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path),
+                   "model.safetensors", "truncated")
+
+
+def test_corrupt_safetensors_header(tmp_path, example_model_folder):
+    (example_model_folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00"
+                                                             b"{{{{garbage}}}}!")
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path), "corrupt")
+
+
+def test_shard_named_in_index_but_absent(tmp_path, example_model_folder):
+    (example_model_folder / "model.safetensors").rename(
+        example_model_folder / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                            "b": "model-00002-of-00002.safetensors"}}
+    (example_model_folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path),
+                   "model-00002-of-00002.safetensors", "missing")
+
+
+def test_unknown_renderer_lists_available(tmp_path, example_model_folder):
+    one_line_error(cli("show", str(example_model_folder), "--renderer", "nope", cwd=tmp_path),
+                   "'nope'", "jinja")
+    conv = tmp_path / "c.json"
+    conv.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    one_line_error(cli("render", "--renderer", "nope", str(conv), cwd=tmp_path), "'nope'", "jinja")
+
+
+def test_unknown_parser_lists_available(tmp_path, example_model_folder):
+    result = cli("run", str(example_model_folder), "hi", "--parser", "nope", "--max-tokens", "2",
+                 cwd=tmp_path)
+    one_line_error(result, "unknown parser 'nope'")
+
+
+def test_malformed_modelfile_line(tmp_path, example_model_folder):
+    modelfile = example_model_folder / "Modelfile"
+    modelfile.write_text(f"FROM {example_model_folder}\nPARAMETER temperature\n")
+    one_line_error(cli("show", str(modelfile), cwd=tmp_path), "Modelfile:2")
+    modelfile.write_text("FROM .\nFROBNICATE yes\n")
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path), "Modelfile:2")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = cli("--debug", "show", "./no-such-model", cwd=tmp_path)
+    assert result.returncode != 0 and "Traceback" in result.stderr
