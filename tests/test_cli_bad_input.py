@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import plugins
-from .errors import MLXRunnerError, UnknownNameError
+from .errors import MLXRunnerError
 
 DEFAULT_PROMPT = "def fibonacci(n):"
 
@@ -27,7 +27,8 @@ class CommandRegistry:
         self._subparsers = subparsers
         self.handlers: dict[str, Callable[[argparse.Namespace], int | None]] = {}
 
-    def command(self, name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+    def command(self, name: str, help: str,
+                add_arguments: Callable[[argparse.ArgumentParser], None],
                 run: Callable[[argparse.Namespace], int | None]) -> None:
         if name in self.handlers:
             raise MLXRunnerError(f"command {name!r} is registered twice")
@@ -259,6 +260,63 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- bench -----------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+
+    from .generate import generate
+    from .loading import load
+
+    bundle = load(args.model, draft=args.draft, dtype=args.dtype, use_draft=not args.no_draft)
+    tok = bundle.tokenizer
+    if args.prompt:
+        prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
+    else:
+        prompt_ids = mx.random.randint(0, bundle.model.vocab_size, (args.prompt_tokens,),
+                                       key=mx.random.key(args.seed)).tolist()
+    options = bundle.defaults.merged({"temperature": args.temperature, "seed": args.seed})
+    rows = []
+    plain_tokens = None
+    for mode in ("plain", "speculative") if bundle.draft is not None else ("plain",):
+        for _ in range(args.warmup + args.repeats):
+            result = generate(bundle.model, prompt_ids, options=options,
+                              max_tokens=args.max_tokens, eos_ids=frozenset(),
+                              draft=bundle.draft if mode == "speculative" else None)
+        stats = result.stats.as_dict()
+        if mode == "plain":
+            plain_tokens = result.tokens
+        else:
+            stats["identical_to_plain"] = result.tokens == plain_tokens
+        rows.append({"mode": mode, **stats})
+    if len(rows) == 2 and rows[0]["tokens_per_second"]:
+        rows[1]["speedup"] = round(rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"], 3)
+    report = {"model": str(bundle.path), "device": str(mx.default_device()),
+              "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens, "results": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    keys = ["mode", "tokens_per_second", "prefill_tokens_per_second", "tau", "acceptance_rate",
+            "speedup", "identical_to_plain"]
+    print("  ".join(f"{k:>16}" for k in keys))
+    for row in rows:
+        print("  ".join(f"{str(row.get(k, '-')):>16}" for k in keys))
+    return 0
+
+
+def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model")
+    p.add_argument("--draft")
+    p.add_argument("--no-draft", action="store_true")
+    p.add_argument("--prompt", help="prompt text (default: random token ids)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--dtype")
+    p.add_argument("--json", help="write the results here")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
     parser = argparse.ArgumentParser(
         prog="mlxrunner",
@@ -301,6 +359,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
         p.add_argument("--no-generation-prompt", action="store_true")
 
     simple("render", "print the prompt a conversation becomes", cmd_render, add_render)
+    simple("bench", "measure prefill and decode speed, plain and speculative", cmd_bench,
+           _add_bench_arguments)
     return parser, registry
 
 

@@ -188,7 +188,8 @@ def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
     try:
         weights = model.sanitize(weights)
     except (KeyError, ValueError, IndexError) as exc:
-        raise ModelFolderError(f"{folder}: checkpoint does not fit the architecture ({exc})") from None
+        raise ModelFolderError(
+            f"{folder}: checkpoint does not fit the architecture ({exc})") from None
     quantize_for_checkpoint(model, config, weights)
     target_dtype = parse_dtype(dtype)
     if target_dtype is not None:
@@ -221,7 +222,7 @@ class Bundle:
 def parameter_count(model: nn.Module) -> int:
     """Parameters as the unquantized model would have them (packed weights unpacked)."""
     total = 0
-    for path, module in model.named_modules():
+    for _, module in model.named_modules():
         bits = getattr(module, "bits", None)
         for name, value in module.parameters().items():
             if not isinstance(value, mx.array):

@@ -9,9 +9,8 @@ import sys
 import types
 from pathlib import Path
 
-import pytest
-
 import mlxrunner
+import pytest
 from mlxrunner import plugins
 from mlxrunner.errors import PluginError, UnknownNameError
 
