@@ -60,7 +60,7 @@ def test_a_failing_hook_is_skipped_and_the_rest_load(host, capsys):
         raise RuntimeError("boom")
 
     host.add_plugin(make_plugin(register_architectures=broken), "broken")
-    host.add_plugin(make_plugin(register_architectures=lambda r: r("Good", object)), "good")
+    host.add_plugin(make_plugin(register_architectures=lambda register: register("Good", object)), "good")
     assert plugins.names("architectures") == ["Good"]  # nothing half-registered
     err = capsys.readouterr().err
     assert "'broken'" in err and "boom" in err and len(err.strip().splitlines()) == 1
@@ -75,7 +75,7 @@ def test_direct_register_feeds_the_same_registry(host):
 
 
 def test_unknown_architecture_lists_installed_and_suggests_a_package(host):
-    host.add_plugin(make_plugin(register_architectures=lambda r: r("Known", object)), "k")
+    host.add_plugin(make_plugin(register_architectures=lambda register: register("Known", object)), "k")
     with pytest.raises(UnknownNameError) as info:
         plugins.architecture_for({"architectures": ["FooForCausalLM"], "model_type": "foo_bar"})
     message = str(info.value)
@@ -84,7 +84,7 @@ def test_unknown_architecture_lists_installed_and_suggests_a_package(host):
 
 
 def _fake_distribution(site: Path, dist: str, module: str, source: str) -> None:
-    info = site / f"{dist}-0.1.dist-info"
+    info = site / f"{dist.replace('-', '_')}-0.1.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(f"[mlxrunner]\n{dist} = {module}\n")
@@ -117,7 +117,8 @@ def test_a_plugin_that_raises_on_import_is_named_and_others_work(tmp_path):
     names = {r["name"] for r in json.loads(result.stdout)}
     assert {"fake-good", "jinja"} <= names
     warning = [line for line in result.stderr.splitlines() if "fake-broken" in line]
-    assert len(warning) == 1 and "failed to import" in warning[0] and "nope" in warning[0]
+    assert len(warning) == 1, result.stderr
+    assert "failed to import" in warning[0] and "nope" in warning[0]
 
     listing = json.loads(_cli(["plugins"], env, tmp_path).stdout)
     good = [p for p in listing if p["distribution"] == "fake-good"]
