@@ -174,6 +174,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "(mlxrunner run ./model \"prompt\") or install the demo plugin "
                 "(pip install ./plugins/demo)")
         model_arg = "default"
+        # The demo's point is the comparison: show the statistics beside plain decoding.
+        args.compare = True
     if prompt == "-":
         prompt = sys.stdin.read()
     if prompt is None:
