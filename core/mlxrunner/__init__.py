@@ -43,6 +43,8 @@ _EXPORTS: dict[str, str] = {
     "topk_indices": "topk",
     "SamplerOptions": "sampler",
     "Sampler": "sampler",
+    "Distribution": "sampler",
+    "SamplerOptionError": "sampler",
     # generation
     "generate": "generate",
     "GenerationResult": "generate",
@@ -105,6 +107,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .model import Model  # noqa: F401
     from .modelfile import Modelfile, read_modelfile  # noqa: F401
     from .plugins import register  # noqa: F401
-    from .sampler import Sampler, SamplerOptions  # noqa: F401
+    from .sampler import Distribution, Sampler, SamplerOptionError, SamplerOptions  # noqa: F401
     from .tokenizer import Tokenizer  # noqa: F401
     from .topk import topk_indices  # noqa: F401

@@ -1,0 +1,469 @@
+"""The one sampler pipeline for plain and speculative decoding.
+
+Order (speculative.md, "Sampler"): (1) penalties on the raw logits over the last
+``repeat_last_n`` tokens of the history; (2) temperature <= 0: a point mass on
+the argmax; (3) top_k (0 < k < V): keep the k best, as a sparse distribution;
+(4) softmax(x / T) in float32; (5) top_p: keep, in descending order, while the
+mass before a token is < p; (6) min_p: drop probabilities < max * min_p;
+(7) renormalise; (8) a categorical draw.
+
+Draws are reproducible for a seed: draw number c uses its own key, a hash of
+(seed, c), with MLX's threefry generator, so the stream depends only on how many
+draws came before, not on how they were batched.
+
+Nothing here syncs with the host: the speculative round builds the target
+distributions, residuals and bonus draw lazily and evaluates them once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import mlx.core as mx
+
+from .errors import MLXRunnerError
+from .topk import topk_indices
+
+
+class SamplerOptionError(MLXRunnerError, ValueError):
+    """A sampling option with a bad value (one clear line)."""
+
+
+OPTION_HELP: dict[str, str] = {
+    "temperature": "softmax temperature; 0 or less is greedy (argmax)",
+    "top_k": "keep only the k most likely tokens (0: all)",
+    "top_p": "keep the smallest set of likeliest tokens whose mass reaches p (1: all)",
+    "min_p": "drop tokens less likely than min_p times the likeliest (0: off)",
+    "repeat_last_n": "how many recent tokens the penalties look at (0: off, -1: all)",
+    "repeat_penalty": "divide positive / multiply negative logits of recent tokens (1: off)",
+    "presence_penalty": "subtract from the logit of each token seen recently (0: off)",
+    "frequency_penalty": "subtract this times the recent count of each token (0: off)",
+    "seed": "seed for reproducible sampling (unset: random)",
+    "logprobs": "report the log-probability of each chosen token",
+    "top_logprobs": "also report this many most likely tokens per step",
+}
+
+# generation_config.json names that differ from ours
+_ALIASES = {"repetition_penalty": "repeat_penalty"}
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise SamplerOptionError(f"sampling option {name} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise SamplerOptionError(
+            f"sampling option {name} must be a number, got {value!r}"
+        ) from None
+    if not math.isfinite(number):
+        raise SamplerOptionError(f"sampling option {name} must be finite, got {value!r}")
+    return number
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise SamplerOptionError(f"sampling option {name} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise SamplerOptionError(f"sampling option {name} must be an integer, got {value!r}")
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise SamplerOptionError(f"sampling option {name} must be true or false, got {value!r}")
+
+
+def _check_range(name: str, value: float, low: float, high: float | None = None) -> None:
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise SamplerOptionError(f"sampling option {name} must be {bound}, got {value}")
+
+
+@dataclass(frozen=True)
+class SamplerOptions:
+    """Sampling options with Ollama's defaults. See ``OPTION_HELP`` for each one."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.9
+    min_p: float = 0.0
+    repeat_last_n: int = 64
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if values["seed"] is None:
+            del values["seed"]
+        for name, value in _validated(values).items():
+            object.__setattr__(self, name, value)  # normalised: 1 -> 1.0, -2 -> 0.0
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> SamplerOptions:
+        """Defaults overridden by ``mapping``: our option names or generation_config.json keys.
+
+        ``do_sample: false`` means temperature 0; ``repetition_penalty`` is
+        ``repeat_penalty``. Unknown keys and None values are ignored; a bad value
+        raises :class:`SamplerOptionError` (a ``ValueError``).
+        """
+        return cls().merged(mapping)
+
+    def merged(self, overrides: Mapping[str, Any]) -> SamplerOptions:
+        """A copy with ``overrides`` applied (later layers win); None values are ignored.
+
+        Layers, in order: generation_config.json, Modelfile PARAMETERs, request.
+        """
+        known = {f.name for f in fields(self)}
+        changes: dict[str, Any] = {}
+        for key, value in overrides.items():
+            name = _ALIASES.get(key, key)
+            if value is None or name not in known:
+                continue
+            changes[name] = value
+        if "do_sample" in overrides and overrides["do_sample"] is not None:
+            if not _as_bool("do_sample", overrides["do_sample"]):
+                changes["temperature"] = 0.0
+        return replace(self, **_validated(changes))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def _validated(changes: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in changes.items():
+        if name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            number = _as_float(name, value)
+            if name == "temperature":
+                number = max(number, 0.0)  # any temperature <= 0 means greedy
+            elif name in ("top_p", "min_p"):
+                _check_range(name, number, 0.0, 1.0)
+            elif number <= 0:
+                raise SamplerOptionError(f"sampling option {name} must be > 0, got {number}")
+            out[name] = number
+        elif name in ("presence_penalty", "frequency_penalty"):
+            out[name] = _as_float(name, value)
+        elif name in ("top_k", "top_logprobs"):
+            number = _as_int(name, value)
+            _check_range(name, number, 0)
+            out[name] = number
+        elif name == "repeat_last_n":
+            number = _as_int(name, value)
+            _check_range(name, number, -1)
+            out[name] = number
+        elif name == "seed":
+            out[name] = _as_int(name, value)
+        elif name == "logprobs":
+            out[name] = _as_bool(name, value)
+    return out
+
+
+@dataclass
+class Distribution:
+    """Row-wise distributions over the vocabulary.
+
+    Sparse: ``ids`` [R, K] int32 (unique within a row) with ``probs`` [R, K]
+    float32; tokens not listed have probability 0, as do listed entries with
+    prob 0. Dense: ``ids`` is None and ``probs`` is [R, V]. Rows sum to 1.
+    """
+
+    probs: mx.array
+    ids: mx.array | None = None
+
+    @property
+    def sparse(self) -> bool:
+        return self.ids is not None
+
+    @property
+    def rows(self) -> int:
+        return self.probs.shape[0]
+
+    def prob_of(self, tokens: mx.array) -> mx.array:
+        """Probability of ``tokens[r]`` under row r: [R] -> [R] float32."""
+        tokens = tokens.reshape(-1, 1).astype(mx.int32)
+        if self.ids is None:
+            return mx.take_along_axis(self.probs, tokens, axis=-1)[:, 0]
+        return mx.sum(mx.where(self.ids == tokens, self.probs, 0.0), axis=-1)
+
+    def dense(self, vocab_size: int) -> mx.array:
+        """The [R, V] float32 probabilities."""
+        if self.ids is None:
+            return self.probs
+        out = mx.zeros((self.rows, vocab_size), dtype=mx.float32)
+        return mx.put_along_axis(out, self.ids, self.probs, axis=-1)
+
+    def __getitem__(self, rows: Any) -> Distribution:
+        """Some rows (a slice or index array), still 2-D."""
+        if isinstance(rows, int):
+            rows = slice(rows, rows + 1)
+        ids = None if self.ids is None else self.ids[rows]
+        return Distribution(self.probs[rows], ids)
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(x: int) -> int:
+    """splitmix64's output mix of a 64-bit integer (a bijection)."""
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _normalise_rows(probs: mx.array) -> mx.array:
+    return probs / mx.sum(probs, axis=-1, keepdims=True)
+
+
+class Sampler:
+    """The sampler pipeline for one generation: options, vocabulary size and a draw counter."""
+
+    def __init__(self, options: SamplerOptions, vocab_size: int) -> None:
+        self.options = options
+        self.vocab_size = vocab_size
+        seed = options.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        self._seed_hash = _splitmix64(seed & _MASK64)
+        self.draws = 0  # keys consumed so far
+
+    @property
+    def greedy(self) -> bool:
+        return self.options.temperature <= 0
+
+    # ---- keys and uniforms -------------------------------------------------
+
+    def _keys(self, n: int) -> mx.array:
+        """The next n keys of the counter-based stream, [n, 2] uint32.
+
+        Key c is splitmix64(seed_hash + c * golden): computed on the host from
+        Python ints (no device sync), distinct per (seed, c) with no structured
+        overlap between seeds; MLX's threefry then turns each key into a draw.
+        """
+        first = self.draws
+        self.draws += n
+        words = []
+        for c in range(first, first + n):
+            key = _splitmix64((self._seed_hash + c * _GOLDEN) & _MASK64)
+            words.append((key >> 32, key & 0xFFFFFFFF))
+        return mx.array(words, dtype=mx.uint32)
+
+    def uniform(self, n: int) -> mx.array:
+        """[n] float32 in [0, 1), one key each from the same stream as the draws."""
+        if n == 0:
+            return mx.zeros((0,), dtype=mx.float32)
+        keys = self._keys(n)
+        return mx.vmap(lambda key: mx.random.uniform(shape=(), key=key))(keys)
+
+    # ---- the pipeline ------------------------------------------------------
+
+    def _penalised(self, logits: mx.array, histories: Sequence[Sequence[int]]) -> mx.array:
+        o = self.options
+        if o.repeat_last_n == 0 or (
+            o.repeat_penalty == 1.0 and o.presence_penalty == 0.0 and o.frequency_penalty == 0.0
+        ):
+            return logits
+        if any(isinstance(history, mx.array) for history in histories):
+            return self._penalised_on_device(logits, histories)
+        rows = []
+        for history in histories:
+            recent = history if o.repeat_last_n < 0 else history[-o.repeat_last_n :]
+            rows.append(Counter(t for t in map(int, recent) if 0 <= t < self.vocab_size))
+        width = max((len(c) for c in rows), default=0)
+        if width == 0:
+            return logits
+        ids, counts = [], []
+        for counter in rows:
+            row_ids = list(counter)
+            row_counts = [float(counter[t]) for t in row_ids]
+            # Pad with the row's first id (or id 0 for an empty row, whose value
+            # is written back unchanged).
+            filler = row_ids[0] if row_ids else 0
+            row_ids += [filler] * (width - len(row_ids))
+            row_counts += [0.0] * (width - len(row_counts))
+            ids.append(row_ids)
+            counts.append(row_counts)
+        logits = logits.astype(mx.float32)
+        ids_arr = mx.array(ids, dtype=mx.int32)
+        counts_arr = mx.array(counts, dtype=mx.float32)
+        seen = mx.take_along_axis(logits, ids_arr, axis=-1)
+        present = counts_arr > 0
+        changed = seen
+        if o.repeat_penalty != 1.0:
+            rp = o.repeat_penalty
+            changed = mx.where(changed < 0, changed * rp, changed / rp)
+        changed = changed - o.presence_penalty - o.frequency_penalty * counts_arr
+        changed = mx.where(present, changed, seen)
+        # Padding entries share the row's first id; the scatter order of duplicate
+        # ids is not defined, so they carry that entry's value too.
+        return mx.put_along_axis(logits, ids_arr, _padding_copies(changed, present), axis=-1)
+
+    def _penalised_on_device(self, logits: mx.array, histories: Sequence[Any]) -> mx.array:
+        """Penalties from histories that are (partly) device arrays, e.g. drafts not
+        yet seen by the host: counts by a scatter-add over [R, V], no host sync."""
+        o = self.options
+        recent = []
+        for history in histories:
+            if not isinstance(history, mx.array):
+                history = mx.array(list(history), dtype=mx.int32)
+            history = history.reshape(-1).astype(mx.int32)
+            if o.repeat_last_n > 0:
+                history = history[-o.repeat_last_n :]
+            recent.append(history)
+        width = max(h.shape[0] for h in recent)
+        if width == 0:
+            return logits
+        padded = mx.stack([
+            mx.concatenate([h, mx.full((width - h.shape[0],), -1, dtype=mx.int32)])
+            for h in recent
+        ])
+        valid = (padded >= 0) & (padded < self.vocab_size)
+        rows = mx.arange(len(recent), dtype=mx.int32)[:, None]
+        counts = mx.zeros((len(recent), self.vocab_size), dtype=mx.float32)
+        counts = counts.at[rows, mx.where(valid, padded, 0)].add(valid.astype(mx.float32))
+        x = logits.astype(mx.float32)
+        changed = x
+        if o.repeat_penalty != 1.0:
+            rp = o.repeat_penalty
+            changed = mx.where(x < 0, x * rp, x / rp)
+        changed = changed - o.presence_penalty - o.frequency_penalty * counts
+        return mx.where(counts > 0, changed, x)
+
+    def distributions(
+        self, logits: mx.array, histories: Sequence[Sequence[int] | mx.array]
+    ) -> Distribution:
+        """Steps 1-7 for each row: [R, V] raw logits -> R distributions.
+
+        Row r is penalised with ``histories[r]`` (the committed tokens plus any
+        in-flight drafts): a sequence of Python ints, or a 1-D int array for
+        tokens still on the device. Nothing is committed. Greedy gives a point
+        mass on the argmax (sparse, K = 1). Lazy: no host sync.
+        """
+        if logits.ndim == 1:
+            logits = logits[None]
+        if len(histories) != logits.shape[0]:
+            raise ValueError(
+                f"distributions: {logits.shape[0]} rows of logits but {len(histories)} histories"
+            )
+        o = self.options
+        # Without penalties the logits stay in their dtype (order is exact in any
+        # float type); only the k kept values are converted to float32.
+        x = self._penalised(logits, histories)
+        rows, vocab = x.shape
+        if self.greedy:
+            ids = topk_indices(x, 1)
+            return Distribution(mx.ones((rows, 1), dtype=mx.float32), ids)
+        ids: mx.array | None = None
+        if 0 < o.top_k < vocab:
+            ids = topk_indices(x, o.top_k)
+        elif o.top_p < 1.0:
+            ids = topk_indices(x, vocab)  # top_p needs the descending order
+        if ids is not None:
+            x = mx.take_along_axis(x, ids, axis=-1)
+        x = x.astype(mx.float32)
+        probs = mx.softmax(x / o.temperature, axis=-1, precise=True)
+        if o.top_p < 1.0:
+            # sparse and sorted here: keep while the mass before a token is < p
+            before = mx.cumsum(probs, axis=-1) - probs
+            keep = before < o.top_p
+            keep = mx.concatenate([mx.ones((rows, 1), dtype=mx.bool_), keep[:, 1:]], axis=-1)
+            probs = mx.where(keep, probs, 0.0)
+        if o.min_p > 0.0:
+            top = mx.max(probs, axis=-1, keepdims=True)
+            probs = mx.where(probs < top * o.min_p, 0.0, probs)
+        return Distribution(_normalise_rows(probs), ids)
+
+    def draw(self, dist: Distribution) -> mx.array:
+        """One token per row, [R] int32; each row consumes one key of the stream."""
+        rows = dist.rows
+        if dist.ids is not None and dist.ids.shape[-1] == 1:
+            self._keys(rows)  # a point mass still consumes its key: streams stay aligned
+            return dist.ids[:, 0]
+        u = self.uniform(rows)
+        cdf = mx.cumsum(dist.probs, axis=-1)
+        total = cdf[:, -1:]
+        below = mx.sum(cdf <= u[:, None] * total, axis=-1)
+        # Rounding can push u * total up to total: clamp to the last entry with mass.
+        last_with_mass = mx.sum(cdf < total, axis=-1)
+        index = mx.minimum(below, last_with_mass).astype(mx.int32)
+        if dist.ids is None:
+            return index
+        return mx.take_along_axis(dist.ids, index[:, None], axis=-1)[:, 0]
+
+    def residual(self, p: Distribution, q: Distribution) -> Distribution:
+        """Row-wise ``normalise(max(p - q, 0))`` for any mix of sparse and dense.
+
+        Sparse p keeps p's ids; dense p gives a dense result. A row where p <= q
+        everywhere (p == q) has no residual mass and returns p's row (rejection
+        then had probability 0).
+        """
+        if p.ids is None:
+            if q.ids is None:
+                q_at_p = q.probs
+            else:
+                q_at_p = q.dense(p.probs.shape[-1])
+        elif q.ids is None:
+            q_at_p = mx.take_along_axis(q.probs, p.ids, axis=-1)
+        elif p.ids.shape[-1] * q.ids.shape[-1] <= 1 << 16:
+            same = p.ids[:, :, None] == q.ids[:, None, :]
+            q_at_p = mx.sum(mx.where(same, q.probs[:, None, :], 0.0), axis=-1)
+        else:
+            q_at_p = mx.take_along_axis(q.dense(self.vocab_size), p.ids, axis=-1)
+        left = mx.maximum(p.probs - q_at_p, 0.0)
+        total = mx.sum(left, axis=-1, keepdims=True)
+        probs = mx.where(total > 0, left / mx.where(total > 0, total, 1.0), p.probs)
+        return Distribution(probs, p.ids)
+
+    def sample(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+        """Plain decoding: logits [V] or [1, V] -> a scalar int32 token (lazy)."""
+        return self.draw(self.distributions(logits.reshape(1, -1), [history]))[0]
+
+    def logprobs(
+        self, raw_logits: mx.array, tokens: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Log-softmax of the raw logits (no penalties, no temperature).
+
+        Returns the chosen tokens' logprobs [R], the top ``top_logprobs`` ids [R, n]
+        (in ``topk_indices`` order) and their logprobs [R, n].
+        """
+        if raw_logits.ndim == 1:
+            raw_logits = raw_logits[None]
+        x = raw_logits.astype(mx.float32)
+        logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logp, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+        n = min(self.options.top_logprobs, x.shape[-1])
+        if n == 0:
+            empty_ids = mx.zeros((x.shape[0], 0), dtype=mx.int32)
+            return chosen, empty_ids, mx.zeros((x.shape[0], 0), dtype=mx.float32)
+        top_ids = topk_indices(x, n)
+        return chosen, top_ids, mx.take_along_axis(logp, top_ids, axis=-1)
+
+
+def _padding_copies(changed: mx.array, present: mx.array) -> mx.array:
+    """Padding entries (count 0) take the value of the row's first entry, which shares
+    their id; a row with no history at all has entry 0 unchanged (not present)."""
+    return mx.where(present, changed, changed[:, :1])

@@ -1,0 +1,289 @@
+"""Exact top-k indices: the first k places of a stable descending sort.
+
+``topk_indices(x, k)`` returns, over the last axis, the indices of the k largest
+values in descending order, ties to the lower index, NaN after every number
+(``-inf`` included), NaNs among themselves by index. ``-0.0`` and ``0.0`` are
+equal. It is what ``np.argsort(-x, kind="stable")[..., :k]`` gives.
+
+How: every value becomes one int64 sort key, ``(order_key << 32) | index``,
+where ``order_key`` is an int32 that orders float32 values descending with NaN
+last. Keys are unique, so any sort or partition of them gives the one exact
+answer, whatever the backend's sort stability or NaN handling; the index is
+read back from the low 32 bits.
+
+Strategies (same answer, chosen by ``mx.default_device()``):
+
+- GPU: sort each 2048-key chunk (one block), keep each chunk's first k, sort
+  only those ``chunks * k`` candidates (chunked again while more than 2048). A
+  full-row sort of a 150k-260k vocabulary is a multi-pass merge sort; 2048-key
+  chunks sort within a block. ``GPU_CHUNK_SELECT`` picks how a chunk's k are
+  found: MLX's sort (default), MLX's partition, or a fused CUDA kernel.
+- CPU: partition the keys (a linear-time selection over contiguous int64),
+  then sort the k selected.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+CHUNK = 2048
+"""Keys per chunk sorted inside one GPU block (MLX's CUDA block sort holds 2048 int64)."""
+
+_PAD_KEY = (1 << 63) - 1  # after every real key: real keys have index < 2**32 - 1
+_NAN = float("nan")
+
+
+def _order_keys(x: mx.array) -> mx.array:
+    """int32 keys whose ascending order is x's descending order, NaN last."""
+    # Integer operations only: no float arithmetic that flush-to-zero or fast
+    # math could change (subnormals stay distinct from 0).
+    bits = mx.view(x.astype(mx.float32), mx.int32)  # exact upcast
+    bits = mx.where(bits == -(2**31), 0, bits)  # -0.0 is 0.0
+    # IEEE floats order like sign-magnitude integers: flip the magnitude bits of
+    # negatives to get two's-complement order, then invert for descending order.
+    descending = ~(bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return mx.where(is_nan, mx.array(0x7FFFFFFF, mx.int32), descending)
+
+
+def _unique_keys(x: mx.array, index: mx.array) -> mx.array:
+    """int64 keys (order_key << 32) | index, unique within a row."""
+    return (_order_keys(x).astype(mx.int64) << 32) | index
+
+
+def _chunked_keys(x: mx.array, index: mx.array) -> mx.array:
+    """Unique keys of x padded with NaN to whole chunks: [..., chunks, CHUNK].
+
+    A padded NaN sits at an index past the row, so it sorts after every real entry.
+    """
+    pad = index.shape[-1] - x.shape[-1]
+    if pad:
+        widths = [(0, 0)] * (x.ndim - 1) + [(0, pad)]
+        x = mx.pad(x.astype(mx.float32), widths, constant_values=_NAN)
+    keys = _unique_keys(x, index)
+    return keys.reshape(*keys.shape[:-1], keys.shape[-1] // CHUNK, CHUNK)
+
+
+_order_keys_compiled = mx.compile(_order_keys)
+_unique_keys_compiled = mx.compile(_unique_keys)
+_chunked_keys_compiled = mx.compile(_chunked_keys)
+_index_cache: dict[int, mx.array] = {}
+
+
+def _index(n: int) -> mx.array:
+    """arange(n) as int64, made once per length (cheaper than inside every call)."""
+    index = _index_cache.get(n)
+    if index is None:
+        if len(_index_cache) > 16:
+            _index_cache.clear()
+        # Left lazy: the first graph that uses it computes it, once.
+        index = _index_cache[n] = mx.arange(n, dtype=mx.int64)
+    return index
+
+
+def _keys(x: mx.array) -> mx.array:
+    return _unique_keys_compiled(x, _index(x.shape[-1]))
+
+
+def _index_of(keys: mx.array) -> mx.array:
+    return (keys & 0xFFFFFFFF).astype(mx.int32)
+
+
+def _first_k_of_row(x: mx.array, k: int) -> mx.array:
+    keys = _keys(x)
+    if k < x.shape[-1]:
+        keys = mx.partition(keys, k - 1, axis=-1)[..., :k]
+    return _index_of(mx.sort(keys, axis=-1))
+
+
+_CPU_ROWS_TOGETHER = 1 << 16  # values; beyond this, rows go one at a time
+
+
+def _topk_cpu(x: mx.array, k: int) -> mx.array:
+    # Select the k smallest unique keys (linear time), then sort only those.
+    # Row by row: big temporaries (8 bytes a value) cost more in fresh memory
+    # than the work itself once several rows share one allocation.
+    lead = x.shape[:-1]
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.shape[0] <= 1 or rows.shape[0] * n <= _CPU_ROWS_TOGETHER:
+        return _first_k_of_row(rows, k).reshape(*lead, k)
+    out = [_first_k_of_row(rows[r : r + 1], k) for r in range(rows.shape[0])]
+    return mx.concatenate(out, axis=0).reshape(*lead, k)
+
+
+# One block per 2048-value chunk: build the unsigned 64-bit keys (same order as
+# the int64 keys above, offset by 2**63) in shared memory, bitonic-sort runs of
+# P (k rounded up to a power of two), then halve: each pair of sorted runs keeps
+# the P smallest of their union (min against the reversed partner: a bitonic
+# sequence) and bitonic-merges it, until one sorted run of P is left.
+_CUDA_CHUNK_TOPK = r"""
+    constexpr int CH = 2048;
+    constexpr int THREADS = 256;
+    __shared__ unsigned long long keys[CH];
+    const int chunk = blockIdx.x;
+    const int row = blockIdx.y;
+    const int tid = threadIdx.x;
+    const auto* in = x + (size_t)row * N;
+    for (int i = tid; i < CH; i += THREADS) {
+      int idx = chunk * CH + i;
+      unsigned long long key = ~0ull;
+      if (idx < N) {
+        unsigned int b = __float_as_uint(static_cast<float>(in[idx]));
+        unsigned int ord = 0xFFFFFFFFu;  // NaN: after every number
+        if ((b & 0x7FFFFFFFu) <= 0x7F800000u) {
+          if (b == 0x80000000u) {
+            b = 0u;  // -0.0 is 0.0
+          }
+          unsigned int asc = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+          ord = ~asc;
+        }
+        key = ((unsigned long long)ord << 32) | (unsigned int)idx;
+      }
+      keys[i] = key;
+    }
+    __syncthreads();
+    for (int size = 2; size <= P; size <<= 1) {
+      for (int stride = size >> 1; stride > 0; stride >>= 1) {
+        for (int t = tid; t < CH / 2; t += THREADS) {
+          int lo = 2 * t - (t & (stride - 1));
+          int hi = lo + stride;
+          bool up = (size == P) || ((lo & size) == 0);
+          unsigned long long a = keys[lo];
+          unsigned long long b = keys[hi];
+          if ((a > b) == up) {
+            keys[lo] = b;
+            keys[hi] = a;
+          }
+        }
+        __syncthreads();
+      }
+    }
+    for (int s = P; s < CH; s <<= 1) {
+      int pairs = CH / (2 * s);
+      for (int t = tid; t < pairs * P; t += THREADS) {
+        int g = t / P;
+        int i = t % P;
+        int a = g * 2 * s + i;
+        int b = g * 2 * s + s + (P - 1 - i);
+        unsigned long long vb = keys[b];
+        if (vb < keys[a]) {
+          keys[a] = vb;
+        }
+      }
+      __syncthreads();
+      for (int stride = P >> 1; stride > 0; stride >>= 1) {
+        for (int t = tid; t < pairs * (P / 2); t += THREADS) {
+          int g = t / (P / 2);
+          int u = t % (P / 2);
+          int lo = g * 2 * s + 2 * u - (u & (stride - 1));
+          int hi = lo + stride;
+          unsigned long long a = keys[lo];
+          unsigned long long b = keys[hi];
+          if (a > b) {
+            keys[lo] = b;
+            keys[hi] = a;
+          }
+        }
+        __syncthreads();
+      }
+    }
+    auto* dst = out + ((size_t)row * gridDim.x + chunk) * K;
+    for (int i = tid; i < K; i += THREADS) {
+      dst[i] = keys[i];
+    }
+"""
+_cuda_kernel = None
+
+
+def _cuda_first_k_per_chunk(x: mx.array, k: int) -> mx.array:
+    """The first k uint64 keys of every chunk of each row, sorted: [rows, chunks, k]."""
+    global _cuda_kernel
+    if _cuda_kernel is None:
+        _cuda_kernel = mx.fast.cuda_kernel(
+            name="mlxrunner_chunk_topk", input_names=["x"], output_names=["out"],
+            source=_CUDA_CHUNK_TOPK)
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    chunks = -(-n // CHUNK)
+    power = 1 << (k - 1).bit_length()
+    (keys,) = _cuda_kernel(
+        inputs=[rows], template=[("N", n), ("K", k), ("P", power)],
+        grid=(chunks * 256, rows.shape[0], 1), threadgroup=(256, 1, 1),
+        output_shapes=[(rows.shape[0], chunks, k)], output_dtypes=[mx.uint64])
+    return keys
+
+
+GPU_CHUNK_SELECT = "sort"
+"""How the GPU strategy picks each chunk's k: "sort" (MLX sort of the int64 keys),
+"partition" (MLX partition), or "kernel" (the fused CUDA kernel above)."""
+
+
+def _first_k_per_chunk(keys: mx.array, k: int, select: str) -> mx.array:
+    """The k smallest keys of each CHUNK-key chunk (last axis): sorted, or as a set."""
+    if select == "partition":
+        # Keys are unique, so a partition's first k are exactly the k smallest.
+        return mx.partition(keys, k - 1, axis=-1)[..., :k]
+    return mx.sort(keys, axis=-1)[..., :k]
+
+
+def _topk_gpu(x: mx.array, k: int, select: str | None = None) -> mx.array:
+    select = select or GPU_CHUNK_SELECT
+    n = x.shape[-1]
+    if k > CHUNK // 4 or n <= CHUNK:
+        # Chunking would shrink the row by less than 4x per level: sort it whole.
+        return _index_of(mx.sort(_keys(x), axis=-1)[..., :k])
+    lead = x.shape[:-1]
+    # Each level keeps the first k of every CHUNK-key chunk (one block each).
+    if select == "kernel":
+        keys = _cuda_first_k_per_chunk(x, k).reshape(*lead, -1)
+        pad_key = mx.array(-1, dtype=mx.int64).view(mx.uint64)  # 2**64 - 1
+        select = "sort"
+    else:
+        keys = _chunked_keys_compiled(x, _index(-(-n // CHUNK) * CHUNK))
+        keys = _first_k_per_chunk(keys, k, select).reshape(*lead, -1)
+        pad_key = mx.array(_PAD_KEY, dtype=mx.int64)
+    while keys.shape[-1] > CHUNK:
+        pad = -keys.shape[-1] % CHUNK
+        if pad:
+            filler = mx.broadcast_to(pad_key, (*lead, pad))
+            keys = mx.concatenate([keys, filler], axis=-1)
+        keys = keys.reshape(*lead, -1, CHUNK)
+        keys = _first_k_per_chunk(keys, k, select).reshape(*lead, -1)
+    return _index_of(mx.sort(keys, axis=-1)[..., :k])
+
+
+def _greedy(x: mx.array) -> mx.array:
+    # argmin returns the first minimum: ties to the lower index, like the sort.
+    return mx.argmin(_order_keys_compiled(x), axis=-1, keepdims=True).astype(mx.int32)
+
+
+def topk_indices(x: mx.array, k: int, *, strategy: str | None = None) -> mx.array:
+    """Indices of the k largest values over the last axis: a stable descending sort's first k.
+
+    Args:
+        x: a float array (float32, bfloat16, float16) with at least one axis; any
+            leading shape.
+        k: 1 .. row length.
+        strategy: ``"gpu"`` or ``"cpu"`` to force one (tests, benchmarks); by
+            default chosen from ``mx.default_device()``. Both give the same answer.
+
+    Returns:
+        int32 array of shape ``x.shape[:-1] + (k,)``.
+    """
+    if x.ndim == 0:
+        raise ValueError("topk_indices needs an array with at least one axis")
+    n = x.shape[-1]
+    if not 1 <= k <= n:
+        raise ValueError(f"topk_indices: k must be between 1 and the row length {n}, got {k}")
+    if strategy is None:
+        strategy = "cpu" if mx.default_device() == mx.cpu else "gpu"
+    elif strategy not in ("cpu", "gpu"):
+        raise ValueError(f"topk_indices: unknown strategy {strategy!r} (use 'cpu' or 'gpu')")
+    if x.size == 0:
+        return mx.zeros((*x.shape[:-1], k), dtype=mx.int32)
+    if k == 1:
+        return _greedy(x)  # one reduction, on any device
+    if strategy == "gpu":
+        return _topk_gpu(x, k)
+    return _topk_cpu(x, k)

@@ -1,0 +1,217 @@
+"""topk_indices against a stable descending sort (numpy), both strategies."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlxrunner import topk_indices
+
+STRATEGIES = ("cpu", "gpu")
+BIG_KS = (1, 2, 16, 64, 1000, 2048)
+
+
+def reference(x: np.ndarray, k: int) -> np.ndarray:
+    """First k places of a stable descending sort; numpy sorts NaN last."""
+    return np.argsort(-x, axis=-1, kind="stable")[..., :k]
+
+
+def python_reference(row: list[float], k: int) -> list[int]:
+    """Independent of numpy: NaN after numbers, larger first, ties to lower index."""
+    def key(i: int) -> tuple[bool, float, int]:
+        v = row[i]
+        return (math.isnan(v), 0.0 if math.isnan(v) else -v, i)
+
+    return sorted(range(len(row)), key=key)[:k]
+
+
+def check(x: np.ndarray, k: int, dtype: mx.Dtype = mx.float32) -> None:
+    want = reference(x.astype(np.float32), k)
+    for strategy in STRATEGIES:
+        got = np.array(topk_indices(mx.array(x).astype(dtype), k, strategy=strategy))
+        assert got.dtype == np.int32
+        assert got.shape == x.shape[:-1] + (k,)
+        mismatch = np.argwhere(got != want)
+        assert mismatch.size == 0, f"{strategy} k={k} first mismatch at {mismatch[:1].tolist()}"
+
+
+def test_numpy_reference_matches_python_reference() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        row = rng.choice([np.nan, -np.inf, np.inf, -0.0, 0.0, 1.5, -2.0], size=n)
+        row = row.astype(np.float32)
+        assert reference(row, n).tolist() == python_reference(row.tolist(), n)
+
+
+def test_small_examples() -> None:
+    x = np.array([1.0, np.nan, 3.0, -np.inf, 3.0, -0.0, 0.0, np.inf, np.nan], np.float32)
+    for strategy in STRATEGIES:
+        got = topk_indices(mx.array(x), 9, strategy=strategy).tolist()
+        assert got == [7, 2, 4, 0, 5, 6, 3, 1, 8]
+    assert topk_indices(mx.array(x), 1).tolist() == [7]
+    subnormal = mx.array([1e-45, 0.0, -1e-45, -0.0], mx.float32)  # distinct from 0
+    for strategy in STRATEGIES:
+        assert topk_indices(subnormal, 4, strategy=strategy).tolist() == [0, 1, 3, 2]
+    assert topk_indices(mx.array([np.nan, -np.inf], mx.float32), 1).tolist() == [1]
+    assert topk_indices(mx.array([np.nan, np.nan], mx.float32), 1).tolist() == [0]
+
+
+def test_no_rows() -> None:
+    for n in (5, 70000):
+        for strategy in STRATEGIES:
+            got = topk_indices(mx.zeros((0, 3, n)), 2, strategy=strategy)
+            assert got.shape == (0, 3, 2) and got.dtype == mx.int32
+
+
+def test_default_strategy_follows_device() -> None:
+    x = mx.random.normal((3, 5000), key=mx.random.key(0))
+    assert topk_indices(x, 20).tolist() == topk_indices(x, 20, strategy="cpu").tolist()
+
+
+@pytest.mark.parametrize("k", [0, 6])
+def test_bad_k(k: int) -> None:
+    with pytest.raises(ValueError, match="k must be between 1 and the row length 5"):
+        topk_indices(mx.zeros((2, 5)), k)
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError, match="at least one axis"):
+        topk_indices(mx.array(1.0), 1)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        topk_indices(mx.zeros((5,)), 1, strategy="tpu")
+
+
+special = st.sampled_from([math.nan, -math.inf, math.inf, -0.0, 0.0])
+anything = st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True), special)
+
+
+@st.composite
+def rows_and_k(draw: st.DrawFn) -> tuple[np.ndarray, int]:
+    lead = draw(st.lists(st.integers(1, 3), max_size=2))
+    n = draw(st.integers(1, 300))
+    kind = draw(st.sampled_from(["any", "three", "normal"]))
+    size = int(np.prod(lead)) * n
+    if kind == "three":
+        values = draw(st.lists(st.sampled_from([-1.0, 0.5, 2.0]), min_size=size, max_size=size))
+    elif kind == "normal":
+        seed = draw(st.integers(0, 2**31))
+        values = np.random.default_rng(seed).normal(size=size).tolist()
+    else:
+        values = draw(st.lists(anything, min_size=size, max_size=size))
+    x = np.array(values, np.float32).reshape(*lead, n)
+    return x, draw(st.integers(1, n))
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows_and_k())
+def test_small_rows_match_reference(case: tuple[np.ndarray, int]) -> None:
+    x, k = case
+    check(x, k)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 5000), st.integers(0, 2**31), st.sampled_from([mx.bfloat16, mx.float16]))
+def test_low_precision_inputs(n: int, seed: int, dtype: mx.Dtype) -> None:
+    rng = np.random.default_rng(seed)
+    x = np.array(mx.array(rng.normal(size=(2, n)).astype(np.float32)).astype(dtype)
+                 .astype(mx.float32))  # exactly representable: many ties
+    k = int(rng.integers(1, min(n, 200) + 1))
+    check(x, k, dtype)
+
+
+def mixed_rows(rows: int, n: int, seed: int) -> np.ndarray:
+    """Random, tie-heavy (values from a set of 3), NaN/-inf and constant rows."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, n)).astype(np.float32)
+    for r in range(rows):
+        kind = r % 4
+        if kind == 1:
+            x[r] = rng.choice(np.array([-1.0, 0.25, 3.0], np.float32), size=n)
+        elif kind == 2:
+            x[r, rng.integers(0, n, size=max(1, n // 10))] = np.nan
+            x[r, rng.integers(0, n, size=max(1, n // 10))] = -np.inf
+        elif kind == 3 and r % 8 == 3:
+            x[r] = 0.5  # all ties
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 2047, 2048, 2049])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_chunk_boundaries(n: int, rows: int) -> None:
+    x = mixed_rows(rows, n, seed=n + rows)
+    for k in BIG_KS:
+        if k <= n:
+            check(x, k)
+    check(x, n)
+
+
+@pytest.mark.parametrize("n", [151936, 248320, 262144])
+def test_vocabularies_batch_1(n: int) -> None:
+    for kind in range(3):  # random, tie-heavy, NaN/-inf
+        x = mixed_rows(kind + 1, n, seed=n)[kind:]
+        for k in BIG_KS:
+            check(x, k)
+
+
+@pytest.mark.parametrize("n,ks", [(151936, (16, 2048)), (248320, (1, 64)), (262144, (2, 1000))])
+def test_vocabularies_batch_64(n: int, ks: tuple[int, ...]) -> None:
+    x = mixed_rows(64, n, seed=n + 64)
+    want_all = reference(x, max(ks))
+    for k in ks:
+        want = want_all[..., :k]
+        for strategy in STRATEGIES:
+            got = np.array(topk_indices(mx.array(x), k, strategy=strategy))
+            assert (got == want).all(), f"{strategy} n={n} k={k}"
+
+
+@pytest.mark.parametrize("n", [2049, 70000])
+def test_gpu_strategy_with_partitioned_chunks(n: int) -> None:
+    # the variant that selects each chunk's k by partition instead of a sort
+    from mlxrunner.topk import _topk_gpu
+
+    x = mixed_rows(4, n, seed=n)
+    for k in (2, 20, 64, 512):
+        got = np.array(_topk_gpu(mx.array(x), k, select="partition"))
+        assert (got == reference(x, k)).all(), k
+
+
+def chunk_keys_like_the_cuda_kernel(x: mx.array, k: int) -> mx.array:
+    """What the CUDA kernel returns, from MLX ops: sorted unsigned keys per chunk."""
+    from mlxrunner import topk
+
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    keys = topk._chunked_keys(rows, topk._index(-(-n // topk.CHUNK) * topk.CHUNK))
+    unsigned = (keys ^ mx.array(-(2**63), dtype=mx.int64)).view(mx.uint64)
+    return mx.sort(unsigned, axis=-1)[..., :k]
+
+
+def test_gpu_strategy_levels_after_the_cuda_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxrunner import topk
+
+    monkeypatch.setattr(topk, "_cuda_first_k_per_chunk", chunk_keys_like_the_cuda_kernel)
+    x = mixed_rows(4, 70000, seed=5)
+    for k in (2, 20, 64, 512):
+        got = np.array(topk._topk_gpu(mx.array(x).reshape(2, 2, -1), k, select="kernel"))
+        assert (got.reshape(4, k) == reference(x, k)).all(), k
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="needs CUDA")
+@pytest.mark.parametrize("n", [2049, 151936, 262144])
+def test_cuda_kernel_strategy(n: int) -> None:
+    from mlxrunner import topk
+
+    x = mixed_rows(8, n, seed=n)
+    for dtype in (mx.float32, mx.bfloat16):
+        xd = np.array(mx.array(x).astype(dtype).astype(mx.float32))
+        for k in (2, 3, 20, 40, 64, 100, 512):
+            direct = np.array(topk._cuda_first_k_per_chunk(mx.array(xd).astype(dtype), k))
+            assert direct.shape == (8, -(-n // 2048), k)
+            got = np.array(topk._topk_gpu(mx.array(xd).astype(dtype), k, select="kernel"))
+            assert (got == reference(xd, k)).all(), (dtype, k)
