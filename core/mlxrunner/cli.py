@@ -151,18 +151,19 @@ def _sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def build_prompt_ids(bundle: Any, prompt: str, *, raw: bool, system: str | None,
-                     think: bool | None) -> list[int]:
+def build_prompt(bundle: Any, prompt: str, *, raw: bool, system: str | None,
+                 think: bool | None) -> tuple[str, list[int]]:
+    """The prompt text the model sees and its token ids."""
     tok = bundle.tokenizer
     if raw or bundle.renderer is None:
-        return tok.encode(prompt, add_special_tokens=True)
+        return prompt, tok.encode(prompt, add_special_tokens=True)
     messages = []
     system = system if system is not None else bundle.extra.get("system")
     if system:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": prompt})
     text = bundle.renderer.render(messages, None, think=think, add_generation_prompt=True)
-    return tok.encode(text, add_special_tokens=False)
+    return text, tok.encode(text, add_special_tokens=False)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -189,7 +190,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or bundle.extra.get("max_tokens") or 256
     think = None if args.think is None else args.think == "on"
     raw = args.raw or (model_arg == "default" and bundle.renderer is None)
-    prompt_ids = build_prompt_ids(bundle, prompt, raw=raw, system=args.system, think=think)
+    prompt_text, prompt_ids = build_prompt(bundle, prompt, raw=raw, system=args.system,
+                                           think=think)
     tok = bundle.tokenizer
     detok = tok.detokenizer()
     stream = not args.json
@@ -220,6 +222,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                "tokens": result.tokens, "text": text,
                                "finish_reason": result.finish_reason, "statistics": stats}
         if bundle.parser is not None:
+            bundle.parser.reset(prompt_text)
             parsed = bundle.parser.parse(text)
             out["message"] = {"content": parsed.content, "thinking": parsed.thinking,
                               "tool_calls": [{"name": c.name, "arguments": c.arguments}
@@ -238,13 +241,28 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 # -- render ----------------------------------------------------------------
+def _read_tools_file(path: str) -> list[Any]:
+    from .errors import ConversationError
+
+    try:
+        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConversationError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConversationError(f"{path}: invalid JSON ({exc})") from None
+    if isinstance(tools, dict) and isinstance(tools.get("tools"), list):
+        tools = tools["tools"]
+    if not isinstance(tools, list):
+        raise ConversationError(f"{path}: expected a list of tools")
+    return tools
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     from .chat import RenderContext, get_renderer, load_conversation_file
 
     messages, tools = load_conversation_file(args.file)
     if args.tools:
-        _, tools_from_file = load_conversation_file(args.tools, tools_only=True)
-        tools = tools_from_file
+        tools = _read_tools_file(args.tools)
     context = RenderContext()
     if args.template:
         try:
