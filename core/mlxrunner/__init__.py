@@ -57,6 +57,9 @@ _EXPORTS: dict[str, str] = {
     "validate_conversation": "chat",
     "get_renderer": "chat",
     "get_parser": "chat",
+    "MarkerScanner": "parsing",
+    "ParseEvents": "parsing",
+    "TrimmedText": "parsing",
     # drafts
     "DraftModel": "drafts",
     "DraftSession": "drafts",
@@ -82,7 +85,6 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from .caches import Cache, KVCache, RecurrentCache, RingCache  # noqa: F401
     from .chat import (  # noqa: F401
-        ConversationError,
         ParsedMessage,
         Parser,
         RenderContext,
@@ -94,6 +96,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .drafts import DraftModel, DraftProposal, DraftSession  # noqa: F401
     from .errors import (  # noqa: F401
+        ConversationError,
         DraftConfigError,
         MLXRunnerError,
         ModelfileError,
@@ -106,6 +109,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .loading import Bundle, load, load_model, read_config  # noqa: F401
     from .model import Model  # noqa: F401
     from .modelfile import Modelfile, read_modelfile  # noqa: F401
+    from .parsing import MarkerScanner, ParseEvents, TrimmedText  # noqa: F401
     from .plugins import register  # noqa: F401
     from .sampler import Distribution, Sampler, SamplerOptionError, SamplerOptions  # noqa: F401
     from .tokenizer import Tokenizer  # noqa: F401
