@@ -193,6 +193,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt_text, prompt_ids = build_prompt(bundle, prompt, raw=raw, system=args.system,
                                            think=think)
     tok = bundle.tokenizer
+    stop_ids = set(tok.eos_ids)
+    for marker in getattr(bundle.renderer, "stop_markers", ()) or ():
+        marker_id = tok.token_to_id(marker)
+        if marker_id is not None:
+            stop_ids.add(marker_id)
     detok = tok.detokenizer()
     stream = not args.json
 
@@ -202,14 +207,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     result = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                      eos_ids=tok.eos_ids, on_token=on_token, draft=bundle.draft)
+                      eos_ids=frozenset(stop_ids), on_token=on_token, draft=bundle.draft)
     if stream:
         sys.stdout.write(detok.finish() + "\n")
         sys.stdout.flush()
     stats = {"run": result.stats.as_dict()}
     if args.compare and bundle.draft is not None:
         plain = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                         eos_ids=tok.eos_ids)
+                         eos_ids=frozenset(stop_ids))
         stats["plain"] = plain.stats.as_dict()
         same = plain.tokens == result.tokens
         stats["identical_to_plain"] = same
