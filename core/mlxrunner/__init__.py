@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "RecurrentCache": "caches",
     # loading
     "load_model": "loading",
+    "build_model": "loading",
     "load": "loading",
     "Bundle": "loading",
     "read_config": "loading",
@@ -106,7 +107,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .generate import GenerationResult, generate  # noqa: F401
     from .hookspecs import hookimpl  # noqa: F401
-    from .loading import Bundle, load, load_model, read_config  # noqa: F401
+    from .loading import Bundle, build_model, load, load_model, read_config  # noqa: F401
     from .model import Model  # noqa: F401
     from .modelfile import Modelfile, read_modelfile  # noqa: F401
     from .parsing import MarkerScanner, ParseEvents, TrimmedText  # noqa: F401

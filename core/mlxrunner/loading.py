@@ -173,6 +173,7 @@ def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
 
 
 def build_model(config: dict[str, Any]) -> Model:
+    """A fresh (randomly initialised) model of the architecture a parsed config.json names."""
     cls = plugins.architecture_for(config)
     return cls(text_config(config))
 

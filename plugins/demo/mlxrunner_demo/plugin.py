@@ -1,0 +1,15 @@
+"""The entry point mlxrunner loads: registers the shipped model folder as ``default``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlxrunner
+
+from . import MODEL_PATH
+
+
+@mlxrunner.hookimpl
+def register_models(register: Callable[[str, str], None]) -> None:
+    # A path, not a loaded model: nothing heavy happens until a command asks for it.
+    register("default", str(MODEL_PATH))

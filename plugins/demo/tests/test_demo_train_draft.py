@@ -1,0 +1,254 @@
+"""``train-draft`` (mlxrunner_dflash.train): masks, labels, the training forward against the
+draft's own inference session, a short training run that must learn, and exact resume."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+train = pytest.importorskip("mlxrunner_dflash.train",
+                            reason="the DFlash plugin (mlxrunner-dflash) is not installed")
+
+from mlxrunner import Sampler, SamplerOptions  # noqa: E402
+from mlxrunner.testing.speculative import ToyTarget, random_draft  # noqa: E402
+
+mx.set_default_device(mx.cpu)
+
+
+# -- anchors, masks, labels -------------------------------------------------------------------
+
+
+def _mask_by_definition(anchors: np.ndarray, seq_len: int, bs: int, causal: bool,
+                        window: int | None) -> np.ndarray:
+    B, N = anchors.shape
+    Q = N * bs
+    out = np.zeros((B, 1, Q, seq_len + Q), dtype=bool)
+    for b in range(B):
+        for q in range(Q):
+            n, r = divmod(q, bs)
+            a = anchors[b, n]
+            for j in range(seq_len):  # context rows: strictly before the anchor
+                out[b, 0, q, j] = j < a and (window is None or (a + r) - j < window)
+            for k in range(Q):  # block rows: own block only
+                m, s = divmod(k, bs)
+                out[b, 0, q, seq_len + k] = m == n and (not causal or s <= r)
+    return out
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, 3)])
+def test_block_mask_sees_context_before_the_anchor_and_its_own_block(causal, window):
+    rng = np.random.default_rng(1)
+    anchors = train.sample_anchors(rng, batch=2, seq_len=12, block_size=3, count=4)
+    assert (anchors >= 1).all() and (anchors <= 12 - 3).all()
+    assert all(len(set(row)) == len(row) for row in anchors.tolist())
+    got = train.block_attention_mask(anchors, 12, 3, causal=causal, window=window)
+    np.testing.assert_array_equal(got, _mask_by_definition(anchors, 12, 3, causal, window))
+
+
+def test_target_labels_count_only_while_the_corpus_follows_the_greedy_chain():
+    ids = np.array([[10, 11, 12, 13, 14, 15, 16, 17]])
+    greedy = np.array([[11, 12, 99, 14, 15, 16, 17, 18]])  # greedy[t]: the target's token after t
+    anchors = np.array([[1, 3]])
+    labels, valid = train.block_labels(ids, greedy, anchors, block_size=4, mode="target")
+    # anchor 1: rows 1..3 label greedy[1], greedy[2], greedy[3] = 12, 99, 14; the corpus
+    # token at 3 (13) is not greedy[2] (99), so row 3 (after it) is unknown.
+    assert labels[0, 0].tolist() == [11, 12, 99, 14]
+    assert valid[0, 0].tolist() == [False, True, True, False]
+    # anchor 3: greedy 14, 15, 16 and the corpus agrees all along
+    assert labels[0, 1].tolist() == [13, 14, 15, 16]
+    assert valid[0, 1].tolist() == [False, True, True, True]
+    labels, valid = train.block_labels(ids, greedy, anchors, block_size=4, mode="corpus")
+    assert labels[0, 0].tolist() == [11, 12, 13, 14]
+    assert valid[0, 0].tolist() == [False, True, True, True]
+
+
+def test_position_weights_decay_from_the_first_draft_row():
+    w = train.position_weights(5, gamma=2.0)
+    np.testing.assert_allclose(w, [0.0, 1.0, np.exp(-0.5), np.exp(-1.0), np.exp(-1.5)],
+                               rtol=1e-6)
+
+
+def test_accepted_lengths_stop_at_the_first_miss_or_unknown_label():
+    labels = np.array([[[0, 5, 6, 7, 8]]])
+    valid = np.array([[[False, True, True, True, False]]])
+    assert train.accepted_lengths(np.array([[[5, 6, 9, 8]]]), labels, valid).tolist() == [[2]]
+    assert train.accepted_lengths(np.array([[[5, 6, 7, 8]]]), labels, valid).tolist() == [[3]]
+    assert train.accepted_lengths(np.array([[[4, 6, 7, 8]]]), labels, valid).tolist() == [[0]]
+
+
+def test_auto_taps_spread_to_the_last_layer():
+    assert train.choose_taps(8, "auto") == [1, 4, 7]
+    assert train.choose_taps(4, "auto") == [1, 3]
+    assert train.choose_taps(36, "auto") == [1, 10, 18, 26, 35]
+    assert train.choose_taps(8, "6,2") == [2, 6]
+    with pytest.raises(train.TrainDraftError):
+        train.choose_taps(8, "8")
+
+
+def test_rope_at_positions_matches_mlx_rope():
+    import mlx.nn as nn
+
+    x = mx.random.normal((1, 2, 5, 8), key=mx.random.key(0))
+    rope = nn.RoPE(8, traditional=False, base=10000.0)
+    expected = rope(x, offset=7)
+    got = train.rope_at(x, mx.array([[7, 8, 9, 10, 11]]), 10000.0)
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-5)
+
+
+# -- the training forward is the inference forward -----------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
+def test_training_forward_matches_the_drafts_inference_session(architecture):
+    """Every block of one masked training forward equals a session's round at that anchor:
+    the same hidden states (1e-5) and, greedily, the same proposals."""
+    vocab, L, bs = 64, 20, 4
+    target = ToyTarget({"vocab_size": vocab, "hidden_size": 32, "seed": 3})
+    draft = random_draft(target, architecture, layers=2, block_size=bs, heads=4, kv_heads=2,
+                         head_dim=8, seed=5, input_embedding_scale=1.5)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, size=(2, L)).astype(np.int32)
+    _, tapped = target(mx.array(ids), taps=list(draft.taps))
+    anchors = train.sample_anchors(rng, 2, L, bs, 5)
+    labels, _ = train.block_labels(ids, None, anchors, bs, "corpus")
+    block_ids = np.full(labels.shape, draft.mask_token_id, dtype=np.int32)
+    block_ids[:, :, 0] = labels[:, :, 0]
+    hidden = train.draft_hidden_train(draft, tapped, mx.array(block_ids.reshape(2, -1)),
+                                      mx.array(train.block_positions(anchors, bs)),
+                                      mx.array(train.block_attention_mask(anchors, L, bs)))
+    hidden = hidden.reshape(2, anchors.shape[1], bs, -1)
+    proposals = np.array(train.greedy_proposals(draft, hidden, mx.array(labels[:, :, 0])))
+    hidden = np.array(hidden)
+    for b in range(2):
+        for n, a in enumerate(anchors[b].tolist()):
+            session = draft.new_session(Sampler(SamplerOptions(temperature=0), vocab))
+            session.prefill(tapped[b:b + 1, :a])
+            expected = np.array(session.block(int(ids[b, a]), a, bs - 1))
+            np.testing.assert_allclose(hidden[b, n, 1:], expected, atol=1e-5, rtol=1e-5)
+            session = draft.new_session(Sampler(SamplerOptions(temperature=0), vocab))
+            session.prefill(tapped[b:b + 1, :a])
+            proposal = session.propose(int(ids[b, a]), a, bs - 1)
+            assert proposal.tokens.tolist() == proposals[b, n].tolist()
+
+
+# -- training ---------------------------------------------------------------------------------
+
+
+def _settings(folder: Path, train_files: list[Path], held_files: list[Path], out: Path,
+              **changes) -> train.TrainSettings:
+    base = train.TrainSettings(
+        target=str(folder), corpus=[str(f) for f in train_files],
+        heldout=[str(f) for f in held_files], out=str(out), kind="dflash2", steps=60, batch=4,
+        seq_len=48, anchors=6, lr=3e-3, layers=1, intermediate_size=64, selector_rank=8,
+        self_distill=16, eval_blocks=96, eval_prompts=2, eval_tokens=24, save_every=0,
+        quiet=True, seed=0)
+    return replace(base, **changes)
+
+
+def test_train_draft_learns_loss_falls_and_acceptance_rises(tiny_target, tmp_path):
+    import mlxrunner
+
+    folder, train_files, held_files = tiny_target
+    settings = _settings(folder, train_files, held_files, tmp_path / "draft")
+    # The untrained draft: the same construction and initialisation training starts from.
+    bundle = mlxrunner.load(str(folder), use_draft=False)
+    target, tok = bundle.model, bundle.tokenizer
+    taps = train.choose_taps(target.num_layers, settings.taps)
+    mask_id = train.find_mask_token(tok, None, target.vocab_size)
+    assert mask_id == tok.token_to_id("<|mask|>")
+    config = train.make_draft_config(settings, target, taps, mask_id, "bfloat16")
+    untrained = train.build_draft(settings, config, target)
+    train.save_draft(untrained, config, tmp_path / "untrained", mx.bfloat16)
+    data = train.load_data(settings, tok, tok.eos_id)
+    sequences, prompt_len = train.heldout_continuations(target, data.heldout, settings,
+                                                        tok.eos_id)
+    untrained = mlxrunner.load(str(folder), draft=str(tmp_path / "untrained")).draft
+    before = train.estimate_acceptance(untrained, target, taps, sequences, prompt_len,
+                                       settings, mask_id)
+    prompts = train.heldout_prompts(data.heldout, 2, tok.eos_id, 0)
+    before_loop = train.measure_speculative(str(folder), tmp_path / "untrained", prompts, 24)
+
+    report = train.train_draft(settings)
+    after = {k: report[k] for k in ("first_loss_ce", "final_loss_ce", "heldout_loss",
+                                    "tau_estimate")}
+    print(f"untrained {before}, loop tau {before_loop['tau']:.2f}; trained {after}, "
+          f"loop tau {report['speculative']['tau']:.2f}")
+
+    assert report["steps"] == 60
+    assert report["final_loss_ce"] < 0.5 * report["first_loss_ce"], report["history"]
+    assert report["heldout_loss"] < before["heldout_loss"] - 1.0, (before, report)
+    assert report["tau_estimate"] > before["tau_estimate"] + 0.5, (before, report)
+    loop = report["speculative"]
+    assert loop["identical_to_plain"] and before_loop["identical_to_plain"]
+    assert loop["tau"] > before_loop["tau"] + 0.5, (before_loop, loop)
+    # The folder --draft loads: config and plain-named weights.
+    saved = tmp_path / "draft"
+    assert (saved / "config.json").exists() and (saved / "model.safetensors").exists()
+    names = set(mx.load(str(saved / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight",
+            "layers.0.attention_conv.base_kernel",
+            "candidate_selector.successor_codebook.weight"} <= names
+
+
+def test_resume_continues_exactly_where_the_run_stopped(tiny_target, tmp_path):
+    folder, train_files, held_files = tiny_target
+    common = dict(steps=6, self_distill=0, eval_prompts=0, eval_blocks=8, save_every=0)
+    whole = train.train_draft(_settings(folder, train_files, held_files, tmp_path / "whole",
+                                        **common))
+    first = train.train_draft(_settings(folder, train_files, held_files, tmp_path / "split",
+                                        stop_at=3, **common))
+    assert first["steps"] == 3
+    resumed = train.train_draft(_settings(folder, train_files, held_files, tmp_path / "split",
+                                          resume=True, **common))
+    assert resumed["steps"] == 6
+    a = mx.load(str(tmp_path / "whole" / CHECKPOINT / "draft.safetensors"))
+    b = mx.load(str(tmp_path / "split" / CHECKPOINT / "draft.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(np.array(a[name]), np.array(b[name]), err_msg=name)
+    assert [h["loss"] for h in whole["history"]] == [h["loss"] for h in resumed["history"]]
+    with pytest.raises(train.TrainDraftError, match="differ from the checkpoint"):
+        train.train_draft(_settings(folder, train_files, held_files, tmp_path / "split",
+                                    resume=True, **{**common, "layers": 2}))
+
+
+CHECKPOINT = train.CHECKPOINT_DIR
+
+
+def test_command_line_options_reach_the_settings(tmp_path):
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["./model", "--corpus", "a.py", "b.py", "--out", str(tmp_path),
+                              "--kind", "dflash", "--steps", "7", "--batch", "3",
+                              "--seq-len", "32", "--lr", "0.01", "--block-size", "6",
+                              "--layers", "3", "--taps", "1,2", "--resume", "--seed", "5"])
+    s = train.settings_from_args(args)
+    assert (s.target, s.corpus, s.kind, s.steps, s.batch, s.seq_len, s.lr, s.block_size,
+            s.layers, s.taps, s.resume, s.seed) == ("./model", ["a.py", "b.py"], "dflash", 7, 3,
+                                                    32, 0.01, 6, 3, "1,2", True, 5)
+    with pytest.raises(train.TrainDraftError, match="corpus"):
+        train.settings_from_args(parser.parse_args(["./model", "--out", str(tmp_path)]))
+    with pytest.raises(train.TrainDraftError, match="not found"):
+        train.expand_corpus([str(tmp_path / "missing.py")])
+
+
+def test_a_checkpoint_holds_weights_optimizer_and_data_state(tiny_target, tmp_path):
+    folder, train_files, held_files = tiny_target
+    train.train_draft(_settings(folder, train_files, held_files, tmp_path / "d", steps=2,
+                                self_distill=0, eval_prompts=0, eval_blocks=8))
+    ckpt = tmp_path / "d" / CHECKPOINT
+    opt = mx.load(str(ckpt / "optimizer.safetensors"))
+    draft = mx.load(str(ckpt / "draft.safetensors"))
+    assert int(opt["step"].item()) == 2
+    assert {f"{name}.m" for name in draft} <= set(opt) and {f"{name}.v" for name in draft} \
+        <= set(opt)
+    assert all(v.dtype == mx.float32 for v in draft.values())
+    saved = mx.load(str(tmp_path / "d" / "model.safetensors"))  # the draft in the target's dtype
+    assert {v.dtype for v in saved.values()} == {mx.bfloat16}
+    assert dict(tree_flatten(saved)).keys() == draft.keys()
