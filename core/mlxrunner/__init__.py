@@ -47,8 +47,8 @@ _EXPORTS: dict[str, str] = {
     "Distribution": "sampler",
     "SamplerOptionError": "sampler",
     # generation
-    "generate": "generate",
-    "GenerationResult": "generate",
+    "generate": "generation",
+    "GenerationResult": "generation",
     # chat formats
     "RenderContext": "chat",
     "Renderer": "chat",
@@ -105,7 +105,7 @@ if TYPE_CHECKING:  # pragma: no cover
         PluginError,
         UnknownNameError,
     )
-    from .generate import GenerationResult, generate  # noqa: F401
+    from .generation import GenerationResult, generate  # noqa: F401
     from .hookspecs import hookimpl  # noqa: F401
     from .loading import Bundle, build_model, load, load_model, read_config  # noqa: F401
     from .model import Model  # noqa: F401

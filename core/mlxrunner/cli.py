@@ -181,7 +181,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if prompt is None:
         prompt = DEFAULT_PROMPT
-    from .generate import generate
+    from .generation import generate
     from .loading import load
 
     bundle = load(model_arg, draft=args.draft, renderer=args.renderer, parser=args.parser,
@@ -289,7 +289,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
-    from .generate import generate
+    from .generation import generate
     from .loading import load
 
     bundle = load(args.model, draft=args.draft, dtype=args.dtype, use_draft=not args.no_draft)

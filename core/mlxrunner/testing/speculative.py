@@ -13,12 +13,26 @@ on the CPU there is none). It runs
 - random DFlash and DFlash2 drafts (:func:`random_draft`) when a plugin
   registers them, so that real drafts run on the target's real taps.
 
+:func:`check_speculative_sampled` is the sampled counterpart: over many seeds, the
+first tokens of speculative decoding must follow plain decoding's exact
+distribution (:func:`exact_joint` enumerates it; :func:`chi_square` tests it).
+
 :class:`ToyTarget` is a target small enough to enumerate: a draft author can
-test a draft without any architecture plugin.
+test a draft without any architecture plugin::
+
+    from mlxrunner.testing.speculative import (ToyTarget, check_speculative_greedy,
+                                               check_speculative_sampled, random_draft)
+
+    target = ToyTarget({"vocab_size": 16, "hidden_size": 16})
+    draft = random_draft(target, "DFlash2DraftModel", taps=[0], block_size=4)
+    check_speculative_greedy(target, lambda t: draft, max_tokens=50)
+    check_speculative_sampled(target, draft, SamplerOptions(temperature=1.0, top_k=0),
+                              prompt=[1, 2, 3], runs=600)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -38,6 +52,9 @@ __all__ = [
     "build_draft",
     "ToyTarget",
     "check_speculative_greedy",
+    "check_speculative_sampled",
+    "chi_square",
+    "exact_joint",
     "plain_tokens",
     "random_draft",
     "random_draft_config",
@@ -125,7 +142,7 @@ class _ScriptedSession(DraftSession):
         return int(tapped.shape[1])
 
     def prefill(self, tapped: mx.array) -> None:
-        self.context_rows = self._rows(tapped)
+        self.context_rows += self._rows(tapped)
 
     def commit(self, tapped: mx.array) -> None:
         self.context_rows += self._rows(tapped)
@@ -253,8 +270,9 @@ def check_speculative_greedy(model: Model,
                              draft_factory: Callable[[Model], DraftModel] | None = None,
                              prompt_ids: Any = None, *, seed: int = 0, max_tokens: int = 200,
                              prompts: int = 3, prompt_len: int = 8, depth: int | None = None,
-                             random_drafts: bool | None = None,
-                             scripted: bool = True) -> list[SpeculativeStats]:
+                             random_drafts: bool | None = None, scripted: bool = True,
+                             every_draft_on_every_prompt: bool = False
+                             ) -> list[SpeculativeStats]:
     """Greedy speculative output equals plain greedy output, token for token.
 
     For each prompt (rows of ``prompt_ids`` [B, L], else ``prompts`` random ones
@@ -263,7 +281,8 @@ def check_speculative_greedy(model: Model,
 
     - ``draft_factory(model)`` when given;
     - random DFlash / DFlash2 drafts when registered (``random_drafts``: default
-      True when no factory is given);
+      True when no factory is given), one kind per prompt in turn unless
+      ``every_draft_on_every_prompt``;
     - a :class:`ScriptedDraft` whose first wrong token cycles through every
       position of its block, so every rollback length runs (``scripted``).
 
@@ -280,9 +299,12 @@ def check_speculative_greedy(model: Model,
             made = draft_factory(model)
             drafts.append((type(made).__name__, made))
         if random_drafts:
-            for k, name in enumerate(_registered_drafts()):
+            names = _registered_drafts()
+            if not every_draft_on_every_prompt and names:
+                names = [names[p_index % len(names)]]
+            for name in names:
                 drafts.append((f"random {name}",
-                               random_draft(model, name, seed=seed + 100 * p_index + k)))
+                               random_draft(model, name, seed=seed + 100 * p_index)))
         if scripted:
             drafts.append(("ScriptedDraft", ScriptedDraft.for_script(model, prompt + plain)))
         for label, draft in drafts:
@@ -303,6 +325,144 @@ def check_speculative_greedy(model: Model,
                                          f"reach every accepted length: saw {sorted(seen)}")
             all_stats.append(stats)
     return all_stats
+
+
+# -- sampled exactness: exact distributions and a chi-square test ------------------------------
+
+
+def exact_joint(model: Model, prompt: Sequence[int], options: SamplerOptions,
+                length: int) -> np.ndarray:
+    """The exact joint distribution of the first ``length`` tokens plain decoding emits.
+
+    Enumerates every prefix with the sampler's own steps 1-7 (penalty history =
+    prompt + emitted tokens); shape ``[V] * length``. Cost: V**(length-1)
+    forwards without cache, batched per level; meant for vocabularies of 16-64.
+    """
+    vocab = model.vocab_size
+    sampler = Sampler(options, vocab)
+    joint = np.ones((1,), dtype=np.float64)
+    prefixes = np.zeros((1, 0), dtype=np.int32)
+    for _ in range(length):
+        ids = np.concatenate([np.tile(np.asarray(prompt, np.int32), (len(prefixes), 1)),
+                              prefixes], axis=1)
+        logits = model(mx.array(ids))
+        last = logits[:, -1, :].astype(mx.float32)
+        histories = [list(prompt) + row.tolist() for row in prefixes]
+        probs = np.array(sampler.distributions(last, histories).dense(vocab), dtype=np.float64)
+        joint = (joint[:, None] * probs).reshape(-1)
+        prefixes = np.concatenate([np.repeat(prefixes, vocab, axis=0),
+                                   np.tile(np.arange(vocab, dtype=np.int32),
+                                           len(prefixes))[:, None]], axis=1)
+    return joint.reshape((vocab,) * length)
+
+
+def _upper_gamma_regularized(a: float, x: float) -> float:
+    """Q(a, x) = Gamma(a, x) / Gamma(a): series below a + 1, continued fraction above."""
+    if x <= 0:
+        return 1.0
+    log_front = -x + a * np.log(x) - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1.0 / a
+        n = a
+        for _ in range(1000):
+            n += 1
+            term *= x / n
+            total += term
+            if abs(term) < abs(total) * 1e-15:
+                break
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    tiny = 1e-300
+    b = x + 1 - a
+    c = 1 / tiny
+    d = 1 / b
+    h = d
+    for i in range(1, 1000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1) < 1e-15:
+            break
+    return math.exp(log_front) * h
+
+
+def chi_square(counts: Any, probs: Any, min_expected: float = 5.0) -> tuple[float, int, float]:
+    """Pearson's goodness of fit of ``counts`` to ``probs`` (same shape, any).
+
+    Cells expected below ``min_expected`` are pooled into one cell (dropped if still
+    below); a count in a cell of probability zero fails outright (p = 0). Returns
+    (statistic, degrees of freedom, p-value).
+    """
+    counts = np.asarray(counts, dtype=np.float64).reshape(-1)
+    probs = np.asarray(probs, dtype=np.float64).reshape(-1)
+    if counts[probs <= 0].sum() > 0:
+        return math.inf, 0, 0.0
+    n = counts.sum()
+    expected = probs / probs.sum() * n
+    big = expected >= min_expected
+    obs = list(counts[big])
+    exp = list(expected[big])
+    if expected[~big].sum() >= min_expected:
+        obs.append(counts[~big].sum())
+        exp.append(expected[~big].sum())
+    obs_a, exp_a = np.array(obs), np.array(exp)
+    if len(obs_a) < 2:
+        return 0.0, 0, 1.0
+    # rescale to the cells kept so that both sides sum alike
+    exp_a = exp_a * obs_a.sum() / exp_a.sum()
+    stat = float(((obs_a - exp_a) ** 2 / exp_a).sum())
+    dof = len(obs_a) - 1
+    return stat, dof, _upper_gamma_regularized(dof / 2, stat / 2)
+
+
+def check_speculative_sampled(model: Model, draft: DraftModel, options: SamplerOptions, *,
+                              prompt: Sequence[int], runs: int = 1000, length: int = 4,
+                              depth: int | None = None, alpha: float = 1e-3
+                              ) -> dict[str, float]:
+    """Sampled exactness: the first ``length`` tokens of speculative decoding follow plain
+    decoding's exact distribution (:func:`exact_joint`).
+
+    ``runs`` generations with seeds ``0 .. runs-1`` (deterministic); Pearson chi-square
+    tests of each position's marginal after the first (the first token comes from the
+    prefill, before any draft) and of each pair of neighbouring positions. Raises
+    AssertionError when a p-value is below ``alpha``; returns the p-values by name.
+    """
+    if length < 2:
+        raise ValueError("length must be at least 2 (the first token is never drafted)")
+    vocab = model.vocab_size
+    joint = exact_joint(model, prompt, options, length)
+    samples = np.zeros((runs, length), dtype=np.int64)
+    drafted = accepted = 0
+    for seed in range(runs):
+        seeded = SamplerOptions(**{**options.__dict__, "seed": seed})
+        tokens, stats = speculative_tokens(model, draft, prompt, length + 1, options=seeded,
+                                           depth=depth)
+        samples[seed] = tokens[:length]
+        drafted += stats.drafted
+        accepted += stats.accepted
+    results: dict[str, float] = {}
+    for i in range(1, length):
+        marginal = joint.sum(axis=tuple(a for a in range(length) if a != i))
+        counts = np.bincount(samples[:, i], minlength=vocab)
+        results[f"token {i + 1}"] = chi_square(counts, marginal)[2]
+    for i in range(length - 1):
+        pair = joint.sum(axis=tuple(a for a in range(length) if a not in (i, i + 1)))
+        counts = np.zeros((vocab, vocab))
+        np.add.at(counts, (samples[:, i], samples[:, i + 1]), 1)
+        results[f"tokens {i + 1},{i + 2}"] = chi_square(counts, pair)[2]
+    results["acceptance_rate"] = accepted / drafted if drafted else 0.0
+    failed = {k: v for k, v in results.items() if k != "acceptance_rate" and v < alpha}
+    if failed:
+        shown = ", ".join(f"{k}: p = {v:.2g}" for k, v in failed.items())
+        raise AssertionError(f"{type(draft).__name__} on {type(model).__name__}: speculative "
+                             f"samples do not follow plain decoding's distribution ({shown}; "
+                             f"{runs} runs, options {options})")
+    return results
 
 
 # -- a target small enough to enumerate ----------------------------------------------------------

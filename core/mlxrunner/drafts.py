@@ -1,0 +1,434 @@
+"""Draft architectures: the interface a speculative draft provides, and loading one.
+
+A draft plugin subclasses :class:`DraftModel` (an ``mlx.nn.Module``) and
+registers the class through ``register_drafts`` under the name its checkpoints
+carry in ``config.json``'s ``architectures[0]``. The core builds it with the
+target in hand (``DraftModel(config, target)``), so that it can borrow the
+target's ``embed_tokens`` and ``raw_logits`` (unless its checkpoint carries its
+own embedding or head), checks it against the target with :meth:`validate`,
+loads its weights strictly, and then only ever talks to it through
+:meth:`DraftModel.new_session` and the :class:`DraftSession` it returns.
+
+The speculative round (``mlxrunner.speculative``) knows nothing else about a
+draft: per generation it calls ``prefill`` once with the prompt's tapped target
+states, and per round ``propose(current, pos, n)`` then ``commit`` with the
+tapped states of the tokens the round committed.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import DraftConfigError, ModelFolderError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .model import Model
+    from .sampler import Distribution, Sampler
+
+BUNDLE_PREFIX = "draft."
+"""Tensor-name prefix of a draft stored beside its target in one bundle."""
+
+
+@dataclass
+class DraftProposal:
+    """The tokens a draft proposes for one round, and what they were drawn from.
+
+    ``tokens`` [N] int32. ``probs`` holds q_i, the distribution row i was drawn
+    from: dense ``[N, V]`` when ``ids`` is None, else sparse ``[N, K]`` over the
+    candidate ids ``ids`` [N, K] (unique within a row). At temperature 0 the
+    draft's choice is a point mass (:meth:`point_mass`). All lazy arrays.
+    """
+
+    tokens: mx.array
+    probs: mx.array
+    ids: mx.array | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @classmethod
+    def point_mass(cls, tokens: mx.array) -> DraftProposal:
+        """Deterministic proposals: q_i is one on ``tokens[i]``."""
+        tokens = tokens.reshape(-1).astype(mx.int32)
+        return cls(tokens, mx.ones((tokens.shape[0], 1), dtype=mx.float32), tokens[:, None])
+
+    def distribution(self) -> Distribution:
+        """q as the sampler's :class:`~mlxrunner.sampler.Distribution` (rows = drafts)."""
+        from .sampler import Distribution
+
+        return Distribution(self.probs.astype(mx.float32), self.ids)
+
+
+class DraftSession:
+    """One generation's draft state: the context built from the target's tapped states.
+
+    Positions are absolute: the context holds rows ``0 .. pos-1`` (every token the
+    target has already run), ``current`` sits at ``pos``. Subclasses implement
+    :meth:`prefill`, :meth:`propose` and :meth:`commit`.
+    """
+
+    def __init__(self, draft: DraftModel, sampler: Sampler) -> None:
+        self.draft = draft
+        self.sampler = sampler
+        self.temperature = float(sampler.options.temperature)
+
+    def prefill(self, tapped: mx.array) -> None:
+        """Context rows for the prompt: ``tapped`` [1, P, len(taps) * hidden]. Called once per
+        prefill chunk, in order: the first call's rows sit at positions 0..P-1."""
+        raise NotImplementedError
+
+    def propose(self, current: int, pos: int, n: int) -> DraftProposal:
+        """Propose ``n`` tokens to follow ``current`` (at ``pos``); 1 <= n <= block_size - 1.
+
+        Draw with the request's temperature only (through :meth:`draw`, so a
+        seeded request stays reproducible); record each row's distribution.
+        Nothing the block computes may stay in the context.
+        """
+        raise NotImplementedError
+
+    def commit(self, tapped: mx.array) -> None:
+        """The round committed the tokens at ``pos .. pos+a`` (``current`` and ``a`` accepted
+        drafts); ``tapped`` [1, a+1, len(taps) * hidden] are their states from the verify
+        forward. Append them to the context and drop whatever the round's block left behind."""
+        raise NotImplementedError
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Arrays to evaluate with the target's caches after each prefill chunk."""
+        return []
+
+    # -- helpers for subclasses ---------------------------------------------
+    def draw(self, probs: mx.array, ids: mx.array | None = None) -> mx.array:
+        """One draw per row of ``probs`` from the request's random stream: [R] int32.
+
+        Dense rows return token ids; with ``ids`` the chosen ``ids`` entries; rows of a
+        sparse ``probs`` without ``ids`` return the chosen column (a slot index).
+        """
+        from .sampler import Distribution
+
+        if probs.ndim == 1:
+            probs = probs[None]
+        return self.sampler.draw(Distribution(probs.astype(mx.float32), ids))
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """What every block draft declares (read from ``dflash_config`` or the top level)."""
+
+    taps: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    hidden_size: int
+    vocab_size: int | None = None
+    num_target_layers: int | None = None
+    own_embedding: bool = False
+    own_head: bool = False
+
+
+class _Borrowed:
+    """Holds the target outside the draft's parameter tree (an ``nn.Module`` would adopt it)."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: Model) -> None:
+        self.target = target
+
+
+def _section(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    inner = config.get("dflash_config")
+    return inner if isinstance(inner, Mapping) else {}
+
+
+def draft_setting(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """A draft setting: ``dflash_config[key]`` first, then the top level, else ``default``."""
+    section = _section(config)
+    if key in section and section[key] is not None:
+        return section[key]
+    value = config.get(key)
+    return default if value is None else value
+
+
+class DraftModel(nn.Module):
+    """Base class of draft architectures.
+
+    Built as ``cls(config, target)`` from the draft's parsed ``config.json``. The
+    base reads the settings every block draft has (``target_layer_ids``,
+    ``block_size``, ``mask_token_id``; from ``dflash_config`` or the top level),
+    keeps the target out of its own parameters, and gives :meth:`embed_tokens`
+    and :meth:`raw_logits` that use the draft's own ``embed_tokens`` / ``lm_head``
+    modules when the subclass made them (``own_embedding`` / ``own_head``), else
+    the target's. Keep parsed settings in plain attributes or dataclasses (an
+    ``nn.Module`` treats dict attributes as parameter trees).
+    """
+
+    #: a session may change its depth from round to round (the DFlash depth
+    #: controller); False: always draft ``block_size - 1`` (budget permitting)
+    adaptive_depth: bool = False
+
+    def __init__(self, config: dict[str, Any], target: Model) -> None:
+        super().__init__()
+        self._config = MappingProxyType(dict(config))
+        self._borrowed = _Borrowed(target)
+        raw_taps = draft_setting(config, "target_layer_ids")
+        if raw_taps is None:
+            raise DraftConfigError("draft config has no target_layer_ids (dflash_config)")
+        try:
+            vocab = config.get("vocab_size")
+            n_target = draft_setting(config, "num_target_layers")
+            self.settings = DraftSettings(
+                taps=tuple(int(t) for t in raw_taps),
+                block_size=int(draft_setting(config, "block_size", 0)),
+                mask_token_id=int(draft_setting(config, "mask_token_id", -1)),
+                hidden_size=int(config.get("hidden_size") or target.hidden_size),
+                vocab_size=int(vocab) if vocab is not None else None,
+                num_target_layers=int(n_target) if n_target is not None else None,
+                own_embedding=bool(config.get("draft_own_embedding", False)),
+                own_head=bool(config.get("draft_own_head", False)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise DraftConfigError(f"draft config has a malformed setting ({exc})") from None
+
+    # -- the contract ----------------------------------------------------------
+    @property
+    def config(self) -> Mapping[str, Any]:
+        """The parsed config.json (read-only)."""
+        return self._config
+
+    @property
+    def target(self) -> Model:
+        return self._borrowed.target
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Target layers whose states feed the context (``target_layer_ids``)."""
+        return self.settings.taps
+
+    @property
+    def block_size(self) -> int:
+        return self.settings.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.settings.mask_token_id
+
+    @property
+    def own_embedding(self) -> bool:
+        return self.settings.own_embedding
+
+    @property
+    def own_head(self) -> bool:
+        return self.settings.own_head
+
+    @property
+    def max_depth(self) -> int:
+        """Most drafts per round: ``block_size - 1``."""
+        return self.block_size - 1
+
+    def new_session(self, sampler: Sampler) -> DraftSession:
+        """A fresh per-generation session drawing from ``sampler``'s stream."""
+        raise NotImplementedError
+
+    @classmethod
+    def config_for_checkpoint(cls, config: dict[str, Any],
+                              tensor_names: Iterable[str]) -> dict[str, Any]:
+        """The config to build with, given the checkpoint's tensor names.
+
+        The base records whether the checkpoint carries its own embedding table
+        or head (``draft_own_embedding`` / ``draft_own_head``), unless the config
+        says so itself. Subclasses may settle further optional parts this way.
+        """
+        names = set(tensor_names)
+        config = dict(config)
+        config.setdefault("draft_own_embedding", "embed_tokens.weight" in names)
+        config.setdefault("draft_own_head", "lm_head.weight" in names)
+        return config
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Map checkpoint names to this module's names; drop what is not used."""
+        return weights
+
+    def validate(self, target: Model) -> None:
+        """Check this draft fits ``target``; raise one clear :class:`DraftConfigError`."""
+        name = type(self).__name__
+        if not getattr(target, "supports_taps", True):
+            raise DraftConfigError(f"{type(target).__name__} does not expose layer taps, "
+                                   f"which the {name} draft needs")
+        taps = list(self.taps)
+        if not taps:
+            raise DraftConfigError(f"{name}: target_layer_ids is empty")
+        if any(b <= a for a, b in zip(taps, taps[1:])):
+            raise DraftConfigError(f"{name}: target_layer_ids {taps} are not strictly ascending")
+        layers = target.num_layers
+        bad = [t for t in taps if not 0 <= t < layers]
+        if bad:
+            raise DraftConfigError(f"{name}: target_layer_ids {bad} are outside the target's "
+                                   f"{layers} layers (0..{layers - 1})")
+        settings = self.settings
+        if settings.num_target_layers is not None and settings.num_target_layers != layers:
+            raise DraftConfigError(f"{name}: draft was made for a target with "
+                                   f"{settings.num_target_layers} layers, this one has {layers}")
+        if self.block_size < 2:
+            raise DraftConfigError(f"{name}: block_size must be at least 2, got {self.block_size}")
+        vocab = target.vocab_size
+        if not 0 <= self.mask_token_id < vocab:
+            raise DraftConfigError(f"{name}: mask_token_id {self.mask_token_id} is outside the "
+                                   f"target's vocabulary of {vocab}")
+        if settings.vocab_size is not None and settings.vocab_size != vocab:
+            raise DraftConfigError(f"{name}: vocabulary {settings.vocab_size} differs from "
+                                   f"the target's {vocab}")
+        if not self.own_embedding and settings.hidden_size != target.hidden_size:
+            raise DraftConfigError(f"{name}: hidden size {settings.hidden_size} differs from "
+                                   f"the target's embedding width {target.hidden_size}")
+
+    # -- borrowed or own embedding and head ----------------------------------------
+    def embed_tokens(self, ids: mx.array) -> mx.array:
+        """Token embeddings: the draft's own table if it has one, else the target's."""
+        if self.own_embedding:
+            return self["embed_tokens"](ids)
+        return self.target.embed_tokens(ids)
+
+    def raw_logits(self, hidden: mx.array) -> mx.array:
+        """The output head on normalised hidden states: the draft's own ``lm_head``, its own
+        embedding when tied (``tie_word_embeddings``, default true), else the target's."""
+        if self.own_head:
+            return self["lm_head"](hidden)
+        if self.own_embedding and self.config.get("tie_word_embeddings", True):
+            return self["embed_tokens"].as_linear(hidden)
+        return self.target.raw_logits(hidden)
+
+    # -- facts -------------------------------------------------------------------
+    @property
+    def dtype(self) -> mx.Dtype:
+        for _, value in nn.utils.tree_flatten(self.parameters()):
+            if mx.issubdtype(value.dtype, mx.floating):
+                return value.dtype
+        return mx.float32
+
+    @property
+    def weight_precision(self) -> str:
+        """The draft's own weights' precision (never mixed with the target's)."""
+        bits = {m.bits for _, m in self.named_modules() if hasattr(m, "bits")}
+        if bits:
+            return "/".join(f"{b}-bit" for b in sorted(bits)) + " affine"
+        return str(self.dtype).replace("mlx.core.", "")
+
+
+# -- loading -------------------------------------------------------------------------
+
+
+def _tensor_names(path: Path) -> list[str]:
+    """Tensor names in a safetensors file, from its header alone."""
+    try:
+        with path.open("rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+    except (OSError, struct.error, ValueError) as exc:
+        raise ModelFolderError(f"{path}: cannot read safetensors header ({exc})") from None
+    return [k for k in header if k != "__metadata__"]
+
+
+def _bundle_draft_config(folder: Path) -> dict[str, Any] | None:
+    """A bundle's draft config: ``draft_config.json``, else config.json's ``draft_config``."""
+    candidate = folder / "draft_config.json"
+    if candidate.exists():
+        from .loading import _read_json
+
+        config = _read_json(candidate, "draft config")
+        return config if isinstance(config, dict) else None
+    from .loading import read_config
+
+    inner = read_config(folder).get("draft_config")
+    return inner if isinstance(inner, dict) else None
+
+
+def load_draft(path: str | Path, target: Model, *, bundle: bool = False,
+               dtype: str | mx.Dtype | None = None) -> DraftModel | None:
+    """The draft of ``path`` built for ``target``, weights loaded strictly.
+
+    ``path`` is a draft folder (``config.json`` + safetensors, plain tensor
+    names), or with ``bundle=True`` a model folder whose safetensors also hold
+    the draft's tensors under ``draft.``; its config is ``draft_config.json`` or
+    the ``draft_config`` object of ``config.json``. A bundle without ``draft.``
+    tensors gives None. The class is the registered draft named by the config's
+    ``architectures[0]``. Errors: :class:`DraftConfigError` when the draft does
+    not fit the target, :class:`ModelFolderError` for a broken folder.
+    """
+    from . import plugins
+    from .loading import (
+        _read_json,
+        assign_weights,
+        cast_floats,
+        parse_dtype,
+        quantize_for_checkpoint,
+        read_weights,
+        weight_files,
+    )
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ModelFolderError(f"{folder}: draft folder not found")
+    if bundle:
+        try:
+            files = weight_files(folder)
+        except ModelFolderError:
+            return None
+        holding = [f for f in files if any(n.startswith(BUNDLE_PREFIX) for n in _tensor_names(f))]
+        if not holding:
+            return None
+        config = _bundle_draft_config(folder)
+        if config is None:
+            raise DraftConfigError(f"{folder}: the weights hold draft.* tensors but there is no "
+                                   "draft config (draft_config.json or config.json's draft_config)")
+        weights = {k[len(BUNDLE_PREFIX):]: v for k, v in read_weights(holding).items()
+                   if k.startswith(BUNDLE_PREFIX)}
+        where = folder
+    else:
+        config = _read_json(folder / "config.json", "config.json")
+        if not isinstance(config, dict):
+            raise ModelFolderError(f"{folder / 'config.json'}: expected a JSON object")
+        weights = read_weights(weight_files(folder))
+        where = folder
+    archs = config.get("architectures") or []
+    if not archs:
+        raise DraftConfigError(f"{where}: draft config names no architecture "
+                               "(architectures[0], e.g. DFlashDraftModel)")
+    cls = plugins.lookup("drafts", str(archs[0]),
+                         suggestion="try `pip install mlxrunner-dflash`").obj
+    draft = build_draft(cls, config, target, weights.keys())
+    try:
+        weights = draft.sanitize(weights)
+    except (KeyError, ValueError, IndexError) as exc:
+        raise ModelFolderError(f"{where}: draft checkpoint does not fit {archs[0]} "
+                               f"({exc})") from None
+    quantize_for_checkpoint(draft, config, weights)
+    draft_dtype = parse_dtype(dtype)
+    if draft_dtype is not None:
+        weights = cast_floats(weights, draft_dtype)
+    assign_weights(draft, weights, where)
+    mx.eval(draft.parameters())
+    draft.eval()
+    return draft
+
+
+def build_draft(cls: type[DraftModel], config: Mapping[str, Any], target: Model,
+                tensor_names: Iterable[str] = ()) -> DraftModel:
+    """Construct and validate a draft (random weights until loaded)."""
+    config = cls.config_for_checkpoint(dict(config), tensor_names)
+    try:
+        draft = cls(config, target)
+    except DraftConfigError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DraftConfigError(f"{cls.__name__}: bad draft config ({type(exc).__name__}: "
+                               f"{exc})") from None
+    draft.validate(target)
+    return draft

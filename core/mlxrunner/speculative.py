@@ -1,0 +1,451 @@
+"""Exact speculative decoding: the round, the loop, the depth controller, the statistics.
+
+The round (speculative.md, "The speculative round"), with ``pos`` the slot of
+``current`` (the last emitted token, not yet run through the target):
+
+1. the draft session proposes ``d_0 .. d_{N-1}`` and the q_i each was drawn from;
+2. every target cache schedules snapshots at ``pos+1 .. pos+N``;
+3. one target forward over ``[current, d_0 .. d_{N-1}]`` gives logits and taps;
+4. p_i from the very sampler pipeline of plain decoding (penalty history:
+   committed tokens + ``d[:i]``); greedy is its point-mass case;
+5. accept d_i with probability ``min(1, p_i(d_i) / q_i(d_i))`` in order; the
+   residual ``normalise(max(p_i - q_i, 0))`` of every row and the bonus from
+   p_N are drawn before the round's one host sync, which then picks one;
+6. an accepted EOS ends generation;
+7. every cache rolls back to ``pos + 1 + accepted``; the taps of the committed
+   rows become the draft's context.
+
+Only the Model, Cache and DraftSession interfaces are used: any target with
+taps and restorable caches gets speculative decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from .sampler import Distribution, Sampler, SamplerOptions
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .caches import Cache
+    from .drafts import DraftModel, DraftSession
+    from .generation import GenerationResult
+    from .model import Model
+
+
+def can_speculate(options: SamplerOptions) -> bool:
+    """Whether a request may draft: logprob requests decode without drafting."""
+    return not (options.logprobs or options.top_logprobs)
+
+
+def penalties_active(options: SamplerOptions) -> bool:
+    """Whether p depends on the history (then drafts must reach the host before p)."""
+    return options.repeat_last_n != 0 and (
+        options.repeat_penalty != 1.0 or options.presence_penalty != 0.0
+        or options.frequency_penalty != 0.0)
+
+
+# -- statistics ----------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeStats:
+    """What a speculative run reports (``--stats`` prints :meth:`format`, ``--json``
+    :meth:`as_dict`). A round is one verify forward after the first token."""
+
+    draft: str = ""
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    target_forwards: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    committed_in_rounds: int = 0
+    depths: dict[int, int] = field(default_factory=dict)
+    accepted_lengths: dict[int, int] = field(default_factory=dict)
+    seconds_by_depth: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over drafted tokens."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean committed tokens per round, the residual or bonus token included."""
+        return self.committed_in_rounds / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    def round_ms(self) -> dict[int, float]:
+        """Mean wall time of a round per depth, in milliseconds (draft + verify + sync)."""
+        return {d: 1e3 * self.seconds_by_depth.get(d, 0.0) / n for d, n in self.depths.items()}
+
+    def record_round(self, depth: int, accepted: int, committed: int,
+                     seconds: float = 0.0) -> None:
+        self.rounds += 1
+        self.seconds_by_depth[depth] = self.seconds_by_depth.get(depth, 0.0) + seconds
+        self.target_forwards += 1
+        self.drafted += depth
+        self.accepted += accepted
+        self.committed_in_rounds += committed
+        self.depths[depth] = self.depths.get(depth, 0) + 1
+        self.accepted_lengths[accepted] = self.accepted_lengths.get(accepted, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": "speculative",
+            "draft": self.draft,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "target_forwards": self.target_forwards,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tau": round(self.tau, 3),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "prefill_tokens_per_second": round(self.prefill_tokens_per_second, 2),
+            "decode_seconds": round(self.decode_seconds, 4),
+            "depths": {str(k): v for k, v in sorted(self.depths.items())},
+            "accepted_lengths": {str(k): v for k, v in sorted(self.accepted_lengths.items())},
+            "round_ms_by_depth": {str(k): round(v, 3) for k, v in sorted(self.round_ms().items())},
+        }
+
+    def format(self) -> str:
+        d = self.as_dict()
+        name = f" ({self.draft})" if self.draft else ""
+        return (f"speculative{name}: {d['generated_tokens']} tokens, "
+                f"{d['tokens_per_second']} tok/s; {d['rounds']} rounds, drafted {d['drafted']}, "
+                f"accepted {d['accepted']} ({100 * self.acceptance_rate:.1f}%), "
+                f"tau {d['tau']}; {d['target_forwards']} target forwards "
+                f"(prefill {d['prompt_tokens']} tokens, {d['prefill_tokens_per_second']} tok/s)")
+
+
+# -- the depth controller (DFlash v1 sessions) ------------------------------------------
+
+
+class DepthController:
+    """Chooses how many tokens to draft so as to maximise expected committed tokens per second.
+
+    Acceptance is tracked per draft position as a conditional rate a_i = P(d_i
+    accepted | d_0..d_{i-1} accepted), with slow forgetting; drafting ``d`` then
+    commits ``E(d) = 1 + sum_{k=1..d} prod_{i<k} a_i`` tokens (bonus included).
+    Round time T(d) is the measured mean per depth (a least-squares line through
+    the measured depths stands in for the others). The first rounds visit the
+    deepest, the shallowest and a middle depth to measure them; afterwards
+    every ``probe_every`` rounds one round tries the next deeper depth, so that
+    acceptance beyond the chosen depth keeps being observed.
+
+    With ``measured=False`` T(d) is the fixed model ``1 + draft_cost * d``: the
+    choice then depends only on acceptance (seeded sampling stays reproducible).
+    """
+
+    def __init__(self, max_depth: int, *, measured: bool = True, draft_cost: float = 0.15,
+                 probe_every: int = 16, forget: float = 0.98, ema: float = 0.25) -> None:
+        if max_depth < 1:
+            raise ValueError("max_depth must be at least 1")
+        self.max_depth = max_depth
+        self.measured = measured
+        self.draft_cost = draft_cost
+        self.probe_every = probe_every
+        self.forget = forget
+        self.ema = ema
+        # Beta(1, 1)-like pseudo-counts: a prior rate of 0.5 worth two rounds
+        self.hits = [1.0] * max_depth
+        self.tries = [2.0] * max_depth
+        self.seconds: dict[int, float] = {}
+        self.rounds = 0
+        warm = [max_depth, 1, (max_depth + 1) // 2, 0]
+        self._warmup = list(dict.fromkeys(warm))
+
+    def rates(self) -> list[float]:
+        return [h / t for h, t in zip(self.hits, self.tries)]
+
+    def expected_tokens(self, depth: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.rates()[:depth]:
+            run *= a
+            total += run
+        return total
+
+    def round_seconds(self, depth: int) -> float:
+        if not self.measured:
+            return 1.0 + self.draft_cost * depth
+        if depth in self.seconds:
+            return self.seconds[depth]
+        if not self.seconds:
+            return 1.0
+        xs = list(self.seconds)
+        ys = [self.seconds[x] for x in xs]
+        if len(xs) == 1:
+            return ys[0]
+        mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx_) ** 2 for x in xs)
+        slope = max(sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / var, 0.0)
+        return max(my + slope * (depth - mx_), 1e-9)
+
+    def best(self, limit: int) -> int:
+        top = min(self.max_depth, limit)
+        if top <= 0:
+            return 0
+        scores = [(self.expected_tokens(d) / self.round_seconds(d), d) for d in range(top + 1)]
+        return max(scores)[1]
+
+    def choose(self, limit: int) -> int:
+        """The depth for the next round; ``limit`` caps it (remaining budget - 1)."""
+        top = min(self.max_depth, limit)
+        if top <= 0:
+            return 0
+        if self.measured and self._warmup:
+            return min(self._warmup[0], top)
+        best = self.best(top)
+        if self.rounds % self.probe_every == self.probe_every - 1 and best < top:
+            return best + 1
+        return best
+
+    def update(self, depth: int, accepted: int, seconds: float | None = None) -> None:
+        self.rounds += 1
+        if self._warmup:
+            self._warmup.pop(0)
+        for i in range(self.max_depth):
+            self.hits[i] *= self.forget
+            self.tries[i] *= self.forget
+        for i in range(min(depth, accepted + 1)):
+            self.tries[i] += 1.0
+            if i < accepted:
+                self.hits[i] += 1.0
+        if seconds is not None and self.measured:
+            old = self.seconds.get(depth)
+            self.seconds[depth] = seconds if old is None else old + self.ema * (seconds - old)
+
+
+# -- one round ----------------------------------------------------------------------------
+
+
+@dataclass
+class RoundDecision:
+    """The lazily built outcome of step 5: how many drafts are accepted, and for each
+    possible stopping point the token drawn there (residual rows, then the bonus)."""
+
+    accepted: mx.array  # scalar int32
+    fix_tokens: mx.array  # [N + 1] int32: residual draws for rows 0..N-1, bonus for row N
+
+
+def decide(sampler: Sampler, p: Distribution, q: Distribution | None,
+           drafts: mx.array | None) -> RoundDecision:
+    """Step 5 for one round, lazily: acceptance tests, residual draws and the bonus draw.
+
+    ``p`` has N + 1 rows (row N is the bonus row), ``q`` and ``drafts`` N rows.
+    Keys consumed: N uniforms, N residual draws, one bonus draw.
+    """
+    n = 0 if drafts is None else int(drafts.shape[0])
+    bonus = sampler.draw(p[n:n + 1])
+    if n == 0 or q is None or drafts is None:
+        return RoundDecision(mx.array(0, dtype=mx.int32), bonus)
+    p_rows = p[0:n]
+    p_at = p_rows.prob_of(drafts)
+    q_at = q.prob_of(drafts)
+    u = sampler.uniform(n)
+    # u < p/q  <=>  u * q < p  (q > 0 for a token drawn from q); p >= q always accepts
+    ok = (u * q_at < p_at).astype(mx.int32)
+    accepted = mx.sum(mx.cumprod(ok), axis=0).astype(mx.int32)
+    residual = sampler.draw(sampler.residual(p_rows, q))
+    return RoundDecision(accepted, mx.concatenate([residual, bonus]).astype(mx.int32))
+
+
+@dataclass
+class RoundOutcome:
+    drafts: list[int]
+    accepted: int
+    fix: int
+    tapped: mx.array  # [1, N + 1, taps * hidden], lazy
+
+    @property
+    def emitted(self) -> list[int]:
+        return self.drafts[:self.accepted] + [self.fix]
+
+
+def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSession,
+              sampler: Sampler, taps: Sequence[int], history: Sequence[int], current: int,
+              pos: int, n: int) -> RoundOutcome:
+    """Steps 1-5 and the host sync of one round (rollback and commit are the caller's)."""
+    live = [c for c in caches if c is not None]
+    proposal = session.propose(current, pos, n) if n > 0 else None
+    if proposal is not None:
+        drafts = proposal.tokens.reshape(-1).astype(mx.int32)
+        ids = mx.concatenate([mx.array([current], dtype=mx.int32), drafts])[None]
+    else:
+        drafts = None
+        ids = mx.array([[current]], dtype=mx.int32)
+    offsets = range(pos + 1, pos + n + 1)
+    for cache in live:
+        cache.schedule_snapshots(offsets)
+    logits, tapped = model(ids, caches, taps=taps)
+    logits = logits[0]
+    options = sampler.options
+    if drafts is not None and penalties_active(options):
+        # p_i's penalties see d[:i]: the drafts must reach the host first (an extra
+        # sync only when penalties are on; the verify forward is already queued).
+        mx.async_eval(logits, tapped)
+        draft_list = [int(t) for t in drafts.tolist()]
+        keep = options.repeat_last_n
+        base = list(history) if keep < 0 else list(history[-keep:]) if keep else []
+        histories = [base + draft_list[:i] for i in range(n + 1)]
+    else:
+        base = list(history[-options.repeat_last_n:]) if options.repeat_last_n > 0 else []
+        histories = [base] * (n + 1)
+    p = sampler.distributions(logits, histories)
+    q = proposal.distribution() if proposal is not None else None
+    decision = decide(sampler, p, q, drafts)
+    outputs = [decision.accepted, decision.fix_tokens] + ([drafts] if drafts is not None else [])
+    mx.eval(*outputs)  # the round's one host sync
+    accepted = int(decision.accepted.item())
+    draft_list = [int(t) for t in drafts.tolist()] if drafts is not None else []
+    fix = int(decision.fix_tokens[accepted].item())
+    return RoundOutcome(draft_list, accepted, fix, tapped)
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+
+def _prefill(model: Model, prompt: Sequence[int], caches: list, session: DraftSession,
+             taps: Sequence[int]) -> mx.array:
+    """Plain decoding's chunked prefill (same chunks, so the same arithmetic), each chunk's
+    tapped states handed to the draft as they come; returns the last row's logits."""
+    from . import generate
+
+    chunk = int(getattr(generate, "PREFILL_CHUNK", 512))
+    ids = mx.array(list(prompt), dtype=mx.int32)[None]
+    logits = None
+    for start in range(0, ids.shape[1], chunk):
+        out, tapped = model(ids[:, start:start + chunk], caches, taps=taps)
+        logits = out[:, -1, :]
+        session.prefill(tapped)
+        mx.eval(logits, *[s for c in caches if c is not None for s in c.state],
+                *session.state)
+    assert logits is not None
+    return logits
+
+
+def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *,
+                       sampler: Sampler, max_tokens: int = 256,
+                       eos_ids: frozenset[int] | set[int] = frozenset(),
+                       depth: int | None = None, stats: SpeculativeStats | None = None,
+                       controller: DepthController | None = None) -> Iterator[list[int]]:
+    """Yield the tokens each step commits: the first token, then each round's.
+
+    Stops after an EOS token or ``max_tokens`` tokens. ``depth`` fixes the
+    drafts per round (clipped to the draft's ``block_size - 1`` and to the
+    budget); by default a DFlash2-style draft (``adaptive_depth`` False) drafts
+    ``block_size - 1`` every round and a DFlash one follows a
+    :class:`DepthController`. Logprob requests must decode without drafting
+    (:func:`can_speculate`).
+    """
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    if not can_speculate(sampler.options):
+        raise ValueError("logprob requests decode without drafting (see can_speculate)")
+    stats = stats if stats is not None else SpeculativeStats()
+    stats.draft = stats.draft or type(draft).__name__
+    if max_tokens <= 0:
+        return
+    if depth is None and controller is None and draft.adaptive_depth:
+        measured = sampler.greedy or sampler.options.seed is None
+        controller = DepthController(draft.max_depth, measured=measured)
+    taps = tuple(draft.taps)
+    caches = model.make_cache()
+    live = [c for c in caches if c is not None]
+    session = draft.new_session(sampler)
+    history = list(prompt)
+    eos = frozenset(eos_ids)
+
+    t0 = time.perf_counter()
+    logits = _prefill(model, prompt, caches, session, taps)
+    first = int(sampler.sample(logits, history).item())
+    stats.prompt_tokens = len(prompt)
+    stats.target_forwards += 1
+    stats.prefill_seconds = time.perf_counter() - t0
+    t_decode = time.perf_counter()
+    try:
+        history.append(first)
+        stats.generated_tokens = 1
+        stats.decode_seconds = time.perf_counter() - t_decode
+        yield [first]
+        if first in eos:
+            return
+        pos, current = len(prompt), first
+        while stats.generated_tokens < max_tokens:
+            limit = min(draft.max_depth, max_tokens - stats.generated_tokens - 1)
+            if depth is not None:
+                n = max(0, min(depth, limit))
+            elif controller is not None:
+                n = controller.choose(limit)
+            else:
+                n = max(0, limit)
+            t_round = time.perf_counter()
+            outcome = run_round(model, caches, session, sampler, taps, history, current, pos, n)
+            seconds = time.perf_counter() - t_round
+            emitted = outcome.emitted
+            finished = False
+            for i, token in enumerate(emitted):
+                if token in eos:
+                    emitted, finished = emitted[:i + 1], True
+                    break
+            stats.record_round(n, outcome.accepted, len(outcome.emitted), seconds)
+            if controller is not None:
+                controller.update(n, outcome.accepted, seconds)
+            history.extend(emitted)
+            stats.generated_tokens += len(emitted)
+            if not finished and stats.generated_tokens < max_tokens:
+                if outcome.accepted < n:
+                    for cache in live:
+                        cache.restore(pos + 1 + outcome.accepted)
+                for cache in live:
+                    cache.discard_snapshots()
+                session.commit(outcome.tapped[:, :outcome.accepted + 1])
+                pos += outcome.accepted + 1
+                current = emitted[-1]
+            stats.decode_seconds = time.perf_counter() - t_decode
+            yield emitted
+            if finished:
+                return
+    finally:
+        stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
+
+
+def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int], *,
+                         sampler: Sampler | None = None, options: SamplerOptions | None = None,
+                         max_tokens: int = 256, eos_ids: frozenset[int] | set[int] = frozenset(),
+                         on_token: Callable[[int], None] | None = None,
+                         depth: int | None = None) -> GenerationResult:
+    """Generate with ``draft``; the output has plain decoding's distribution (greedy: its
+    very tokens). Returns :class:`mlxrunner.GenerationResult` with
+    :class:`SpeculativeStats` as ``stats``."""
+    from .generation import GenerationResult
+
+    if sampler is None:
+        sampler = Sampler(options or SamplerOptions(), model.vocab_size)
+    stats = SpeculativeStats(draft=type(draft).__name__)
+    tokens: list[int] = []
+    for chunk in speculative_stream(model, draft, prompt, sampler=sampler,
+                                    max_tokens=max_tokens, eos_ids=eos_ids, depth=depth,
+                                    stats=stats):
+        for token in chunk:
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+    finish = "stop" if tokens and tokens[-1] in eos_ids else "length"
+    return GenerationResult(tokens=tokens, finish_reason=finish, stats=stats)

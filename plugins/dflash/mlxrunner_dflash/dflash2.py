@@ -1,0 +1,201 @@
+"""DFlash2: DFlash plus block-local dynamic convolutions and a candidate selector.
+
+Convolution (``conv_kernel_size`` K, ``conv_group_size``; G = hidden / group
+size): from a sublayer's normalised input x, ``dyn = kernel_projection(x)`` as
+``[B, L, 2, K, G]``; ``conv(x)[t] = sum_o (base[o] + dyn[t, o, group(c)]) * x[t-o]``,
+zero before the block's first row. Half 0 convolves the sublayer's input, half 1
+its output.
+
+Selector (``selector_top_k`` K, ``selector_rank`` R): per block row the K best
+ids of the head, unary scores (scaled, softcapped logits), and pairwise scores
+``sum_r pred(prev)[r] * proj[r] * succ(id_j)[r]``; row 0's predecessor is the
+anchor (``current``), row p's the candidate chosen at p-1. Temperature 0:
+argmax (q one-hot). Else ``softmax(row / T)`` over the K candidates, one draw,
+and q is that sparse distribution.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import mlxrunner
+from mlxrunner import DraftConfigError, DraftProposal
+
+from .dflash import ContextKV, DFlashArgs, DFlashDraftModel, DFlashLayer, DFlashSession
+
+
+def block_convolve(x: mx.array, base: mx.array, dynamic: mx.array, group_size: int) -> mx.array:
+    """``out[t, c] = sum_o (base[o, c] + dynamic[t, o, c // group_size]) * x[t - o, c]``.
+
+    x [B, L, C]; base [K, C]; dynamic [B, L, K, G]; rows before the first are zero.
+    """
+    _, L, _ = x.shape
+    kernel = base.shape[0]
+    out = None
+    for o in range(min(kernel, L)):
+        shifted = x if o == 0 else mx.pad(x[:, :L - o], [(0, 0), (o, 0), (0, 0)])
+        weight = base[o].astype(x.dtype) + mx.repeat(dynamic[:, :, o, :], group_size, axis=-1)
+        term = weight * shifted
+        out = term if out is None else out + term
+    return out
+
+
+@cache
+def _fused_convolve(group_size: int) -> Any:
+    # One fused kernel instead of ~5 per kernel tap: worth it where launches cost (GPU); on
+    # the CPU the one-off compile costs more than a short run saves.
+    return mx.compile(lambda x, base, dynamic: block_convolve(x, base, dynamic, group_size))
+
+
+def convolve(x: mx.array, base: mx.array, dynamic: mx.array, group_size: int) -> mx.array:
+    if mx.default_device() == mx.cpu:
+        return block_convolve(x, base, dynamic, group_size)
+    return _fused_convolve(group_size)(x, base, dynamic)
+
+
+class BlockConv(nn.Module):
+    """``base_kernel`` [2, K, hidden] and ``kernel_projection``: hidden -> 2 * K * G."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.groups = hidden // group_size
+        # identity until trained: tap 0 weight 1, others 0
+        base = mx.zeros((2, kernel_size, hidden))
+        base[:, 0, :] = 1.0
+        self.base_kernel = base
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
+
+    def kernels(self, x: mx.array) -> mx.array:
+        """Dynamic kernels from the normalised sublayer input: [B, L, 2, K, G]."""
+        B, L, _ = x.shape
+        return self.kernel_projection(x).reshape(B, L, 2, self.kernel_size, self.groups)
+
+    def __call__(self, x: mx.array, half: int, dynamic: mx.array) -> mx.array:
+        return convolve(x, self.base_kernel[half], dynamic[:, :, half], self.group_size)
+
+
+class DFlash2Layer(DFlashLayer):
+    def __init__(self, args: DFlashArgs, index: int) -> None:
+        super().__init__(args, index)
+        self.attention_conv = BlockConv(args.hidden_size, args.conv_kernel_size,
+                                        args.conv_group_size)
+        self.mlp_conv = BlockConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
+
+    def __call__(self, h: mx.array, pos: int, store: ContextKV) -> mx.array:
+        x = self.input_layernorm(h)
+        dyn = self.attention_conv.kernels(x)
+        out = self.self_attn(self.attention_conv(x, 0, dyn), pos, store)
+        h = h + self.attention_conv(out, 1, dyn)
+        x = self.post_attention_layernorm(h)
+        dyn = self.mlp_conv.kernels(x)
+        out = self.mlp(self.mlp_conv(x, 0, dyn))
+        return h + self.mlp_conv(out, 1, dyn)
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Embedding(vocab_size, rank)
+        self.successor_codebook = nn.Embedding(vocab_size, rank)
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def scores(self, hidden: mx.array, logits: mx.array, anchor: int,
+               scale: Any) -> tuple[mx.array, mx.array, mx.array]:
+        """For n block rows: candidate ids [n, K], the anchor's score row [K] for row 0,
+        and transition scores [n-1, K, K] (row p's scores given each slot of row p-1).
+
+        ``logits`` are the raw head outputs [n, V]; ``scale`` maps them to unary scores.
+        """
+        ids = mlxrunner.topk_indices(logits, self.top_k)
+        unary = scale(mx.take_along_axis(logits, ids, axis=-1)).astype(mx.float32)
+        proj = self.hidden_projection(hidden).astype(mx.float32)  # [n, R]
+        succ = self.successor_codebook(ids).astype(mx.float32)  # [n, K, R]
+        anchor_code = self.predecessor_codebook(mx.array([anchor], dtype=mx.int32))
+        anchor_code = anchor_code.astype(mx.float32)  # [1, R]
+        first = (succ[0] @ (anchor_code[0] * proj[0])) + unary[0]  # [K]
+        pred = self.predecessor_codebook(ids[:-1]).astype(mx.float32)  # [n-1, K, R]
+        transitions = (pred * proj[1:, None, :]) @ succ[1:].transpose(0, 2, 1)
+        transitions = transitions + unary[1:, None, :]
+        return ids, first, transitions
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2: convolutions around each sublayer and a candidate selector; drafts
+    ``block_size - 1`` tokens every round."""
+
+    adaptive_depth = False
+    layer_class = DFlash2Layer
+
+    def __init__(self, config: dict[str, Any], target: mlxrunner.Model) -> None:
+        args = DFlashArgs.from_config(config)
+        name = type(self).__name__
+        if args.conv_kernel_size < 1 or args.conv_group_size < 1:
+            raise DraftConfigError(f"{name}: conv_kernel_size and conv_group_size must be "
+                                   f"positive, got {args.conv_kernel_size} and "
+                                   f"{args.conv_group_size}")
+        if args.hidden_size % args.conv_group_size:
+            raise DraftConfigError(f"{name}: hidden size {args.hidden_size} is not a multiple "
+                                   f"of conv_group_size {args.conv_group_size}")
+        if args.selector_rank < 1 or not 1 <= args.selector_top_k <= target.vocab_size:
+            raise DraftConfigError(f"{name}: selector_rank must be positive and "
+                                   f"selector_top_k within 1..{target.vocab_size}, got "
+                                   f"{args.selector_rank} and {args.selector_top_k}")
+        super().__init__(config, target)
+        self.candidate_selector = CandidateSelector(target.vocab_size, args.hidden_size,
+                                                    args.selector_rank, args.selector_top_k)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        # Published DFlash2 checkpoints store the codebooks without ".weight".
+        out = dict(weights)
+        for book in ("predecessor_codebook", "successor_codebook"):
+            bare = f"candidate_selector.{book}"
+            if bare in out and f"{bare}.weight" not in out:
+                out[f"{bare}.weight"] = out.pop(bare)
+        return out
+
+    def new_session(self, sampler: Any) -> DFlash2Session:
+        return DFlash2Session(self, sampler)
+
+
+class DFlash2Session(DFlashSession):
+    draft: DFlash2DraftModel
+
+    def propose(self, current: int, pos: int, n: int) -> DraftProposal:
+        hidden = self.block(current, pos, n)
+        draft = self.draft
+        logits = draft.raw_logits(hidden).astype(mx.float32)
+        ids, first, transitions = draft.candidate_selector.scores(
+            hidden, logits, current, draft.scale_logits)
+        return choose_path(ids, first, transitions, self.temperature, self.draw)
+
+
+def choose_path(ids: mx.array, first: mx.array, transitions: mx.array, temperature: float,
+                draw: Any) -> DraftProposal:
+    """Walk the rows: row 0 scores ``first``, row p the transition row of the slot chosen
+    at p-1. ``draw(probs [1, K]) -> [1]`` draws a slot at temperature > 0."""
+    n = ids.shape[0]
+    row = first
+    slots = []
+    probs = []
+    for p in range(n):
+        if p > 0:
+            row = mx.take(transitions[p - 1], slots[-1], axis=0)
+        if temperature <= 0:
+            slot = mx.argmax(row).astype(mx.int32)
+        else:
+            q = mx.softmax(row / temperature, precise=True)
+            slot = draw(q[None])[0]
+            probs.append(q)
+        slots.append(slot)
+    slot_arr = mx.stack(slots).astype(mx.int32)
+    tokens = mx.take_along_axis(ids, slot_arr[:, None], axis=-1)[:, 0]
+    if temperature <= 0:
+        return DraftProposal.point_mass(tokens)
+    return DraftProposal(tokens, mx.stack(probs), ids)

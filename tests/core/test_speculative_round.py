@@ -1,0 +1,249 @@
+"""The speculative round and loop on a target small enough to enumerate (no plugins needed)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxrunner import DraftProposal, Sampler, SamplerOptions
+from mlxrunner.generation import GenerationResult
+from mlxrunner.sampler import Distribution
+from mlxrunner.speculative import (
+    DepthController,
+    SpeculativeStats,
+    can_speculate,
+    decide,
+    speculative_generate,
+    speculative_stream,
+)
+from mlxrunner.testing.speculative import (
+    ScriptedDraft,
+    ToyTarget,
+    check_speculative_greedy,
+    plain_tokens,
+    speculative_tokens,
+)
+
+mx.set_default_device(mx.cpu)
+GREEDY = SamplerOptions(temperature=0)
+
+
+def toy(vocab: int = 16, seed: int = 0, scale: float = 2.0) -> ToyTarget:
+    return ToyTarget({"vocab_size": vocab, "hidden_size": 16, "seed": seed, "scale": scale})
+
+
+# -- step 5: acceptance, residual and bonus --------------------------------------------------------
+
+
+def _dense(rows):
+    return Distribution(mx.array(rows, dtype=mx.float32))
+
+
+def _emitted_frequencies(p: Distribution, q: Distribution, runs: int) -> np.ndarray:
+    """One-draft rounds, the draft drawn from q: the first emitted token is the draft if
+    accepted, else the residual's draw; its distribution must be p's first row."""
+    vocab = p.probs.shape[-1]
+    q_dense = np.array(q.dense(vocab), dtype=np.float64)[0]
+    rng = np.random.default_rng(0)
+    counts = np.zeros(vocab)
+    for seed in range(runs):
+        draft = int(rng.choice(vocab, p=q_dense / q_dense.sum()))
+        sampler = Sampler(SamplerOptions(temperature=1.0, seed=seed), vocab)
+        d = decide(sampler, p, q, mx.array([draft], dtype=mx.int32))
+        accepted = int(d.accepted.item())
+        counts[draft if accepted else int(d.fix_tokens[0].item())] += 1
+    return counts / runs
+
+
+RESIDUAL_EXAMPLES = [
+    # p (2 rows: the draft's row, the bonus row), q, normalise(max(p - q, 0))
+    ("dense q", [[0.5, 0.3, 0.2, 0.0], [0.25] * 4], _dense([[0.2, 0.5, 0.1, 0.2]]),
+     [0.75, 0.0, 0.25, 0.0]),
+    ("sparse q", [[0.5, 0.3, 0.2, 0.0], [0.25] * 4],
+     Distribution(mx.array([[0.6, 0.4]]), mx.array([[2, 0]], dtype=mx.int32)),
+     [0.25, 0.75, 0.0, 0.0]),
+    ("point-mass q", [[0.5, 0.5, 0.0, 0.0], [0.25] * 4],
+     DraftProposal.point_mass(mx.array([0])).distribution(), [0.0, 1.0, 0.0, 0.0]),
+    ("q outside p", [[0.0, 0.0, 1.0, 0.0], [0.25] * 4], _dense([[0.0, 0.0, 0.0, 1.0]]),
+     [0.0, 0.0, 1.0, 0.0]),
+]
+
+
+@pytest.mark.parametrize("name, p_rows, q, residual", RESIDUAL_EXAMPLES,
+                         ids=[e[0] for e in RESIDUAL_EXAMPLES])
+def test_residual_examples_and_the_emitted_token_follows_p(name, p_rows, q, residual):
+    p = _dense(p_rows)
+    sampler = Sampler(SamplerOptions(temperature=1.0, seed=0), 4)
+    got = np.array(sampler.residual(p[0:1], q).dense(4))[0]
+    np.testing.assert_allclose(got, residual, atol=1e-6)
+    freq = _emitted_frequencies(p, q, runs=1000)
+    # binomial standard error at 1000 runs is at most 0.016: allow 4 of them
+    np.testing.assert_allclose(freq, p_rows[0], atol=0.064)
+
+
+def test_greedy_round_accepts_up_to_the_first_disagreement():
+    # point masses: p argmax per row (3 drafts + bonus row), drafts agree on the first two
+    p = Distribution(mx.ones((4, 1)), mx.array([[5], [6], [7], [8]], dtype=mx.int32))
+    sampler = Sampler(GREEDY, 16)
+    drafts = mx.array([5, 6, 9], dtype=mx.int32)
+    d = decide(sampler, p, DraftProposal.point_mass(drafts).distribution(), drafts)
+    assert int(d.accepted.item()) == 2
+    assert int(d.fix_tokens[2].item()) == 7  # the target's own choice at the rejection
+    drafts = mx.array([5, 6, 7], dtype=mx.int32)
+    d = decide(sampler, p, DraftProposal.point_mass(drafts).distribution(), drafts)
+    assert int(d.accepted.item()) == 3 and int(d.fix_tokens[3].item()) == 8  # bonus
+
+
+def test_a_round_draws_everything_before_one_sync_from_a_fixed_number_of_keys():
+    p = _dense([[0.5, 0.5, 0, 0]] * 4)
+    q = _dense([[0.25] * 4] * 3)
+    sampler = Sampler(SamplerOptions(temperature=1.0, seed=3), 4)
+    decide(sampler, p, q, mx.array([0, 1, 2], dtype=mx.int32))
+    assert sampler.draws == 3 + 3 + 1  # uniforms, residual draws, bonus draw
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+
+def test_greedy_speculative_equals_plain_on_the_toy_target():
+    stats = check_speculative_greedy(toy(), max_tokens=60, prompts=2, prompt_len=5,
+                                     random_drafts=False)
+    assert all(s.generated_tokens == 60 for s in stats)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 9, 17])
+def test_the_budget_is_met_exactly(max_tokens):
+    target = toy()
+    prompt = [1, 2, 3]
+    plain = plain_tokens(target, prompt, max_tokens)
+    draft = ScriptedDraft.for_script(target, prompt + plain, block_size=8,
+                                     wrong_every_round=False)
+    tokens, stats = speculative_tokens(target, draft, prompt, max_tokens)
+    assert tokens == plain and len(tokens) == max_tokens
+    assert stats.generated_tokens == max_tokens
+    # every round drafted no more than the budget left minus the bonus
+    assert sum(stats.depths.values()) == stats.rounds
+    assert max(stats.depths, default=0) <= max(0, max_tokens - 2)
+
+
+def test_an_agreeing_draft_needs_fewer_target_forwards_than_tokens():
+    target = toy()
+    prompt = [4, 5, 6]
+    plain = plain_tokens(target, prompt, 100)
+    draft = ScriptedDraft.for_script(target, prompt + plain, block_size=8,
+                                     wrong_every_round=False)
+    result = speculative_generate(target, draft, prompt, options=GREEDY, max_tokens=100)
+    assert isinstance(result, GenerationResult)
+    assert result.tokens == plain
+    stats = result.stats
+    assert stats.acceptance_rate > 0.95
+    assert stats.target_forwards < len(plain) / 4  # 1 prefill + ~99 / 8 rounds
+    assert stats.tau > 7.0
+    d = stats.as_dict()
+    for key in ("rounds", "drafted", "accepted", "acceptance_rate", "tau", "tokens_per_second",
+                "target_forwards", "generated_tokens"):
+        assert key in d
+    assert d["generated_tokens"] == 100 and d["accepted"] == stats.accepted
+    assert "tau" in stats.format() and "accepted" in stats.format()
+
+
+def test_eos_inside_an_accepted_run_ends_generation():
+    target = toy()
+    prompt = [1, 2, 3]
+    plain = plain_tokens(target, prompt, 40)
+    # an EOS that first appears well inside the output
+    index = next(i for i, t in enumerate(plain) if i >= 4 and t not in plain[:i])
+    eos = plain[index]
+    expected = plain_tokens(target, prompt, 40, eos_ids={eos})
+    assert expected == plain[:index + 1]
+    draft = ScriptedDraft.for_script(target, prompt + plain, block_size=8,
+                                     wrong_every_round=False)
+    chunks = list(speculative_stream(target, draft, prompt, sampler=Sampler(GREEDY, 16),
+                                     max_tokens=40, eos_ids={eos}))
+    tokens = [t for chunk in chunks for t in chunk]
+    assert tokens == expected
+    # the round that met EOS had accepted drafts after it: they were dropped
+    last_round_tokens = len(chunks[-1])
+    assert chunks[-1][-1] == eos and last_round_tokens < 8
+    result = speculative_generate(target, draft, prompt, options=GREEDY, max_tokens=40,
+                                  eos_ids={eos})
+    assert result.finish_reason == "stop"
+    assert result.stats.committed_in_rounds > result.stats.generated_tokens - 1
+
+
+def test_seeded_sampling_is_reproducible_and_streams_every_token():
+    target = toy(vocab=32)
+    prompt = [1, 2, 3]
+    options = SamplerOptions(temperature=0.9, top_k=10, seed=7)
+    plain = plain_tokens(target, prompt, 30, options=SamplerOptions(temperature=0))
+    draft = ScriptedDraft.for_script(target, prompt + plain)
+    seen: list[int] = []
+    a = speculative_generate(target, draft, prompt, options=options, max_tokens=30,
+                             on_token=seen.append)
+    b = speculative_generate(target, draft, prompt, options=options, max_tokens=30)
+    assert a.tokens == b.tokens == seen and len(seen) == 30
+
+
+def test_logprob_requests_do_not_draft():
+    assert can_speculate(SamplerOptions())
+    assert not can_speculate(SamplerOptions(logprobs=True))
+    assert not can_speculate(SamplerOptions(top_logprobs=3))
+    target = toy()
+    draft = ScriptedDraft.for_script(target, [0] * 10)
+    with pytest.raises(ValueError, match="logprob"):
+        speculative_generate(target, draft, [1, 2], options=SamplerOptions(logprobs=True))
+
+
+# -- the depth controller ------------------------------------------------------------------------
+
+
+def _drive(controller: DepthController, accept_rate: float, cost, rounds: int = 300,
+           seed: int = 0) -> int:
+    rng = np.random.default_rng(seed)
+    depth = 0
+    for _ in range(rounds):
+        depth = controller.choose(7)
+        accepted = 0
+        while accepted < depth and rng.random() < accept_rate:
+            accepted += 1
+        controller.update(depth, accepted, cost(depth))
+    return controller.best(7)
+
+
+def test_depth_controller_goes_deep_when_drafts_are_cheap_and_good():
+    assert _drive(DepthController(7), 0.9, lambda d: 1.0 + 0.02 * d) == 7
+
+
+def test_depth_controller_stays_shallow_when_drafts_are_poor_or_costly():
+    assert _drive(DepthController(7), 0.1, lambda d: 1.0 + 0.3 * d) <= 1
+    middle = _drive(DepthController(7), 0.7, lambda d: 1.0 + 0.25 * d)
+    assert 1 <= middle <= 5
+    # the optimum of E(d) / T(d) with a = 0.7 and T = 1 + 0.25 d
+    expected = [(1 - 0.7 ** (d + 1)) / 0.3 / (1 + 0.25 * d) for d in range(8)]
+    assert abs(middle - int(np.argmax(expected))) <= 1
+
+
+def test_depth_controller_warms_up_on_three_depths_and_honours_the_limit():
+    c = DepthController(7)
+    seen = []
+    for _ in range(4):
+        d = c.choose(7)
+        seen.append(d)
+        c.update(d, 0, 1.0)
+    assert seen[:3] == [7, 1, 4]
+    assert c.choose(0) == 0 and c.choose(2) <= 2
+
+
+def test_unmeasured_controller_depends_on_acceptance_only():
+    a, b = DepthController(7, measured=False), DepthController(7, measured=False)
+    for k in range(50):
+        for c, seconds in ((a, 0.001), (b, 5.0)):
+            d = c.choose(7)
+            c.update(d, min(d, k % 3), seconds)
+    assert a.best(7) == b.best(7)
+
+
+def test_stats_start_empty():
+    s = SpeculativeStats()
+    assert s.acceptance_rate == 0.0 and s.tau == 0.0 and s.tokens_per_second == 0.0
