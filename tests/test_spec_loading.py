@@ -151,11 +151,8 @@ def test_load_finds_the_draft_folder_and_generate_uses_it(tmp_path):
     bundle = mlxrunner.load(folder)
     assert type(bundle.draft).__name__ == "DFlash2DraftModel"
     prompt = [5, 6, 7, 8]
-    # (mlxrunner.generate the function is shadowed by the submodule of that name once the
-    # submodule is imported; import the function from its module)
-    from mlxrunner import generate
-
-    result = generate(bundle.model, prompt, options=GREEDY, max_tokens=24, draft=bundle.draft)
+    result = mlxrunner.generate(bundle.model, prompt, options=GREEDY, max_tokens=24,
+                                draft=bundle.draft)
     assert result.tokens == plain_tokens(bundle.model, prompt, 24)
     assert result.stats.as_dict()["mode"] == "speculative" and result.stats.rounds > 0
     tokens, _ = speculative_tokens(bundle.model, bundle.draft, prompt, 24)

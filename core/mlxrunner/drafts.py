@@ -17,8 +17,6 @@ tapped states of the tokens the round committed.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import DraftConfigError, ModelFolderError
+from .model import compute_dtype_of, weight_precision_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model import Model
@@ -308,32 +307,15 @@ class DraftModel(nn.Module):
     # -- facts -------------------------------------------------------------------
     @property
     def dtype(self) -> mx.Dtype:
-        for _, value in nn.utils.tree_flatten(self.parameters()):
-            if mx.issubdtype(value.dtype, mx.floating):
-                return value.dtype
-        return mx.float32
+        return compute_dtype_of(self)
 
     @property
     def weight_precision(self) -> str:
         """The draft's own weights' precision (never mixed with the target's)."""
-        bits = {m.bits for _, m in self.named_modules() if hasattr(m, "bits")}
-        if bits:
-            return "/".join(f"{b}-bit" for b in sorted(bits)) + " affine"
-        return str(self.dtype).replace("mlx.core.", "")
+        return weight_precision_of(self)
 
 
 # -- loading -------------------------------------------------------------------------
-
-
-def _tensor_names(path: Path) -> list[str]:
-    """Tensor names in a safetensors file, from its header alone."""
-    try:
-        with path.open("rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(length))
-    except (OSError, struct.error, ValueError) as exc:
-        raise ModelFolderError(f"{path}: cannot read safetensors header ({exc})") from None
-    return [k for k in header if k != "__metadata__"]
 
 
 def _bundle_draft_config(folder: Path) -> dict[str, Any] | None:
@@ -363,15 +345,8 @@ def load_draft(path: str | Path, target: Model, *, bundle: bool = False,
     not fit the target, :class:`ModelFolderError` for a broken folder.
     """
     from . import plugins
-    from .loading import (
-        _read_json,
-        assign_weights,
-        cast_floats,
-        parse_dtype,
-        quantize_for_checkpoint,
-        read_weights,
-        weight_files,
-    )
+    from .loading import _read_json, install_weights, read_weights, weight_files
+    from .safetensors_check import check_safetensors
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -381,7 +356,8 @@ def load_draft(path: str | Path, target: Model, *, bundle: bool = False,
             files = weight_files(folder)
         except ModelFolderError:
             return None
-        holding = [f for f in files if any(n.startswith(BUNDLE_PREFIX) for n in _tensor_names(f))]
+        holding = [f for f in files
+                   if any(n.startswith(BUNDLE_PREFIX) for n in check_safetensors(f))]
         if not holding:
             return None
         config = _bundle_draft_config(folder)
@@ -404,18 +380,7 @@ def load_draft(path: str | Path, target: Model, *, bundle: bool = False,
     cls = plugins.lookup("drafts", str(archs[0]),
                          suggestion="try `pip install mlxrunner-dflash`").obj
     draft = build_draft(cls, config, target, weights.keys())
-    try:
-        weights = draft.sanitize(weights)
-    except (KeyError, ValueError, IndexError) as exc:
-        raise ModelFolderError(f"{where}: draft checkpoint does not fit {archs[0]} "
-                               f"({exc})") from None
-    quantize_for_checkpoint(draft, config, weights)
-    draft_dtype = parse_dtype(dtype)
-    if draft_dtype is not None:
-        weights = cast_floats(weights, draft_dtype)
-    assign_weights(draft, weights, where)
-    mx.eval(draft.parameters())
-    draft.eval()
+    install_weights(draft, config, weights, where, dtype, what=f"draft {archs[0]}")
     return draft
 
 

@@ -172,6 +172,24 @@ def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
                                f"{', '.join(sorted(DTYPES))})") from None
 
 
+def install_weights(module: nn.Module, config: dict[str, Any], weights: dict[str, mx.array],
+                    where: Path, dtype: str | mx.Dtype | None = None,
+                    what: str = "architecture") -> None:
+    """Sanitize, quantize as the checkpoint was, cast on request, load strictly, evaluate."""
+    try:
+        weights = module.sanitize(weights)
+    except (KeyError, ValueError, IndexError) as exc:
+        raise ModelFolderError(
+            f"{where}: checkpoint does not fit the {what} ({exc})") from None
+    quantize_for_checkpoint(module, config, weights)
+    target_dtype = parse_dtype(dtype)
+    if target_dtype is not None:
+        weights = cast_floats(weights, target_dtype)
+    assign_weights(module, weights, where)
+    mx.eval(module.parameters())
+    module.eval()
+
+
 def build_model(config: dict[str, Any]) -> Model:
     """A fresh (randomly initialised) model of the architecture a parsed config.json names."""
     cls = plugins.architecture_for(config)
@@ -186,18 +204,7 @@ def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
     weights = read_weights(weight_files(folder))
     # A bundle may carry its draft beside the target; those tensors are not the target's.
     weights = {k: v for k, v in weights.items() if not k.startswith("draft.")}
-    try:
-        weights = model.sanitize(weights)
-    except (KeyError, ValueError, IndexError) as exc:
-        raise ModelFolderError(
-            f"{folder}: checkpoint does not fit the architecture ({exc})") from None
-    quantize_for_checkpoint(model, config, weights)
-    target_dtype = parse_dtype(dtype)
-    if target_dtype is not None:
-        weights = cast_floats(weights, target_dtype)
-    assign_weights(model, weights, folder)
-    mx.eval(model.parameters())
-    model.eval()
+    install_weights(model, config, weights, folder, dtype)
     return model
 
 

@@ -80,15 +80,25 @@ class Model(nn.Module):
     @property
     def dtype(self) -> mx.Dtype:
         """The dtype activations are computed in (that of the first float parameter)."""
-        for _, value in nn.utils.tree_flatten(self.parameters()):
-            if mx.issubdtype(value.dtype, mx.floating):
-                return value.dtype
-        return mx.float32
+        return compute_dtype_of(self)
 
     @property
     def weight_precision(self) -> str:
         """A short description of the weights' precision: ``bfloat16``, ``4-bit affine`` ..."""
-        bits = {m.bits for _, m in self.named_modules() if hasattr(m, "bits")}
-        if bits:
-            return "/".join(f"{b}-bit" for b in sorted(bits)) + " affine"
-        return str(self.dtype).replace("mlx.core.", "")
+        return weight_precision_of(self)
+
+
+def compute_dtype_of(module: nn.Module) -> mx.Dtype:
+    """The dtype of a module's first floating-point parameter (float32 when it has none)."""
+    for _, value in nn.utils.tree_flatten(module.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32
+
+
+def weight_precision_of(module: nn.Module) -> str:
+    """``4-bit affine`` for quantized modules, else the float dtype's name."""
+    bits = {m.bits for _, m in module.named_modules() if hasattr(m, "bits")}
+    if bits:
+        return "/".join(f"{b}-bit" for b in sorted(bits)) + " affine"
+    return str(compute_dtype_of(module)).replace("mlx.core.", "")

@@ -72,7 +72,7 @@ def plain_tokens(model: Model, prompt: Sequence[int], max_tokens: int, *,
                  options: SamplerOptions = GREEDY,
                  eos_ids: Iterable[int] = ()) -> list[int]:
     """Plain decoding's tokens (the product's own plain loop)."""
-    from ..generate import generate
+    from ..generation import generate
 
     return generate(model, list(prompt), options=options, max_tokens=max_tokens,
                     eos_ids=frozenset(eos_ids)).tokens
