@@ -1,0 +1,266 @@
+"""A fused CUDA kernel for the single-token Gated DeltaNet step, with a checked fallback.
+
+Decoding one token through MLX's CUDA backend costs a roughly fixed host time per
+graph operation, so the ~15 small operations of the DeltaNet core (convolution,
+SiLU, q/k L2 norms, decay, the delta-rule update, the gated RMSNorm) dominate a
+decode step of a small model. ``deltanet_step`` runs them as one kernel: one thread
+block per (batch row, value head); each warp owns value rows of the float32 state,
+its lanes stride the key dimension.
+
+The kernel is used only where it applies (MLX's CUDA backend, key dim a multiple of
+32, head dims <= 1024) and only after a self-check: on the first call for a shape
+and dtype it runs beside the pure-MLX step on random inputs; any error or mismatch
+disables it for that shape (one warning) and the pure-MLX step runs instead. Set
+``MLXRUNNER_QWEN3_5_CUDA_KERNELS=0`` to never use it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+ENV_SWITCH = "MLXRUNNER_QWEN3_5_CUDA_KERNELS"
+
+# Template constants: Hk, Hv, Dk, Dv, K (conv kernel), C (conv channels), NT (threads per
+# block); types T (activations), TW (conv weight), TA (A_log), TD (dt_bias), TN (norm weight);
+# EPS_E9 the RMSNorm epsilon times 1e9 (an int template argument).
+DELTANET_STEP_SOURCE = r"""
+    constexpr int kWarps = NT / 32;
+    constexpr int kRep = Hv / Hk;
+    constexpr int kPerLane = Dk / 32;
+    const float eps = EPS_E9 * 1e-9f;
+    const int bh = blockIdx.x;
+    const int b = bh / Hv;
+    const int hv = bh % Hv;
+    const int hk = hv / kRep;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    __shared__ float q_s[Dk];
+    __shared__ float k_s[Dk];
+    __shared__ float v_s[Dv];
+    __shared__ float o_s[Dv];
+    __shared__ float red[3 * kWarps];
+
+    const T* x = qkv + (size_t)b * C;
+    const T* tail = conv_tail + (size_t)b * (K - 1) * C;
+    T* tail_out = new_tail + (size_t)b * (K - 1) * C;
+
+    // causal depthwise conv at channel c: float32 sum, rounded to T, SiLU in T
+    auto conv_silu = [&](int c) -> float {
+        float acc = 0.f;
+        for (int i = 0; i < K - 1; ++i) {
+            acc += static_cast<float>(tail[i * C + c]) * static_cast<float>(conv_weight[c * K + i]);
+        }
+        acc += static_cast<float>(x[c]) * static_cast<float>(conv_weight[c * K + K - 1]);
+        float r = static_cast<float>(static_cast<T>(acc));
+        return static_cast<float>(static_cast<T>(r / (1.f + expf(-r))));
+    };
+    auto shift_tail = [&](int c) {
+        for (int i = 0; i < K - 2; ++i) {
+            tail_out[i * C + c] = tail[(i + 1) * C + c];
+        }
+        tail_out[(K - 2) * C + c] = x[c];
+    };
+    auto block_sum3 = [&](float& s0, float& s1, float& s2) {
+        for (int o = 16; o > 0; o >>= 1) {
+            s0 += __shfl_xor_sync(0xffffffff, s0, o);
+            s1 += __shfl_xor_sync(0xffffffff, s1, o);
+            s2 += __shfl_xor_sync(0xffffffff, s2, o);
+        }
+        if (lane == 0) {
+            red[warp] = s0;
+            red[kWarps + warp] = s1;
+            red[2 * kWarps + warp] = s2;
+        }
+        __syncthreads();
+        s0 = 0.f; s1 = 0.f; s2 = 0.f;
+        for (int w = 0; w < kWarps; ++w) {
+            s0 += red[w];
+            s1 += red[kWarps + w];
+            s2 += red[2 * kWarps + w];
+        }
+        __syncthreads();
+    };
+
+    if (tid < Dk) {
+        const int cq = hk * Dk + tid;
+        const int ck = Hk * Dk + hk * Dk + tid;
+        q_s[tid] = conv_silu(cq);
+        k_s[tid] = conv_silu(ck);
+        if (hv % kRep == 0) {  // key channels are shared by kRep value heads: write once
+            shift_tail(cq);
+            shift_tail(ck);
+        }
+    }
+    if (tid < Dv) {
+        const int cv = 2 * Hk * Dk + hv * Dv + tid;
+        v_s[tid] = conv_silu(cv);
+        shift_tail(cv);
+    }
+    __syncthreads();
+
+    float sq = 0.f, sk = 0.f, qk = 0.f;
+    if (tid < Dk) {
+        sq = q_s[tid] * q_s[tid];
+        sk = k_s[tid] * k_s[tid];
+        qk = q_s[tid] * k_s[tid];
+    }
+    block_sum3(sq, sk, qk);
+    // q, k L2-normalised (eps 1e-6 inside the root), q also scaled by Dk^-0.5
+    const float q_scale = rsqrtf(sq + 1e-6f) * rsqrtf(static_cast<float>(Dk));
+    const float k_scale = rsqrtf(sk + 1e-6f);
+    const float kq = qk * q_scale * k_scale;
+    const float a_in = static_cast<float>(a[b * Hv + hv]) + static_cast<float>(dt_bias[hv]);
+    const float softplus = a_in > 20.f ? a_in : log1pf(expf(a_in));
+    const float decay = expf(-expf(static_cast<float>(A_log[hv])) * softplus);
+    const float beta = 1.f / (1.f + expf(-static_cast<float>(beta_in[b * Hv + hv])));
+
+    const float* S = state + (size_t)bh * Dv * Dk;
+    float* S_out = new_state + (size_t)bh * Dv * Dk;
+    for (int r = warp; r < Dv; r += kWarps) {
+        float s_reg[kPerLane];
+        float s_k = 0.f, s_q = 0.f;
+        for (int i = 0; i < kPerLane; ++i) {
+            const int j = lane + 32 * i;
+            s_reg[i] = S[r * Dk + j];
+            s_k += s_reg[i] * k_s[j];
+            s_q += s_reg[i] * q_s[j];
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            s_k += __shfl_xor_sync(0xffffffff, s_k, o);
+            s_q += __shfl_xor_sync(0xffffffff, s_q, o);
+        }
+        // S' = e S + d k^T with d = beta (v - e S k); S' q = e S q + d (k . q)
+        const float delta = beta * (v_s[r] - decay * s_k * k_scale);
+        for (int i = 0; i < kPerLane; ++i) {
+            const int j = lane + 32 * i;
+            S_out[r * Dk + j] = decay * s_reg[i] + delta * k_s[j] * k_scale;
+        }
+        if (lane == 0) {
+            o_s[r] = decay * s_q * q_scale + delta * kq;
+        }
+    }
+    __syncthreads();
+
+    // gated RMSNorm over Dv: w * rmsnorm(o) * silu(z), o rounded to T first
+    float ov = 0.f, ss = 0.f, unused0 = 0.f, unused1 = 0.f;
+    if (tid < Dv) {
+        ov = static_cast<float>(static_cast<T>(o_s[tid]));
+        ss = ov * ov;
+    }
+    block_sum3(ss, unused0, unused1);
+    if (tid < Dv) {
+        const float rstd = rsqrtf(ss / Dv + eps);
+        const float normed = static_cast<float>(
+            static_cast<T>(ov * rstd * static_cast<float>(norm_weight[tid])));
+        const float zv = static_cast<float>(z[(size_t)b * Hv * Dv + hv * Dv + tid]);
+        const float gate = static_cast<float>(static_cast<T>(zv / (1.f + expf(-zv))));
+        out[(size_t)b * Hv * Dv + hv * Dv + tid] = static_cast<T>(normed * gate);
+    }
+"""
+
+_kernel: Any = None
+_verdicts: dict[tuple[Any, ...], bool] = {}
+
+
+def cuda_backend() -> bool:
+    """Whether operations run on MLX's CUDA backend (the default device is a CUDA GPU)."""
+    cuda = getattr(mx, "cuda", None)
+    return (mx.default_device() == mx.gpu and cuda is not None and cuda.is_available())
+
+
+def applies(hk: int, hv: int, dk: int, dv: int) -> bool:
+    """Whether the fused kernel supports these head sizes on the current device."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not cuda_backend():
+        return False
+    return dk % 32 == 0 and 0 < dk <= 1024 and 0 < dv <= 1024 and hv % hk == 0
+
+
+def _launch(args: tuple[mx.array, ...], hk: int, hv: int, dk: int, dv: int,
+            eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="qwen3_5_deltanet_step",
+            input_names=["qkv", "z", "beta_in", "a", "conv_tail", "state", "conv_weight",
+                         "A_log", "dt_bias", "norm_weight"],
+            output_names=["out", "new_tail", "new_state"],
+            source=DELTANET_STEP_SOURCE,
+        )
+    qkv, z, b, a, conv_tail, state, conv_weight, A_log, dt_bias, norm_weight = args
+    B, C = qkv.shape[0], qkv.shape[-1]
+    K = conv_weight.shape[1]
+    threads = min(1024, max(512, 32 * -(-max(dk, dv) // 32)))
+    out, new_tail, new_state = _kernel(
+        inputs=[qkv, z, b, a, conv_tail, state, conv_weight, A_log, dt_bias, norm_weight],
+        template=[("T", qkv.dtype), ("Hk", hk), ("Hv", hv), ("Dk", dk), ("Dv", dv),
+                  ("K", K), ("C", C), ("NT", threads), ("EPS_E9", round(eps * 1e9))],
+        grid=(threads * B * hv, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(B, 1, hv * dv), conv_tail.shape, state.shape],
+        output_dtypes=[qkv.dtype, conv_tail.dtype, mx.float32],
+    )
+    return out, new_tail, new_state
+
+
+def _agree(fused: tuple[mx.array, ...], plain: tuple[mx.array, ...], half: bool) -> bool:
+    tolerance = 5e-2 if half else 1e-4
+    for x, y in zip(fused, plain):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        x, y = x.astype(mx.float32), y.astype(mx.float32)
+        scale = 1.0 + float(mx.abs(y).max())
+        if not float(mx.abs(x - y).max()) <= tolerance * scale:
+            return False
+    return True
+
+
+def _self_check(args: tuple[mx.array, ...], fallback: Callable[..., tuple[mx.array, ...]],
+                dims: tuple[int, int, int, int, float], launch: Callable[..., Any]) -> bool:
+    """Run the kernel beside the pure-MLX step on random inputs of the same shapes."""
+    qkv, z, b, a, conv_tail, state, *weights = args
+    keys = mx.random.split(mx.random.key(1234), 6)
+    probe = tuple(mx.random.normal(x.shape, key=key).astype(x.dtype)
+                  for x, key in zip((qkv, z, b, a, conv_tail), keys))
+    probe += (0.1 * mx.random.normal(state.shape, key=keys[5]),)
+    probe += tuple(weights)
+    try:
+        fused = launch(probe, *dims)
+        mx.eval(fused)
+    except Exception as exc:  # a kernel that does not build or run must not stop decoding
+        print(f"mlxrunner-qwen3-5: fused DeltaNet kernel unavailable ({type(exc).__name__}: "
+              f"{exc}); using the pure-MLX step", file=sys.stderr)
+        return False
+    plain = fallback(*probe)
+    if not _agree(fused, plain, qkv.dtype != mx.float32):
+        print("mlxrunner-qwen3-5: fused DeltaNet kernel disagrees with the pure-MLX step; "
+              "using the pure-MLX step", file=sys.stderr)
+        return False
+    return True
+
+
+def deltanet_step(args: tuple[mx.array, ...], fallback: Callable[..., tuple[mx.array, ...]],
+                  hk: int, hv: int, dk: int, dv: int, eps: float, *,
+                  launch: Callable[..., Any] = _launch) -> tuple[mx.array, ...]:
+    """``(out, new_tail, new_state)`` of one token: the fused kernel where it applies and
+    has passed its self-check, else ``fallback(*args)``.
+
+    ``args``: qkv ``[B, 1, C]``, z ``[B, 1, Hv*Dv]``, b and a ``[B, 1, Hv]``, conv tail
+    ``[B, K-1, C]``, state ``[B, Hv, Dv, Dk]`` float32, conv weight ``[C, K, 1]``, A_log,
+    dt_bias ``[Hv]``, norm weight ``[Dv]``.
+    """
+    if not applies(hk, hv, dk, dv):
+        return fallback(*args)
+    key = (hk, hv, dk, dv, args[0].shape[0], args[0].dtype, args[6].dtype, args[7].dtype,
+           args[8].dtype, args[9].dtype)
+    verdict = _verdicts.get(key)
+    if verdict is None:
+        verdict = _verdicts[key] = _self_check(args, fallback, (hk, hv, dk, dv, eps), launch)
+    if not verdict:
+        return fallback(*args)
+    return launch(args, hk, hv, dk, dv, eps)

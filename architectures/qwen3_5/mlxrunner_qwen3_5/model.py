@@ -1,0 +1,678 @@
+"""Qwen3.5 (dense) text decoder: Gated DeltaNet and gated full-attention layers.
+
+Layer ``i`` is a Gated DeltaNet (linear attention) layer or a full-attention
+layer as ``layer_types`` says (else every ``full_attention_interval``-th layer
+is full attention). Each layer is
+``h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))``.
+
+Gated DeltaNet, per value head with state ``S [Dv, Dk]`` (float32)::
+
+    S = exp(g) * S;  d = beta * (v - S k);  S = S + d k^T;  o = S q
+
+Prefill and verify forwards use the chunked (WY) form: inside a chunk of ``C``
+tokens the ``C`` rank-one updates collapse into a unit lower-triangular system
+solved with matmuls, and only the chunk boundaries are scanned sequentially
+(one ``S @ M + B`` per chunk). Single-token decode uses the recurrence above in
+one compiled function (on CUDA, one fused kernel: cuda_kernels.py). Both read and
+write a ``RecurrentCache``; full-attention layers use a ``KVCache``.
+
+Checkpoint conventions handled by ``sanitize``: Hub (transformers) checkpoints
+store zero-centred RMSNorm weights (the norm multiplies by ``1 + w``) and the
+depthwise convolution as ``[C, 1, K]``; MLX-converted checkpoints (mlx-lm's
+layout, ``language_model.*`` names) already hold ``1 + w`` and ``[C, K, 1]``.
+This module stores the MLX convention, so its norms are plain RMSNorms.
+
+Written against mlxrunner's public API only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache, partial
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxrunner import KVCache, Model, ModelFolderError, RecurrentCache
+
+from . import cuda_kernels
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+#: tokens per chunk of the chunked DeltaNet form (shorter forwards are one chunk). On the CPU,
+#: where flops rather than kernel launches count, smaller chunks are cheaper.
+CHUNK_SIZE = 64
+CPU_CHUNK_SIZE = 32
+
+# Norms whose Hub weights are zero-centred (the model multiplies by 1 + w).
+_ZERO_CENTRED_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                          ".q_norm.weight", ".k_norm.weight")
+_DROPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.", "vision_tower.",
+                     "model.vision_tower.", "language_model.mtp.")
+
+
+@dataclass(frozen=True)
+class Qwen3_5Config:
+    """The config.json fields (text part) this architecture reads."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> Qwen3_5Config:
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [key for key in required if key not in config]
+        if missing:
+            raise ModelFolderError(f"config.json lacks {', '.join(map(repr, missing))} "
+                                   "needed by the qwen3_5 architecture")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelFolderError(f"qwen3_5 supports hidden_act 'silu' only, got {act!r}")
+        if config.get("num_experts"):
+            raise ModelFolderError("qwen3_5 mixture-of-experts checkpoints are not supported yet")
+        layers = int(config["num_hidden_layers"])
+        layer_types = config.get("layer_types")
+        if layer_types is None:
+            interval = int(config.get("full_attention_interval", 4))
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
+        layer_types = tuple(layer_types)
+        if len(layer_types) < layers or any(t not in (LINEAR, FULL) for t in layer_types):
+            raise ModelFolderError(f"qwen3_5 layer_types must list {layers} entries of "
+                                   f"{LINEAR!r} / {FULL!r}, got {list(layer_types)}")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ModelFolderError(f"qwen3_5 supports rope_type 'default' only, got {rope_type!r}")
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        value_heads = int(config.get("linear_num_value_heads", 32))
+        key_heads = int(config.get("linear_num_key_heads", 16))
+        if value_heads % key_heads:
+            raise ModelFolderError(f"qwen3_5 needs linear_num_value_heads ({value_heads}) to be "
+                                   f"a multiple of linear_num_key_heads ({key_heads})")
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or 256),
+            layer_types=layer_types[:layers],
+            linear_num_key_heads=key_heads,
+            linear_num_value_heads=value_heads,
+            linear_key_head_dim=int(config.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(config.get("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=int(config.get("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                 config.get("partial_rotary_factor", 0.25))),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+        )
+
+
+# -- Gated DeltaNet arithmetic ----------------------------------------------------------------
+
+
+def _normalize_qk(q: mx.array, k: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
+    """L2-normalise q and k in float32 (``x / sqrt(sum x^2 + eps)``), q also times ``Dk^-0.5``.
+
+    ``rms_norm(x, eps / D)`` is ``sqrt(D) * x / sqrt(sum x^2 + eps)``, hence the factors.
+    """
+    dk = q.shape[-1]
+    q = mx.fast.rms_norm(q.astype(mx.float32), None, eps / dk) * (1.0 / dk)
+    k = mx.fast.rms_norm(k.astype(mx.float32), None, eps / dk) * (dk ** -0.5)
+    return q, k
+
+
+def _decay_and_beta(a: mx.array, b: mx.array, A_log: mx.array,
+                    dt_bias: mx.array) -> tuple[mx.array, mx.array]:
+    """Log decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, float32."""
+    a = a.astype(mx.float32) + dt_bias.astype(mx.float32)
+    g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a)
+    return g, mx.sigmoid(b.astype(mx.float32))
+
+
+@cache
+def _triangles(size: int) -> tuple[mx.array, mx.array]:
+    """Lower-triangular masks with and without the diagonal (built once per size)."""
+    causal = mx.tril(mx.ones((size, size), dtype=mx.bool_))
+    strict = mx.tril(mx.ones((size, size), dtype=mx.bool_), k=-1)
+    mx.eval(causal, strict)
+    return causal, strict
+
+
+@cache
+def _identity(size: int) -> mx.array:
+    eye = mx.eye(size, dtype=mx.float32)
+    mx.eval(eye)
+    return eye
+
+
+def _unit_lower_inverse(a: mx.array, leaf: int = 16) -> mx.array:
+    """``(I + A)^-1`` for strictly lower-triangular ``A [..., C, C]``, by matmuls only.
+
+    Blocks of up to ``leaf`` rows: ``A`` is nilpotent, so
+    ``(I + A)^-1 = (I - A)(I + A^2)(I + A^4)...`` with ``ceil(log2 C)`` factors is exact.
+    Larger sizes split in halves, ``[[X, 0], [-Y A21 X, Y]]``, which keeps the powers (and
+    their float32 rounding) small.
+    """
+    size = a.shape[-1]
+    if size > leaf:
+        half = size // 2
+        if 2 * half == size:  # invert both diagonal blocks in one batch
+            diag = mx.stack([a[..., :half, :half], a[..., half:, half:]])
+            upper, lower = _unit_lower_inverse(diag, leaf)
+        else:
+            upper = _unit_lower_inverse(a[..., :half, :half], leaf)
+            lower = _unit_lower_inverse(a[..., half:, half:], leaf)
+        corner = -((lower @ a[..., half:, :half]) @ upper)
+        top = mx.concatenate([upper, mx.zeros_like(a[..., :half, half:])], axis=-1)
+        return mx.concatenate([top, mx.concatenate([corner, lower], axis=-1)], axis=-2)
+    neg = -a
+    inv = neg + _identity(size)
+    power = neg
+    for _ in range(max(0, math.ceil(math.log2(size)) - 1)):
+        power = power @ power
+        inv = mx.addmm(inv, inv, power)
+    return inv
+
+
+def chunked_gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                        state: mx.array, chunk_size: int | None = None,
+                        ) -> tuple[mx.array, mx.array, Callable[[int], mx.array]]:
+    """The gated delta rule over ``L`` tokens in chunked form.
+
+    q, k ``[B, L, Hk, Dk]`` (normalised, float32), v ``[B, L, Hv, Dv]``, g (log decay) and
+    beta ``[B, L, Hv]``, state ``[B, Hv, Dv, Dk]`` float32; value head ``h`` reads key head
+    ``h // (Hv / Hk)``. Returns the outputs ``[B, L, Hv, Dv]`` (float32), the final state and
+    ``state_after(j)``: the state after the first ``j`` tokens, as a few lazy operations on
+    this call's intermediate arrays (for snapshot restore).
+    """
+    B, L, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    if chunk_size is None:
+        chunk_size = CPU_CHUNK_SIZE if mx.default_device() == mx.cpu else CHUNK_SIZE
+    if Hv != Hk:
+        q = mx.repeat(q, Hv // Hk, axis=2)
+        k = mx.repeat(k, Hv // Hk, axis=2)
+    C = min(chunk_size, L)
+    n = -(-L // C)
+    pad = n * C - L
+    f32 = mx.float32
+
+    def chunks(x: mx.array) -> mx.array:  # [B, L, H, D] -> [B, H, n, C, D]
+        x = x.astype(f32).transpose(0, 2, 1, 3)
+        if pad:  # zero k, v, beta and g leave the state unchanged
+            x = mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)])
+        return x.reshape(B, Hv, n, C, x.shape[-1])
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    g, beta = (chunks(x[..., None])[..., 0] for x in (g, beta))
+
+    G = mx.cumsum(g, axis=-1)  # [B, H, n, C] log of the decay since the chunk start
+    causal, strict = _triangles(C)
+    # decay[t, i] = exp(G_t - G_i) for i <= t (masked before exp: the upper part overflows)
+    decay = mx.exp(mx.where(causal, G[..., :, None] - G[..., None, :], -mx.inf))
+    k_beta = k * beta[..., None]
+    eG = mx.exp(G)[..., None]
+    # u_t = beta_t (v_t - S_{t-1}' k_t) couples the chunk's tokens through
+    # A[t, i] = beta_t exp(G_t - G_i) k_t.k_i (i < t): solve (I + A) [U | W] = [beta v | beta e^G k]
+    A = mx.where(strict, (k_beta @ k.swapaxes(-1, -2)) * decay, 0.0)
+    T = _unit_lower_inverse(A)
+    UW = T @ mx.concatenate([v * beta[..., None], k_beta * eG], axis=-1)
+    U_base, W = UW[..., :Dv], UW[..., Dv:]
+    # The scan over chunks: u = U_base - W S^T, then S <- e^{G_C} S + u^T Kd, with Kd the
+    # keys decayed to the chunk end. Everything else is batched over all chunks.
+    G_end = G[..., -1:]
+    k_end = k * mx.exp(G_end - G)[..., None]
+    chunk_decay = mx.exp(G_end)[..., None]  # [B, H, n, 1, 1]
+    starts, values = [], []
+    S = state
+    for c in range(n):
+        starts.append(S)
+        u = mx.addmm(U_base[:, :, c], W[:, :, c], S.swapaxes(-1, -2), alpha=-1.0)
+        values.append(u)
+        S = mx.addmm(S * chunk_decay[:, :, c], u.swapaxes(-1, -2), k_end[:, :, c])
+    if n > 1:
+        S0, U = mx.stack(starts, axis=2), mx.stack(values, axis=2)  # chunk-start states, u_t
+    else:
+        S0, U = state[:, :, None], values[0][:, :, None]
+    S0_t = S0.swapaxes(-1, -2)
+    P = (q @ k.swapaxes(-1, -2)) * decay
+    out = (q * eG) @ S0_t + P @ U  # [B, H, n, C, Dv]
+    out = out.reshape(B, Hv, n * C, Dv)[:, :, :L].transpose(0, 2, 1, 3)
+
+    def state_after(j: int) -> mx.array:
+        c, t = divmod(j - 1, C)
+        Gt = G[:, :, c, t:t + 1]
+        w = mx.exp(Gt - G[:, :, c, :t + 1])[..., None]
+        update = U[:, :, c, :t + 1].swapaxes(-1, -2) @ (k[:, :, c, :t + 1] * w)
+        return mx.exp(Gt)[..., None] * S0[:, :, c] + update
+
+    return out, S, state_after
+
+
+def _gated_rms_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """``weight * rmsnorm(x) * silu(gate)`` (this norm's weight is not zero-centred)."""
+    return mx.fast.rms_norm(x, weight, eps) * nn.silu(gate)
+
+
+@cache
+def _decode_step(hk: int, hv: int, dk: int, dv: int, eps: float) -> Callable[..., Any]:
+    """Compiled single-token DeltaNet core: conv, recurrence, gated norm (shared by layers)."""
+
+    def step(qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv_tail: mx.array,
+             state: mx.array, conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array,
+             norm_weight: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        B = qkv.shape[0]
+        dtype = qkv.dtype
+        window = mx.concatenate([conv_tail, qkv], axis=1)  # [B, K, C]
+        conv = (window.astype(mx.float32) * conv_weight[..., 0].T.astype(mx.float32)).sum(1)
+        conv = nn.silu(conv.astype(dtype))  # as _conv_silu: float32 sum, silu in dtype
+        q = conv[:, : hk * dk].reshape(B, hk, dk)
+        k = conv[:, hk * dk: 2 * hk * dk].reshape(B, hk, dk)
+        v = conv[:, 2 * hk * dk:].reshape(B, hv, dv).astype(mx.float32)
+        q, k = _normalize_qk(q, k)
+        if hv != hk:
+            q = mx.repeat(q, hv // hk, axis=1)
+            k = mx.repeat(k, hv // hk, axis=1)
+        g, beta = _decay_and_beta(a[:, 0], b[:, 0], A_log, dt_bias)
+        e = mx.exp(g)[..., None]  # [B, Hv, 1]
+        # With S' = e S + d k^T: S k and S q come from one product; S' q = e Sq + d (k.q).
+        sk_sq = state @ mx.stack([k, q], axis=-1)  # [B, Hv, Dv, 2]
+        delta = beta[..., None] * (v - e * sk_sq[..., 0])
+        new_state = e[..., None] * state + delta[..., :, None] * k[..., None, :]
+        out = e * sk_sq[..., 1] + delta * (k * q).sum(-1, keepdims=True)
+        out = _gated_rms_norm(out.astype(dtype), z.reshape(B, hv, dv), norm_weight, eps)
+        return out.reshape(B, 1, hv * dv), window[:, 1:], new_state
+
+    return mx.compile(step)
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def _sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
+    return x * mx.sigmoid(gate)
+
+
+@partial(mx.compile, shapeless=True)
+def _conv_silu(*taps_and_weights: mx.array) -> mx.array:
+    """``silu(sum_i x_i * w_i)`` accumulated in float32, for the K shifted inputs ``x_i``
+    and the K weight columns ``w_i`` of the depthwise causal convolution."""
+    half = len(taps_and_weights) // 2
+    acc = None
+    for x, w in zip(taps_and_weights[:half], taps_and_weights[half:]):
+        term = x.astype(mx.float32) * w.astype(mx.float32)
+        acc = term if acc is None else acc + term
+    return nn.silu(acc.astype(taps_and_weights[0].dtype))
+
+
+# -- projections ------------------------------------------------------------------------------
+
+
+class _Projection:
+    """One matmul for one or more bias-free linear layers of ``owner`` that read one input.
+
+    Decoding one token is bound by the number of operations, not by arithmetic, so the
+    in-projections of a layer share one matmul and a residual add rides in the output
+    projection's ``addmm``. The layers keep their checkpoint names and shapes: on first
+    use their weights are concatenated along the output rows and each layer's arrays are
+    replaced by row slices (views) of the concatenation, so memory is not doubled. New
+    weights loaded later (other array objects) are noticed and concatenated again. Layers
+    that cannot share a matmul (different quantization, a bias) run one by one.
+    """
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+        self.sources: tuple[mx.array, ...] = ()
+        self.fused: tuple[Any, ...] | None = None  # (kind, arrays...) once built
+        self.bounds: list[tuple[int, int]] = []
+
+    def _layers(self, owner: nn.Module) -> list[nn.Module]:
+        return [getattr(owner, name) for name in self.names]
+
+    def _build(self, layers: list[nn.Module]) -> None:
+        plain = all(type(layer) is nn.Linear and "bias" not in layer for layer in layers)
+        quantized = all(isinstance(layer, nn.QuantizedLinear) and "bias" not in layer
+                        for layer in layers) and len({(layer.group_size, layer.bits,
+                                                       layer.mode) for layer in layers}) == 1
+        self.fused = None
+        if plain or quantized:
+            keys = ("weight",) if plain else ("weight", "scales", "biases")
+            if quantized and any(layer.get("biases") is None for layer in layers):
+                keys = ("weight", "scales")
+            rows = [layer.weight.shape[0] for layer in layers]
+            starts = [sum(rows[:i]) for i in range(len(rows) + 1)]
+            self.bounds = list(zip(starts[:-1], starts[1:]))
+            arrays = []
+            for key in keys:
+                joined = (layers[0][key] if len(layers) == 1 else
+                          mx.concatenate([layer[key] for layer in layers], axis=0))
+                if len(layers) > 1:
+                    for layer, (a, b) in zip(layers, self.bounds):
+                        setattr(layer, key, joined[a:b])
+                arrays.append(joined)
+            if plain:
+                self.fused = ("plain", arrays[0].T)
+            else:
+                first = layers[0]
+                self.fused = ("quantized", *arrays, *([None] * (3 - len(arrays))),
+                              first.group_size, first.bits, first.mode)
+        self.sources = tuple(layer.weight for layer in layers)
+
+    def __call__(self, owner: nn.Module, x: mx.array,
+                 residual: mx.array | None = None) -> list[mx.array]:
+        """The layers' outputs (``residual`` added, for a single layer)."""
+        layers = self._layers(owner)
+        if len(self.sources) != len(layers) or any(
+                a is not layer.weight for a, layer in zip(self.sources, layers)):
+            self._build(layers)
+        if self.fused is None:
+            outs = [layer(x) for layer in layers]
+            if residual is not None:
+                outs[0] = residual + outs[0]
+            return outs
+        if self.fused[0] == "plain":
+            weight_t = self.fused[1]
+            if residual is not None:
+                y = mx.addmm(residual, x, weight_t)
+            else:
+                y = x @ weight_t
+        else:
+            _, w, scales, biases, group_size, bits, mode = self.fused
+            y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
+                                    group_size=group_size, bits=bits, mode=mode)
+            if residual is not None:
+                y = residual + y
+        if len(layers) == 1:
+            return [y]
+        return [y[..., a:b] for a, b in self.bounds]
+
+
+# -- layers -----------------------------------------------------------------------------------
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear-attention mixer with a causal depthwise convolution and a gated delta rule."""
+
+    def __init__(self, cfg: Qwen3_5Config) -> None:
+        super().__init__()
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        self.channels = 2 * self.hk * self.dk + self.hv * self.dv
+        hidden = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, self.channels, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.hv * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.hv, bias=False)
+        # Depthwise weight [C, K, 1] (MLX's grouped-conv layout), applied as K shifted
+        # multiply-adds (one fused kernel) rather than a grouped convolution.
+        self.conv1d = nn.Conv1d(self.channels, self.channels, self.kernel, groups=self.channels,
+                                bias=False)
+        self.dt_bias = mx.ones((self.hv,))
+        self.A_log = mx.log(mx.random.uniform(1.0, 16.0, (self.hv,)))
+        self.norm = nn.RMSNorm(self.dv, eps=self.eps)  # holds the gated norm's weight
+        self.out_proj = nn.Linear(self.hv * self.dv, hidden, bias=False)
+        self._in = _Projection("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        self._out = _Projection("out_proj")
+
+    def __call__(self, x: mx.array, cache: RecurrentCache | None,
+                 residual: mx.array) -> mx.array:
+        """``residual + mixer(x)``."""
+        B, L, _ = x.shape
+        qkv, z, b, a = self._in(self, x)
+        if cache is not None and cache.recurrent_state is not None:
+            conv_tail, state = cache.conv_tail, cache.recurrent_state
+        else:
+            conv_tail = mx.zeros((B, self.kernel - 1, self.channels), dtype=qkv.dtype)
+            state = mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
+
+        if L == 1:
+            args = (qkv, z, b, a, conv_tail, state, self.conv1d.weight, self.A_log,
+                    self.dt_bias, self.norm.weight)
+            dims = (self.hk, self.hv, self.dk, self.dv, self.eps)
+            out, conv_tail, state = cuda_kernels.deltanet_step(args, _decode_step(*dims), *dims)
+            if cache is not None:
+                cache.advance(1, conv_tail, state)
+            return self._out(self, out, residual)[0]
+
+        window = mx.concatenate([conv_tail, qkv], axis=1)  # [B, K - 1 + L, C]
+        weight = self.conv1d.weight[..., 0]  # [C, K]
+        conv = _conv_silu(*(window[:, i:i + L] for i in range(self.kernel)),
+                          *(weight[:, i] for i in range(self.kernel)))
+        hk_dk = self.hk * self.dk
+        q = conv[..., :hk_dk].reshape(B, L, self.hk, self.dk)
+        k = conv[..., hk_dk:2 * hk_dk].reshape(B, L, self.hk, self.dk)
+        v = conv[..., 2 * hk_dk:].reshape(B, L, self.hv, self.dv)
+        q, k = _normalize_qk(q, k)
+        g, beta = _decay_and_beta(a, b, self.A_log, self.dt_bias)
+        out, state, state_after = chunked_gated_delta(q, k, v, g, beta, state)
+        out = _gated_rms_norm(out.astype(x.dtype), z.reshape(B, L, self.hv, self.dv),
+                              self.norm.weight, self.eps)
+        if cache is not None:
+            keep = self.kernel - 1
+            capture = None
+            if cache.snapshot_positions(L):
+                def capture(j: int) -> tuple[mx.array, mx.array]:
+                    return window[:, j:j + keep], state_after(j)
+            # a copy, so that the cache does not keep the whole window alive
+            cache.advance(L, mx.contiguous(window[:, L:]), state, capture)
+        return self._out(self, out.reshape(B, L, -1), residual)[0]
+
+
+class Attention(nn.Module):
+    """Full attention: gated output, q/k RMSNorm, partial RoPE, grouped-query heads."""
+
+    def __init__(self, cfg: Qwen3_5Config) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
+                                                     cfg.num_key_value_heads, cfg.head_dim)
+        self.scale = self.head_dim ** -0.5
+        self.rotary_dims, self.rope_theta = cfg.rotary_dims, cfg.rope_theta
+        hidden, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self._in = _Projection("q_proj", "k_proj", "v_proj")
+        self._out = _Projection("o_proj")
+
+    def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array) -> mx.array:
+        """``residual + attention(x)``."""
+        B, L, _ = x.shape
+        D = self.head_dim
+        q_gate, k, v = self._in(self, x)
+        # Each head's slice of q_proj is [query | gate].
+        q_gate = q_gate.reshape(B, L, self.heads, 2 * D)
+        q, gate = q_gate[..., :D], q_gate[..., D:]
+        q = self.q_norm(q).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, L, self.kv_heads, D)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.kv_heads, D).transpose(0, 2, 1, 3)
+        offset = 0 if cache is None else cache.offset
+        q = mx.fast.rope(q, self.rotary_dims, traditional=False, base=self.rope_theta,
+                         scale=1.0, offset=offset)
+        k = mx.fast.rope(k, self.rotary_dims, traditional=False, base=self.rope_theta,
+                         scale=1.0, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
+                                                   mask="causal" if L > 1 else None)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, self.heads * D)
+        out = _sigmoid_gate(out, gate.reshape(B, L, self.heads * D))
+        return self._out(self, out, residual)[0]
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._in = _Projection("gate_proj", "up_proj")
+        self._out = _Projection("down_proj")
+
+    def __call__(self, x: mx.array, residual: mx.array) -> mx.array:
+        """``residual + mlp(x)``."""
+        gate, up = self._in(self, x)
+        return self._out(self, _swiglu(gate, up), residual)[0]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3_5Config, layer_type: str) -> None:
+        super().__init__()
+        self.is_linear = layer_type == LINEAR
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def __call__(self, x: mx.array, cache: Any) -> mx.array:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = mixer(self.input_layernorm(x), cache, x)
+        return self.mlp(self.post_attention_layernorm(h), h)
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: Qwen3_5Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, t) for t in cfg.layer_types]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class Qwen3_5(Model):
+    """Qwen3.5 dense text model (``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5ForCausalLM``)."""
+
+    # The chat format these checkpoints were trained on (used when the user names none and
+    # the renderer plugin is installed).
+    default_renderer = "qwen3.5"
+    default_parser = "qwen3.5"
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.config = Qwen3_5Config.from_dict(config)
+        self.model = TextModel(self.config)
+        if not self.config.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+
+    # -- loading -----------------------------------------------------------
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Map Hub (composite or text-only) and MLX-converted names to this module's names.
+
+        Drops the vision tower and the MTP head; converts Hub conv weights ``[C, 1, K]`` to
+        ``[C, K, 1]`` and folds the ``1 +`` of zero-centred norms into their weights.
+        """
+        conv_shapes = [v.shape for k, v in weights.items() if k.endswith("conv1d.weight")]
+        if conv_shapes:
+            hub_layout = any(shape[-1] != 1 for shape in conv_shapes)
+        else:  # no DeltaNet layer: mlx-lm names its text weights language_model.*
+            hub_layout = not any(k.startswith("language_model.") for k in weights)
+        out: dict[str, mx.array] = {}
+        for name, value in weights.items():
+            if name.startswith(_DROPPED_PREFIXES):
+                continue
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model."):]
+            elif name.startswith("language_model."):
+                name = name[len("language_model."):]
+            if self.config.tie_word_embeddings and name.startswith("lm_head."):
+                continue
+            if hub_layout:
+                if name.endswith("conv1d.weight") and value.ndim == 3:
+                    value = value.swapaxes(1, 2)
+                if name == "model.norm.weight" or name.endswith(_ZERO_CENTRED_SUFFIXES):
+                    value = (value.astype(mx.float32) + 1.0).astype(value.dtype)
+            out[name] = value
+        return out
+
+    # -- running -----------------------------------------------------------
+    def make_cache(self) -> list[KVCache | RecurrentCache]:
+        return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.model.layers]
+
+    def __call__(self, ids: mx.array, cache: Sequence[Any] | None = None, *,
+                 taps: Sequence[int] | None = None) -> mx.array | tuple[mx.array, mx.array]:
+        layers = self.model.layers
+        if cache is None:
+            cache = [None] * len(layers)
+        wanted = set()
+        if taps is not None:
+            wanted = {int(t) for t in taps}
+            bad = [t for t in wanted if not 0 <= t < len(layers)]
+            if bad:
+                raise ValueError(f"tap layers {sorted(bad)} out of range 0..{len(layers) - 1}")
+        tapped: dict[int, mx.array] = {}
+        h = self.model.embed_tokens(ids)
+        for i, (layer, layer_cache) in enumerate(zip(layers, cache)):
+            h = layer(h, layer_cache)
+            if i in wanted:
+                tapped[i] = h
+        logits = self.raw_logits(self.model.norm(h))
+        if taps is None:
+            return logits
+        if not taps:
+            return logits, mx.zeros((*h.shape[:2], 0), dtype=h.dtype)
+        return logits, mx.concatenate([tapped[int(t)] for t in taps], axis=-1)
+
+    def embed_tokens(self, ids: mx.array) -> mx.array:
+        return self.model.embed_tokens(ids)
+
+    def raw_logits(self, hidden: mx.array) -> mx.array:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    # -- facts -------------------------------------------------------------
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size

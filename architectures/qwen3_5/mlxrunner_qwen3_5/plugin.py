@@ -1,0 +1,19 @@
+"""mlxrunner hook implementations of the Qwen3.5 plugin."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlxrunner
+
+#: config.json ``architectures[0]`` values and ``model_type`` values this plugin serves
+NAMES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "qwen3_5", "qwen3_5_text")
+
+
+@mlxrunner.hookimpl
+def register_architectures(register: Callable[[str, Any], None]) -> None:
+    from .model import Qwen3_5
+
+    for name in NAMES:
+        register(name, Qwen3_5)

@@ -1,0 +1,335 @@
+"""Qwen3.5 prefill and decode throughput: mlxrunner's plugin against mlx-lm, side by side.
+
+Both models get the same random weights (our parameters, renamed for mlx-lm),
+the same dtype and the same loop: prefill the prompt minus its last token
+(evaluating only the caches, as mlx-lm's generate does), then greedy-decode
+``--new`` tokens one at a time with the next step queued before the previous
+token is read (``mx.async_eval``). Runs unchanged on the CPU and on CUDA/Metal
+(``mx.default_device()``); mlx-lm is compared when importable (``--no-mlx-lm``
+to skip).
+
+    /work/venv/bin/python bench/qwen3_5.py --quick --json /tmp/qwen3_5.json
+    python bench/qwen3_5.py --json out.json          # GPU: 0.8B, prompt 512, 128 new
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlxrunner_qwen3_5 import Qwen3_5
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MLXRUNNER_SHARED_DATA", REPO.parent / "shared" / "data"))
+DEFAULT_CONFIG = SHARED / "configs" / "Qwen3.5-0.8B-Base.config.json"
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text part, with top-level keys it lacks copied in (as the loader does)."""
+    if "text_config" not in config:
+        return dict(config)
+    text = dict(config["text_config"])
+    for key, value in config.items():
+        if key != "text_config":
+            text.setdefault(key, value)
+    return text
+
+
+def shrink(config: dict[str, Any], layers: int | None, vocab: int | None) -> dict[str, Any]:
+    """The config with fewer layers and/or another vocabulary size (CPU-sized runs)."""
+    config = json.loads(json.dumps(config))
+    text = config.get("text_config", config)
+    if layers:
+        text["num_hidden_layers"] = layers
+        if "layer_types" in text:
+            text["layer_types"] = text["layer_types"][:layers]
+    if vocab:
+        text["vocab_size"] = vocab
+    return config
+
+
+def build_ours(config: dict[str, Any], dtype: mx.Dtype, seed: int) -> Qwen3_5:
+    mx.random.seed(seed)
+    model = Qwen3_5(text_config(config))
+    # Init like a trained model's scale: small weights keep bf16 activations finite.
+    params = []
+    for name, value in tree_flatten(model.parameters()):
+        if name.endswith(("A_log", "dt_bias")) or "norm" in name:
+            params.append((name, value))
+        else:
+            params.append((name, mx.random.normal(value.shape) * 0.02))
+    model.load_weights(params)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def build_mlx_lm(config: dict[str, Any], ours: Qwen3_5) -> Any:
+    from mlx_lm.models import qwen3_5 as mlx_lm_qwen3_5
+
+    composite = dict(config)
+    if "text_config" not in composite:
+        composite = {"model_type": "qwen3_5", "text_config": composite}
+    args = mlx_lm_qwen3_5.ModelArgs.from_dict(composite)
+    model = mlx_lm_qwen3_5.Model(args)
+    # Same conventions (folded norms, [C, K, 1] conv): only the prefix differs.
+    weights = [("language_model." + name, value)
+               for name, value in tree_flatten(ours.parameters())]
+    model.load_weights(weights)
+    mx.eval(model.parameters())
+    return model
+
+
+def eval_cache(cache: list[Any]) -> None:
+    mx.eval([c.state for c in cache])
+
+
+def run(model: Any, cache: list[Any], prompt: mx.array, new: int) -> dict[str, float]:
+    """Prefill ``prompt[:-1]``, then ``new`` greedy steps starting from its last token."""
+    mx.synchronize()
+    start = time.perf_counter()
+    model(prompt[None, :-1], cache=cache)
+    eval_cache(cache)
+    prefill_s = time.perf_counter() - start
+
+    def step(y: mx.array) -> mx.array:
+        logits = model(y, cache=cache)
+        return mx.argmax(logits[:, -1, :], axis=-1, keepdims=True)
+
+    y = step(prompt[None, -1:])  # the prompt's last token: the first decode step
+    mx.async_eval(y)
+    y.item()
+    start = time.perf_counter()
+    for _ in range(new):
+        nxt = step(y)
+        mx.async_eval(nxt)
+        y.item()  # read the previous token while the next step runs
+        y = nxt
+    y.item()
+    decode_s = time.perf_counter() - start
+    return {"prefill_s": prefill_s, "prefill_tok_s": (prompt.size - 1) / prefill_s,
+            "decode_s": decode_s, "decode_tok_s": new / decode_s}
+
+
+def measure(models: dict[str, Any], prompt: mx.array, new: int,
+            repeats: int) -> dict[str, dict[str, float]]:
+    """Best prefill and decode rates of each model; the models take turns in every repeat
+    so that a change of machine load hits both alike."""
+    for model in models.values():
+        run(model, model.make_cache(), prompt, min(new, 4))  # warm-up: compile, JIT, allocate
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(repeats):
+        for name, model in models.items():
+            result = run(model, model.make_cache(), prompt, new)
+            gc.collect()
+            if name not in best:
+                best[name] = result
+                continue
+            for key in ("prefill", "decode"):
+                if result[f"{key}_tok_s"] > best[name][f"{key}_tok_s"]:
+                    best[name][f"{key}_s"] = result[f"{key}_s"]
+                    best[name][f"{key}_tok_s"] = result[f"{key}_tok_s"]
+    for name, result in best.items():
+        print(f"  {name:10s} prefill {result['prefill_tok_s']:10.1f} tok/s   "
+              f"decode {result['decode_tok_s']:8.1f} tok/s", flush=True)
+    return best
+
+
+def decode_graph_nodes(model: Any, prompt: mx.array) -> dict[str, int]:
+    """Operations in the graph of one decode step (after a short prefill), from MLX's DOT
+    export: ``all`` and ``kernels`` (without the views: reshapes, slices, transposes...).
+    Decoding a small model is bound by this count; on the CPU MLX spells fused GPU
+    operations (RMSNorm, RoPE, attention) as several, so compare counts per device."""
+    import re
+    import tempfile
+
+    cache = model.make_cache()
+    model(prompt[None, :8], cache=cache)
+    eval_cache(cache)
+    mx.eval(model(prompt[None, 8:9], cache=cache), [c.state for c in cache])  # one-off setup
+    logits = model(prompt[None, 9:10], cache=cache)
+    outputs = [mx.argmax(logits[:, -1], axis=-1)]
+    outputs += [s for c in cache for s in c.state if isinstance(s, mx.array)]
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, *outputs)
+        labels = re.findall(r'label ="([^"]+)"', dot.read())
+    views = {"Broadcast", "Reshape", "Slice", "Transpose", "Squeeze", "ExpandDims", "AsStrided",
+             "Flatten", "Unflatten", "StopGradient", "Depends"}
+    mx.eval(outputs)
+    return {"all": len(labels), "kernels": sum(label not in views for label in labels)}
+
+
+def _time(fn: Any, reps: int) -> dict[str, float]:
+    """Milliseconds per call: building the graph alone, and building plus evaluating it."""
+    mx.eval(fn())  # warm-up
+    build = total = 0.0
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = fn()
+        built = time.perf_counter()
+        mx.eval(out)
+        done = time.perf_counter()
+        build, total = build + built - start, total + done - start
+    return {"build_ms": 1e3 * build / reps, "total_ms": 1e3 * total / reps}
+
+
+def profile(ours: Qwen3_5, reference: Any, context: int, reps: int) -> dict[str, Any]:
+    """Per-component time of one decode step (and of a prefill over ``context`` tokens):
+    a DeltaNet layer, a full-attention layer reading ``context`` cached tokens, the
+    output head. Tells where a whole-model difference comes from."""
+    from mlxrunner import KVCache
+
+    dtype = ours.dtype
+    hidden = ours.hidden_size
+    one = mx.random.normal((1, 1, hidden)).astype(dtype)
+    many = mx.random.normal((1, context, hidden)).astype(dtype)
+    lin = next(i for i, layer in enumerate(ours.layers) if layer.is_linear)
+    att = next(i for i, layer in enumerate(ours.layers) if not layer.is_linear)
+    filled = mx.random.normal((1, ours.config.num_key_value_heads, context,
+                               ours.config.head_dim)).astype(dtype)
+    ours_kv = KVCache()
+    ours_kv.update_and_fetch(filled, filled)
+
+    def ours_attention_step() -> mx.array:
+        ours_kv.offset = context
+        return ours.layers[att](one, ours_kv)
+
+    rows: dict[str, Any] = {"ours": {
+        "deltanet_decode": _time(lambda: ours.layers[lin](one, None), reps),
+        "attention_decode": _time(ours_attention_step, reps),
+        "head_decode": _time(lambda: ours.raw_logits(one), reps),
+        "deltanet_prefill": _time(lambda: ours.layers[lin](many, None), max(2, reps // 10)),
+        "attention_prefill": _time(lambda: ours.layers[att](many, None), max(2, reps // 10)),
+    }}
+    if reference is not None:
+        from mlx_lm.models.cache import KVCache as LmKVCache
+
+        layers = reference.language_model.model.layers
+        lm_kv = LmKVCache()
+        lm_kv.update_and_fetch(filled, filled)
+
+        def lm_attention_step() -> mx.array:
+            lm_kv.offset = context
+            return layers[att](one, None, lm_kv)
+
+        head = reference.language_model
+        rows["mlx_lm"] = {
+            "deltanet_decode": _time(lambda: layers[lin](one, None, None), reps),
+            "attention_decode": _time(lm_attention_step, reps),
+            "head_decode": _time(
+                lambda: head.model.embed_tokens.as_linear(one) if head.args.tie_word_embeddings
+                else head.lm_head(one), reps),
+            "deltanet_prefill": _time(lambda: layers[lin](many, None, None),
+                                      max(2, reps // 10)),
+            "attention_prefill": _time(lambda: layers[att](many, "causal", None),
+                                       max(2, reps // 10)),
+        }
+    print("  per call (ms, build+eval / build only):")
+    for part in rows["ours"]:
+        line = f"    {part:18s} mlxrunner {rows['ours'][part]['total_ms']:8.3f} / " \
+               f"{rows['ours'][part]['build_ms']:6.3f}"
+        if "mlx_lm" in rows:
+            line += f"   mlx-lm {rows['mlx_lm'][part]['total_ms']:8.3f} / " \
+                    f"{rows['mlx_lm'][part]['build_ms']:6.3f}"
+        print(line, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--prompt", type=int, help="prompt tokens (default 512; quick 128)")
+    parser.add_argument("--new", type=int, help="generated tokens (default 128; quick 16)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (best kept)")
+    parser.add_argument("--layers", type=int, help="keep only the first N layers (default all)")
+    parser.add_argument("--vocab", type=int, help="override the vocabulary size")
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU-sized run: the first 4 layers (3 DeltaNet + 1 attention), "
+                             "vocabulary 16384, prompt 128, 16 new tokens")
+    parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm comparison")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time one DeltaNet layer, one attention layer and the head")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompt, args.new = args.prompt or 128, args.new or 16
+        args.layers = args.layers or 4
+        args.vocab = args.vocab or 16384
+    args.prompt, args.new = args.prompt or 512, args.new or 128
+    if not args.config.is_file():
+        print(f"qwen3_5 bench: config not found: {args.config}", file=sys.stderr)
+        return 2
+    config = json.loads(args.config.read_text())
+    config = shrink(config, args.layers, args.vocab)
+    dtype = DTYPES[args.dtype]
+    device = str(mx.default_device())
+    shape = "" if not (args.layers or args.vocab) else \
+        f" (layers {args.layers or 'all'}, vocab {args.vocab or 'as configured'})"
+    print(f"Qwen3.5 bench: {args.config.name}{shape}, {args.dtype}, prompt {args.prompt}, "
+          f"{args.new} new tokens, device {device}, mlx {mx.__version__}", flush=True)
+
+    ours = build_ours(config, dtype, args.seed)
+    prompt = mx.random.randint(0, ours.vocab_size, (args.prompt,), key=mx.random.key(args.seed))
+
+    reference = None
+    if not args.no_mlx_lm:
+        try:
+            import mlx_lm
+
+            reference = build_mlx_lm(config, ours)
+            reference_version = mlx_lm.__version__
+        except ImportError:
+            print("  mlx-lm not importable: comparison skipped", flush=True)
+
+    results: dict[str, Any] = {
+        "config": args.config.name, "layers": args.layers, "vocab": args.vocab,
+        "dtype": args.dtype, "prompt": args.prompt, "new": args.new, "device": device,
+        "mlx": mx.__version__,
+        "platform": platform.platform(), "mlx_lm": None,
+    }
+    if reference is not None:
+        short = prompt[None, :16]
+        diff = mx.abs(ours(short).astype(mx.float32) - reference(short).astype(mx.float32))
+        results["parity_max_abs_logit_diff_16_tokens"] = diff.max().item()
+        print(f"  parity: max |logit difference| over 16 tokens "
+              f"{results['parity_max_abs_logit_diff_16_tokens']:.4g}", flush=True)
+
+    models = {"mlxrunner": ours} if reference is None else {"mlxrunner": ours,
+                                                            "mlx-lm": reference}
+    nodes = {name: decode_graph_nodes(model, prompt) for name, model in models.items()}
+    results["decode_graph_nodes"] = nodes
+    print("  decode step graph: " + "   ".join(
+        f"{name} {n['all']} ops ({n['kernels']} non-view)" for name, n in nodes.items()),
+        flush=True)
+    best = measure(models, prompt, args.new, args.repeats)
+    results["mlxrunner"] = best["mlxrunner"]
+    if reference is not None:
+        results["mlx_lm"] = dict(best["mlx-lm"], version=reference_version)
+        results["ratio"] = {
+            key: results["mlxrunner"][f"{key}_tok_s"] / results["mlx_lm"][f"{key}_tok_s"]
+            for key in ("prefill", "decode")}
+        print(f"  ratio      prefill {results['ratio']['prefill']:10.2f}x        "
+              f"decode {results['ratio']['decode']:8.2f}x", flush=True)
+    if args.profile:
+        results["profile"] = profile(ours, reference, args.prompt, 10 if args.quick else 100)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"  wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
