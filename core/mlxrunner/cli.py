@@ -193,7 +193,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt_text, prompt_ids = build_prompt(bundle, prompt, raw=raw, system=args.system,
                                            think=think)
     tok = bundle.tokenizer
-    stop_ids = set(tok.eos_ids)
+    stop_ids = set(tok.eos_ids) | set(getattr(bundle.model, "eos_token_ids", ()) or ())
     for marker in getattr(bundle.renderer, "stop_markers", ()) or ():
         marker_id = tok.token_to_id(marker)
         if marker_id is not None:

@@ -128,6 +128,15 @@ def quantize_for_checkpoint(model: nn.Module, config: dict[str, Any],
             return False
         if predicate_of_model is not None and not predicate_of_model(path, module):
             return False
+        # Read each module's bits and group size off its packed tensors: mixed-precision
+        # checkpoints key their overrides by their own module names, which sanitize renames.
+        packed, scales = weights.get(f"{path}.weight"), weights[f"{path}.scales"]
+        dense = getattr(module, "weight", None)
+        if packed is not None and dense is not None and mode == "affine":
+            in_dim = dense.shape[-1]
+            if in_dim % scales.shape[-1] == 0 and (packed.shape[-1] * 32) % in_dim == 0:
+                return {"group_size": in_dim // scales.shape[-1],
+                        "bits": packed.shape[-1] * 32 // in_dim, "mode": mode}
         override = q.get(path)
         if isinstance(override, dict):
             return {"group_size": int(override.get("group_size", group_size)),

@@ -147,3 +147,22 @@ def test_pickle_only_folder_is_refused(tmp_path):
     (folder / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
     with pytest.raises(ModelFolderError, match="pickle weights are never loaded"):
         mlxrunner.load_model(folder)
+
+
+def test_mixed_precision_checkpoint_reads_bits_from_the_tensors(tmp_path):
+    mx.random.seed(2)
+    model = TinyLM(CONFIG)
+    nn.quantize(model, group_size=32, bits=4,
+                class_predicate=lambda p, m: isinstance(m, nn.Linear) and p != "layers.1")
+    nn.quantize(model, group_size=64, bits=8,
+                class_predicate=lambda p, m: p == "layers.1")
+    weights = dict(tree_flatten(model.parameters()))
+    # the config's default says 4-bit; layers.1 is 8-bit with no override under our names
+    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4,
+                                        "language_model.layers.1": {"bits": 8}})
+    write(tmp_path / "mixed", config, weights)
+    loaded = mlxrunner.load_model(tmp_path / "mixed")
+    assert loaded.layers[1].bits == 8 and loaded.layers[1].group_size == 64
+    assert loaded.layers[0].bits == 4
+    ids = mx.array([[3, 1, 4]])
+    np.testing.assert_allclose(np.array(loaded(ids)), np.array(model(ids)), atol=1e-5)

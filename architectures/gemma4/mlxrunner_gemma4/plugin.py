@@ -1,0 +1,19 @@
+"""Entry point module: registers the Gemma 4 architecture names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlxrunner
+
+ARCHITECTURE_NAMES = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM", "gemma4",
+                      "gemma4_text")
+
+
+@mlxrunner.hookimpl
+def register_architectures(register: Callable[[str, Any], None]) -> None:
+    from .model import Gemma4Model
+
+    for name in ARCHITECTURE_NAMES:
+        register(name, Gemma4Model)

@@ -1,0 +1,173 @@
+"""Sliding-window key/value ring: the cache of local-attention layers.
+
+Position ``p`` lives in slot ``p % window`` of a ``[B, H, window, D]`` buffer,
+so a one-token decode writes one slot and attends over the buffer as it is
+(attention does not care about key order), with no mask and no copy. A write
+of ``L > 1`` tokens (a prompt, a speculative verify block) must not overwrite
+keys that its own earlier queries still need, so it attends over the old window
+in time order followed by the new keys, with a sliding-window causal mask, and
+then stores the newest ``min(L, window)`` keys.
+
+Snapshots: while the ring has not wrapped past a scheduled offset, rolling back
+is an offset move (the slots of later positions are simply ignored). When the
+batched write overwrites positions that a scheduled offset still needs, the
+write is done out of place and the window as it was before the write is kept
+together with the block's new keys; ``restore(o)`` rebuilds the window at ``o``
+from those two, i.e. exactly the ring a plain run over the committed tokens
+would hold.
+
+A model that writes the buffers inside its own traced step (same layout) asks
+``needs_capture(n)`` first and hands the result to ``adopt_write``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .base import Cache
+
+
+class RingCache(Cache):
+    """Keys and values of the last ``window`` positions, ``[B, H, window, D]``."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"sliding window must be positive, got {window}")
+        self.window = int(window)
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        # (window before the write, its offset, new keys, new values) of the
+        # last batched write that overwrote positions a scheduled offset needs
+        self._captured: tuple[mx.array, mx.array, int, mx.array, mx.array] | None = None
+
+    # -- reading -----------------------------------------------------------
+    def mask(self, n: int) -> mx.array | str | None:
+        """Attention mask of ``n`` new queries over what ``update_and_fetch`` of
+        ``n`` tokens returns; call it before that update.
+
+        ``None`` (one query: every returned key is visible), ``"causal"`` (no
+        key has left any query's window yet) or a boolean ``[n, keys]`` array.
+        """
+        if n == 1:
+            return None
+        start = self.offset
+        if start + n <= self.window:
+            return "causal"
+        kept = min(start, self.window)
+        key_pos = mx.arange(start - kept, start + n)
+        query_pos = mx.arange(start, start + n)[:, None]
+        return (key_pos <= query_pos) & (key_pos > query_pos - self.window)
+
+    # -- writing -----------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Add ``L`` positions; return the keys and values the ``L`` queries attend to
+        (use with ``mask(L)`` taken before this call)."""
+        n = keys.shape[2]
+        start = self.offset
+        self._captured = None  # a capture is only good for the write right after it
+        if self.keys is None:
+            B, H, _, Dk = keys.shape
+            self.keys = mx.zeros((B, H, self.window, Dk), keys.dtype)
+            self.values = mx.zeros((B, values.shape[1], self.window, values.shape[3]),
+                                   values.dtype)
+        if n == 1:
+            # A one-token write never needs a capture: its only restorable
+            # offset is the one it ends at.
+            slot = start % self.window
+            self.keys[..., slot:slot + 1, :] = keys
+            self.values[..., slot:slot + 1, :] = values
+            self.offset = start + 1
+            filled = min(self.offset, self.window)
+            return self.keys[..., :filled, :], self.values[..., :filled, :]
+
+        old_keys, old_values = self._in_time_order(start)
+        out_keys = mx.concatenate([old_keys, keys], axis=2)
+        out_values = mx.concatenate([old_values, values], axis=2)
+        if self._needs_capture(start, n):
+            self._captured = (self.keys, self.values, start, keys, values)
+        self.keys, self.values = self._written(self.keys, self.values, start, keys, values)
+        self.offset = start + n
+        return out_keys, out_values
+
+    def _in_time_order(self, start: int) -> tuple[mx.array, mx.array]:
+        """The stored window, oldest position first."""
+        if start <= self.window:
+            return self.keys[..., :start, :], self.values[..., :start, :]
+        cut = start % self.window
+        if cut == 0:
+            return self.keys, self.values
+        return (mx.concatenate([self.keys[..., cut:, :], self.keys[..., :cut, :]], axis=2),
+                mx.concatenate([self.values[..., cut:, :], self.values[..., :cut, :]], axis=2))
+
+    def _written(self, ring_keys: mx.array, ring_values: mx.array, start: int,
+                 keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The ring after storing ``keys``/``values`` at positions ``start ..``
+        (out of place: the given ring is left as it was)."""
+        n = keys.shape[2]
+        keep = min(n, self.window)
+        if keep < n:
+            keys, values = keys[..., n - keep:, :], values[..., n - keep:, :]
+        first = (start + n - keep) % self.window
+        head = min(keep, self.window - first)  # slots before the buffer end
+        ring_keys = mx.slice_update(ring_keys, keys[..., :head, :], mx.array([first]), (2,))
+        ring_values = mx.slice_update(ring_values, values[..., :head, :], mx.array([first]),
+                                      (2,))
+        if head < keep:
+            ring_keys = mx.slice_update(ring_keys, keys[..., head:, :], mx.array([0]), (2,))
+            ring_values = mx.slice_update(ring_values, values[..., head:, :], mx.array([0]),
+                                          (2,))
+        return ring_keys, ring_values
+
+    # -- writes done elsewhere (a traced step) -----------------------------
+    def needs_capture(self, n: int) -> bool:
+        """Whether a write of ``n`` positions now must keep the window it overwrites
+        (a scheduled offset inside the write would need it back)."""
+        return self._needs_capture(self.offset, n)
+
+    def adopt_write(self, keys: mx.array, values: mx.array, n: int,
+                    written: tuple[mx.array, mx.array] | None = None) -> None:
+        """Take the buffers a caller computed for ``n`` more positions: slot ``p % window``
+        holds position ``p``, exactly as ``update_and_fetch`` would leave them.
+
+        ``written`` (the ``n`` new keys and values) must come with a write for which
+        ``needs_capture(n)`` is true; the buffers held until now are kept with it as the
+        window before the write.
+        """
+        if written is not None:
+            self._captured = (self.keys, self.values, self.offset, *written)
+        else:
+            self._captured = None
+        self.keys, self.values = keys, values
+        self.offset += n
+
+    def _needs_capture(self, start: int, n: int) -> bool:
+        """Whether writing ``n`` tokens at ``start`` overwrites a position that a
+        scheduled offset inside this write still keeps in its window."""
+        # Restoring to o (start < o < start + n) needs positions o - window .. o - 1
+        # (those >= 0). The write keeps only start + n - window and later, a bound
+        # above o - window: a needed position is lost as soon as the bound is > 0.
+        inside = any(start < o < start + n for o in self.scheduled)
+        return inside and start + n > self.window
+
+    # -- snapshots ---------------------------------------------------------
+    def restore(self, offset: int) -> None:
+        self._check_restorable(offset)
+        captured, self._captured = self._captured, None
+        if offset != self.offset and captured is not None:
+            ring_keys, ring_values, start, keys, values = captured
+            kept = offset - start
+            self.keys, self.values = self._written(
+                ring_keys, ring_values, start, keys[..., :kept, :], values[..., :kept, :])
+        # Without a capture the slots of positions >= offset are never read
+        # again before being rewritten: position order is implied by offset.
+        self.offset = offset
+        self.discard_snapshots()
+
+    def discard_snapshots(self) -> None:
+        super().discard_snapshots()
+        self._captured = None
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
