@@ -6,10 +6,11 @@ import json
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlxrunner
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+
+import mlxrunner
 from mlxrunner import KVCache, Model, plugins
 from mlxrunner.errors import ModelFolderError
 
