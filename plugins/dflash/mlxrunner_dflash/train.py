@@ -109,7 +109,7 @@ class TrainSettings:
     labels: str = "target"
     self_distill: int = 0
     distill_mix: float = 0.5
-    distill_batch: int = 256  # sequences generated together (one forward per token for all)
+    distill_batch: int = 64  # sequences generated together (one forward per token for all)
     prompt_len: int = 0  # 0: seq_len // 4
     conv_kernel_size: int = 2
     conv_group_size: int = 16
@@ -602,8 +602,7 @@ def generate_greedy(target: mlxrunner.Model, prompts: np.ndarray, length: int,
         logits = target(token[:, None], cache)
         token = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
         out.append(token)
-        if len(out) % 16 == 0:
-            mx.eval(token)
+        mx.eval(token)
     generated = np.array(mx.stack(out, axis=1))
     return np.concatenate([prompts, generated], axis=1).astype(np.int32)
 
@@ -1068,7 +1067,17 @@ def build_pool(target: mlxrunner.Model, stream: np.ndarray, settings: TrainSetti
     per = max(1, min(settings.self_distill, settings.distill_batch))
     while sum(r.shape[0] for r in rows) < settings.self_distill:
         prompts = sample_windows(rng, stream, per, prompt_len)
-        rows.append(generate_greedy(target, prompts, settings.seq_len, eos_id))
+        try:
+            rows.append(generate_greedy(target, prompts, settings.seq_len, eos_id))
+        except RuntimeError as exc:
+            # Some backends reject very wide decode batches (MLX CUDA failed to build its
+            # graph at 256 rows): halve the batch, and train on the corpus alone at the end.
+            if per <= 8:
+                progress.note(f"self-distillation unavailable here ({exc}); corpus only")
+                return np.zeros((0, settings.seq_len), dtype=np.int32)
+            per //= 2
+            progress.note(f"greedy batch failed ({exc}); retrying with {per} rows")
+            continue
         if seconds and time.perf_counter() - t0 > seconds:
             break
     pool = np.concatenate(rows)[:settings.self_distill]
