@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxrunner import Sampler, SamplerOptions, topk_indices
-from mlxrunner.topk import _topk_gpu
+from mlxrunner.topk import _topk_gpu, kernel_status
 
 
 def argpartition_then_sort(x: mx.array, k: int) -> mx.array:
@@ -62,27 +62,32 @@ def timed(fn: Callable[[], mx.array]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+WARMUP_CALLS = 3
+
+
 def interleaved(fns: dict[str, Callable[[], mx.array]], min_runs: int, max_runs: int,
                 budget_s: float) -> dict[str, dict]:
     """Median timings, the methods taking turns so that load spikes hit them alike.
 
-    A method whose warm-up call alone exceeds the budget is timed once.
+    Each method is first called WARMUP_CALLS times untimed (the first call pays
+    kernel JIT compilation and allocation: seconds on a fresh CUDA machine); the
+    first call's time is reported apart as ``first_call_ms``. Then at least
+    ``min_runs`` timed rounds, more while the budget lasts.
     """
-    samples: dict[str, list[float]] = {}
-    slow = set()
+    first: dict[str, float] = {}
     for name, fn in fns.items():
-        first = timed(fn)  # warm-up: compilation, allocation
-        samples[name] = [first] if first > budget_s * 1e3 else []
-        if samples[name]:
-            slow.add(name)
+        first[name] = timed(fn)
+        for _ in range(WARMUP_CALLS - 1):
+            timed(fn)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     start = time.perf_counter()
     rounds = 0
     while rounds < max_runs and (rounds < min_runs or time.perf_counter() - start < budget_s):
         for name, fn in fns.items():
-            if name not in slow:
-                samples[name].append(timed(fn))
+            samples[name].append(timed(fn))
         rounds += 1
-    return {name: summary(values) for name, values in samples.items()}
+    return {name: {**summary(values), "first_call_ms": first[name]}
+            for name, values in samples.items()}
 
 
 def check(name: str, result: np.ndarray, want: np.ndarray, host: np.ndarray) -> str:
@@ -109,6 +114,8 @@ def bench_topk(quick: bool) -> list[dict]:
         # variants of the GPU strategy's first level (each chunk's k): see topk.py
         methods["topk_indices (gpu, chunk partition)"] = (
             lambda x, k: _topk_gpu(x, k, select="partition"))
+        methods["topk_indices (gpu, chunk sort)"] = (
+            lambda x, k: _topk_gpu(x, k, select="sort"))
         if hasattr(mx, "cuda") and mx.cuda.is_available():
             methods["topk_indices (gpu, cuda kernel)"] = (
                 lambda x, k: _topk_gpu(x, k, select="kernel"))
@@ -230,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device:
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
     device = str(mx.default_device())
-    print(f"mlx {mx.__version__} on {device} ({platform.machine()}, {platform.system()})")
+    print(f"mlx {mx.__version__} on {device} ({platform.machine()}, {platform.system()}); "
+          f"CUDA chunk kernel: {kernel_status()}")
     topk_rows = bench_topk(args.quick)
     print_topk(topk_rows)
     goal_lines = goals(topk_rows)
@@ -239,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsampler overhead per token on {device} (sampler alone, bfloat16 logits)")
     for r in sampler_rows:
         print(f"  {r['case']:<44} vocab {r['vocab']}: {r['median_ms']:.3f} ms median "
-              f"(p10 {r['p10_ms']:.3f}, p90 {r['p90_ms']:.3f}, {r['runs']} runs)")
+              f"(p10 {r['p10_ms']:.3f}, p90 {r['p90_ms']:.3f}, {r['runs']} runs; "
+              f"first call {r['first_call_ms']:.1f} ms)")
     if args.json:
         args.json.write_text(json.dumps({
             "device": device, "mlx": mx.__version__, "quick": args.quick,

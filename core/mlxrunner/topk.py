@@ -17,12 +17,17 @@ Strategies (same answer, chosen by ``mx.default_device()``):
   only those ``chunks * k`` candidates (chunked again while more than 2048). A
   full-row sort of a 150k-260k vocabulary is a multi-pass merge sort; 2048-key
   chunks sort within a block. ``GPU_CHUNK_SELECT`` picks how a chunk's k are
-  found: MLX's sort (default), MLX's partition, or a fused CUDA kernel.
+  found: a fused CUDA kernel (the default where CUDA is available; checked
+  against the sort on first use, with one warning and the sort if it fails),
+  MLX's sort (the default elsewhere), or MLX's partition.
 - CPU: partition the keys (a linear-time selection over contiguous int64),
   then sort the k selected.
 """
 
 from __future__ import annotations
+
+import math
+import warnings
 
 import mlx.core as mx
 
@@ -194,6 +199,27 @@ _CUDA_CHUNK_TOPK = r"""
     }
 """
 _cuda_kernel = None
+_KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+_MAX_GRID_ROWS = 65535  # gridDim.y limit
+_kernel_failed: str | None = None  # why the kernel is off (after one warning)
+_kernel_checked: set[tuple[int, int, str]] = set()  # (N, K, dtype) instances that passed
+
+
+def kernel_launch(rows: int, n: int, k: int) -> dict:
+    """The kernel's launch geometry for ``rows`` rows of ``n`` values: CUDA-free, testable.
+
+    MLX's ``grid`` counts threads (blocks = grid / threadgroup, rounded up), so
+    one 256-thread block per chunk needs ``chunks * 256`` threads along x.
+    """
+    chunks = -(-n // CHUNK)
+    power = 1 << (k - 1).bit_length()  # runs of P >= k keys, P a power of two
+    return {
+        "template": [("N", n), ("K", k), ("P", power)],
+        "grid": (chunks * 256, rows, 1),
+        "threadgroup": (256, 1, 1),
+        "output_shape": (rows, chunks, k),
+        "chunks": chunks,
+    }
 
 
 def _cuda_first_k_per_chunk(x: mx.array, k: int) -> mx.array:
@@ -205,18 +231,80 @@ def _cuda_first_k_per_chunk(x: mx.array, k: int) -> mx.array:
             source=_CUDA_CHUNK_TOPK)
     n = x.shape[-1]
     rows = x.reshape(-1, n)
-    chunks = -(-n // CHUNK)
-    power = 1 << (k - 1).bit_length()
+    if rows.dtype not in _KERNEL_DTYPES:
+        rows = rows.astype(mx.float32)
+    launch = kernel_launch(rows.shape[0], n, k)
     (keys,) = _cuda_kernel(
-        inputs=[rows], template=[("N", n), ("K", k), ("P", power)],
-        grid=(chunks * 256, rows.shape[0], 1), threadgroup=(256, 1, 1),
-        output_shapes=[(rows.shape[0], chunks, k)], output_dtypes=[mx.uint64])
+        inputs=[rows], template=launch["template"], grid=launch["grid"],
+        threadgroup=launch["threadgroup"], output_shapes=[launch["output_shape"]],
+        output_dtypes=[mx.uint64])
     return keys
 
 
-GPU_CHUNK_SELECT = "sort"
+def check_rows(rows: int, n: int) -> mx.array:
+    """float32 rows that exercise every ordering rule: ties, NaN, +-inf, -0.0, padding."""
+    special = mx.array([0.5, -1.0, 2.0, _NAN, -math.inf, math.inf, -0.0, 0.0], mx.float32)
+    index = mx.arange(rows * n).reshape(rows, n)
+    noise = mx.random.normal((rows, n), key=mx.random.key(7)) * 4
+    # one value in three from the small set (ties across chunks), the rest distinct
+    return mx.where(index % 3 == 0, special[(index // 3) % special.size], noise)
+
+
+def _kernel_usable(x: mx.array, k: int) -> bool:
+    """Whether the fused kernel may run for this input: CUDA present, not turned off,
+    and its (N, K, dtype) instance agreed with the chunked sort on a check row once.
+
+    Any failure (no CUDA, compile error, a launch refused, a wrong answer) turns the
+    kernel off for the process with one warning; the chunked sort takes over.
+    """
+    global _kernel_failed
+    if _kernel_failed is not None or not _cuda_ready():
+        return False
+    rows = 1
+    for size in x.shape[:-1]:
+        rows *= size
+    if rows > _MAX_GRID_ROWS:
+        return False  # one launch cannot hold that many rows: sort instead (no warning)
+    n = x.shape[-1]
+    dtype = x.dtype if x.dtype in _KERNEL_DTYPES else mx.float32
+    instance = (n, k, str(dtype))
+    if instance in _kernel_checked:
+        return True
+    try:
+        probe = check_rows(2, n).astype(dtype)
+        got = _topk_from_chunk_keys(_cuda_first_k_per_chunk(probe, k), probe.shape[:-1], k,
+                                    _U64_PAD)
+        want = _topk_gpu(probe, k, select="sort")
+        mx.eval(got, want)
+        if not mx.array_equal(got, want).item():
+            raise ValueError(f"disagrees with the chunked sort (N={n}, K={k}, {dtype})")
+    except Exception as error:  # noqa: BLE001 - any failure means: use the sort
+        _kernel_failed = f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"
+        warnings.warn(f"topk_indices: the CUDA chunk kernel is off ({_kernel_failed}); "
+                      "using the chunked sort", RuntimeWarning, stacklevel=3)
+        return False
+    _kernel_checked.add(instance)
+    return True
+
+
+def _cuda_ready() -> bool:
+    """CUDA present and the default device the GPU (the kernel runs on the GPU stream)."""
+    return hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+def kernel_status() -> str:
+    """'on' (the CUDA kernel is the GPU default), or why it is off."""
+    if _kernel_failed is not None:
+        return f"off: {_kernel_failed}"
+    if not _cuda_ready():
+        return "off: no CUDA GPU as the default device"
+    return "on"
+
+
+GPU_CHUNK_SELECT: str | None = None
 """How the GPU strategy picks each chunk's k: "sort" (MLX sort of the int64 keys),
-"partition" (MLX partition), or "kernel" (the fused CUDA kernel above)."""
+"partition" (MLX partition), "kernel" (the fused CUDA kernel above), or None: the
+kernel where CUDA is available (self-checked on first use, else the sort)."""
 
 
 def _first_k_per_chunk(keys: mx.array, k: int, select: str) -> mx.array:
@@ -227,22 +315,14 @@ def _first_k_per_chunk(keys: mx.array, k: int, select: str) -> mx.array:
     return mx.sort(keys, axis=-1)[..., :k]
 
 
-def _topk_gpu(x: mx.array, k: int, select: str | None = None) -> mx.array:
-    select = select or GPU_CHUNK_SELECT
-    n = x.shape[-1]
-    if k > CHUNK // 4 or n <= CHUNK:
-        # Chunking would shrink the row by less than 4x per level: sort it whole.
-        return _index_of(mx.sort(_keys(x), axis=-1)[..., :k])
-    lead = x.shape[:-1]
-    # Each level keeps the first k of every CHUNK-key chunk (one block each).
-    if select == "kernel":
-        keys = _cuda_first_k_per_chunk(x, k).reshape(*lead, -1)
-        pad_key = mx.array(-1, dtype=mx.int64).view(mx.uint64)  # 2**64 - 1
-        select = "sort"
-    else:
-        keys = _chunked_keys_compiled(x, _index(-(-n // CHUNK) * CHUNK))
-        keys = _first_k_per_chunk(keys, k, select).reshape(*lead, -1)
-        pad_key = mx.array(_PAD_KEY, dtype=mx.int64)
+_U64_PAD = mx.array(-1, dtype=mx.int64).view(mx.uint64)  # 2**64 - 1: after every key
+
+
+def _topk_from_chunk_keys(keys: mx.array, lead: tuple[int, ...], k: int,
+                          pad_key: mx.array, select: str = "sort") -> mx.array:
+    """From each chunk's first k keys ([rows, chunks, k]) to the row's first k indices."""
+    keys = keys.reshape(*lead, -1)
+    # Each further level keeps the first k of every CHUNK-key chunk (one block each).
     while keys.shape[-1] > CHUNK:
         pad = -keys.shape[-1] % CHUNK
         if pad:
@@ -251,6 +331,22 @@ def _topk_gpu(x: mx.array, k: int, select: str | None = None) -> mx.array:
         keys = keys.reshape(*lead, -1, CHUNK)
         keys = _first_k_per_chunk(keys, k, select).reshape(*lead, -1)
     return _index_of(mx.sort(keys, axis=-1)[..., :k])
+
+
+def _topk_gpu(x: mx.array, k: int, select: str | None = None) -> mx.array:
+    n = x.shape[-1]
+    if k > CHUNK // 4 or n <= CHUNK:
+        # Chunking would shrink the row by less than 4x per level: sort it whole.
+        return _index_of(mx.sort(_keys(x), axis=-1)[..., :k])
+    select = select or GPU_CHUNK_SELECT
+    if select is None:
+        select = "kernel" if _kernel_usable(x, k) else "sort"
+    lead = x.shape[:-1]
+    if select == "kernel":
+        return _topk_from_chunk_keys(_cuda_first_k_per_chunk(x, k), lead, k, _U64_PAD)
+    keys = _chunked_keys_compiled(x, _index(-(-n // CHUNK) * CHUNK))
+    keys = _first_k_per_chunk(keys, k, select)
+    return _topk_from_chunk_keys(keys, lead, k, mx.array(_PAD_KEY, dtype=mx.int64), select)
 
 
 def _greedy(x: mx.array) -> mx.array:

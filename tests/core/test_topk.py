@@ -215,3 +215,164 @@ def test_cuda_kernel_strategy(n: int) -> None:
             assert direct.shape == (8, -(-n // 2048), k)
             got = np.array(topk._topk_gpu(mx.array(xd).astype(dtype), k, select="kernel"))
             assert (got == reference(xd, k)).all(), (dtype, k)
+
+
+# ---- the CUDA kernel's logic, checked off the GPU ---------------------------------
+
+
+def emulate_cuda_kernel(x: np.ndarray, k: int) -> np.ndarray:
+    """The kernel's exact index arithmetic in numpy (every stage's compare-swaps are
+    disjoint, so each stage runs as one vectorised step): [rows, chunks, k] uint64."""
+    from mlxrunner import topk
+
+    rows_n, n = x.shape
+    launch = topk.kernel_launch(rows_n, n, k)
+    n_t, k_t, p = (value for _, value in launch["template"])
+    assert (n_t, k_t) == (n, k)
+    ch = topk.CHUNK
+    chunks = launch["grid"][0] // launch["threadgroup"][0]  # MLX: blocks = grid / threadgroup
+    out = np.zeros((rows_n, chunks, k), np.uint64)
+    bits = x.astype(np.float32).view(np.uint32)
+    for row in range(rows_n):
+        for chunk in range(chunks):
+            idx = chunk * ch + np.arange(ch)
+            keys = np.full(ch, np.iinfo(np.uint64).max, np.uint64)
+            real = idx < n
+            b = bits[row, idx[real]].copy()
+            b[b == 0x80000000] = 0
+            asc = np.where(b & 0x80000000, ~b, b | 0x80000000).astype(np.uint32)
+            order = np.where((b & 0x7FFFFFFF) <= 0x7F800000, ~asc, 0xFFFFFFFF).astype(np.uint64)
+            keys[real] = (order << np.uint64(32)) | idx[real].astype(np.uint64)
+            t = np.arange(ch // 2)
+            size = 2
+            while size <= p:
+                stride = size >> 1
+                while stride > 0:
+                    lo = 2 * t - (t & (stride - 1))
+                    hi = lo + stride
+                    up = (size == p) | ((lo & size) == 0)
+                    a, bb = keys[lo], keys[hi]
+                    swap = (a > bb) == up
+                    keys[lo[swap]], keys[hi[swap]] = bb[swap], a[swap]
+                    stride >>= 1
+                size <<= 1
+            s = p
+            while s < ch:
+                pairs = ch // (2 * s)
+                t2 = np.arange(pairs * p)
+                g, i = t2 // p, t2 % p
+                a_i = g * 2 * s + i
+                b_i = g * 2 * s + s + (p - 1 - i)
+                keys[a_i] = np.minimum(keys[a_i], keys[b_i])
+                stride = p >> 1
+                while stride > 0:
+                    t3 = np.arange(pairs * (p // 2))
+                    g, u = t3 // (p // 2), t3 % (p // 2)
+                    lo = g * 2 * s + 2 * u - (u & (stride - 1))
+                    hi = lo + stride
+                    a, bb = keys[lo], keys[hi]
+                    swap = a > bb
+                    keys[lo[swap]], keys[hi[swap]] = bb[swap], a[swap]
+                    stride >>= 1
+                s <<= 1
+            out[row, chunk] = keys[:k]
+    return out
+
+
+@pytest.mark.parametrize("n", [2049, 4096, 5000])
+def test_cuda_kernel_algorithm_emulated(n: int) -> None:
+    from mlxrunner import topk
+
+    x = mixed_rows(3, n, seed=n)
+    for k in (2, 3, 20, 40, 100, 512):
+        want = np.array(chunk_keys_like_the_cuda_kernel(mx.array(x), k))
+        # padding: the kernel writes 2**64 - 1, the stand-in a NaN key past the row
+        want[(want & np.uint64(0xFFFFFFFF)) >= n] = np.iinfo(np.uint64).max
+        got = emulate_cuda_kernel(x, k)
+        assert got.shape == want.shape == (3, -(-n // topk.CHUNK), k)
+        assert (got == want).all(), k
+
+
+@pytest.mark.parametrize("n,k", [(2049, 2), (2049, 512), (151936, 40), (262144, 64)])
+def test_cuda_kernel_launch_geometry(n: int, k: int) -> None:
+    from mlxrunner import topk
+
+    launch = topk.kernel_launch(64, n, k)
+    chunks = launch["chunks"]
+    assert (chunks - 1) * topk.CHUNK < n <= chunks * topk.CHUNK
+    assert launch["grid"] == (chunks * 256, 64, 1) and launch["threadgroup"] == (256, 1, 1)
+    assert launch["output_shape"] == (64, chunks, k)
+    power = dict(launch["template"])["P"]
+    assert power >= k and power & (power - 1) == 0 and power < 2 * k
+    assert all(type(v) is int for _, v in launch["template"])  # MLX takes int, bool, Dtype
+
+
+@pytest.fixture
+def fresh_kernel_state(monkeypatch: pytest.MonkeyPatch):
+    from mlxrunner import topk
+
+    monkeypatch.setattr(topk, "_kernel_failed", None)
+    monkeypatch.setattr(topk, "_kernel_checked", set())
+    monkeypatch.setattr(topk, "_cuda_ready", lambda: True)
+    return topk
+
+
+def test_kernel_is_the_default_when_it_checks_out(fresh_kernel_state, monkeypatch) -> None:
+    topk = fresh_kernel_state
+    calls = []
+
+    def stand_in(x: mx.array, k: int) -> mx.array:
+        calls.append(x.shape)
+        return chunk_keys_like_the_cuda_kernel(x, k)
+
+    monkeypatch.setattr(topk, "_cuda_first_k_per_chunk", stand_in)
+    x = mixed_rows(4, 5000, seed=3)
+    for _ in range(2):
+        got = np.array(topk._topk_gpu(mx.array(x), 20))
+        assert (got == reference(x, 20)).all()
+    # one first-use check (2 probe rows), then the two real calls; no second check
+    assert calls == [(2, 5000), (4, 5000), (4, 5000)]
+    assert topk.kernel_status() == "on"
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong"])
+def test_kernel_falls_back_with_one_warning(fresh_kernel_state, monkeypatch, failure) -> None:
+    topk = fresh_kernel_state
+
+    def broken(x: mx.array, k: int) -> mx.array:
+        if failure == "raises":
+            raise ValueError("[custom_kernel] something the GPU refused")
+        keys = chunk_keys_like_the_cuda_kernel(x, k)
+        return mx.concatenate([keys[..., 1:], keys[..., -1:]], axis=-1)  # loses each best
+
+    monkeypatch.setattr(topk, "_cuda_first_k_per_chunk", broken)
+    x = mixed_rows(4, 5000, seed=4)
+    with pytest.warns(RuntimeWarning, match="CUDA chunk kernel is off"):
+        got = np.array(topk._topk_gpu(mx.array(x), 20))
+    assert (got == reference(x, 20)).all()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        got = np.array(topk._topk_gpu(mx.array(x), 64))
+    assert (got == reference(x, 64)).all()
+    assert topk.kernel_status().startswith("off: ValueError")
+
+
+def test_check_rows_cover_the_ordering_rules() -> None:
+    from mlxrunner import topk
+
+    rows = np.array(topk.check_rows(2, 2049))
+    assert np.isnan(rows).any() and np.isneginf(rows).any() and np.isposinf(rows).any()
+    assert (np.signbit(rows) & (rows == 0)).any()  # -0.0
+    assert len(np.unique(rows[~np.isnan(rows)])) < rows.size - 1000  # many ties
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="needs CUDA")
+def test_cuda_kernel_is_the_gpu_default() -> None:
+    from mlxrunner import topk
+
+    x = mixed_rows(8, 151936, seed=1)
+    got = np.array(topk_indices(mx.array(x), 40))
+    assert (got == reference(x, 40)).all()
+    assert topk.kernel_status() == "on"
