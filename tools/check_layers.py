@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIRS = ("architectures", "renderers", "plugins")
-SKIP_PARTS = {".git", "venv", ".venv", "build", "dist", "__pycache__", ".mlx-cuda-a",
+SKIP_PARTS = {".git", "venv", ".venv", ".ci-venv", "build", "dist", "__pycache__", ".mlx-cuda-a",
               ".mlx-cuda-b", ".whl", ".team"}
+
+
+def python_files() -> list[Path]:
+    """The tree's Python files: what git tracks or would track (virtualenvs are ignored)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                              "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+        return [ROOT / line for line in out.stdout.splitlines() if (ROOT / line).exists()]
+    except (OSError, subprocess.CalledProcessError):
+        return [p for p in ROOT.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(ROOT).parts)]
 
 
 def public_names() -> set[str]:
@@ -50,8 +61,8 @@ def imports_of(path: Path) -> list[tuple[int, str, list[str]]]:
 
 def test_module_names() -> set[str]:
     """Top-level names of modules that live in tests/ folders (importable via pythonpath)."""
-    return {p.stem for p in ROOT.rglob("tests/*.py")
-            if not SKIP_PARTS & set(p.relative_to(ROOT).parts)} | {"tests", "conftest"}
+    return {p.stem for p in python_files()
+            if "tests" in p.relative_to(ROOT).parts} | {"tests", "conftest"}
 
 
 def is_test_path(path: Path) -> bool:
@@ -63,7 +74,7 @@ def check() -> list[str]:
     public = public_names()
     plugin_pkgs = plugin_packages()
     test_modules = test_module_names()
-    files = [p for p in ROOT.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(ROOT).parts)]
+    files = python_files()
     for path in files:
         rel = path.relative_to(ROOT)
         in_core = rel.parts[:2] == ("core", "mlxrunner")

@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     # plugins
     "hookimpl": "hookspecs",
     "register": "plugins",
+    "registered": "plugins",
     # errors
     "MLXRunnerError": "errors",
     "ModelFolderError": "errors",
@@ -61,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "MarkerScanner": "parsing",
     "ParseEvents": "parsing",
     "TrimmedText": "parsing",
+    "ReplyParser": "parsing",
     # drafts
     "DraftModel": "drafts",
     "DraftSession": "drafts",
@@ -110,8 +112,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .loading import Bundle, build_model, load, load_model, read_config  # noqa: F401
     from .model import Model  # noqa: F401
     from .modelfile import Modelfile, read_modelfile  # noqa: F401
-    from .parsing import MarkerScanner, ParseEvents, TrimmedText  # noqa: F401
-    from .plugins import register  # noqa: F401
+    from .parsing import MarkerScanner, ParseEvents, ReplyParser, TrimmedText  # noqa: F401
+    from .plugins import register, registered  # noqa: F401
     from .sampler import Distribution, Sampler, SamplerOptionError, SamplerOptions  # noqa: F401
     from .tokenizer import Tokenizer  # noqa: F401
     from .topk import topk_indices  # noqa: F401

@@ -207,6 +207,12 @@ def lookup(kind: str, name: str, suggestion: str | None = None) -> Registration:
     return reg
 
 
+def registered(kind: str) -> dict[str, Registration]:
+    """Everything registered of one kind (``architectures``, ``drafts``, ``renderers``,
+    ``parsers``, ``models``): name -> Registration(name, obj, plugin)."""
+    return dict(host().registry(kind))
+
+
 def names(kind: str) -> list[str]:
     return sorted(host().registry(kind))
 

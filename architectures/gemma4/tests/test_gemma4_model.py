@@ -84,9 +84,7 @@ def test_gemma4_e2b_facts():
 
 
 def test_gemma4_registered_through_the_entry_point():
-    import mlxrunner.plugins  # tests may look at the registry itself
-
-    registry = mlxrunner.plugins.host().registry("architectures")
+    registry = mlxrunner.registered("architectures")
     for name in ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM", "gemma4", "gemma4_text"):
         assert registry[name].obj is Gemma4Model
         assert registry[name].plugin == "gemma4"
