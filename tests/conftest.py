@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from mlxrunner_test_support import shared_data, write_model_folder
 
 

@@ -58,6 +58,7 @@ def write_model_folder(folder: Path, config: dict | None = None, seed: int = 0) 
     """A complete model folder for the example architecture with random weights."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
+
     from mlxrunner import plugins
     from mlxrunner.loading import text_config
 

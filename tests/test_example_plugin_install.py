@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from mlxrunner_test_support import write_model_folder
 
 REPO = Path(__file__).resolve().parent.parent

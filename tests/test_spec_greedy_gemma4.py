@@ -1,7 +1,7 @@
 """Greedy exactness on tiny Gemma 4 targets (sliding rings, KV-shared layers, full
 attention): speculative greedy equals plain greedy over 200 tokens with random DFlash and
-DFlash2 drafts and a scripted draft, with rings that wrap (window 8; the window-512 case,
-where rings never wrap, is test_spec_greedy_gemma4_unwrapped.py)."""
+DFlash2 drafts and a scripted draft, with rings that wrap (window 8) and rings that never
+wrap (window 512 > prompt + 200)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ pytest.importorskip("mlxrunner_dflash", reason="the dflash plugin is not install
 import mlxrunner  # noqa: E402
 from mlxrunner.testing.speculative import check_speculative_greedy  # noqa: E402
 
-WINDOW = 8
 FIXTURE = Path(__file__).resolve().parent.parent / "architectures" / "gemma4" / "tests" / \
     "fixtures" / "e2b"
 
@@ -36,11 +35,16 @@ def _with_window(tmp_path: Path, window: int) -> Path:
     return folder
 
 
-def test_gemma4_speculative_greedy_equals_plain_with_wrapped_rings(tmp_path):
+@pytest.mark.parametrize(("window", "prompts", "prompt_len", "seed"), [
     # prompts longer than the window: rings have wrapped before the first round
-    model = mlxrunner.load_model(_with_window(tmp_path, WINDOW), dtype="float32")
+    pytest.param(8, 3, 12, 2, id="rings-wrap"),
+    pytest.param(512, 2, 8, 3, id="rings-never-wrap"),
+])
+def test_gemma4_speculative_greedy_equals_plain(tmp_path, window, prompts, prompt_len, seed):
+    model = mlxrunner.load_model(_with_window(tmp_path, window), dtype="float32")
     caches = model.make_cache()
     assert any(type(c).__name__ == "RingCache" for c in caches)
     assert any(c is None for c in caches)  # KV-shared layers keep no cache
-    stats = check_speculative_greedy(model, max_tokens=200, prompts=3, prompt_len=12, seed=2)
+    stats = check_speculative_greedy(model, max_tokens=200, prompts=prompts,
+                                     prompt_len=prompt_len, seed=seed)
     assert all(s.generated_tokens == 200 for s in stats)

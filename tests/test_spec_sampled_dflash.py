@@ -1,9 +1,13 @@
-"""Sampled exactness with a DFlash draft (dense q): over 800 seeds, the first tokens of
-speculative decoding follow plain decoding's exact distribution (chi-square, p > 0.001),
-with the sampler's top_k / top_p / min_p / penalties off and on. A round with a broken
-residual fails the same check."""
+"""Sampled exactness with DFlash (dense q) and DFlash2 (sparse q over its candidates)
+drafts: over 800 (DFlash) or 600 (DFlash2) seeds, the first tokens of speculative decoding
+follow plain decoding's exact distribution (chi-square, p > 0.001), with the sampler's
+top_k / top_p / min_p / penalties off and on. A round with a broken residual fails the
+same check."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -28,24 +32,43 @@ SETTINGS = {
 }
 
 
-def _setup():
+@dataclass(frozen=True)
+class DraftCase:
+    kind: str
+    runs: int
+    depth: int | None  # None: the draft's own depth
+    min_acceptance: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+DRAFTS = {
+    # depth 3 every round: acceptance, residuals at every position and the bonus all occur
+    "dflash": DraftCase("DFlashDraftModel", runs=800, depth=3, min_acceptance=0.1),
+    # DFlash2 drafts block_size - 1 = 3 every round; q is sparse over 4 candidates
+    "dflash2": DraftCase("DFlash2DraftModel", runs=600, depth=None, min_acceptance=0.05,
+                         extra={"selector_top_k": 4}),
+}
+
+
+def _setup(case: DraftCase):
     target = ToyTarget({"vocab_size": 16, "hidden_size": 16, "seed": 0, "scale": 1.0})
-    draft = random_draft(target, "DFlashDraftModel", layers=1, block_size=4, heads=2,
-                         kv_heads=1, head_dim=8, taps=[0])
+    draft = random_draft(target, case.kind, layers=1, block_size=4, heads=2, kv_heads=1,
+                         head_dim=8, taps=[0], **case.extra)
     return target, draft
 
 
 @pytest.mark.parametrize("settings", ["off", "on"])
-def test_dflash_sampled_output_follows_plain_decoding(settings):
-    target, draft = _setup()
-    # depth 3 every round: acceptance, residuals at every position and the bonus all occur
+@pytest.mark.parametrize("draft_name", list(DRAFTS))
+def test_sampled_output_follows_plain_decoding(draft_name, settings):
+    case = DRAFTS[draft_name]
+    target, draft = _setup(case)
     result = check_speculative_sampled(target, draft, SETTINGS[settings], prompt=PROMPT,
-                                       runs=800, depth=3)
-    assert 0.1 < result["acceptance_rate"] < 0.9
+                                       runs=case.runs, depth=case.depth)
+    assert case.min_acceptance < result["acceptance_rate"] < 0.9
 
 
 def test_the_check_catches_a_round_without_the_residual(monkeypatch):
-    target, draft = _setup()
+    target, draft = _setup(DRAFTS["dflash"])
     monkeypatch.setattr(Sampler, "residual", lambda self, p, q: p)
     with pytest.raises(AssertionError, match="do not follow plain decoding"):
         check_speculative_sampled(target, draft, SETTINGS["off"], prompt=PROMPT, runs=600,

@@ -4,11 +4,17 @@ Text arrives in arbitrary chunks. In each state the scanner looks for that
 state's markers; text that cannot be the start of a marker is passed on at
 once, a tail that could be is held until the next chunk decides. Block states
 (a tool call, say) keep everything until their closing marker arrives.
+
+:class:`ReplyParser` builds a whole chat-output parser (the ``Parser`` protocol) on
+the scanner: thinking, content and tool calls, with ``reset``/``feed``/``finish``/``parse``.
 """
 
 from __future__ import annotations
 
-from .chat import ParsedMessage, ToolCall
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from .chat import ParsedMessage, RenderContext, ToolCall
 
 
 class TrimmedText:
@@ -43,18 +49,19 @@ class ParseEvents:
         self.items: list[ParsedMessage] = []
 
     def content(self, text: str) -> None:
-        if text:
-            if self.items and self.items[-1].kind == "content":
-                self.items[-1].content += text
-            else:
-                self.items.append(ParsedMessage(content=text))
+        self._text("content", text)
 
     def thinking(self, text: str) -> None:
-        if text:
-            if self.items and self.items[-1].kind == "thinking":
-                self.items[-1].thinking += text
-            else:
-                self.items.append(ParsedMessage(thinking=text))
+        self._text("thinking", text)
+
+    def _text(self, kind: str, text: str) -> None:
+        if not text:
+            return
+        last = self.items[-1] if self.items else None
+        if last is not None and last.kind == kind:
+            setattr(last, kind, getattr(last, kind) + text)
+        else:
+            self.items.append(ParsedMessage(**{kind: text}))
 
     def tool_call(self, call: ToolCall) -> None:
         self.items.append(ParsedMessage(tool_calls=[call]))
@@ -137,3 +144,95 @@ class MarkerScanner:
             self.on_text(rest, events)
             self.on_finish(None, events)
         return events.items
+
+
+class TextStream(Protocol):
+    """A filter on one kind of streamed text (``TrimmedText`` is one)."""
+
+    def write(self, text: str) -> str: ...
+
+    def close(self) -> str: ...
+
+
+class ReplyParser(MarkerScanner):
+    """Base of a chat-output parser: thinking, content and tool calls, streamed.
+
+    Implements the ``Parser`` protocol on :class:`MarkerScanner`. Text in
+    ``THINKING_STATE`` goes through ``thinking_text`` (``new_thinking_text()``,
+    trimmed by default), other text through ``content_text`` (trimmed). Subclasses
+    set ``MARKERS``, ``BLOCK_STATES``, ``THINKING_STATE``, ``CALL_OPEN`` /
+    ``CALL_CLOSE`` and implement ``on_marker``, ``on_finish`` (calling ``restart()``
+    at its end), ``prompt_opens_thinking`` and ``parse_call``; ``read_tools`` takes
+    the declared tools on each ``reset``.
+    """
+
+    THINKING_STATE = "thinking"
+    CALL_OPEN = ""
+    CALL_CLOSE = ""
+
+    def __init__(self, context: RenderContext | None = None, *,
+                 start_in_thinking: bool = False,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+        super().__init__()
+        self.context = context
+        self.reset(start_in_thinking=start_in_thinking, tools=tools)
+
+    # -- to implement ------------------------------------------------------------------
+    def prompt_opens_thinking(self, prompt: str) -> bool:
+        """Whether output after the rendered ``prompt`` starts inside thinking."""
+        raise NotImplementedError
+
+    def parse_call(self, block: str) -> ToolCall | None:
+        """A tool-call block (between ``CALL_OPEN`` and ``CALL_CLOSE``), or None."""
+        raise NotImplementedError
+
+    def read_tools(self, tools: Sequence[Mapping[str, Any]]) -> None:
+        """Keep what ``parse_call`` needs from the declared tools (default: nothing)."""
+
+    def new_thinking_text(self) -> TextStream:
+        return TrimmedText()
+
+    # -- Parser protocol ---------------------------------------------------------------
+    def reset(self, prompt: str | None = None, *, start_in_thinking: bool | None = None,
+              tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+        if start_in_thinking is None:
+            start_in_thinking = prompt is not None and self.prompt_opens_thinking(prompt)
+        self.start_in_thinking = start_in_thinking
+        self.read_tools(tools or ())
+        self.restart()
+
+    def restart(self) -> None:
+        """Back to the start of a reply, with the settings of the last ``reset``."""
+        self.state = self.THINKING_STATE if self.start_in_thinking else "content"
+        self.buffer, self.scanned = "", 0
+        self.thinking_text = self.new_thinking_text()
+        self.content_text = TrimmedText()
+
+    def feed(self, chunk: str) -> list[ParsedMessage]:
+        return self.feed_events(chunk)
+
+    def finish(self) -> list[ParsedMessage]:
+        return self.finish_events()
+
+    def parse(self, text: str) -> ParsedMessage:
+        self.restart()
+        message = ParsedMessage()
+        for delta in self.feed(text) + self.finish():
+            message.add(delta)
+        return message
+
+    # -- shared handlers ---------------------------------------------------------------
+    def on_text(self, text: str, events: ParseEvents) -> None:
+        if self.state == self.THINKING_STATE:
+            events.thinking(self.thinking_text.write(text))
+        else:
+            events.content(self.content_text.write(text))
+
+    def emit_call(self, block: str, events: ParseEvents, *, closed: bool = True) -> None:
+        """A tool call, or (when it does not parse) its text, markers included, as content."""
+        call = self.parse_call(block)
+        if call is None:
+            close = self.CALL_CLOSE if closed else ""
+            events.content(self.content_text.write(self.CALL_OPEN + block + close))
+        else:
+            events.tool_call(call)

@@ -9,8 +9,9 @@ import sys
 import types
 from pathlib import Path
 
-import mlxrunner
 import pytest
+
+import mlxrunner
 from mlxrunner import plugins
 from mlxrunner.errors import PluginError, UnknownNameError
 
@@ -60,7 +61,8 @@ def test_a_failing_hook_is_skipped_and_the_rest_load(host, capsys):
         raise RuntimeError("boom")
 
     host.add_plugin(make_plugin(register_architectures=broken), "broken")
-    host.add_plugin(make_plugin(register_architectures=lambda register: register("Good", object)), "good")
+    good = make_plugin(register_architectures=lambda register: register("Good", object))
+    host.add_plugin(good, "good")
     assert plugins.names("architectures") == ["Good"]  # nothing half-registered
     err = capsys.readouterr().err
     assert "'broken'" in err and "boom" in err and len(err.strip().splitlines()) == 1
@@ -75,7 +77,8 @@ def test_direct_register_feeds_the_same_registry(host):
 
 
 def test_unknown_architecture_lists_installed_and_suggests_a_package(host):
-    host.add_plugin(make_plugin(register_architectures=lambda register: register("Known", object)), "k")
+    known = make_plugin(register_architectures=lambda register: register("Known", object))
+    host.add_plugin(known, "k")
     with pytest.raises(UnknownNameError) as info:
         plugins.architecture_for({"architectures": ["FooForCausalLM"], "model_type": "foo_bar"})
     message = str(info.value)

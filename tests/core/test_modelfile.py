@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import mlxrunner
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import mlxrunner
 from mlxrunner import Modelfile, ModelfileError, read_modelfile
 from mlxrunner import modelfile as modelfile_module
 

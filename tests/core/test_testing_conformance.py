@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlxrunner
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import mlxrunner
 from mlxrunner import testing
 from mlxrunner.testing import (
     check_cache_rollback,

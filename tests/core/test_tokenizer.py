@@ -25,11 +25,12 @@ import shutil
 import unicodedata
 from pathlib import Path
 
-import mlxrunner
 import pytest
 import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import mlxrunner
 from mlxrunner import ModelFolderError, Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

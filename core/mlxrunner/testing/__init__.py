@@ -26,6 +26,9 @@ Checks:
 - ``check_speculative_greedy``: defined in :mod:`mlxrunner.testing.speculative`
   and re-exported here (see "hook-in point" at the end of this module).
 
+Output-parser helpers (``fresh_parser``, ``fixed_chunks``, ``chunkings``,
+``feed_in_chunks``) are defined in :mod:`mlxrunner.testing.parsing` and re-exported here.
+
 Default tolerances suit float32; pass a larger ``atol`` for bf16/fp16 or quantized models.
 """
 
@@ -489,3 +492,7 @@ def _reexport(module: Any) -> None:
 
 
 _reexport(_speculative)
+
+from . import parsing as _parsing  # noqa: E402
+
+_reexport(_parsing)

@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
 import mlxrunner
 from mlxrunner import KVCache, Model, ModelFolderError
 

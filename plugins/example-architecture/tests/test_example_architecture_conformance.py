@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlxrunner
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import mlxrunner
 from mlxrunner.testing import (
     check_cache_rollback,
     check_prefill_decode,

@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import mlxrunner
 import numpy as np
 import pytest
-from mlxrunner.testing import check_taps_against
 from mlxrunner_example_architecture import plugin
 from mlxrunner_example_architecture.model import ExampleLlama
+
+import mlxrunner
+from mlxrunner.testing import check_taps_against
 
 LOGITS_ATOL = 1e-4  # float32 on the CPU: MLX vs torch differ by ~1e-5 on these fixtures
 

@@ -21,14 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mlxrunner import (
-    MarkerScanner,
-    ParsedMessage,
-    ParseEvents,
-    RenderContext,
-    ToolCall,
-    TrimmedText,
-)
+from mlxrunner import ParseEvents, ReplyParser, ToolCall
 
 Q = '<|"|>'
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
@@ -158,7 +151,7 @@ class ThoughtText:
         return held
 
 
-class Gemma4Parser(MarkerScanner):
+class Gemma4Parser(ReplyParser):
     """Streams a Gemma 4 reply apart; see the module docstring for the format."""
 
     MARKERS = {
@@ -169,48 +162,22 @@ class Gemma4Parser(MarkerScanner):
         "response": (RESPONSE_CLOSE,),
     }
     BLOCK_STATES = frozenset({"channel_name", "call", "response"})
+    THINKING_STATE = "thought"
+    CALL_OPEN, CALL_CLOSE = CALL_OPEN, CALL_CLOSE
 
-    def __init__(self, context: RenderContext | None = None, *,
-                 start_in_thinking: bool = False,
-                 tools: Sequence[Mapping[str, Any]] | None = None) -> None:
-        super().__init__()
-        self.context = context
-        self.reset(start_in_thinking=start_in_thinking, tools=tools)
+    def prompt_opens_thinking(self, prompt: str) -> bool:
+        return prompt.endswith(CHANNEL_OPEN + "thought\n")
 
-    def reset(self, prompt: str | None = None, *, start_in_thinking: bool | None = None,
-              tools: Sequence[Mapping[str, Any]] | None = None) -> None:
-        if start_in_thinking is None:
-            start_in_thinking = prompt is not None and prompt.endswith(CHANNEL_OPEN + "thought\n")
-        self.start_in_thinking = start_in_thinking
-        self.tools = list(tools or ())  # the notation is typed already; kept for symmetry
-        self._restart()
+    def read_tools(self, tools: Sequence[Mapping[str, Any]]) -> None:
+        self.tools = list(tools)  # the notation is typed already; kept for symmetry
 
-    def _restart(self) -> None:
-        self.state = "thought" if self.start_in_thinking else "content"
-        self.buffer, self.scanned = "", 0
-        self.thought_text = ThoughtText()
-        self.content_text = TrimmedText()
+    def new_thinking_text(self) -> ThoughtText:
+        return ThoughtText()
 
-    def feed(self, chunk: str) -> list[ParsedMessage]:
-        return self.feed_events(chunk)
-
-    def finish(self) -> list[ParsedMessage]:
-        return self.finish_events()
-
-    def parse(self, text: str) -> ParsedMessage:
-        self._restart()
-        message = ParsedMessage()
-        for delta in self.feed(text) + self.finish():
-            message.add(delta)
-        return message
+    def parse_call(self, block: str) -> ToolCall | None:
+        return parse_call(block)
 
     # -- handlers ----------------------------------------------------------------------
-    def on_text(self, text: str, events: ParseEvents) -> None:
-        if self.state == "thought":
-            events.thinking(self.thought_text.write(text))
-        else:
-            events.content(self.content_text.write(text))
-
     def on_marker(self, marker: str, block: str, events: ParseEvents) -> None:
         state = self.state
         if state == "content":
@@ -222,39 +189,31 @@ class Gemma4Parser(MarkerScanner):
                 self.state = "response"
             # a stray <channel|>, <turn|>, <eos>: dropped
         elif state == "channel_name":
-            self.thought_text = ThoughtText()
+            self.thinking_text = self.new_thinking_text()
             if marker == "\n":
                 self.state = "thought"
                 if block.strip() != "thought":  # another channel: keep its name visible
-                    events.thinking(self.thought_text.write(block + "\n"))
+                    events.thinking(self.thinking_text.write(block + "\n"))
             else:  # <|channel>NAME<channel|>: a channel with no body
                 events.thinking(block if block.strip() != "thought" else "")
                 self.state = "content"
         elif state == "thought":
             if marker == CHANNEL_CLOSE:
-                self.thought_text.close()
+                self.thinking_text.close()
                 self.state = "content"
         elif state == "call":
             self.state = "content"
-            call = parse_call(block)
-            if call is None:
-                events.content(self.content_text.write(CALL_OPEN + block + CALL_CLOSE))
-            else:
-                events.tool_call(call)
+            self.emit_call(block, events)
         elif state == "response":
             self.state = "content"  # tool results are not the model's output
 
     def on_finish(self, block: str | None, events: ParseEvents) -> None:
         if self.state == "thought":
-            events.thinking(self.thought_text.flush())
+            events.thinking(self.thinking_text.flush())
         elif self.state == "channel_name" and block:
             events.thinking(block)
         elif self.state == "call" and block is not None:
-            call = parse_call(block)
-            if call is None:
-                events.content(self.content_text.write(CALL_OPEN + block))
-            else:
-                events.tool_call(call)
+            self.emit_call(block, events, closed=False)
         elif self.state == "response" and block:
             events.content(self.content_text.write(block))
-        self._restart()
+        self.restart()

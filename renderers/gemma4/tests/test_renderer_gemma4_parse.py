@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlxrunner
-from mlxrunner import ParsedMessage, RenderContext, ToolCall
+from mlxrunner import ParsedMessage, RenderContext, ToolCall, testing
 
 FAST = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -18,23 +18,7 @@ CALL_ARGS = {"city": "Paris, FR", "days": 3,
 
 
 def parser(**options):
-    p = mlxrunner.get_parser("gemma4")
-    p.reset(**options)
-    return p
-
-
-def stream(p, chunks) -> ParsedMessage:
-    message = ParsedMessage()
-    for chunk in chunks:
-        for delta in p.feed(chunk):
-            message.add(delta)
-    for delta in p.finish():
-        message.add(delta)
-    return message
-
-
-def pieces(text: str, size: int) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)]
+    return testing.fresh_parser("gemma4", **options)
 
 
 def test_thought_channel_content_and_a_tool_call():
@@ -93,25 +77,13 @@ def test_deltas_arrive_as_soon_as_they_are_certain():
 SNIPPETS = ["<|channel>", "thought\n", "<channel|>", "<|tool_call>", "call:f{", "a:", "}",
             "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<turn|>", "<", "|",
             "\n", " ", "1", "é", ","]
-noisy_text = st.lists(st.one_of(st.sampled_from(SNIPPETS), st.text(max_size=3)),
-                      max_size=25).map("".join)
-
-
-@st.composite
-def chunking(draw, text):
-    cuts, pos = [], 0
-    while pos < len(text):
-        size = draw(st.integers(1, 7))
-        cuts.append(text[pos:pos + size])
-        pos += size
-    return cuts
 
 
 @FAST
-@given(noisy_text, st.booleans(), st.data())
+@given(testing.noisy_text(SNIPPETS), st.booleans(), st.data())
 def test_any_chunking_gives_the_one_shot_result(text, thinking, data):
-    expected = parser(start_in_thinking=thinking).parse(text)
-    assert stream(parser(start_in_thinking=thinking), data.draw(chunking(text))) == expected
+    chunks = data.draw(testing.chunkings(text))
+    testing.check_chunking_independent("gemma4", text, chunks, start_in_thinking=thinking)
 
 
 # -- round trip: render an assistant turn, parse it back -----------------------------------
@@ -122,13 +94,9 @@ free_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), ma
     st.text("ab <|>/\n\t{}:,é😊", max_size=20)
 safe_text = free_text.filter(lambda t: not any(m in t for m in MARKERS))
 key = st.text("abcdefghijklmnopqrstuvwxyzABC_0123456789ßé", min_size=1, max_size=8)
-name = st.text("abcdefghijklmnopqrstuvwxyz_0123456789.-", min_size=1, max_size=10)
-value = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-    | safe_text, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(key, inner,
-                                                                              max_size=3),
-    max_leaves=8)
-tool_calls = st.lists(st.builds(ToolCall, name, st.dictionaries(key, value, max_size=4)),
+value = testing.json_values(safe_text, key, max_leaves=8)
+tool_calls = st.lists(st.builds(ToolCall, testing.tool_names(),
+                                st.dictionaries(key, value, max_size=4)),
                       max_size=3)
 assistant_turn = st.builds(ParsedMessage, safe_text, safe_text, tool_calls)
 
@@ -161,7 +129,8 @@ def test_round_trip_every_fixed_chunk_size(variant, think):
     def check(reply):
         prompt, text = _generated(variant, reply, think)
         for size in range(1, 8):
-            assert stream(parser(prompt=prompt), pieces(text, size)) == _expected(reply), size
+            chunks = testing.fixed_chunks(text, size)
+            assert testing.feed_in_chunks(parser(prompt=prompt), chunks) == _expected(reply), size
 
     check()
 
@@ -170,8 +139,8 @@ def test_round_trip_every_fixed_chunk_size(variant, think):
 @given(assistant_turn, st.data())
 def test_round_trip_random_chunkings(reply, data):
     prompt, text = _generated("gemma4-small", reply, True)
-    chunks = data.draw(chunking(text))
-    assert stream(parser(prompt=prompt), chunks) == _expected(reply)
+    chunks = data.draw(testing.chunkings(text))
+    assert testing.feed_in_chunks(parser(prompt=prompt), chunks) == _expected(reply)
 
 
 @pytest.mark.parametrize("size", range(1, 8))
@@ -180,4 +149,5 @@ def test_round_trip_of_a_long_reply(size):
         ToolCall("search", {"q": "x" * 500, "n": 3, "deep": {"a": [1, 2.5, {"b": "c"}]}}),
         ToolCall("get_weather", {"city": "Zürich"})])
     prompt, text = _generated("gemma4-small", reply, True)
-    assert stream(parser(prompt=prompt), pieces(text, size)) == _expected(reply)
+    chunks = testing.fixed_chunks(text, size)
+    assert testing.feed_in_chunks(parser(prompt=prompt), chunks) == _expected(reply)

@@ -23,14 +23,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mlxrunner import (
-    MarkerScanner,
-    ParsedMessage,
-    ParseEvents,
-    RenderContext,
-    ToolCall,
-    TrimmedText,
-)
+from mlxrunner import ParseEvents, ReplyParser, ToolCall
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -63,7 +56,7 @@ def _convert(value: str, schema: Any) -> Any:
         return _PY_LITERALS.get(value, value)
 
 
-class Qwen35Parser(MarkerScanner):
+class Qwen35Parser(ReplyParser):
     """Streams a Qwen3.5 reply apart; see the module docstring for the format."""
 
     MARKERS = {
@@ -72,55 +65,23 @@ class Qwen35Parser(MarkerScanner):
         "call": (CALL_CLOSE,),
     }
     BLOCK_STATES = frozenset({"call"})
+    THINKING_STATE = "think"
+    CALL_OPEN, CALL_CLOSE = CALL_OPEN, CALL_CLOSE
 
-    def __init__(self, context: RenderContext | None = None, *,
-                 start_in_thinking: bool = False,
-                 tools: Sequence[Mapping[str, Any]] | None = None) -> None:
-        super().__init__()
-        self.context = context
-        self.reset(start_in_thinking=start_in_thinking, tools=tools)
+    def prompt_opens_thinking(self, prompt: str) -> bool:
+        return prompt.rstrip().endswith(THINK_OPEN)
 
-    def reset(self, prompt: str | None = None, *, start_in_thinking: bool | None = None,
-              tools: Sequence[Mapping[str, Any]] | None = None) -> None:
-        if start_in_thinking is None:
-            start_in_thinking = prompt is not None and prompt.rstrip().endswith(THINK_OPEN)
-        self.start_in_thinking = start_in_thinking
+    def read_tools(self, tools: Sequence[Mapping[str, Any]]) -> None:
         self.schemas: dict[str, dict[str, Any]] = {}
-        for tool in tools or ():
+        for tool in tools:
             function = tool.get("function", tool) if isinstance(tool, Mapping) else None
             if isinstance(function, Mapping) and isinstance(function.get("name"), str):
                 parameters = function.get("parameters")
                 properties = parameters.get("properties") if isinstance(parameters, Mapping) \
                     else None
                 self.schemas[function["name"]] = dict(properties or {})
-        self._restart()
-
-    def _restart(self) -> None:
-        self.state = "think" if self.start_in_thinking else "content"
-        self.buffer, self.scanned = "", 0
-        self.thinking_text = TrimmedText()
-        self.content_text = TrimmedText()
-
-    def feed(self, chunk: str) -> list[ParsedMessage]:
-        return self.feed_events(chunk)
-
-    def finish(self) -> list[ParsedMessage]:
-        return self.finish_events()
-
-    def parse(self, text: str) -> ParsedMessage:
-        self._restart()
-        message = ParsedMessage()
-        for delta in self.feed(text) + self.finish():
-            message.add(delta)
-        return message
 
     # -- handlers ----------------------------------------------------------------------
-    def on_text(self, text: str, events: ParseEvents) -> None:
-        if self.state == "think":
-            events.thinking(self.thinking_text.write(text))
-        else:
-            events.content(self.content_text.write(text))
-
     def on_marker(self, marker: str, block: str, events: ParseEvents) -> None:
         if marker == THINK_CLOSE:
             if self.state == "think":
@@ -128,29 +89,21 @@ class Qwen35Parser(MarkerScanner):
                 self.state = "content"
         elif marker == THINK_OPEN:
             if self.state != "think":  # a repeated <think> inside thinking is dropped
-                self.thinking_text = TrimmedText()
+                self.thinking_text = self.new_thinking_text()
                 self.state = "think"
         elif marker == CALL_OPEN:
             self.state = "call"
         elif marker == CALL_CLOSE:
             self.state = "content"
-            call = self._parse_call(block)
-            if call is None:
-                events.content(self.content_text.write(CALL_OPEN + block + CALL_CLOSE))
-            else:
-                events.tool_call(call)
+            self.emit_call(block, events)
         # END_MARKERS: dropped.
 
     def on_finish(self, block: str | None, events: ParseEvents) -> None:
         if block is not None:  # a tool call the output never closed
-            call = self._parse_call(block)
-            if call is None:
-                events.content(self.content_text.write(CALL_OPEN + block))
-            else:
-                events.tool_call(call)
-        self._restart()  # ready for the next reply with the same settings
+            self.emit_call(block, events, closed=False)
+        self.restart()  # ready for the next reply with the same settings
 
-    def _parse_call(self, block: str) -> ToolCall | None:
+    def parse_call(self, block: str) -> ToolCall | None:
         function = _FUNCTION.search(block)
         if function is None:
             return None

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlxrunner
-from mlxrunner import ParsedMessage, ToolCall
+from mlxrunner import ParsedMessage, ToolCall, testing
 
 FAST = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -21,23 +21,7 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters"
 
 
 def parser(**options):
-    p = mlxrunner.get_parser("qwen3.5")
-    p.reset(**options)
-    return p
-
-
-def stream(p, chunks) -> ParsedMessage:
-    message = ParsedMessage()
-    for chunk in chunks:
-        for delta in p.feed(chunk):
-            message.add(delta)
-    for delta in p.finish():
-        message.add(delta)
-    return message
-
-
-def pieces(text: str, size: int) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)]
+    return testing.fresh_parser("qwen3.5", **options)
 
 
 def test_thinking_content_and_a_tool_call():
@@ -86,7 +70,8 @@ def test_markers_split_across_chunks_and_text_kept():
     assert expected.thinking == "Reason <b>1</b>"
     assert expected.content == "Answer < 5 and <thin> stays"
     for size in range(1, 8):
-        assert stream(parser(start_in_thinking=True), pieces(text, size)) == expected, size
+        chunks = testing.fixed_chunks(text, size)
+        assert testing.feed_in_chunks(parser(start_in_thinking=True), chunks) == expected, size
 
 
 def test_deltas_arrive_as_soon_as_they_are_certain():
@@ -102,26 +87,13 @@ def test_deltas_arrive_as_soon_as_they_are_certain():
 
 SNIPPETS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<function=f>", "</function>",
             "<parameter=a>", "</parameter>", "<|im_end|>", "<", "</", "\n", " ", "x", "1", "é"]
-noisy_text = st.lists(st.one_of(st.sampled_from(SNIPPETS), st.text(max_size=3)),
-                      max_size=25).map("".join)
-
-
-@st.composite
-def chunking(draw, text):
-    cuts, pos = [], 0
-    while pos < len(text):
-        size = draw(st.integers(1, 7))
-        cuts.append(text[pos:pos + size])
-        pos += size
-    return cuts
 
 
 @FAST
-@given(noisy_text, st.booleans(), st.data())
+@given(testing.noisy_text(SNIPPETS), st.booleans(), st.data())
 def test_any_chunking_gives_the_one_shot_result(text, thinking, data):
-    expected = parser(start_in_thinking=thinking).parse(text)
-    chunks = data.draw(chunking(text))
-    assert stream(parser(start_in_thinking=thinking), chunks) == expected
+    chunks = data.draw(testing.chunkings(text))
+    testing.check_chunking_independent("qwen3.5", text, chunks, start_in_thinking=thinking)
 
 
 # -- round trip: render an assistant turn, parse it back -----------------------------------
@@ -141,12 +113,8 @@ def _not_json(value: str) -> bool:
     return False
 
 
-name = st.text("abcdefghijklmnopqrstuvwxyz_0123456789.-", min_size=1, max_size=10)
-json_value = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-    | safe_text, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(safe_text, inner,
-                                                                              max_size=3),
-    max_leaves=6)
+name = testing.tool_names()
+json_value = testing.json_values(safe_text, safe_text, max_leaves=6)
 top_value = (st.none() | st.booleans() | st.integers()
              | st.floats(allow_nan=False, allow_infinity=False)
              | safe_text.filter(_not_json)
@@ -193,15 +161,15 @@ def test_round_trip_every_fixed_chunk_size(reply, think):
     expected = _expected(reply, think)
     for size in range(1, 8):
         p = parser(prompt=prompt)
-        assert stream(p, pieces(text, size)) == expected, size
+        assert testing.feed_in_chunks(p, testing.fixed_chunks(text, size)) == expected, size
 
 
 @ROUND_TRIP
 @given(assistant_turn(), st.data())
 def test_round_trip_random_chunkings(reply, data):
     prompt, text = _generated(reply, True)
-    chunks = data.draw(chunking(text))
-    assert stream(parser(prompt=prompt), chunks) == _expected(reply, True)
+    chunks = data.draw(testing.chunkings(text))
+    assert testing.feed_in_chunks(parser(prompt=prompt), chunks) == _expected(reply, True)
 
 
 @pytest.mark.parametrize("size", range(1, 8))
@@ -210,4 +178,5 @@ def test_round_trip_of_a_long_reply(size):
         ToolCall("search", {"q": "x" * 500, "n": 3, "deep": {"a": [1, 2, {"b": "c"}]}}),
         ToolCall("get_weather", {"city": "Zürich"})])
     prompt, text = _generated(reply, True)
-    assert stream(parser(prompt=prompt), pieces(text, size)) == _expected(reply, True)
+    chunks = testing.fixed_chunks(text, size)
+    assert testing.feed_in_chunks(parser(prompt=prompt), chunks) == _expected(reply, True)
