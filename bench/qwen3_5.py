@@ -10,6 +10,11 @@ to skip).
 
     /work/venv/bin/python bench/qwen3_5.py --quick --json /tmp/qwen3_5.json
     python bench/qwen3_5.py --json out.json          # GPU: 0.8B, prompt 512, 128 new
+
+Also reports the cost of one speculative verify forward (8 tokens through the prompt's
+caches, with snapshot scheduling and a restore) relative to one decode step. Our decode
+steps and short forwards are traced (``mx.compile``): the decode graph count then shows
+the traced call's nodes; ``--eager`` counts (and times) the untraced graph.
 """
 
 from __future__ import annotations
@@ -169,6 +174,60 @@ def decode_graph_nodes(model: Any, prompt: mx.array) -> dict[str, int]:
     return {"all": len(labels), "kernels": sum(label not in views for label in labels)}
 
 
+def _lm_rollback(cache: list[Any], offset: int) -> None:
+    """mlx-lm's caches back to ``offset`` for timing only: KV caches are trimmed, the
+    recurrent ones keep their newer state (mlx-lm has no snapshot rollback)."""
+    for c in cache:
+        if hasattr(c, "trim") and c.is_trimmable():
+            c.trim(c.offset - offset)
+
+
+def verify_cost(model: Any, prompt: mx.array, block: int, reps: int,
+                ours: bool) -> dict[str, float]:
+    """Milliseconds of one decode step and of one verify forward of ``block`` tokens through
+    caches holding the prompt (each call evaluated on its own). Ours runs the verify as the
+    speculative round does: snapshots scheduled at every interior offset, then a restore to
+    one accepted token (the restore's arrays evaluated inside the timing); the context thus
+    grows by one token per call, like decoding."""
+    cache = model.make_cache()
+    model(prompt[None], cache=cache)
+    eval_cache(cache)
+    tokens = mx.random.randint(0, prompt.size, (1, block), key=mx.random.key(7))
+    pos = prompt.size
+
+    def decode() -> None:
+        nonlocal pos
+        mx.eval(model(tokens[:, :1], cache=cache), [c.state for c in cache])
+        pos += 1
+
+    def verify() -> None:
+        nonlocal pos
+        if ours:
+            for c in cache:
+                c.schedule_snapshots(range(pos + 1, pos + block + 1))
+        mx.eval(model(tokens, cache=cache), [c.state for c in cache])
+        pos += 1
+        if ours:
+            for c in cache:
+                c.restore(pos)
+            eval_cache(cache)
+        else:
+            _lm_rollback(cache, pos)
+
+    result = {}
+    for name, fn in (("decode_ms", decode), ("verify_ms", verify)):
+        for _ in range(3):  # warm-up: trace, compile
+            fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        result[name] = 1e3 * sorted(times)[len(times) // 2]  # median
+    result["verify_over_decode"] = result["verify_ms"] / result["decode_ms"]
+    return result
+
+
 def _time(fn: Any, reps: int) -> dict[str, float]:
     """Milliseconds per call: building the graph alone, and building plus evaluating it."""
     mx.eval(fn())  # warm-up
@@ -257,9 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="CPU-sized run: the first 4 layers (3 DeltaNet + 1 attention), "
                              "vocabulary 16384, prompt 128, 16 new tokens")
+    parser.add_argument("--eager", action="store_true",
+                        help="run our short forwards untraced (no mx.compile of the step)")
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm comparison")
     parser.add_argument("--profile", action="store_true",
                         help="also time one DeltaNet layer, one attention layer and the head")
+    parser.add_argument("--verify-block", type=int, default=8,
+                        help="also time one verify forward of this many tokens through the "
+                             "prompt's caches against one decode step (0: skip)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -281,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new} new tokens, device {device}, mlx {mx.__version__}", flush=True)
 
     ours = build_ours(config, dtype, args.seed)
+    ours.compile_steps = not args.eager
     prompt = mx.random.randint(0, ours.vocab_size, (args.prompt,), key=mx.random.key(args.seed))
 
     reference = None
@@ -296,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "config": args.config.name, "layers": args.layers, "vocab": args.vocab,
         "dtype": args.dtype, "prompt": args.prompt, "new": args.new, "device": device,
-        "mlx": mx.__version__,
+        "mlx": mx.__version__, "traced_steps": not args.eager,
         "platform": platform.platform(), "mlx_lm": None,
     }
     if reference is not None:
@@ -322,6 +387,17 @@ def main(argv: list[str] | None = None) -> int:
             for key in ("prefill", "decode")}
         print(f"  ratio      prefill {results['ratio']['prefill']:10.2f}x        "
               f"decode {results['ratio']['decode']:8.2f}x", flush=True)
+    if args.verify_block:
+        rows = {}
+        for name, model in models.items():
+            rows[name] = verify_cost(model, prompt, args.verify_block,
+                                     10 if args.quick else 30, ours=name == "mlxrunner")
+            print(f"  verify {args.verify_block} tokens at context {args.prompt}: {name:10s} "
+                  f"{rows[name]['verify_ms']:8.2f} ms = {rows[name]['verify_over_decode']:5.2f}"
+                  f" x one decode step ({rows[name]['decode_ms']:.2f} ms)"
+                  + ("  [mlx-lm: no DeltaNet rollback]" if name != "mlxrunner" else ""),
+                  flush=True)
+        results["verify"] = dict(rows, block=args.verify_block, context=args.prompt)
     if args.profile:
         results["profile"] = profile(ours, reference, args.prompt, 10 if args.quick else 100)
     if args.json:

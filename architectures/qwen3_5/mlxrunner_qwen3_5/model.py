@@ -16,6 +16,15 @@ solved with matmuls, and only the chunk boundaries are scanned sequentially
 one compiled function (on CUDA, one fused kernel: cuda_kernels.py). Both read and
 write a ``RecurrentCache``; full-attention layers use a ``KVCache``.
 
+Decoding is the hot path: a forward of up to ``TRACED_BLOCK`` tokens through filled caches
+(decode steps, speculative verify blocks) is traced once per length with ``mx.compile`` and
+replayed, so a step costs one call from Python instead of building hundreds of graph
+nodes. The traced forward writes keys and values at a traced offset into fixed-size buffers
+read under a validity mask, and runs the DeltaNet per token (the recurrence unrolled, on
+CUDA one block-kernel launch per layer), also returning each token's key, correction and
+decay so that a rollback rebuilds the state at any interior boundary in a few operations.
+The first call of each trace is checked against the eager forward; prompts run eagerly.
+
 Checkpoint conventions handled by ``sanitize``: Hub (transformers) checkpoints
 store zero-centred RMSNorm weights (the norm multiplies by ``1 + w``) and the
 depthwise convolution as ``[C, 1, K]``; MLX-converted checkpoints (mlx-lm's
@@ -28,6 +37,7 @@ Written against mlxrunner's public API only.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache, partial
@@ -47,6 +57,15 @@ FULL = "full_attention"
 #: where flops rather than kernel launches count, smaller chunks are cheaper.
 CHUNK_SIZE = 64
 CPU_CHUNK_SIZE = 32
+#: forwards of up to this many tokens through filled caches (decode steps, speculative verify
+#: blocks) are traced once per length with ``mx.compile`` and replayed; longer ones and
+#: prompts run eagerly
+TRACED_BLOCK = 16
+#: full-attention buffers used by traced forwards grow in these steps (each growth retraces
+#: once; a traced forward attends over the whole buffer, masked, which costs a CPU more than
+#: the rarer retraces save)
+DECODE_GROW = 1024
+DECODE_GROW_CPU = 256
 
 # Norms whose Hub weights are zero-centred (the model multiplies by 1 + w).
 _ZERO_CENTRED_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight",
@@ -317,6 +336,71 @@ def _decode_step(hk: int, hv: int, dk: int, dv: int, eps: float) -> Callable[...
     return mx.compile(step)
 
 
+@cache
+def _block_step(hk: int, hv: int, dk: int, dv: int, eps: float) -> Callable[..., Any]:
+    """Compiled DeltaNet core over a short block of ``L`` tokens: the per-token recurrence
+    of :func:`_decode_step` unrolled (a verify block is too short for the chunked form to
+    pay). Returns ``(out, new_tail, new_state, k, delta, g)``: besides what the step returns,
+    each token's normalised key ``[B, Hv, L, Dk]``, correction ``d_t`` ``[B, Hv, L, Dv]`` and
+    log decay ``[B, Hv, L]``, from which :func:`_block_state_after` rebuilds interior states."""
+
+    def block(qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv_tail: mx.array,
+              state: mx.array, conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array,
+              norm_weight: mx.array) -> tuple[mx.array, ...]:
+        B, L, _ = qkv.shape
+        K = conv_weight.shape[1]
+        dtype = qkv.dtype
+        window = mx.concatenate([conv_tail, qkv], axis=1)  # [B, K - 1 + L, C]
+        weight = conv_weight[..., 0]
+        conv = _conv_silu(*(window[:, i:i + L] for i in range(K)),
+                          *(weight[:, i] for i in range(K)))
+        q = conv[..., : hk * dk].reshape(B, L, hk, dk)
+        k = conv[..., hk * dk: 2 * hk * dk].reshape(B, L, hk, dk)
+        v = conv[..., 2 * hk * dk:].reshape(B, L, hv, dv).astype(mx.float32)
+        q, k = _normalize_qk(q, k)
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, H, L, D]
+        if hv != hk:
+            q = mx.repeat(q, hv // hk, axis=1)
+            k = mx.repeat(k, hv // hk, axis=1)
+        g, beta = _decay_and_beta(a, b, A_log, dt_bias)
+        g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)  # [B, Hv, L]
+        e = mx.exp(g)[..., None]
+        kq = (k * q).sum(-1, keepdims=True)
+        outs, deltas = [], []
+        S = state
+        for t in range(L):
+            k_t, e_t = k[:, :, t], e[:, :, t]
+            sk_sq = S @ mx.stack([k_t, q[:, :, t]], axis=-1)  # [B, Hv, Dv, 2]
+            delta = beta[:, :, t, None] * (v[:, :, t] - e_t * sk_sq[..., 0])
+            S = e_t[..., None] * S + delta[..., :, None] * k_t[..., None, :]
+            outs.append(e_t * sk_sq[..., 1] + delta * kq[:, :, t])
+            deltas.append(delta)
+        out = mx.stack(outs, axis=2).transpose(0, 2, 1, 3)  # [B, L, Hv, Dv]
+        out = _gated_rms_norm(out.astype(dtype), z.reshape(B, L, hv, dv), norm_weight, eps)
+        return (out.reshape(B, L, hv * dv), window[:, L:], S, k, mx.stack(deltas, axis=2), g)
+
+    return mx.compile(block)
+
+
+@cache
+def _block_state_after(j: int) -> Callable[..., tuple[mx.array, mx.array]]:
+    """Compiled: the conv tail and state after the first ``j`` tokens of a traced block,
+    from its starting tail and state, its inputs ``qkv`` and the block outputs k, delta, g:
+    ``S_j = e^{G_j} S_0 + sum_{t<=j} e^{G_j - G_t} d_t k_t^T`` with ``G`` the cumulative log
+    decay."""
+
+    def state_after(tail: mx.array, state: mx.array, qkv: mx.array, k: mx.array,
+                    delta: mx.array, g: mx.array) -> tuple[mx.array, mx.array]:
+        window = mx.concatenate([tail, qkv[:, :j]], axis=1)
+        G = mx.cumsum(g[..., :j], axis=-1)
+        G_j = G[..., -1:]
+        weights = mx.exp(G_j - G)[..., None]  # [B, Hv, j, 1]
+        update = (delta[:, :, :j] * weights).swapaxes(-1, -2) @ k[:, :, :j]
+        return window[:, j:], mx.exp(G_j)[..., None] * state + update
+
+    return mx.compile(state_after)
+
+
 @partial(mx.compile, shapeless=True)
 def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
@@ -359,6 +443,7 @@ class _Projection:
         self.sources: tuple[mx.array, ...] = ()
         self.fused: tuple[Any, ...] | None = None  # (kind, arrays...) once built
         self.bounds: list[tuple[int, int]] = []
+        self.last: mx.array | None = None  # the latest call's joined output
 
     def _layers(self, owner: nn.Module) -> list[nn.Module]:
         return [getattr(owner, name) for name in self.names]
@@ -392,13 +477,24 @@ class _Projection:
                               first.group_size, first.bits, first.mode)
         self.sources = tuple(layer.weight for layer in layers)
 
-    def __call__(self, owner: nn.Module, x: mx.array,
-                 residual: mx.array | None = None) -> list[mx.array]:
-        """The layers' outputs (``residual`` added, for a single layer)."""
+    def ensure(self, owner: nn.Module) -> list[nn.Module]:
+        """Build (or rebuild, after new weights) the fused matmul; returns the layers.
+        Traced forwards call this eagerly first: the build must not happen inside a trace."""
         layers = self._layers(owner)
         if len(self.sources) != len(layers) or any(
                 a is not layer.weight for a, layer in zip(self.sources, layers)):
             self._build(layers)
+        return layers
+
+    def joined(self, owner: nn.Module, x: mx.array) -> tuple[mx.array | None, list[mx.array]]:
+        """The one matmul's output (None where the layers run one by one) and its slices."""
+        outs = self(owner, x)
+        return (self.last if self.fused is not None else None), outs
+
+    def __call__(self, owner: nn.Module, x: mx.array,
+                 residual: mx.array | None = None) -> list[mx.array]:
+        """The layers' outputs (``residual`` added, for a single layer)."""
+        layers = self.ensure(owner)
         if self.fused is None:
             outs = [layer(x) for layer in layers]
             if residual is not None:
@@ -416,6 +512,7 @@ class _Projection:
                                     group_size=group_size, bits=bits, mode=mode)
             if residual is not None:
                 y = residual + y
+        self.last = y
         if len(layers) == 1:
             return [y]
         return [y[..., a:b] for a, b in self.bounds]
@@ -494,6 +591,46 @@ class GatedDeltaNet(nn.Module):
         return self._out(self, out.reshape(B, L, -1), residual)[0]
 
 
+    def dims(self) -> tuple[int, int, int, int, float]:
+        return (self.hk, self.hv, self.dk, self.dv, self.eps)
+
+    def prepare_traced(self, batch: int, length: int, dtype: mx.Dtype) -> None:
+        """Eager setup a traced forward needs before it is traced: the fused projections
+        and the CUDA kernels' self-checks (on random inputs of these shapes)."""
+        self._in.ensure(self)
+        self._out.ensure(self)
+        args = (mx.zeros((batch, length, self.channels), dtype),
+                mx.zeros((batch, length, self.hv * self.dv), dtype),
+                mx.zeros((batch, length, self.hv), dtype),
+                mx.zeros((batch, length, self.hv), dtype),
+                mx.zeros((batch, self.kernel - 1, self.channels), dtype),
+                mx.zeros((batch, self.hv, self.dv, self.dk), mx.float32),
+                self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+        if length == 1:
+            cuda_kernels.prepare("step", args, _decode_step(*self.dims()), *self.dims())
+        else:
+            cuda_kernels.prepare("block", args, _block_step(*self.dims()), *self.dims())
+
+    def traced(self, x: mx.array, residual: mx.array, conv_tail: mx.array, state: mx.array,
+               capture: bool) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
+        """Inside a traced forward through a filled cache: ``residual + mixer(x)``, the new
+        conv tail and state, and (``capture``, blocks of L > 1) the arrays
+        :func:`_block_state_after` rebuilds interior states from: qkv, k, delta, g."""
+        joined, (qkv, z, b, a) = self._in.joined(self, x)
+        args = (qkv, z, b, a, conv_tail, state, self.conv1d.weight, self.A_log,
+                self.dt_bias, self.norm.weight)
+        extra: list[mx.array] = []
+        if x.shape[1] == 1:
+            out, tail, state = cuda_kernels.deltanet_step(args, _decode_step(*self.dims()),
+                                                          *self.dims(), joined=joined)
+        else:
+            out, tail, state, k, delta, g = cuda_kernels.deltanet_block(
+                args, _block_step(*self.dims()), *self.dims(), joined=joined)
+            if capture:
+                extra = [qkv, k, delta, g]
+        return self._out(self, out, residual)[0], tail, state, extra
+
+
 class Attention(nn.Module):
     """Full attention: gated output, q/k RMSNorm, partial RoPE, grouped-query heads."""
 
@@ -513,8 +650,9 @@ class Attention(nn.Module):
         self._in = _Projection("q_proj", "k_proj", "v_proj")
         self._out = _Projection("o_proj")
 
-    def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array) -> mx.array:
-        """``residual + attention(x)``."""
+    def _project(self, x: mx.array, offset: int | mx.array
+                 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Queries, keys, values ``[B, H, L, D]`` (normed, rotated) and the output gate."""
         B, L, _ = x.shape
         D = self.head_dim
         q_gate, k, v = self._in(self, x)
@@ -524,18 +662,42 @@ class Attention(nn.Module):
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k.reshape(B, L, self.kv_heads, D)).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.kv_heads, D).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
         q = mx.fast.rope(q, self.rotary_dims, traditional=False, base=self.rope_theta,
                          scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.rotary_dims, traditional=False, base=self.rope_theta,
                          scale=1.0, offset=offset)
+        return q, k, v, gate
+
+    def _finish(self, out: mx.array, gate: mx.array, residual: mx.array) -> mx.array:
+        B, _, L, _ = out.shape
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, self.heads * self.head_dim)
+        out = _sigmoid_gate(out, gate.reshape(B, L, self.heads * self.head_dim))
+        return self._out(self, out, residual)[0]
+
+    def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array) -> mx.array:
+        """``residual + attention(x)``."""
+        L = x.shape[1]
+        offset = 0 if cache is None else cache.offset
+        q, k, v, gate = self._project(x, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
                                                    mask="causal" if L > 1 else None)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, self.heads * D)
-        out = _sigmoid_gate(out, gate.reshape(B, L, self.heads * D))
-        return self._out(self, out, residual)[0]
+        return self._finish(out, gate, residual)
+
+    def prepare_traced(self) -> None:
+        self._in.ensure(self)
+        self._out.ensure(self)
+
+    def traced(self, x: mx.array, residual: mx.array, keys: mx.array, values: mx.array,
+               offset: mx.array, mask: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Inside a traced forward: write the new keys and values into the fixed-size
+        buffers at ``offset`` and attend over the whole buffers under ``mask``."""
+        q, k, v, gate = self._project(x, offset)
+        keys = mx.slice_update(keys, k, offset.reshape(1), (2,))
+        values = mx.slice_update(values, v, offset.reshape(1), (2,))
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self._finish(out, gate, residual), keys, values
 
 
 class MLP(nn.Module):
@@ -593,6 +755,17 @@ class Qwen3_5(Model):
         self.model = TextModel(self.config)
         if not self.config.tie_word_embeddings:
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        #: trace forwards of up to TRACED_BLOCK tokens through filled caches (False: eager)
+        self.compile_steps = True
+        self._steps: dict[Any, Callable[..., Any]] = {}
+
+    def update(self, parameters: dict, strict: bool = True) -> Qwen3_5:
+        self._steps.clear()  # traced forwards hold the old weights
+        return super().update(parameters, strict=strict)
+
+    def update_modules(self, modules: dict, strict: bool = True) -> Qwen3_5:
+        self._steps.clear()
+        return super().update_modules(modules, strict=strict)
 
     # -- loading -----------------------------------------------------------
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -633,24 +806,183 @@ class Qwen3_5(Model):
         layers = self.model.layers
         if cache is None:
             cache = [None] * len(layers)
-        wanted = set()
         if taps is not None:
-            wanted = {int(t) for t in taps}
-            bad = [t for t in wanted if not 0 <= t < len(layers)]
+            bad = [t for t in {int(t) for t in taps} if not 0 <= t < len(layers)]
             if bad:
                 raise ValueError(f"tap layers {sorted(bad)} out of range 0..{len(layers) - 1}")
+        taps = None if taps is None else tuple(int(t) for t in taps)
+        result = None
+        if cache[0] is not None and self.compile_steps and self._can_trace(ids, cache):
+            result = self._forward_traced(ids, cache, taps)
+        if result is None:
+            result = self._forward_eager(ids, cache, taps)
+        logits, tapped = result
+        if taps is None:
+            return logits
+        if not taps:
+            return logits, mx.zeros((*ids.shape, 0), dtype=logits.dtype)
+        return logits, tapped
+
+    def _forward_eager(self, ids: mx.array, cache: Sequence[Any],
+                       taps: tuple[int, ...] | None) -> tuple[mx.array, mx.array | None]:
+        wanted = set(taps or ())
         tapped: dict[int, mx.array] = {}
         h = self.model.embed_tokens(ids)
-        for i, (layer, layer_cache) in enumerate(zip(layers, cache)):
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             h = layer(h, layer_cache)
             if i in wanted:
                 tapped[i] = h
         logits = self.raw_logits(self.model.norm(h))
-        if taps is None:
-            return logits
         if not taps:
-            return logits, mx.zeros((*h.shape[:2], 0), dtype=h.dtype)
-        return logits, mx.concatenate([tapped[int(t)] for t in taps], axis=-1)
+            return logits, None
+        return logits, mx.concatenate([tapped[t] for t in taps], axis=-1)
+
+    # -- traced forwards: decode steps and short verify blocks -------------------------
+    def _can_trace(self, ids: mx.array, cache: Sequence[Any]) -> bool:
+        B, L = ids.shape
+        if not 0 < L <= TRACED_BLOCK or len(cache) != len(self.layers):
+            return False
+        offsets = set()
+        for layer, c in zip(self.layers, cache):
+            if layer.is_linear:
+                if not isinstance(c, RecurrentCache) or c.recurrent_state is None or \
+                        c.recurrent_state.shape[0] != B:
+                    return False
+            elif not isinstance(c, KVCache) or c.keys is None or c.keys.shape[0] != B:
+                return False
+            offsets.add(c.offset)
+        return len(offsets) == 1
+
+    def _forward_traced(self, ids: mx.array, cache: Sequence[Any], taps: tuple[int, ...] | None
+                        ) -> tuple[mx.array, mx.array | None] | None:
+        """One call of a forward traced for this length: ids, offset and every cache's
+        arrays in, logits, taps and the new cache arrays out. Full-attention buffers have a
+        fixed size (a multiple of the grow step), written at the traced offset and read
+        under a validity mask; DeltaNet state and conv tail are plain inputs and outputs."""
+        B, L = ids.shape
+        layers = self.layers
+        offset = cache[0].offset
+        grow = DECODE_GROW_CPU if mx.default_device() == mx.cpu else DECODE_GROW
+        for layer, c in zip(layers, cache):
+            if not layer.is_linear:
+                size = c.keys.shape[2]
+                if size < offset + L or size % grow:
+                    _grow(c, offset, L, grow)
+        capture = L > 1 and any(c.snapshot_positions(L) for layer, c in zip(layers, cache)
+                                if layer.is_linear)
+        key = (taps or None, L, capture)
+        step = self._steps.get(key)
+        if step is None:
+            dtype = self.model.embed_tokens(ids[:, :1]).dtype  # the activations' (lazy)
+            for layer in layers:
+                if layer.is_linear:
+                    layer.linear_attn.prepare_traced(B, L, dtype)
+                else:
+                    layer.self_attn.prepare_traced()
+                layer.mlp._in.ensure(layer.mlp)
+                layer.mlp._out.ensure(layer.mlp)
+            step = self._steps[key] = mx.compile(self._step_graph(taps or (), L, capture))
+            first_call = True
+        else:
+            first_call = False
+        # The first call of each traced forward is checked against the eager forward on
+        # shadow caches (same arrays, other objects): a trace that computes garbage on some
+        # backend must not decode garbage silently.
+        shadow = _shadow_caches(cache) if first_call else None
+        state: list[mx.array] = []
+        starts: list[tuple[mx.array, mx.array] | None] = []
+        for layer, c in zip(layers, cache):
+            if layer.is_linear:
+                state += [c.conv_tail, c.recurrent_state]
+                starts.append((c.conv_tail, c.recurrent_state) if capture else None)
+                c.conv_tail = c.recurrent_state = None
+            else:
+                state += [c.keys, c.values]
+                starts.append(None)
+                # drop the cache's references so the write can reuse the buffers
+                c.keys = c.values = None
+        try:
+            out = step(ids, mx.array(offset, mx.int32), state)
+        except Exception as exc:
+            if not first_call:
+                raise
+            # A forward that cannot be traced here must not stop generation: put the
+            # caches back and run eagerly from now on.
+            del self._steps[key]
+            self.compile_steps = False
+            for i, (layer, c) in enumerate(zip(layers, cache)):
+                if layer.is_linear:
+                    c.conv_tail, c.recurrent_state = state[2 * i], state[2 * i + 1]
+                else:
+                    c.keys, c.values = state[2 * i], state[2 * i + 1]
+            print(f"mlxrunner-qwen3-5: traced forward unavailable ({type(exc).__name__}: "
+                  f"{exc}); running eagerly", file=sys.stderr)
+            return None
+        logits, tapped = out[0], (out[1] if taps else None)
+        rest = out[1 + bool(taps):]
+        new_state, extras = rest[:2 * len(layers)], rest[2 * len(layers):]
+        for i, (layer, c) in enumerate(zip(layers, cache)):
+            first, second = new_state[2 * i], new_state[2 * i + 1]
+            if not layer.is_linear:
+                c.keys, c.values = first, second
+                c.offset = offset + L
+                continue
+            capture_fn = None
+            if capture:
+                tail0, state0 = starts[i]
+                qkv, k, delta, g = extras[:4]
+                extras = extras[4:]
+
+                def capture_fn(j: int, tail0=tail0, state0=state0, qkv=qkv, k=k, delta=delta,
+                               g=g) -> tuple[mx.array, mx.array]:
+                    return _block_state_after(j)(tail0, state0, qkv, k, delta, g)
+            c.advance(L, first, second, capture_fn)
+        if shadow is not None:
+            want = self._forward_eager(ids, shadow, taps)
+            if not _agree(logits, want[0]):
+                print("mlxrunner-qwen3-5: traced forward disagrees with the eager forward; "
+                      "running eagerly", file=sys.stderr)
+                self._steps.clear()
+                self.compile_steps = False
+                for c, s in zip(cache, shadow):
+                    c.__dict__.update(s.__dict__)
+                return want
+        return logits, tapped
+
+    def _step_graph(self, taps: tuple[int, ...], L: int, capture: bool) -> Callable[..., Any]:
+        """A forward of ``L`` tokens as a pure function of (ids, offset, cache arrays)."""
+        layers = self.layers
+        wanted = set(taps)
+
+        def step(ids: mx.array, offset: mx.array, state: list[mx.array]) -> list[mx.array]:
+            state = list(state)
+            extras: list[mx.array] = []
+            tapped: dict[int, mx.array] = {}
+            masks: dict[int, mx.array] = {}
+            queries = offset + mx.arange(L)
+            h = self.model.embed_tokens(ids)
+            for i, layer in enumerate(layers):
+                x = layer.input_layernorm(h)
+                if layer.is_linear:
+                    h, state[2 * i], state[2 * i + 1], extra = layer.linear_attn.traced(
+                        x, h, state[2 * i], state[2 * i + 1], capture)
+                    extras += extra
+                else:
+                    size = state[2 * i].shape[2]
+                    if size not in masks:  # a buffer holds positions 0 .. offset + L - 1
+                        masks[size] = mx.arange(size) <= queries[:, None]
+                    h, state[2 * i], state[2 * i + 1] = layer.self_attn.traced(
+                        x, h, state[2 * i], state[2 * i + 1], offset, masks[size])
+                h = layer.mlp(layer.post_attention_layernorm(h), h)
+                if i in wanted:
+                    tapped[i] = h
+            logits = self.raw_logits(self.model.norm(h))
+            out = [logits]
+            if taps:
+                out.append(mx.concatenate([tapped[t] for t in taps], axis=-1))
+            return out + state + extras
+
+        return step
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
         return self.model.embed_tokens(ids)
@@ -676,3 +1008,35 @@ class Qwen3_5(Model):
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
+
+
+def _grow(cache: KVCache, offset: int, n: int, step: int) -> None:
+    """Give a KV cache room for positions up to ``offset + n - 1``, its capacity a multiple
+    of ``step`` (a traced forward is traced once per capacity)."""
+    B, H, _, Dk = cache.keys.shape
+    Dv = cache.values.shape[3]
+    size = ((offset + n + step - 1) // step) * step
+    keys = mx.zeros((B, H, size, Dk), cache.keys.dtype)
+    values = mx.zeros((B, cache.values.shape[1], size, Dv), cache.values.dtype)
+    keys[..., :offset, :] = cache.keys[..., :offset, :]
+    values[..., :offset, :] = cache.values[..., :offset, :]
+    cache.keys, cache.values = keys, values
+
+
+def _shadow_caches(cache: Sequence[Any]) -> list[Any]:
+    """New cache objects holding the same arrays, offsets and schedules (MLX arrays are
+    values: a forward through the copies leaves the originals as they are)."""
+    out = []
+    for c in cache:
+        twin = type(c).__new__(type(c))
+        twin.__dict__.update(c.__dict__)
+        out.append(twin)
+    return out
+
+
+def _agree(got: mx.array, want: mx.array) -> bool:
+    """Logits of two paths agree up to their rounding (loose: this catches broken traces)."""
+    tolerance = 1e-3 if want.dtype == mx.float32 else 1e-1
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    scale = 1.0 + float(mx.abs(want).max())
+    return float(mx.abs(got - want).max()) <= tolerance * scale

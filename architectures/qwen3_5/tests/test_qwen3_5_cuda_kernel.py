@@ -119,9 +119,9 @@ static float __shfl_xor_sync(unsigned, float v, int offset) {
 static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 #define __shared__ static
 
-static void body(const float* qkv, const float* z, const float* beta_in, const float* a,
-                 const float* conv_tail, const float* state, const float* conv_weight,
-                 const float* A_log, const float* dt_bias, const float* norm_weight,
+static void body(const float* proj, const float* conv_tail, const float* state,
+                 const float* conv_weight, const float* A_log, const float* dt_bias,
+                 const float* norm_weight,
                  float* out, float* new_tail, float* new_state) {
     using T = float;
     CONSTANTS
@@ -140,7 +140,7 @@ extern "C" void run(int blocks, int threads, const float** in, float** outs) {
             pool.emplace_back([=] {
                 blockIdx.x = bh;
                 threadIdx.x = t;
-                body(in[0], in[1], in[2], in[3], in[4], in[5], in[6], in[7], in[8], in[9],
+                body(in[0], in[1], in[2], in[3], in[4], in[5], in[6],
                      outs[0], outs[1], outs[2]);
             });
         }
@@ -157,7 +157,8 @@ def test_kernel_source_matches_the_pure_mlx_step(tmp_path: Path):
     hk, hv, dk, dv = DIMS["hk"], DIMS["hv"], DIMS["dk"], DIMS["dv"]
     C = 2 * hk * dk + hv * dv
     constants = " ".join(f"constexpr int {k} = {v};" for k, v in dict(
-        Hk=hk, Hv=hv, Dk=dk, Dv=dv, K=KERNEL, C=C, NT=threads, EPS_E9=round(EPS * 1e9)).items())
+        Hk=hk, Hv=hv, Dk=dk, Dv=dv, K=KERNEL, C=C, NT=threads, EPS_E9=round(EPS * 1e9),
+        P=C + hv * dv + 2 * hv, OZ=C, OB=C + hv * dv, OA=C + hv * dv + hv).items())
     source = tmp_path / "step.cpp"
     source.write_text(HARNESS.replace("CONSTANTS", constants)
                       .replace("SOURCE", ck.DELTANET_STEP_SOURCE))
@@ -168,11 +169,13 @@ def test_kernel_source_matches_the_pure_mlx_step(tmp_path: Path):
     lib = ctypes.CDLL(str(library))
 
     args = step_inputs(B)
-    inputs = [np.ascontiguousarray(np.array(x, dtype=np.float32)) for x in args]
+    # the kernel reads qkv, z, b, a in place from the joined in-projection row
+    joined = mx.concatenate(args[:4], axis=-1)
+    inputs = [np.ascontiguousarray(np.array(x, dtype=np.float32)) for x in (joined, *args[4:])]
     want = [np.array(x) for x in pure_mlx(args)]
     outputs = [np.zeros(w.shape, np.float32) for w in want]
     as_ptr = ctypes.POINTER(ctypes.c_float)
-    in_ptrs = (as_ptr * 10)(*[x.ctypes.data_as(as_ptr) for x in inputs])
+    in_ptrs = (as_ptr * 7)(*[x.ctypes.data_as(as_ptr) for x in inputs])
     out_ptrs = (as_ptr * 3)(*[x.ctypes.data_as(as_ptr) for x in outputs])
     lib.run(B * hv, threads, in_ptrs, out_ptrs)
     for name, got, expected in zip(("out", "conv tail", "state"), outputs, want):
