@@ -1035,8 +1035,20 @@ def _shadow_caches(cache: Sequence[Any]) -> list[Any]:
 
 
 def _agree(got: mx.array, want: mx.array) -> bool:
-    """Logits of two paths agree up to their rounding (loose: this catches broken traces)."""
-    tolerance = 1e-3 if want.dtype == mx.float32 else 1e-1
-    got, want = got.astype(mx.float32), want.astype(mx.float32)
-    scale = 1.0 + float(mx.abs(want).max())
-    return float(mx.abs(got - want).max()) <= tolerance * scale
+    """Logits of two paths agree up to their rounding (loose: this catches broken traces).
+
+    In float32 the two paths agree to a few ulps. In half precision their roundings differ
+    (the traced verify runs the per-token recurrence, the eager one the chunked form) and a
+    random-weight model amplifies that to tens of percent of the largest logit, so there the
+    check compares direction: a broken trace gives logits uncorrelated with the eager ones.
+    """
+    got, want32 = got.astype(mx.float32), want.astype(mx.float32)
+    if want.dtype == mx.float32:
+        scale = 1.0 + float(mx.abs(want32).max())
+        return float(mx.abs(got - want32).max()) <= 1e-3 * scale
+    g = got.reshape(-1, got.shape[-1])
+    w = want32.reshape(-1, want32.shape[-1])
+    g = g - g.mean(axis=-1, keepdims=True)
+    w = w - w.mean(axis=-1, keepdims=True)
+    cosine = (g * w).sum(-1) / mx.sqrt((g * g).sum(-1) * (w * w).sum(-1) + 1e-12)
+    return float(cosine.min()) >= 0.95

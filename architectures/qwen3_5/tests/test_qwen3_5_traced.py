@@ -298,3 +298,15 @@ def test_a_broken_trace_falls_back_to_eager(fixture_model, monkeypatch, failure)
     finally:
         model.compile_steps = True
         model._steps.clear()
+
+
+def test_half_precision_trace_check_tolerates_rounding_but_not_garbage():
+    from mlxrunner_qwen3_5.model import _agree
+
+    mx.random.seed(3)
+    want = (mx.random.normal((2, 8, 512)) * 4).astype(mx.bfloat16)
+    rounding = want + (mx.random.normal(want.shape) * 0.6).astype(mx.bfloat16)  # ~15% noise
+    assert _agree(rounding, want)
+    assert not _agree(mx.random.normal(want.shape).astype(mx.bfloat16), want)
+    exact32 = want.astype(mx.float32)
+    assert _agree(exact32 + 1e-4, exact32) and not _agree(exact32 + 0.1, exact32)
