@@ -135,3 +135,8 @@ def test_malformed_modelfile_line(tmp_path, example_model_folder):
 def test_debug_shows_the_traceback(tmp_path):
     result = cli("--debug", "show", "./no-such-model", cwd=tmp_path)
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_missing_draft_folder(tmp_path, example_model_folder):
+    one_line_error(cli("run", str(example_model_folder), "hi", "--draft", "./no-draft",
+                       cwd=tmp_path), "no-draft", "draft folder not found")

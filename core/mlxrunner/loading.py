@@ -295,10 +295,12 @@ def choose_parser_name(explicit: str | None, modelfile_choice: str | None, model
 def find_draft(folder: Path, explicit: str | Path | None, modelfile_draft: str | None
                ) -> Path | None:
     """Draft choice: argument, Modelfile DRAFT, the folder's ``draft/``, a bundle's tensors."""
-    if explicit:
-        return resolve_model_path(explicit)
-    if modelfile_draft:
-        return resolve_model_path(modelfile_draft)
+    for chosen in (explicit, modelfile_draft):
+        if chosen:
+            path = Path(chosen).expanduser()
+            if not path.exists() and str(chosen) not in plugins.host().registry("models"):
+                raise ModelFolderError(f"{path}: draft folder not found")
+            return resolve_model_path(chosen)
     if (folder / "draft" / "config.json").exists():
         return folder / "draft"
     return None
