@@ -16,23 +16,19 @@ compared when importable (``--no-mlx-lm`` to skip).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import platform
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import mlx.core as mx
+from harness import DTYPES, SHARED, text_config
 from mlx.utils import tree_flatten
 from mlxrunner_gemma4 import Gemma4Model
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("MLXRUNNER_SHARED_DATA", REPO.parent / "shared" / "data"))
 DEFAULT_CONFIG = SHARED / "configs" / "gemma-4-E2B-it.config.text-fields-from-ollama-tests.json"
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 # E2B's layout (4 sliding + 1 full, KV sharing, per-layer inputs, double-wide MLP)
 # scaled down for a 2-core CPU.
@@ -72,15 +68,6 @@ def composite(config: dict[str, Any]) -> dict[str, Any]:
             "text_config": config}
 
 
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text part, with top-level keys it lacks copied in (as the loader does)."""
-    text = dict(config["text_config"])
-    for key, value in config.items():
-        if key != "text_config":
-            text.setdefault(key, value)
-    return text
-
-
 def build_ours(config: dict[str, Any], dtype: mx.Dtype, seed: int) -> Gemma4Model:
     model = Gemma4Model(text_config(config))
     keys = mx.random.split(mx.random.key(seed), len(tree_flatten(model.parameters())))
@@ -108,59 +95,6 @@ def build_mlx_lm(config: dict[str, Any], ours: Gemma4Model) -> Any:
             "language_model.model."): v for k, v in weights.items()})
     model.load_weights(list(weights.items()))
     return model
-
-
-def eval_cache(cache: list[Any]) -> None:
-    mx.eval([c.state for c in cache if c is not None])
-
-
-def run(model: Any, cache: list[Any], prompt: mx.array, new: int) -> dict[str, float]:
-    """Prefill ``prompt[:-1]``, then ``new`` greedy steps starting from its last token."""
-    mx.synchronize()
-    start = time.perf_counter()
-    model(prompt[None, :-1], cache=cache)
-    eval_cache(cache)
-    prefill_s = time.perf_counter() - start
-
-    def step(y: mx.array) -> mx.array:
-        logits = model(y, cache=cache)
-        return mx.argmax(logits[:, -1, :], axis=-1, keepdims=True)
-
-    y = step(prompt[None, -1:])  # the prompt's last token: the first decode step
-    mx.async_eval(y)
-    y.item()
-    start = time.perf_counter()
-    for _ in range(new):
-        nxt = step(y)
-        mx.async_eval(nxt)
-        y.item()  # read the previous token while the next step runs
-        y = nxt
-    y.item()
-    decode_s = time.perf_counter() - start
-    return {"prefill_s": prefill_s, "prefill_tok_s": (prompt.size - 1) / prefill_s,
-            "decode_s": decode_s, "decode_tok_s": new / decode_s}
-
-
-def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int
-            ) -> dict[str, dict[str, float]]:
-    """Best of ``repeats`` timed runs per row, the rows taking turns (a busy machine
-    slows them alike)."""
-    for model in rows.values():
-        run(model, model.make_cache(), prompt, min(new, 4))  # warm-up: trace, JIT, allocate
-    best: dict[str, dict[str, float]] = {}
-    for _ in range(repeats):
-        for name, model in rows.items():
-            result = run(model, model.make_cache(), prompt, new)
-            gc.collect()
-            kept = best.setdefault(name, result)
-            for key in ("prefill", "decode"):
-                if result[f"{key}_tok_s"] > kept[f"{key}_tok_s"]:
-                    kept[f"{key}_s"], kept[f"{key}_tok_s"] = (result[f"{key}_s"],
-                                                              result[f"{key}_tok_s"])
-    for name, result in best.items():
-        print(f"  {name:18s} prefill {result['prefill_tok_s']:10.1f} tok/s   "
-              f"decode {result['decode_tok_s']:8.1f} tok/s", flush=True)
-    return best
 
 
 class _EagerSteps:
@@ -194,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                              "tokens, best of 3")
     parser.add_argument("--no-eager", action="store_true",
                         help="skip the row with eager (uncompiled) decode steps")
-    parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm comparison")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--seed", type=int, default=0)
+    harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
         config, config_name = composite(QUICK_TEXT_CONFIG), "quick (E2B layout, scaled down)"
@@ -216,15 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ours = build_ours(config, dtype, args.seed)
     prompt = mx.random.randint(0, ours.vocab_size, (args.prompt,), key=mx.random.key(args.seed))
 
-    reference = reference_version = None
-    if not args.no_mlx_lm:
-        try:
-            import mlx_lm
-
-            reference = build_mlx_lm(config, ours)
-            reference_version = mlx_lm.__version__
-        except ImportError:
-            print("  mlx-lm not importable: comparison skipped", flush=True)
+    reference, reference_version = harness.load_reference(
+        lambda: build_mlx_lm(config, ours), skip=args.no_mlx_lm)
 
     results: dict[str, Any] = {
         "config": config_name, "dtype": args.dtype, "prompt": args.prompt, "new": args.new,
@@ -232,33 +157,22 @@ def main(argv: list[str] | None = None) -> int:
         "mlx_lm": None,
     }
     if reference is not None:
-        short = prompt[None, :16]
-        diff = mx.abs(ours(short).astype(mx.float32) - reference(short).astype(mx.float32))
-        results["parity_max_abs_logit_diff_16_tokens"] = diff.max().item()
-        print(f"  parity: max |logit difference| over 16 tokens "
-              f"{results['parity_max_abs_logit_diff_16_tokens']:.4g}", flush=True)
+        harness.record_parity(ours, reference, prompt, results)
 
     rows: dict[str, Any] = {"mlxrunner": ours}
     if not args.no_eager:
         rows["mlxrunner (eager)"] = _EagerSteps(ours)
     if reference is not None:
         rows["mlx-lm"] = reference
-    best = measure(rows, prompt, args.new, args.repeats)
+    best = harness.measure(rows, prompt, args.new, args.repeats, name_width=18)
     results["mlxrunner"] = best["mlxrunner"]
     if not args.no_eager:
         results["mlxrunner_eager_steps"] = best["mlxrunner (eager)"]
     if reference is not None:
-        results["mlx_lm"] = best["mlx-lm"]
-        results["mlx_lm"]["version"] = reference_version
-        results["ratio"] = {
-            key: results["mlxrunner"][f"{key}_tok_s"] / results["mlx_lm"][f"{key}_tok_s"]
-            for key in ("prefill", "decode")}
-        print(f"  ratio (mlxrunner / mlx-lm) prefill {results['ratio']['prefill']:6.2f}x   "
-              f"decode {results['ratio']['decode']:6.2f}x", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"  wrote {args.json}")
+        ratio = harness.record_reference(results, best["mlx-lm"], reference_version)
+        print(f"  ratio (mlxrunner / mlx-lm) prefill {ratio['prefill']:6.2f}x   "
+              f"decode {ratio['decode']:6.2f}x", flush=True)
+    harness.write_json(args.json, results)
     return 0
 
 

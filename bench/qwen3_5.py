@@ -20,34 +20,20 @@ the traced call's nodes; ``--eager`` counts (and times) the untraced graph.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import mlx.core as mx
+from harness import DTYPES, SHARED, eval_cache, text_config
 from mlx.utils import tree_flatten
 from mlxrunner_qwen3_5 import Qwen3_5
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("MLXRUNNER_SHARED_DATA", REPO.parent / "shared" / "data"))
 DEFAULT_CONFIG = SHARED / "configs" / "Qwen3.5-0.8B-Base.config.json"
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text part, with top-level keys it lacks copied in (as the loader does)."""
-    if "text_config" not in config:
-        return dict(config)
-    text = dict(config["text_config"])
-    for key, value in config.items():
-        if key != "text_config":
-            text.setdefault(key, value)
-    return text
 
 
 def shrink(config: dict[str, Any], layers: int | None, vocab: int | None) -> dict[str, Any]:
@@ -93,61 +79,6 @@ def build_mlx_lm(config: dict[str, Any], ours: Qwen3_5) -> Any:
     model.load_weights(weights)
     mx.eval(model.parameters())
     return model
-
-
-def eval_cache(cache: list[Any]) -> None:
-    mx.eval([c.state for c in cache])
-
-
-def run(model: Any, cache: list[Any], prompt: mx.array, new: int) -> dict[str, float]:
-    """Prefill ``prompt[:-1]``, then ``new`` greedy steps starting from its last token."""
-    mx.synchronize()
-    start = time.perf_counter()
-    model(prompt[None, :-1], cache=cache)
-    eval_cache(cache)
-    prefill_s = time.perf_counter() - start
-
-    def step(y: mx.array) -> mx.array:
-        logits = model(y, cache=cache)
-        return mx.argmax(logits[:, -1, :], axis=-1, keepdims=True)
-
-    y = step(prompt[None, -1:])  # the prompt's last token: the first decode step
-    mx.async_eval(y)
-    y.item()
-    start = time.perf_counter()
-    for _ in range(new):
-        nxt = step(y)
-        mx.async_eval(nxt)
-        y.item()  # read the previous token while the next step runs
-        y = nxt
-    y.item()
-    decode_s = time.perf_counter() - start
-    return {"prefill_s": prefill_s, "prefill_tok_s": (prompt.size - 1) / prefill_s,
-            "decode_s": decode_s, "decode_tok_s": new / decode_s}
-
-
-def measure(models: dict[str, Any], prompt: mx.array, new: int,
-            repeats: int) -> dict[str, dict[str, float]]:
-    """Best prefill and decode rates of each model; the models take turns in every repeat
-    so that a change of machine load hits both alike."""
-    for model in models.values():
-        run(model, model.make_cache(), prompt, min(new, 4))  # warm-up: compile, JIT, allocate
-    best: dict[str, dict[str, float]] = {}
-    for _ in range(repeats):
-        for name, model in models.items():
-            result = run(model, model.make_cache(), prompt, new)
-            gc.collect()
-            if name not in best:
-                best[name] = result
-                continue
-            for key in ("prefill", "decode"):
-                if result[f"{key}_tok_s"] > best[name][f"{key}_tok_s"]:
-                    best[name][f"{key}_s"] = result[f"{key}_s"]
-                    best[name][f"{key}_tok_s"] = result[f"{key}_tok_s"]
-    for name, result in best.items():
-        print(f"  {name:10s} prefill {result['prefill_tok_s']:10.1f} tok/s   "
-              f"decode {result['decode_tok_s']:8.1f} tok/s", flush=True)
-    return best
 
 
 def decode_graph_nodes(model: Any, prompt: mx.array) -> dict[str, int]:
@@ -318,14 +249,12 @@ def main(argv: list[str] | None = None) -> int:
                              "vocabulary 16384, prompt 128, 16 new tokens")
     parser.add_argument("--eager", action="store_true",
                         help="run our short forwards untraced (no mx.compile of the step)")
-    parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm comparison")
     parser.add_argument("--profile", action="store_true",
                         help="also time one DeltaNet layer, one attention layer and the head")
     parser.add_argument("--verify-block", type=int, default=8,
                         help="also time one verify forward of this many tokens through the "
                              "prompt's caches against one decode step (0: skip)")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--seed", type=int, default=0)
+    harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.prompt, args.new = args.prompt or 128, args.new or 16
@@ -348,15 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     ours.compile_steps = not args.eager
     prompt = mx.random.randint(0, ours.vocab_size, (args.prompt,), key=mx.random.key(args.seed))
 
-    reference = None
-    if not args.no_mlx_lm:
-        try:
-            import mlx_lm
-
-            reference = build_mlx_lm(config, ours)
-            reference_version = mlx_lm.__version__
-        except ImportError:
-            print("  mlx-lm not importable: comparison skipped", flush=True)
+    reference, reference_version = harness.load_reference(
+        lambda: build_mlx_lm(config, ours), skip=args.no_mlx_lm)
 
     results: dict[str, Any] = {
         "config": args.config.name, "layers": args.layers, "vocab": args.vocab,
@@ -365,11 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(), "mlx_lm": None,
     }
     if reference is not None:
-        short = prompt[None, :16]
-        diff = mx.abs(ours(short).astype(mx.float32) - reference(short).astype(mx.float32))
-        results["parity_max_abs_logit_diff_16_tokens"] = diff.max().item()
-        print(f"  parity: max |logit difference| over 16 tokens "
-              f"{results['parity_max_abs_logit_diff_16_tokens']:.4g}", flush=True)
+        harness.record_parity(ours, reference, prompt, results)
 
     models = {"mlxrunner": ours} if reference is None else {"mlxrunner": ours,
                                                             "mlx-lm": reference}
@@ -378,15 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     print("  decode step graph: " + "   ".join(
         f"{name} {n['all']} ops ({n['kernels']} non-view)" for name, n in nodes.items()),
         flush=True)
-    best = measure(models, prompt, args.new, args.repeats)
+    best = harness.measure(models, prompt, args.new, args.repeats, name_width=10)
     results["mlxrunner"] = best["mlxrunner"]
     if reference is not None:
-        results["mlx_lm"] = dict(best["mlx-lm"], version=reference_version)
-        results["ratio"] = {
-            key: results["mlxrunner"][f"{key}_tok_s"] / results["mlx_lm"][f"{key}_tok_s"]
-            for key in ("prefill", "decode")}
-        print(f"  ratio      prefill {results['ratio']['prefill']:10.2f}x        "
-              f"decode {results['ratio']['decode']:8.2f}x", flush=True)
+        ratio = harness.record_reference(results, best["mlx-lm"], reference_version)
+        print(f"  ratio      prefill {ratio['prefill']:10.2f}x        "
+              f"decode {ratio['decode']:8.2f}x", flush=True)
     if args.verify_block:
         rows = {}
         for name, model in models.items():
@@ -400,10 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         results["verify"] = dict(rows, block=args.verify_block, context=args.prompt)
     if args.profile:
         results["profile"] = profile(ours, reference, args.prompt, 10 if args.quick else 100)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"  wrote {args.json}")
+    harness.write_json(args.json, results)
     return 0
 
 

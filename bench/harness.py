@@ -1,0 +1,135 @@
+"""What the model benches (gemma4.py, qwen3_5.py) share: paths, the timed prefill and
+greedy-decode loop, best-of-N measurement, the mlx-lm comparison and the JSON output.
+
+The benches run as ``python bench/<name>.py``, so this module is imported as ``harness``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MLXRUNNER_SHARED_DATA", REPO.parent / "shared" / "data"))
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text part, with top-level keys it lacks copied in (as the loader does)."""
+    if "text_config" not in config:
+        return dict(config)
+    text = dict(config["text_config"])
+    for key, value in config.items():
+        if key != "text_config":
+            text.setdefault(key, value)
+    return text
+
+
+def eval_cache(cache: list[Any]) -> None:
+    mx.eval([c.state for c in cache if c is not None])
+
+
+def run(model: Any, cache: list[Any], prompt: mx.array, new: int) -> dict[str, float]:
+    """Prefill ``prompt[:-1]``, then ``new`` greedy steps starting from its last token."""
+    mx.synchronize()
+    start = time.perf_counter()
+    model(prompt[None, :-1], cache=cache)
+    eval_cache(cache)
+    prefill_s = time.perf_counter() - start
+
+    def step(y: mx.array) -> mx.array:
+        logits = model(y, cache=cache)
+        return mx.argmax(logits[:, -1, :], axis=-1, keepdims=True)
+
+    y = step(prompt[None, -1:])  # the prompt's last token: the first decode step
+    mx.async_eval(y)
+    y.item()
+    start = time.perf_counter()
+    for _ in range(new):
+        nxt = step(y)
+        mx.async_eval(nxt)
+        y.item()  # read the previous token while the next step runs
+        y = nxt
+    y.item()
+    decode_s = time.perf_counter() - start
+    return {"prefill_s": prefill_s, "prefill_tok_s": (prompt.size - 1) / prefill_s,
+            "decode_s": decode_s, "decode_tok_s": new / decode_s}
+
+
+def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
+            name_width: int) -> dict[str, dict[str, float]]:
+    """Best prefill and decode rates of each row (a model with ``make_cache``), printed
+    with names padded to ``name_width``. The rows take turns in every repeat so that a
+    change of machine load hits them alike."""
+    for model in rows.values():
+        run(model, model.make_cache(), prompt, min(new, 4))  # warm-up: trace, JIT, allocate
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(repeats):
+        for name, model in rows.items():
+            result = run(model, model.make_cache(), prompt, new)
+            gc.collect()
+            kept = best.setdefault(name, result)
+            for key in ("prefill", "decode"):
+                if result[f"{key}_tok_s"] > kept[f"{key}_tok_s"]:
+                    kept[f"{key}_s"], kept[f"{key}_tok_s"] = (result[f"{key}_s"],
+                                                              result[f"{key}_tok_s"])
+    for name, result in best.items():
+        print(f"  {name:{name_width}s} prefill {result['prefill_tok_s']:10.1f} tok/s   "
+              f"decode {result['decode_tok_s']:8.1f} tok/s", flush=True)
+    return best
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options every model bench takes, after its own: mlx-lm skip, JSON path, seed."""
+    parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm comparison")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def load_reference(build: Callable[[], Any], skip: bool) -> tuple[Any, str | None]:
+    """mlx-lm's model from ``build()`` and mlx-lm's version, or ``(None, None)`` when
+    skipped or mlx-lm is not importable."""
+    if skip:
+        return None, None
+    try:
+        import mlx_lm
+
+        return build(), mlx_lm.__version__
+    except ImportError:
+        print("  mlx-lm not importable: comparison skipped", flush=True)
+        return None, None
+
+
+def record_parity(ours: Any, reference: Any, prompt: mx.array, results: dict[str, Any]) -> None:
+    """Largest logit difference between the two models over the prompt's first 16 tokens."""
+    short = prompt[None, :16]
+    diff = mx.abs(ours(short).astype(mx.float32) - reference(short).astype(mx.float32))
+    results["parity_max_abs_logit_diff_16_tokens"] = diff.max().item()
+    print(f"  parity: max |logit difference| over 16 tokens "
+          f"{results['parity_max_abs_logit_diff_16_tokens']:.4g}", flush=True)
+
+
+def record_reference(results: dict[str, Any], best: dict[str, float],
+                     version: str | None) -> dict[str, float]:
+    """mlx-lm's rates (with its version) into ``results``, and the mlxrunner / mlx-lm rate
+    ratios, which are returned."""
+    results["mlx_lm"] = dict(best, version=version)
+    results["ratio"] = {
+        key: results["mlxrunner"][f"{key}_tok_s"] / results["mlx_lm"][f"{key}_tok_s"]
+        for key in ("prefill", "decode")}
+    return results["ratio"]
+
+
+def write_json(path: Path | None, results: dict[str, Any]) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"  wrote {path}")
