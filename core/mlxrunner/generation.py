@@ -105,25 +105,27 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
     mx.async_eval(token)
     first = True
     t_decode = time.perf_counter()
-    for n in range(max_tokens):
-        next_token = next_info = None
-        value = int(token.item())
-        if first:
-            stats.prefill_seconds = time.perf_counter() - t0
-            t_decode = time.perf_counter()
-            first = False
-        history.append(value)
-        if n + 1 < max_tokens and value not in eos_ids:
-            logits = model(mx.array([[value]], dtype=mx.int32), cache)[:, -1, :]
-            stats.target_forwards += 1
-            next_token, next_info = pick(logits)
-            mx.async_eval(next_token)
-        stats.generated_tokens += 1
-        yield value, _logprob_dict(info)
-        if value in eos_ids or next_token is None:
-            break
-        token, info = next_token, next_info
-    stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
+    try:
+        for n in range(max_tokens):
+            next_token = next_info = None
+            value = int(token.item())
+            if first:
+                stats.prefill_seconds = time.perf_counter() - t0
+                t_decode = time.perf_counter()
+                first = False
+            history.append(value)
+            if n + 1 < max_tokens and value not in eos_ids:
+                logits = model(mx.array([[value]], dtype=mx.int32), cache)[:, -1, :]
+                stats.target_forwards += 1
+                next_token, next_info = pick(logits)
+                mx.async_eval(next_token)
+            stats.generated_tokens += 1
+            yield value, _logprob_dict(info)
+            if value in eos_ids or next_token is None:
+                break
+            token, info = next_token, next_info
+    finally:  # also when the consumer stops early
+        stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
 
 
 def _logprob_dict(info: Any) -> dict[str, Any] | None:

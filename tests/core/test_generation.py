@@ -1,0 +1,81 @@
+"""Plain decoding: greedy equals a cache-free argmax loop, EOS and length stops, logprobs,
+seeded sampling, and logprob requests decoding without the draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxrunner
+from mlxrunner import SamplerOptions
+
+FIXTURE = (Path(__file__).resolve().parents[2] / "plugins" / "example-architecture" / "tests"
+           / "fixtures" / "tiny-example-llama")
+
+
+@pytest.fixture(scope="module")
+def model():
+    pytest.importorskip("mlxrunner_example_architecture")
+    return mlxrunner.load_model(FIXTURE)
+
+
+def argmax_loop(model, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        logits = model(mx.array([ids]))  # no cache: an independent path
+        ids.append(int(mx.argmax(logits[0, -1]).item()))
+    return ids[len(prompt):]
+
+
+GREEDY = SamplerOptions(temperature=0)
+
+
+def test_greedy_equals_a_cache_free_argmax_loop(model):
+    prompt = [3, 9, 4, 1, 5]
+    result = mlxrunner.generate(model, prompt, options=GREEDY, max_tokens=20)
+    assert result.tokens == argmax_loop(model, prompt, 20)
+    assert result.finish_reason == "length" and result.stats.generated_tokens == 20
+
+
+def test_stops_after_an_eos_token(model):
+    prompt = [3, 9, 4, 1, 5]
+    expected = argmax_loop(model, prompt, 6)
+    eos = expected[3]
+    result = mlxrunner.generate(model, prompt, options=GREEDY, max_tokens=20, eos_ids={eos})
+    first = expected.index(eos)
+    assert result.tokens == expected[:first + 1] and result.finish_reason == "stop"
+
+
+def test_logprobs_are_the_log_softmax_of_raw_logits(model):
+    prompt = [2, 7, 1]
+    options = SamplerOptions(temperature=0, logprobs=True, top_logprobs=3)
+    result = mlxrunner.generate(model, prompt, options=options, max_tokens=4)
+    assert len(result.logprobs) == 4
+    ids = list(prompt)
+    for token, info in zip(result.tokens, result.logprobs):
+        logits = model(mx.array([ids]))[0, -1].astype(mx.float32)
+        logp = np.array(logits - mx.logsumexp(logits))
+        assert info["logprob"] == pytest.approx(float(logp[token]), abs=1e-4)
+        top = [i for i, _ in info["top_logprobs"]]
+        assert top == list(np.argsort(-logp, kind="stable")[:3])
+        ids.append(token)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(model):
+    prompt = [4, 4, 2]
+    runs = [mlxrunner.generate(model, prompt, options=SamplerOptions(temperature=1.0, seed=s),
+                               max_tokens=24).tokens for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_logprob_requests_decode_without_the_draft(model):
+    from mlxrunner.testing.speculative import random_draft
+
+    pytest.importorskip("mlxrunner_dflash")
+    draft = random_draft(model, "DFlash2DraftModel")
+    options = SamplerOptions(temperature=0, logprobs=True)
+    result = mlxrunner.generate(model, [1, 2, 3], options=options, max_tokens=5, draft=draft)
+    assert result.stats.as_dict()["mode"] == "plain" and len(result.logprobs) == 5
