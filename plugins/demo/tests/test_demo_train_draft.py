@@ -137,6 +137,53 @@ def test_training_forward_matches_the_drafts_inference_session(architecture):
             assert proposal.tokens.tolist() == proposals[b, n].tolist()
 
 
+def test_compiled_training_step_matches_the_eager_step():
+    """The mx.compile'd step (GPU default) takes the same steps as the eager one, learning
+    rate changes between steps included."""
+    import mlx.optimizers as optim
+
+    vocab, L, bs = 64, 24, 4
+    target = ToyTarget({"vocab_size": vocab, "hidden_size": 32, "seed": 3})
+    settings = train.TrainSettings(target="", corpus=[], out="", batch=2, seq_len=L, anchors=3,
+                                   block_size=bs, selector_weight=1.0)
+    weights_by_row = train.position_weights(bs, bs / 2)
+    losses: dict[bool, list[float]] = {}
+    params: dict[bool, dict[str, np.ndarray]] = {}
+    for compiled in (False, True):
+        draft = random_draft(target, "DFlash2DraftModel", layers=1, block_size=bs, heads=4,
+                             kv_heads=2, head_dim=8, seed=5)
+        optimizer = optim.AdamW(learning_rate=1e-3)
+        step = train.make_train_step(draft, optimizer, settings, compiled)
+        rng = np.random.default_rng(0)
+        losses[compiled] = []
+        for i in range(3):
+            ids = rng.integers(0, vocab, size=(2, L)).astype(np.int32)
+            tapped, greedy = train.target_forward(target, mx.array(ids), list(draft.taps))
+            batch, *_ = train.make_batch(ids, np.array(greedy), rng, settings,
+                                         draft.mask_token_id, weights_by_row, False, None)
+            optimizer.learning_rate = 1e-2 * (i + 1)
+            loss, _ = step(tapped, batch)
+            mx.eval(loss, draft.parameters(), optimizer.state)
+            losses[compiled].append(loss.item())
+        params[compiled] = {k: np.array(v) for k, v in tree_flatten(draft.parameters())}
+    for name, value in params[True].items():
+        np.testing.assert_allclose(value, params[False][name], atol=1e-5, rtol=1e-4)
+    assert losses[False][0] != losses[False][2]  # the steps did change the draft
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    assert not train.use_compile("off") and train.use_compile("on")
+    assert train.use_compile("auto") == (mx.default_device() != mx.cpu)
+
+
+def test_greedy_generation_gives_up_at_its_deadline():
+    import time
+
+    target = ToyTarget({"vocab_size": 64, "hidden_size": 32, "seed": 3})
+    prompts = np.array([[1, 2, 3]], dtype=np.int32)  # ToyTarget caches hold one row
+    done = train.generate_greedy(target, prompts, 8)
+    assert done.shape == (1, 8) and (done[:, :3] == prompts).all()
+    assert train.generate_greedy(target, prompts, 8, deadline=time.perf_counter() - 1) is None
+
+
 # -- training ---------------------------------------------------------------------------------
 
 

@@ -110,6 +110,7 @@ class TrainSettings:
     self_distill: int = 0
     distill_mix: float = 0.5
     distill_batch: int = 64  # sequences generated together (one forward per token for all)
+    distill_time_s: float = 0.0  # 0: at most 40% of --time-budget-s (no limit without one)
     prompt_len: int = 0  # 0: seq_len // 4
     conv_kernel_size: int = 2
     conv_group_size: int = 16
@@ -124,6 +125,7 @@ class TrainSettings:
     save_every: int = 500
     save_dtype: str = "auto"
     time_budget_s: float = 0.0
+    compile: str = "auto"  # mx.compile the training step: auto (on except on the CPU), on, off
     stop_at: int = 0  # stop (checkpointed) at this step; --resume continues the schedule
     log: str | None = None
     seed: int = 0
@@ -416,7 +418,9 @@ def draft_loss(draft: DFlashDraftModel, tapped: mx.array, batch: Batch,
     hidden = draft_hidden_train(draft, tapped, batch.block_ids, batch.q_pos, batch.mask)
     B, N, bs = batch.labels.shape
     hidden = hidden.reshape(B, N, bs, -1)
-    logits = draft.proposal_logits(hidden)  # float32, scaled / softcapped as at inference
+    # One head projection serves both losses (the vocabulary matmul is the step's largest).
+    raw = draft.raw_logits(hidden).astype(mx.float32)
+    logits = draft.scale_logits(raw)  # as proposal_logits: scaled / softcapped as at inference
     w = batch.weights
     total_w = mx.maximum(w.sum(), 1e-6)
     ce = nn.losses.cross_entropy(logits, batch.labels, reduction="none")
@@ -427,7 +431,6 @@ def draft_loss(draft: DFlashDraftModel, tapped: mx.array, batch: Batch,
     loss = loss_ce
     loss_sel = mx.array(0.0)
     if isinstance(draft, DFlash2DraftModel) and selector_weight > 0:
-        raw = draft.raw_logits(hidden).astype(mx.float32)
         ids, scores = selector_scores(draft, hidden, raw, batch.previous)
         hit = ids == batch.labels[..., None]
         found = hit.any(-1)
@@ -437,6 +440,50 @@ def draft_loss(draft: DFlashDraftModel, tapped: mx.array, batch: Batch,
         loss_sel = (sel_ce * sel_w).sum() / mx.maximum(sel_w.sum(), 1e-6)
         loss = loss + selector_weight * loss_sel
     return loss, (loss_ce, loss_sel, accuracy)
+
+
+BATCH_ARRAYS = ("block_ids", "q_pos", "mask", "labels", "weights", "previous")
+
+
+def use_compile(setting: str) -> bool:
+    """``auto``: compile except on the CPU (there tracing the step costs more than it saves)."""
+    if setting not in ("auto", "on", "off"):
+        raise TrainDraftError(f"--compile {setting!r}: choose auto, on or off")
+    if setting == "auto":
+        return mx.default_device() != mx.cpu
+    return setting == "on"
+
+
+def make_train_step(draft: DFlashDraftModel, optimizer: optim.Optimizer,
+                    settings: TrainSettings, compiled: bool = False) -> Any:
+    """``step(tapped, batch) -> (loss, (loss_ce, loss_selector, accuracy))``: loss, gradients,
+    clipping and the AdamW update. ``compiled``: one ``mx.compile`` graph (draft and
+    optimizer state as its implicit inputs and outputs) so a step is a few fused kernels
+    replayed, not thousands of small ones rebuilt every step."""
+
+    def loss_fn(model: nn.Module, tapped: mx.array, batch: Batch):
+        return draft_loss(model, tapped, batch, settings.selector_weight)
+
+    value_and_grad = nn.value_and_grad(draft, loss_fn)
+
+    def update(tapped: mx.array, *arrays: mx.array) -> tuple[mx.array, ...]:
+        batch = Batch(None, *arrays, tokens=0)  # type: ignore[arg-type]
+        (loss, (loss_ce, loss_sel, acc)), grads = value_and_grad(draft, tapped, batch)
+        if settings.grad_clip > 0:
+            grads, _ = optim.clip_grad_norm(grads, settings.grad_clip)
+        optimizer.update(draft, grads)
+        return loss, loss_ce, loss_sel, acc
+
+    if compiled:
+        optimizer.init(draft.trainable_parameters())  # keeps moments already there (resume)
+        state = [draft.state, optimizer.state]
+        update = mx.compile(update, inputs=state, outputs=state)
+
+    def step(tapped: mx.array, batch: Batch) -> tuple[mx.array, tuple]:
+        loss, loss_ce, loss_sel, acc = update(tapped, *(getattr(batch, k) for k in BATCH_ARRAYS))
+        return loss, (loss_ce, loss_sel, acc)
+
+    return step
 
 
 def greedy_proposals(draft: DFlashDraftModel, hidden: mx.array, anchor_tokens: mx.array,
@@ -587,11 +634,13 @@ def target_forward(target: mlxrunner.Model, ids: mx.array, taps: list[int]
 
 
 def generate_greedy(target: mlxrunner.Model, prompts: np.ndarray, length: int,
-                    eos_id: int | None = None) -> np.ndarray:
+                    eos_id: int | None = None, deadline: float | None = None
+                    ) -> np.ndarray | None:
     """Greedy continuations of ``prompts`` [B, P] to ``length`` tokens in total: [B, length].
 
     Batched with the target's own caches (one forward per new token for the whole batch).
     After an EOS a row keeps going: the text after it is still the target's greedy output.
+    With a ``deadline`` (``time.perf_counter()`` seconds) passed before the end: None.
     """
     cache = target.make_cache()
     ids = mx.array(prompts, dtype=mx.int32)
@@ -603,6 +652,8 @@ def generate_greedy(target: mlxrunner.Model, prompts: np.ndarray, length: int,
         token = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
         out.append(token)
         mx.eval(token)
+        if deadline is not None and time.perf_counter() > deadline:
+            return None
     generated = np.array(mx.stack(out, axis=1))
     return np.concatenate([prompts, generated], axis=1).astype(np.int32)
 
@@ -723,6 +774,7 @@ class Data:
     evaluation: tuple[np.ndarray, int] | None = None  # held-out continuations, prompt length
     documents: int = 0
     heldout_documents: int = 0
+    pool_seconds: float = 0.0
 
 
 def load_data(settings: TrainSettings, tokenizer: Any, eos_id: int) -> Data:
@@ -932,24 +984,21 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
     budget = settings.time_budget_s or 0.0
     if settings.self_distill > 0:
         # Its own seed: a resumed run regenerates exactly the same pool.
+        pool_started = time.perf_counter()
         data.pool = build_pool(target, data.train, settings, eos_id, settings.seed + 7,
-                               budget * 0.4 if budget else 0.0, progress)
+                               settings.distill_time_s or (budget * 0.4 if budget else 0.0),
+                               progress)
+        data.pool_seconds = time.perf_counter() - pool_started
 
-    def loss_fn(model: nn.Module, tapped: mx.array, batch: Batch):
-        return draft_loss(model, tapped, batch, settings.selector_weight)
-
-    value_and_grad = nn.value_and_grad(draft, loss_fn)
-
-    def train_step(tapped: mx.array, batch: Batch) -> tuple[mx.array, tuple]:
-        (loss, parts), grads = value_and_grad(draft, tapped, batch)
-        if settings.grad_clip > 0:
-            grads, _ = optim.clip_grad_norm(grads, settings.grad_clip)
-        optimizer.update(draft, grads)
-        return loss, parts
+    compiled = use_compile(settings.compile)
+    train_step = make_train_step(draft, optimizer, settings, compiled)
+    progress.record({"event": "compile", "compiled": compiled,
+                     "device": str(mx.default_device())})
 
     total = settings.steps
     t_start = time.perf_counter()
     timed_steps = 0
+    phases: list[tuple[float, float, float]] = []  # target, host, draft seconds per step
     last_eval: dict[str, float] = {}
     while step < total:
         if settings.stop_at and step >= settings.stop_at:
@@ -961,18 +1010,40 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         t0 = time.perf_counter()
         ids = next_windows(rng, data, settings)
         tapped, greedy = target_forward(target, mx.array(ids), taps)
+        # The labels need the greedy tokens on the host anyway: evaluating the taps with them
+        # costs nothing and splits the step's time into target / host / draft phases.
+        mx.eval(tapped, greedy)
         greedy_np = np.array(greedy) if settings.labels == "target" else None
+        t1 = time.perf_counter()
         batch, _, _, _ = make_batch(ids, greedy_np, rng, settings, mask_token_id,
                                     weights_by_row, attn0.causal, attn0.window)
         optimizer.learning_rate = learning_rate(step, total, settings)
-        loss, (loss_ce, loss_sel, acc) = train_step(tapped, batch)
-        mx.eval(loss, loss_ce, loss_sel, acc, draft.parameters(), optimizer.state)
+        t2 = time.perf_counter()
+        try:
+            loss, (loss_ce, loss_sel, acc) = train_step(tapped, batch)
+            mx.eval(loss, loss_ce, loss_sel, acc, draft.parameters(), optimizer.state)
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot compile some op
+            if not compiled:
+                raise
+            progress.note(f"compiled step failed ({type(exc).__name__}: {exc}); "
+                          "continuing uncompiled")
+            compiled = False
+            train_step = make_train_step(draft, optimizer, settings, False)
+            loss, (loss_ce, loss_sel, acc) = train_step(tapped, batch)
+            mx.eval(loss, loss_ce, loss_sel, acc, draft.parameters(), optimizer.state)
+        t3 = time.perf_counter()
+        if timed_steps == 0:
+            progress.note(f"first step {t3 - t0:.2f}s (target {t1 - t0:.2f}s, host "
+                          f"{t2 - t1:.3f}s, draft {t3 - t2:.2f}s; compiled: {compiled})")
         step += 1
         tokens_seen += batch.tokens
         timed_steps += 1
         now = time.perf_counter()
+        phases.append((t1 - t0, t2 - t1, t3 - t2))
         rate = batch.tokens / max(now - t0, 1e-9)  # target forward included
-        per_step = (now - t_start) / timed_steps
+        if timed_steps == 1:  # the first step traces and compiles: keep it out of the pace
+            t_start = now
+        per_step = (now - t_start) / (timed_steps - 1) if timed_steps > 1 else now - t0
         if budget and timed_steps == 20:
             # Re-plan the cosine schedule to end when the budget does.
             left = budget - (elapsed_before + now - started) - 0.15 * budget
@@ -982,7 +1053,8 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         event = {"event": "step", "step": step, "loss": float(loss.item()),
                  "loss_ce": float(loss_ce.item()), "loss_selector": float(loss_sel.item()),
                  "accuracy": float(acc.item()), "lr": float(optimizer.learning_rate.item()),
-                 "tokens_per_second": rate}
+                 "tokens_per_second": rate, "target_s": round(t1 - t0, 4),
+                 "host_s": round(t2 - t1, 4), "draft_s": round(t3 - t2, 4)}
         if step % 5 == 0 or step == 1:
             history.append({k: event[k] for k in ("step", "loss", "loss_ce", "accuracy")})
         progress.record(event)
@@ -1014,7 +1086,15 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         "final_loss_ce": float(np.mean([h["loss_ce"] for h in history[-3:]]))
         if history else None,
         "history": history,
+        "compiled": compiled,
+        "pool_seconds": round(data.pool_seconds, 1),
     }
+    if len(phases) > 1:  # steady state: the first step (tracing, kernel builds) left out
+        steady = np.median(np.array(phases[1:]), axis=0)
+        report["step_seconds"] = {"target": round(float(steady[0]), 4),
+                                  "host": round(float(steady[1]), 4),
+                                  "draft": round(float(steady[2]), 4),
+                                  "first_step": round(float(sum(phases[0])), 3)}
     # Held-out figures of the draft as saved (its dtype): reload it the way --draft does.
     saved_draft = mlxrunner.load(settings.target, draft=str(out)).draft
     report.update(estimate_acceptance(saved_draft, target, taps, *evaluation_set(
@@ -1065,10 +1145,14 @@ def build_pool(target: mlxrunner.Model, stream: np.ndarray, settings: TrainSetti
     rows = []
     t0 = time.perf_counter()
     per = max(1, min(settings.self_distill, settings.distill_batch))
+    deadline = t0 + seconds if seconds else None
     while sum(r.shape[0] for r in rows) < settings.self_distill:
         prompts = sample_windows(rng, stream, per, prompt_len)
         try:
-            rows.append(generate_greedy(target, prompts, settings.seq_len, eos_id))
+            done = generate_greedy(target, prompts, settings.seq_len, eos_id, deadline)
+            if done is None:  # out of time part-way: that batch is dropped
+                break
+            rows.append(done)
         except RuntimeError as exc:
             # Some backends reject very wide decode batches (MLX CUDA failed to build its
             # graph at 256 rows): halve the batch, and train on the corpus alone at the end.
@@ -1080,6 +1164,9 @@ def build_pool(target: mlxrunner.Model, stream: np.ndarray, settings: TrainSetti
             continue
         if seconds and time.perf_counter() - t0 > seconds:
             break
+    if not rows:
+        progress.note(f"self-distillation ran out of its {seconds:.0f}s; corpus only")
+        return np.zeros((0, settings.seq_len), dtype=np.int32)
     pool = np.concatenate(rows)[:settings.self_distill]
     progress.note(f"self-distilled {pool.shape[0]} sequences of {settings.seq_len} tokens "
                   f"in {time.perf_counter() - t0:.0f}s")
@@ -1188,6 +1275,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of the saved draft: auto (the target's), float32, bfloat16")
     parser.add_argument("--time-budget-s", type=float, default=d.time_budget_s,
                         help="stop training after this many seconds (0: no limit)")
+    parser.add_argument("--distill-time-s", type=float, default=d.distill_time_s,
+                        help="time limit of self-distillation (0: 40%% of --time-budget-s)")
+    parser.add_argument("--compile", choices=["auto", "on", "off"], default=d.compile,
+                        help="mx.compile the training step (auto: on except on the CPU)")
     parser.add_argument("--stop-at", type=int, default=d.stop_at, metavar="STEP",
                         help="stop at this step with a checkpoint (--resume continues)")
     parser.add_argument("--log", help="append JSON lines (steps, evals, report) to this file")
