@@ -43,10 +43,10 @@ _EXPORTS: dict[str, str] = {
     "read_modelfile": "modelfile",
     # sampling
     "topk_indices": "topk",
-    "SamplerOptions": "sampler",
+    "SamplerOptions": "options",
     "Sampler": "sampler",
     "Distribution": "sampler",
-    "SamplerOptionError": "sampler",
+    "SamplerOptionError": "options",
     # generation
     "generate": "generation",
     "GenerationResult": "generation",
@@ -112,8 +112,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .loading import Bundle, build_model, load, load_model, read_config  # noqa: F401
     from .model import Model  # noqa: F401
     from .modelfile import Modelfile, read_modelfile  # noqa: F401
+    from .options import SamplerOptionError, SamplerOptions  # noqa: F401
     from .parsing import MarkerScanner, ParseEvents, ReplyParser, TrimmedText  # noqa: F401
     from .plugins import register, registered  # noqa: F401
-    from .sampler import Distribution, Sampler, SamplerOptionError, SamplerOptions  # noqa: F401
+    from .sampler import Distribution, Sampler  # noqa: F401
     from .tokenizer import Tokenizer  # noqa: F401
     from .topk import topk_indices  # noqa: F401

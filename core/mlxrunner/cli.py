@@ -103,11 +103,18 @@ def _human_count(n: int) -> str:
 
 
 # -- run -------------------------------------------------------------------
-SAMPLER_FLAGS = {
-    "temperature": float, "top_k": int, "top_p": float, "min_p": float,
-    "repeat_last_n": int, "repeat_penalty": float, "presence_penalty": float,
-    "frequency_penalty": float, "seed": int, "top_logprobs": int,
-}
+def _sampler_flags() -> dict[str, type]:
+    """Every sampler option but the boolean ``logprobs``, with the type its flag parses."""
+    from dataclasses import fields
+
+    from .options import SamplerOptions
+
+    kinds = {}
+    for f in fields(SamplerOptions):
+        default = f.default if f.default is not None else 0
+        if not isinstance(default, bool):
+            kinds[f.name] = type(default)
+    return kinds
 
 
 def _add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,10 +122,13 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="model folder, Modelfile or registered name (default: the model "
                         "registered as 'default'), then the prompt ('-' reads stdin)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (256)")
-    for name, kind in SAMPLER_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    from .options import OPTION_HELP
+
+    for name, kind in _sampler_flags().items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=OPTION_HELP.get(name))
     p.add_argument("--logprobs", action="store_true", default=None,
-                   help="report log-probabilities (decodes without drafting)")
+                   help=OPTION_HELP["logprobs"] + " (decodes without drafting)")
     p.add_argument("--renderer", help="chat-format renderer by name")
     p.add_argument("--parser", help="output parser by name")
     p.add_argument("--draft", help="draft folder (DFlash/DFlash2) for speculative decoding")
@@ -145,7 +155,8 @@ def _split_model_and_prompt(args: Sequence[str]) -> tuple[str | None, str | None
 
 
 def _sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out = {name: getattr(args, name) for name in SAMPLER_FLAGS if getattr(args, name) is not None}
+    out = {name: getattr(args, name) for name in _sampler_flags()
+           if getattr(args, name) is not None}
     if args.logprobs:
         out["logprobs"] = True
     return out
