@@ -62,21 +62,29 @@ class GenerationResult:
 
 
 def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[int] | None = None,
+            on_taps: Callable[[mx.array], Sequence[mx.array]] | None = None,
             chunk: int = PREFILL_CHUNK) -> tuple[mx.array, mx.array | None]:
-    """Run all prompt tokens through the model; return the last row's logits (and all taps)."""
+    """Run all prompt tokens through the model in chunks; return the last row's logits and,
+    with ``taps``, all tapped states. ``on_taps(chunk_taps)`` sees each chunk's taps as they
+    come (a draft building its context) and returns arrays to evaluate with that chunk."""
     ids = mx.array(list(prompt), dtype=mx.int32)[None]
     tapped_parts = []
     logits = None
     for start in range(0, ids.shape[1], chunk):
         out = model(ids[:, start:start + chunk], cache, taps=taps) if taps else \
             model(ids[:, start:start + chunk], cache)
+        extra: Sequence[mx.array] = ()
         if taps:
             out, tapped = out
             tapped_parts.append(tapped)
+            extra = on_taps(tapped) if on_taps is not None else (tapped,)
         logits = out[:, -1, :]
-        mx.eval(logits, *[c.state for c in cache if c is not None],
-                *(tapped_parts[-1:] if taps else []))
-    tapped_all = mx.concatenate(tapped_parts, axis=1) if tapped_parts else None
+        mx.eval(logits, *[c.state for c in cache if c is not None], *extra)
+    if logits is None:
+        raise ValueError("the prompt must hold at least one token")
+    tapped_all = None
+    if tapped_parts and on_taps is None:
+        tapped_all = mx.concatenate(tapped_parts, axis=1)
     return logits, tapped_all
 
 

@@ -325,18 +325,13 @@ def _prefill(model: Model, prompt: Sequence[int], caches: list, session: DraftSe
              taps: Sequence[int]) -> mx.array:
     """Plain decoding's chunked prefill (same chunks, so the same arithmetic), each chunk's
     tapped states handed to the draft as they come; returns the last row's logits."""
-    from . import generate
+    from .generation import prefill
 
-    chunk = int(getattr(generate, "PREFILL_CHUNK", 512))
-    ids = mx.array(list(prompt), dtype=mx.int32)[None]
-    logits = None
-    for start in range(0, ids.shape[1], chunk):
-        out, tapped = model(ids[:, start:start + chunk], caches, taps=taps)
-        logits = out[:, -1, :]
+    def to_draft(tapped: mx.array) -> list[mx.array]:
         session.prefill(tapped)
-        mx.eval(logits, *[s for c in caches if c is not None for s in c.state],
-                *session.state)
-    assert logits is not None
+        return list(session.state)
+
+    logits, _ = prefill(model, prompt, caches, taps=taps, on_taps=to_draft)
     return logits
 
 
