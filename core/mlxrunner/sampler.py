@@ -120,6 +120,11 @@ class Sampler:
             words.append((key >> 32, key & 0xFFFFFFFF))
         return mx.array(words, dtype=mx.uint32)
 
+    def skip(self, n: int) -> None:
+        """Consume n keys without drawing (a path that needs no randomness stays aligned
+        with the stream of the general one)."""
+        self.draws += n
+
     def uniform(self, n: int) -> mx.array:
         """[n] float32 in [0, 1), one key each from the same stream as the draws."""
         if n == 0:

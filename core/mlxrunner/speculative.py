@@ -252,6 +252,15 @@ def decide(sampler: Sampler, p: Distribution, q: Distribution | None,
     Keys consumed: N uniforms, N residual draws, one bonus draw.
     """
     n = 0 if drafts is None else int(drafts.shape[0])
+    if sampler.greedy and p.ids is not None and p.ids.shape[-1] == 1:
+        # p is a point mass on each row's argmax t: d_i is accepted iff d_i == t_i (p/q >= 1
+        # there, 0 elsewhere) and the residual of a rejected row is the point mass on t_i.
+        sampler.skip(2 * n + 1)  # the keys the general path draws: the stream stays aligned
+        target = p.ids[:, 0].astype(mx.int32)
+        if n == 0 or drafts is None:
+            return RoundDecision(mx.array(0, dtype=mx.int32), target)
+        hits = (target[:n] == drafts).astype(mx.int32)
+        return RoundDecision(mx.sum(mx.cumprod(hits), axis=0).astype(mx.int32), target)
     bonus = sampler.draw(p[n:n + 1])
     if n == 0 or q is None or drafts is None:
         return RoundDecision(mx.array(0, dtype=mx.int32), bonus)

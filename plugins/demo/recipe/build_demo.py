@@ -510,12 +510,13 @@ def measure(out: Path, prompts: list[str], max_tokens: int, log: Log) -> dict[st
     tok = bundle.tokenizer
     eos = tok.eos_ids
     model, draft = bundle.model, bundle.draft
-    warm = tok.encode(prompts[0])
-    mlxrunner.generate(model, warm, options=options, max_tokens=8, draft=draft)
-    mlxrunner.generate(model, warm, options=options, max_tokens=8)
     rows = []
     for text in prompts:
         ids = tok.encode(text)
+        # an untimed run of each mode first: every traced shape the timed runs meet is built
+        mlxrunner.generate(model, ids, options=options, max_tokens=max_tokens, draft=draft,
+                           eos_ids=eos)
+        mlxrunner.generate(model, ids, options=options, max_tokens=max_tokens, eos_ids=eos)
         spec = mlxrunner.generate(model, ids, options=options, max_tokens=max_tokens,
                                   draft=draft, eos_ids=eos)
         plain = mlxrunner.generate(model, ids, options=options, max_tokens=max_tokens,

@@ -15,7 +15,7 @@ for the round and overwritten by the next commit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,9 +137,12 @@ class ContextKV:
     def end(self) -> int:
         return self.start + self.length
 
-    def _reserve(self, extra: int, like_k: mx.array, like_v: mx.array) -> None:
+    def reserve(self, extra: int, like_k: mx.array, like_v: mx.array) -> None:
+        """Room for ``extra`` rows after the context. Capacity stays a multiple of ``step``,
+        so a traced block sees few distinct buffer shapes."""
         need = self.length + extra
-        if self.keys is not None and need <= self.keys.shape[2]:
+        if self.keys is not None and need <= self.keys.shape[2] and \
+                self.keys.shape[2] % self.step == 0:
             return
         B, H, _, Dk = like_k.shape
         size = ((need + self.step - 1) // self.step) * self.step
@@ -150,8 +153,8 @@ class ContextKV:
             values[..., :self.length, :] = self.values[..., :self.length, :]
         self.keys, self.values = keys, values
 
-    def append(self, keys: mx.array, values: mx.array) -> None:
-        m = keys.shape[2]
+    def make_room(self, m: int, like_k: mx.array, like_v: mx.array) -> None:
+        """Before appending ``m`` rows: drop what no window can reach, reserve the rest."""
         if self.window is not None and self.keys is not None and self.length + m > 2 * self.window:
             # Rows more than a window behind the newest can never be attended again;
             # dropping them once per window of appends keeps the copy amortised.
@@ -162,7 +165,11 @@ class ContextKV:
                 self.values = self.values[..., drop:self.length, :]
                 self.start += drop
                 self.length = keep
-        self._reserve(m, keys, values)
+        self.reserve(m, like_k, like_v)
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        m = keys.shape[2]
+        self.make_room(m, keys, values)
         self.keys[..., self.length:self.length + m, :] = keys
         self.values[..., self.length:self.length + m, :] = values
         self.length += m
@@ -170,11 +177,63 @@ class ContextKV:
     def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Context rows followed by the block's rows (the context does not advance)."""
         n = keys.shape[2]
-        self._reserve(n, keys, values)
+        self.reserve(n, keys, values)
         self.keys[..., self.length:self.length + n, :] = keys
         self.values[..., self.length:self.length + n, :] = values
         end = self.length + n
         return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def block_mask(self, pos: int, block: int, causal: bool) -> mx.array | None:
+        """Which of the rows :meth:`with_block` returns a block row may attend (None: all)."""
+        ctx = self.length
+        # every context row within the window of the last block row: nothing to mask
+        in_window = self.window is None or (pos + block - 1) - self.start < self.window
+        if in_window and not causal:
+            return None
+        query = pos + mx.arange(block)[:, None]
+        if ctx:
+            ctx_pos = self.start + mx.arange(ctx)[None]
+            if self.window is not None:
+                ctx_ok = (query - ctx_pos) < self.window
+            else:
+                ctx_ok = mx.ones((block, ctx), dtype=mx.bool_)
+        else:
+            ctx_ok = mx.zeros((block, 0), dtype=mx.bool_)
+        if causal:
+            blk_ok = mx.arange(block)[None] <= mx.arange(block)[:, None]
+        else:
+            blk_ok = mx.ones((block, block), dtype=mx.bool_)
+        return mx.concatenate([mx.broadcast_to(ctx_ok, (block, ctx)), blk_ok], axis=1)
+
+
+class TracedKV:
+    """A :class:`ContextKV` inside a traced block: the whole buffer and the context's length
+    and first position as arrays, so one trace serves every round until the buffer grows.
+    The block is written at ``length`` (as :meth:`ContextKV.with_block` does) and attention
+    reads the whole buffer under a validity mask."""
+
+    def __init__(self, keys: mx.array, values: mx.array, length: mx.array, start: mx.array,
+                 window: int | None) -> None:
+        self.keys, self.values = keys, values
+        self.length, self.start, self.window = length, start, window
+
+    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Writes rows at ``length`` (a block, or the rows a commit appends)."""
+        at = self.length.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
+        self.values = mx.slice_update(self.values, values, at, axes=(2,))
+        return self.keys, self.values
+
+    def block_mask(self, pos: mx.array, block: int, causal: bool) -> mx.array:
+        row = mx.arange(self.keys.shape[2])[None]  # buffer row j holds position start + j
+        query = mx.arange(block)[:, None]
+        in_context = row < self.length
+        if self.window is not None:
+            in_context &= (pos + query) - (self.start + row) < self.window
+        in_block = (row >= self.length) & (row < self.length + block)
+        if causal:
+            in_block &= row - self.length <= query
+        return in_context | in_block
 
 
 class DraftAttention(nn.Module):
@@ -195,7 +254,7 @@ class DraftAttention(nn.Module):
         self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         self.rope = nn.RoPE(d, traditional=False, base=args.rope_theta)
 
-    def _keys_values(self, x: mx.array, position: int) -> tuple[mx.array, mx.array]:
+    def _keys_values(self, x: mx.array, position: int | mx.array) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -206,33 +265,13 @@ class DraftAttention(nn.Module):
         """Keys/values of context rows starting at absolute ``position``."""
         return self._keys_values(context, position)
 
-    def mask(self, pos: int, block: int, store: ContextKV) -> mx.array | None:
-        ctx = store.length
-        # every context row within the window of the last block row: nothing to mask
-        in_window = self.window is None or (pos + block - 1) - store.start < self.window
-        if in_window and not self.causal:
-            return None
-        query = pos + mx.arange(block)[:, None]
-        if ctx:
-            ctx_pos = store.start + mx.arange(ctx)[None]
-            if self.window is not None:
-                ctx_ok = (query - ctx_pos) < self.window
-            else:
-                ctx_ok = mx.ones((block, ctx), dtype=mx.bool_)
-        else:
-            ctx_ok = mx.zeros((block, 0), dtype=mx.bool_)
-        if self.causal:
-            blk_ok = mx.arange(block)[None] <= mx.arange(block)[:, None]
-        else:
-            blk_ok = mx.ones((block, block), dtype=mx.bool_)
-        return mx.concatenate([mx.broadcast_to(ctx_ok, (block, ctx)), blk_ok], axis=1)
-
-    def __call__(self, x: mx.array, pos: int, store: ContextKV) -> mx.array:
+    def __call__(self, x: mx.array, pos: int | mx.array, store: ContextKV | TracedKV
+                 ) -> mx.array:
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
         q = self.rope(q.transpose(0, 2, 1, 3), offset=pos)
         k, v = self._keys_values(x, pos)
-        mask = self.mask(pos, L, store)
+        mask = store.block_mask(pos, L, self.causal)
         keys, values = store.with_block(k, v)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -257,7 +296,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, h: mx.array, pos: int, store: ContextKV) -> mx.array:
+    def __call__(self, h: mx.array, pos: int | mx.array, store: ContextKV | TracedKV
+                 ) -> mx.array:
         h = h + self.self_attn(self.input_layernorm(h), pos, store)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -272,6 +312,8 @@ class DFlashDraftModel(mlxrunner.DraftModel):
 
     adaptive_depth = True
     layer_class: type[nn.Module] = DFlashLayer
+    #: run each round's block through a traced graph (off: eagerly, op by op)
+    trace_blocks = True
 
     def __init__(self, config: dict[str, Any], target: mlxrunner.Model) -> None:
         super().__init__(config, target)
@@ -325,7 +367,8 @@ class DFlashDraftModel(mlxrunner.DraftModel):
                                     axis=-1)
         return self.hidden_norm(self.fc(tapped.astype(dtype)))
 
-    def block_hidden(self, ids: mx.array, pos: int, stores: list[ContextKV]) -> mx.array:
+    def block_hidden(self, ids: mx.array, pos: int | mx.array,
+                     stores: list[ContextKV] | list[TracedKV]) -> mx.array:
         """Final-normed hidden states of a block ``ids`` [1, L] at positions ``pos ..``."""
         h = self.embed_tokens(ids)
         if self.args.input_embedding_scale != 1.0:
@@ -350,23 +393,80 @@ class DFlashDraftModel(mlxrunner.DraftModel):
 
 
 class DFlashSession(mlxrunner.DraftSession):
-    """Context keys/values per draft layer; proposals from one block forward per round."""
+    """Context keys/values per draft layer; proposals from one block forward per round.
+
+    The block runs traced (one ``mx.compile`` graph per drafted length, replayed every
+    round: a few fused kernels instead of hundreds of small ones) unless the draft's
+    ``trace_blocks`` is off; both paths compute the same thing.
+    """
 
     draft: DFlashDraftModel
 
     def __init__(self, draft: DFlashDraftModel, sampler: Any) -> None:
         super().__init__(draft, sampler)
         self.stores = [ContextKV(layer.self_attn.window) for layer in draft.layers]
+        self._graphs: dict[tuple[int, bool], Any] = {}
+        self._append_graphs: dict[int, Any] = {}
 
     @property
     def context_length(self) -> int:
         return self.stores[0].end if self.stores else 0
 
     def _append(self, tapped: mx.array) -> None:
-        ctx = self.draft.context(tapped)
-        for layer, store in zip(self.draft.layers, self.stores):
+        draft = self.draft
+        rows = tapped.shape[1]
+        if draft.trace_blocks and rows <= draft.block_size and self.context_length:
+            # a commit (a few rows): through a traced graph, one per row count
+            graph = self._append_graphs.get(rows)
+            if graph is None:
+                graph = self._append_graphs[rows] = mx.compile(self._append_graph())
+            out = graph(tapped, self._graph_state(rows, appending=True))
+            self._take_state(out)
+            for store in self.stores:
+                store.length += rows
+            return
+        ctx = draft.context(tapped)
+        for layer, store in zip(draft.layers, self.stores):
             k, v = layer.self_attn.context_kv(ctx, store.end)
             store.append(k, v)
+
+    def _append_graph(self) -> Any:
+        draft = self.draft
+        windows = [store.window for store in self.stores]
+
+        def graph(tapped: mx.array, state: list[mx.array]) -> list[mx.array]:
+            ctx = draft.context(tapped)
+            out = []
+            for i, (layer, window) in enumerate(zip(draft.layers, windows)):
+                store = TracedKV(*state[4 * i:4 * i + 4], window)
+                k, v = layer.self_attn.context_kv(ctx, store.start + store.length)
+                out += store.with_block(k, v)
+            return out
+
+        return graph
+
+    def _graph_state(self, rows: int, appending: bool) -> list[mx.array]:
+        """Every store's (keys, values, length, start) for a traced graph that writes
+        ``rows`` rows at the context's end (``appending``: rows the context keeps, so
+        rows out of every window's reach may go first). The stores let go of their
+        buffers so that the graph may write them in place (:meth:`_take_state`)."""
+        draft = self.draft
+        state: list[mx.array] = []
+        for layer, store in zip(draft.layers, self.stores):
+            attn = layer.self_attn
+            like = mx.zeros((1, attn.n_kv_heads, 0, attn.head_dim), draft.compute_dtype)
+            if appending:
+                store.make_room(rows, like, like)
+            else:
+                store.reserve(rows, like, like)
+            state += [store.keys, store.values, mx.array(store.length, dtype=mx.int32),
+                      mx.array(store.start, dtype=mx.int32)]
+            store.keys = store.values = None
+        return state
+
+    def _take_state(self, buffers: Sequence[mx.array]) -> None:
+        for i, store in enumerate(self.stores):
+            store.keys, store.values = buffers[2 * i], buffers[2 * i + 1]
 
     @property
     def state(self) -> list[mx.array]:
@@ -378,25 +478,74 @@ class DFlashSession(mlxrunner.DraftSession):
     def commit(self, tapped: mx.array) -> None:
         self._append(tapped)
 
-    def block(self, current: int, pos: int, n: int) -> mx.array:
-        """Final-normed hidden states of block rows 1..n ([n, hidden])."""
+    def _check_block(self, pos: int, n: int) -> None:
         if pos != self.context_length:
             raise ValueError(f"draft context ends at {self.context_length}, round is at {pos}")
-        draft = self.draft
-        if not 1 <= n <= draft.block_size - 1:
-            raise ValueError(f"a {draft.block_size}-block drafts 1..{draft.block_size - 1} "
-                             f"tokens, asked for {n}")
-        # The full trained block always runs (in-block attention is bidirectional), and
-        # only the first n proposals are used.
-        ids = mx.array([[current] + [draft.mask_token_id] * (draft.block_size - 1)],
-                       dtype=mx.int32)
-        return draft.block_hidden(ids, pos, self.stores)[0, 1:1 + n]
+        size = self.draft.block_size
+        if not 1 <= n <= size - 1:
+            raise ValueError(f"a {size}-block drafts 1..{size - 1} tokens, asked for {n}")
 
-    def propose(self, current: int, pos: int, n: int) -> DraftProposal:
-        hidden = self.block(current, pos, n)
+    def _hidden(self, anchor: mx.array, pos: int | mx.array, n: int,
+                stores: list[ContextKV] | list[TracedKV]) -> mx.array:
+        """Block rows 1..n, final-normed: [n, hidden]. The full trained block always runs
+        (in-block attention is bidirectional); only the first n rows are proposals."""
+        draft = self.draft
+        masks = mx.full((draft.block_size - 1,), draft.mask_token_id, dtype=mx.int32)
+        ids = mx.concatenate([anchor.astype(mx.int32), masks])[None]
+        return draft.block_hidden(ids, pos, stores)[0, 1:1 + n]
+
+    def block(self, current: int, pos: int, n: int) -> mx.array:
+        """Final-normed hidden states of block rows 1..n ([n, hidden]), computed eagerly."""
+        self._check_block(pos, n)
+        return self._hidden(mx.array([current], dtype=mx.int32), pos, n, self.stores)
+
+    def greedy_tokens(self, hidden: mx.array, anchor: mx.array) -> mx.array:
+        """Temperature 0: the proposed tokens [n] from block rows ``hidden`` [n, hidden]
+        (pure array code: it runs inside the traced block)."""
+        return mx.argmax(self.draft.proposal_logits(hidden), axis=-1).astype(mx.int32)
+
+    def sampled(self, hidden: mx.array, anchor: mx.array) -> DraftProposal:
+        """Temperature > 0: draws from the request's stream (outside any trace)."""
         logits = self.draft.proposal_logits(hidden)
-        if self.temperature <= 0:
-            return DraftProposal.point_mass(mx.argmax(logits, axis=-1).astype(mx.int32))
         probs = mx.softmax(logits / self.temperature, axis=-1, precise=True)
         return DraftProposal(self.draw(probs), probs)
 
+    def prepare_trace(self) -> None:
+        """Runs before a block graph is first traced (e.g. first-use checks that evaluate)."""
+
+    def propose(self, current: int, pos: int, n: int) -> DraftProposal:
+        self._check_block(pos, n)
+        greedy = self.temperature <= 0
+        anchor = mx.array([current], dtype=mx.int32)
+        if self.draft.trace_blocks:
+            rows = self._traced(anchor, pos, n, greedy)
+        else:
+            hidden = self._hidden(anchor, pos, n, self.stores)
+            rows = self.greedy_tokens(hidden, anchor) if greedy else hidden
+        if greedy:
+            return DraftProposal.point_mass(rows)
+        return self.sampled(rows, anchor)
+
+    def _traced(self, anchor: mx.array, pos: int, n: int, greedy: bool) -> mx.array:
+        """The block through its traced graph: the tokens (greedy) or the hidden rows."""
+        draft = self.draft
+        graph = self._graphs.get((n, greedy))
+        if graph is None:
+            self.prepare_trace()
+            graph = self._graphs[(n, greedy)] = mx.compile(self._block_graph(n, greedy))
+        state = self._graph_state(draft.block_size, appending=False)
+        out = graph(anchor, mx.array(pos, dtype=mx.int32), state)
+        self._take_state(out[1:])
+        return out[0]
+
+    def _block_graph(self, n: int, greedy: bool) -> Any:
+        windows = [store.window for store in self.stores]
+
+        def graph(anchor: mx.array, pos: mx.array, state: list[mx.array]) -> list[mx.array]:
+            stores = [TracedKV(*state[4 * i:4 * i + 4], window)
+                      for i, window in enumerate(windows)]
+            hidden = self._hidden(anchor, pos, n, stores)
+            rows = self.greedy_tokens(hidden, anchor) if greedy else hidden
+            return [rows] + [a for store in stores for a in (store.keys, store.values)]
+
+        return graph

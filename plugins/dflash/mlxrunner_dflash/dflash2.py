@@ -25,7 +25,7 @@ import mlx.nn as nn
 import mlxrunner
 from mlxrunner import DraftConfigError, DraftProposal
 
-from .dflash import ContextKV, DFlashArgs, DFlashDraftModel, DFlashLayer, DFlashSession
+from .dflash import ContextKV, DFlashArgs, DFlashDraftModel, DFlashLayer, DFlashSession, TracedKV
 
 
 def block_convolve(x: mx.array, base: mx.array, dynamic: mx.array, group_size: int) -> mx.array:
@@ -87,7 +87,8 @@ class DFlash2Layer(DFlashLayer):
                                         args.conv_group_size)
         self.mlp_conv = BlockConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
 
-    def __call__(self, h: mx.array, pos: int, store: ContextKV) -> mx.array:
+    def __call__(self, h: mx.array, pos: int | mx.array, store: ContextKV | TracedKV
+                 ) -> mx.array:
         x = self.input_layernorm(h)
         dyn = self.attention_conv.kernels(x)
         out = self.self_attn(self.attention_conv(x, 0, dyn), pos, store)
@@ -102,11 +103,12 @@ class CandidateSelector(nn.Module):
     def __init__(self, vocab_size: int, hidden: int, rank: int, top_k: int) -> None:
         super().__init__()
         self.top_k = top_k
+        self.vocab_size = vocab_size
         self.predecessor_codebook = nn.Embedding(vocab_size, rank)
         self.successor_codebook = nn.Embedding(vocab_size, rank)
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
 
-    def scores(self, hidden: mx.array, logits: mx.array, anchor: int,
+    def scores(self, hidden: mx.array, logits: mx.array, anchor: mx.array,
                scale: Any) -> tuple[mx.array, mx.array, mx.array]:
         """For n block rows: candidate ids [n, K], the anchor's score row [K] for row 0,
         and transition scores [n-1, K, K] (row p's scores given each slot of row p-1).
@@ -117,7 +119,7 @@ class CandidateSelector(nn.Module):
         unary = scale(mx.take_along_axis(logits, ids, axis=-1)).astype(mx.float32)
         proj = self.hidden_projection(hidden).astype(mx.float32)  # [n, R]
         succ = self.successor_codebook(ids).astype(mx.float32)  # [n, K, R]
-        anchor_code = self.predecessor_codebook(mx.array([anchor], dtype=mx.int32))
+        anchor_code = self.predecessor_codebook(anchor.reshape(1))
         anchor_code = anchor_code.astype(mx.float32)  # [1, R]
         first = (succ[0] @ (anchor_code[0] * proj[0])) + unary[0]  # [K]
         pred = self.predecessor_codebook(ids[:-1]).astype(mx.float32)  # [n-1, K, R]
@@ -167,35 +169,46 @@ class DFlash2DraftModel(DFlashDraftModel):
 class DFlash2Session(DFlashSession):
     draft: DFlash2DraftModel
 
-    def propose(self, current: int, pos: int, n: int) -> DraftProposal:
-        hidden = self.block(current, pos, n)
+    def _selector_scores(self, hidden: mx.array, anchor: mx.array
+                         ) -> tuple[mx.array, mx.array, mx.array]:
         draft = self.draft
         logits = draft.raw_logits(hidden).astype(mx.float32)
-        ids, first, transitions = draft.candidate_selector.scores(
-            hidden, logits, current, draft.scale_logits)
-        return choose_path(ids, first, transitions, self.temperature, self.draw)
+        return draft.candidate_selector.scores(hidden, logits, anchor, draft.scale_logits)
+
+    def greedy_tokens(self, hidden: mx.array, anchor: mx.array) -> mx.array:
+        return greedy_path(*self._selector_scores(hidden, anchor))
+
+    def sampled(self, hidden: mx.array, anchor: mx.array) -> DraftProposal:
+        return sampled_path(*self._selector_scores(hidden, anchor), self.temperature, self.draw)
+
+    def prepare_trace(self) -> None:
+        # topk_indices checks its CUDA kernel on first use (an evaluation): not inside a trace
+        selector = self.draft.candidate_selector
+        mx.eval(mlxrunner.topk_indices(mx.zeros((1, selector.vocab_size)), selector.top_k))
 
 
-def choose_path(ids: mx.array, first: mx.array, transitions: mx.array, temperature: float,
-                draw: Any) -> DraftProposal:
-    """Walk the rows: row 0 scores ``first``, row p the transition row of the slot chosen
-    at p-1. ``draw(probs [1, K]) -> [1]`` draws a slot at temperature > 0."""
-    n = ids.shape[0]
+def greedy_path(ids: mx.array, first: mx.array, transitions: mx.array) -> mx.array:
+    """Temperature 0: row 0 takes the argmax of ``first``, row p the argmax of the transition
+    row of the slot chosen at p-1. Returns the tokens [n]."""
+    slot = mx.argmax(first).astype(mx.int32)
+    slots = [slot]
+    for p in range(1, ids.shape[0]):
+        slot = mx.argmax(mx.take(transitions[p - 1], slot, axis=0)).astype(mx.int32)
+        slots.append(slot)
+    return mx.take_along_axis(ids, mx.stack(slots)[:, None], axis=-1)[:, 0]
+
+
+def sampled_path(ids: mx.array, first: mx.array, transitions: mx.array, temperature: float,
+                 draw: Any) -> DraftProposal:
+    """Temperature > 0: each row draws a slot from ``softmax(row / T)`` (``draw(probs [1, K])
+    -> [1]``); q is that sparse distribution over the row's candidates."""
     row = first
-    slots = []
-    probs = []
-    for p in range(n):
+    slots, probs = [], []
+    for p in range(ids.shape[0]):
         if p > 0:
             row = mx.take(transitions[p - 1], slots[-1], axis=0)
-        if temperature <= 0:
-            slot = mx.argmax(row).astype(mx.int32)
-        else:
-            q = mx.softmax(row / temperature, precise=True)
-            slot = draw(q[None])[0]
-            probs.append(q)
-        slots.append(slot)
-    slot_arr = mx.stack(slots).astype(mx.int32)
-    tokens = mx.take_along_axis(ids, slot_arr[:, None], axis=-1)[:, 0]
-    if temperature <= 0:
-        return DraftProposal.point_mass(tokens)
+        q = mx.softmax(row / temperature, precise=True)
+        slots.append(draw(q[None])[0])
+        probs.append(q)
+    tokens = mx.take_along_axis(ids, mx.stack(slots).astype(mx.int32)[:, None], axis=-1)[:, 0]
     return DraftProposal(tokens, mx.stack(probs), ids)

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlxrunner_dflash import DFlash2DraftModel, DFlashDraftModel
-from mlxrunner_dflash.dflash2 import CandidateSelector, block_convolve, choose_path
+from mlxrunner_dflash.dflash2 import CandidateSelector, block_convolve, greedy_path, sampled_path
 
 from mlxrunner import DraftConfigError, Model, Sampler, SamplerOptions
 from mlxrunner.testing.speculative import (
@@ -78,19 +78,17 @@ def test_candidate_selector_example_worked_by_hand():
     sel = _hand_selector()
     hidden = mx.array([[1.0, 0.0], [0.0, 1.0]])
     logits = mx.array([[0, 3, 1, 2, -1], [2, 0, 1, 0, 0]], dtype=mx.float32)
-    ids, first, transitions = sel.scores(hidden, logits, anchor=4, scale=lambda x: x)
+    ids, first, transitions = sel.scores(hidden, logits, anchor=mx.array([4]), scale=lambda x: x)
     np.testing.assert_array_equal(np.array(ids), [[1, 3], [0, 2]])
     np.testing.assert_allclose(_np(first), [5, 1])
     np.testing.assert_allclose(_np(transitions[0]), [[-1, 4], [2, 1]])
-    greedy = choose_path(ids, first, transitions, 0.0, None)
-    assert greedy.tokens.tolist() == [1, 2]
-    assert greedy.ids is not None and greedy.ids[:, 0].tolist() == [1, 2]  # one-hot q
+    assert greedy_path(ids, first, transitions).tolist() == [1, 2]
 
     # Temperature 2: q of row 0 is softmax((5, 1) / 2) over (1, 3); a draw that picks slot 1
     # makes row 1 use the scores after token 3: softmax((2, 1) / 2) over (0, 2).
     picks = iter([1, 0])
-    proposal = choose_path(ids, first, transitions, 2.0,
-                           lambda probs: mx.array([next(picks)], dtype=mx.int32))
+    proposal = sampled_path(ids, first, transitions, 2.0,
+                            lambda probs: mx.array([next(picks)], dtype=mx.int32))
     assert proposal.tokens.tolist() == [3, 0]
     np.testing.assert_array_equal(np.array(proposal.ids), [[1, 3], [0, 2]])
     e = math.exp
@@ -107,7 +105,7 @@ def test_candidate_selector_scales_and_softcaps_unary_scores():
     def scale(x):
         return 4.0 * mx.tanh(0.5 * x / 4.0)
 
-    ids, first, _ = sel.scores(hidden, logits, anchor=4, scale=scale)
+    ids, first, _ = sel.scores(hidden, logits, anchor=mx.array([4]), scale=scale)
     unary = [4 * math.tanh(1.5 / 4), 4 * math.tanh(1.0 / 4)]
     np.testing.assert_allclose(_np(first), [unary[0] + 2, unary[1] - 1], rtol=1e-6)
 
@@ -320,3 +318,49 @@ def test_the_spec_example_config_of_a_27b_target_parses_and_fits():
     assert draft.layers[0].attention_conv.kernel_projection.weight.shape == (2 * 2 * 320, 5120)
     assert draft.candidate_selector.predecessor_codebook.weight.shape == (248320, 256)
     assert not draft.adaptive_depth and DFlashDraftModel.adaptive_depth
+
+
+# -- the traced block against the eager one ----------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
+@pytest.mark.parametrize("layer_types, window, causal", [
+    (None, None, False),
+    (["sliding_attention", "full_attention"], 6, False),
+    (["sliding_attention", "sliding_attention"], 4, True),
+])
+def test_traced_blocks_propose_what_the_eager_block_proposes(architecture, layer_types, window,
+                                                             causal):
+    """Round after round (context past a buffer step, sliding stores dropping rows), the
+    traced graph's greedy tokens equal the eager block's, and its hidden rows match."""
+    target = ToyTarget({"vocab_size": 48, "hidden_size": 16, "seed": 1})
+    extra = {"selector_rank": 4, "selector_top_k": 6} if architecture == "DFlash2DraftModel" \
+        else {}
+    draft = random_draft(target, architecture, layers=2, block_size=5, heads=4, kv_heads=2,
+                         head_dim=4, layer_types=layer_types, sliding_window=window,
+                         causal=causal, seed=9, **extra)
+    sampler = Sampler(SamplerOptions(temperature=0), 48)
+    traced, eager = draft.new_session(sampler), draft.new_session(sampler)
+    rng = np.random.default_rng(4)
+    first = mx.array(rng.standard_normal((1, 250, 16)).astype(np.float32))
+    traced.prefill(first)
+    eager.prefill(first)
+    pos = 250
+    for round_ in range(12):
+        current, n = int(rng.integers(0, 48)), int(rng.integers(1, 5))
+        draft.trace_blocks = True
+        got = traced.propose(current, pos, n).tokens
+        hidden = traced._traced(mx.array([current]), pos, n, greedy=False)
+        draft.trace_blocks = False
+        want = eager.propose(current, pos, n).tokens
+        assert got.tolist() == want.tolist(), f"round {round_}"
+        np.testing.assert_allclose(_np(hidden), _np(eager.block(current, pos, n)),
+                                   rtol=1e-5, atol=1e-5)
+        rows = int(rng.integers(1, n + 2))
+        tapped = mx.array(rng.standard_normal((1, rows, 16)).astype(np.float32))
+        traced.commit(tapped)
+        eager.commit(tapped)
+        pos += rows
+    assert traced.stores[-1].keys.shape[2] % traced.stores[-1].step == 0
+    if window is not None:
+        assert traced.stores[0].start > 0  # old rows were dropped along the way
