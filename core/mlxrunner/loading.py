@@ -167,8 +167,21 @@ def assign_weights(model: nn.Module, weights: dict[str, mx.array], where: Path) 
 
 
 def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
-    return {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-            for k, v in weights.items()}
+    return {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype
+            else v for k, v in weights.items()}
+
+
+def declared_dtype(config: dict[str, Any]) -> mx.Dtype | None:
+    """The dtype config.json declares (``dtype``, formerly ``torch_dtype``; the text part's
+    first), as transformers' ``dtype="auto"`` reads it; None when absent or not MLX's."""
+    for source in (config.get("text_config"), config):
+        if not isinstance(source, dict):
+            continue
+        for key in ("dtype", "torch_dtype"):
+            value = source.get(key)
+            if isinstance(value, str) and value in DTYPES:
+                return DTYPES[value]
+    return None
 
 
 def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
@@ -206,14 +219,17 @@ def build_model(config: dict[str, Any]) -> Model:
 
 
 def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
-    """The target of a model folder with its weights loaded (kept in their dtype unless cast)."""
+    """The target of a model folder with its weights loaded, in ``dtype`` if given, else in
+    the dtype its config.json declares (a folder may store bf16 weights and declare float32
+    to compute in), else in the weights' own."""
     folder = resolve_model_path(path)
     config = read_config(folder)
     model = build_model(config)
     weights = read_weights(weight_files(folder))
     # A bundle may carry its draft beside the target; those tensors are not the target's.
     weights = {k: v for k, v in weights.items() if not k.startswith("draft.")}
-    install_weights(model, config, weights, folder, dtype)
+    install_weights(model, config, weights, folder,
+                    dtype if dtype is not None else declared_dtype(config))
     return model
 
 

@@ -110,6 +110,20 @@ def test_dtype_kept_or_cast(tmp_path):
     assert mlxrunner.load_model(tmp_path / "m", dtype="float32").dtype == mx.float32
 
 
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_config_declared_dtype_is_the_compute_dtype(tmp_path, key):
+    """bf16 weights in a folder whose config.json declares float32 compute in float32 (as
+    transformers' dtype="auto" loads them); an explicit dtype still wins."""
+    weights = {k: v.astype(mx.bfloat16) for k, v in reference_weights().items()}
+    write(tmp_path / "m", {**CONFIG, key: "float32"}, weights)
+    model = mlxrunner.load_model(tmp_path / "m")
+    assert model.dtype == mx.float32
+    ids = mx.array([[5, 9, 2]])
+    want = mlxrunner.load_model(tmp_path / "m", dtype="float32")(ids)
+    assert mx.array_equal(model(ids), want).item()
+    assert mlxrunner.load_model(tmp_path / "m", dtype="bfloat16").dtype == mx.bfloat16
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_mlx_affine_quantized_checkpoint(tmp_path, bits):
     mx.random.seed(1)

@@ -275,7 +275,10 @@ def target_config(p: Preset) -> dict[str, Any]:
         "bos_token_id": None,
         "eos_token_id": EOS,
         "pad_token_id": PAD,
-        "dtype": "bfloat16",
+        # Weights are stored in bf16 (half the size); the declared dtype is what the model
+        # computes in: float32, so that a verify block and a decode step round alike and
+        # greedy speculative output equals plain decoding on every backend.
+        "dtype": "float32",
     }
 
 
@@ -469,7 +472,8 @@ def check_reload(model: mlxrunner.Model, out: Path, stream: np.ndarray) -> float
 
 def train_draft(out: Path, work: Path, train_list: Path, held_list: Path, p: Preset,
                 steps: int, budget_s: float, seed: int, log: Log,
-                keep_checkpoint: bool = False) -> dict[str, Any]:
+                keep_checkpoint: bool = False, distill_s: float | None = None
+                ) -> dict[str, Any]:
     """Runs ``train-draft`` as its own process (as a user would); copies the draft into place."""
     draft_work = work / "draft"
     command = [sys.executable, "-m", "mlxrunner_dflash.train", str(out),
@@ -484,8 +488,8 @@ def train_draft(out: Path, work: Path, train_list: Path, held_list: Path, p: Pre
                "--eval-prompts", "0", "--save-every", "0"]
     if budget_s:
         # Self-distillation gets at most a tenth of the draft's time (it once ate half).
-        command += ["--time-budget-s", str(budget_s),
-                    "--distill-time-s", str(round(DISTILL_SHARE * budget_s, 1))]
+        distill_s = DISTILL_SHARE * budget_s if distill_s is None else distill_s
+        command += ["--time-budget-s", str(budget_s), "--distill-time-s", str(round(distill_s, 1))]
     log.say("draft: " + " ".join(command))
     env = dict(os.environ)
     completed = subprocess.run(command, env=env)
@@ -628,6 +632,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--self-distill", type=int, default=None,
                     help="greedy target sequences mixed into the draft's training")
     ap.add_argument("--draft-layers", type=int, default=None, help="override the preset's")
+    ap.add_argument("--distill-time-s", type=float, default=None,
+                    help=f"self-distillation's time (default: {round(100 * DISTILL_SHARE)}%% of "
+                    "the draft's budget)")
     ap.add_argument("--skip-target", action="store_true",
                     help="keep the target (and tokenizer) already in OUT; train the draft only")
     ap.add_argument("--keep-checkpoint", action="store_true",
@@ -721,7 +728,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary["target"]["reload_max_abs_logit_diff"] = check_reload(model, out, held_stream)
         del model
     summary["draft"] = train_draft(out, work, train_list, held_list, preset, draft_steps,
-                                   draft_budget, args.seed, log, args.keep_checkpoint)
+                                   draft_budget, args.seed, log, args.keep_checkpoint,
+                                   args.distill_time_s)
     summary["measure"] = measure(out, measurement_prompts(held_files, args.measure_prompts,
                                                           args.seed),
                                  args.measure_tokens, log)
