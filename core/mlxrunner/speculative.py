@@ -294,6 +294,8 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
     live = [c for c in caches if c is not None]
     proposal = session.propose(current, pos, n) if n > 0 else None
     if proposal is not None:
+        # the device runs the draft while the host builds the verify forward
+        mx.async_eval(proposal.tokens)
         drafts = proposal.tokens.reshape(-1).astype(mx.int32)
         ids = mx.concatenate([mx.array([current], dtype=mx.int32), drafts])[None]
     else:

@@ -17,14 +17,19 @@ Python instead of building ~2000 graph nodes. The traced step writes the caches
 at a traced offset and attends over fixed-size buffers with a validity mask, so
 its shapes only change when a full-attention buffer grows (every
 ``DECODE_GROW`` tokens). Prompts run eagerly.
+
+Every forward computes a layer's q/k/v (and the MLP's gate/up) projections with one
+matmul over weights stacked by rows once after loading, and normalises and rotates
+all of a layer's heads together: fewer kernels per step, the same arithmetic.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import mlx.core as mx
@@ -258,6 +263,44 @@ def _residual_scaled(h: mx.array, x: mx.array, scalar: mx.array) -> mx.array:
     return (h + x) * scalar
 
 
+def _stack_rows(parts: Sequence[nn.Module]) -> nn.Module | None:
+    """One linear map giving the parts' outputs side by side: their arrays (weight and
+    bias, or packed weight, scales and biases) concatenated along the output rows. The
+    parts are rebound to row views of the stacked arrays, so each weight is held once.
+    None when the parts differ in kind or quantization (a mixed-bits checkpoint)."""
+    def kind(p: nn.Module) -> tuple[Any, ...]:
+        return (type(p), getattr(p, "group_size", None), getattr(p, "bits", None),
+                getattr(p, "mode", None),
+                tuple(sorted(k for k, v in p.items() if isinstance(v, mx.array))))
+
+    kinds = {kind(p) for p in parts}
+    if len(kinds) != 1 or not isinstance(parts[0], (nn.Linear, nn.QuantizedLinear)):
+        return None
+    keys = kinds.pop()[-1]
+    stacked = copy.copy(parts[0])
+    for key in keys:
+        stacked[key] = mx.concatenate([p[key] for p in parts])
+    row = 0
+    for p in parts:
+        rows = p["weight"].shape[0]
+        for key in keys:
+            p[key] = stacked[key][row:row + rows]
+        row += rows
+    mx.eval(stacked.parameters(), [p.parameters() for p in parts])
+    return stacked
+
+
+@dataclass
+class FusedAttention:
+    """A layer's q, k (and v) projections as one stacked map, and the q and k norm
+    weights stacked per head: one matmul, one norm and one rope cover every head.
+    (MLX's RMSNorm rounds the normed value before applying the weight, so a weightless
+    norm times the weight is the same computation.)"""
+
+    proj: nn.Module
+    qk_norm_weight: mx.array  # [q heads + kv heads, 1, D]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Gemma4Config, i: int) -> None:
         super().__init__()
@@ -281,6 +324,28 @@ class Attention(nn.Module):
         spec = cfg.rope[self.layer_type]
         self._theta = spec.theta
         self._periods = None if spec.periods is None else mx.array(spec.periods, mx.float32)
+        #: stacked projections (``fuse``), kept out of the parameter tree
+        self.fused: FusedAttention | None = None
+
+    def fuse(self) -> None:
+        """Stack the q/k/v projections and q/k norm weights (a layer with keys and values
+        of its own; a KV-sharing layer projects queries only)."""
+        if not self.has_kv:
+            return
+        # The weightless norm's output times the weight equals RMSNorm's only when the
+        # weight does not promote the projection's dtype (a float32 weight would).
+        proj_dtype = getattr(self.q_proj, "scales", self.q_proj.weight).dtype
+        if {self.q_norm.weight.dtype, self.k_norm.weight.dtype} != {proj_dtype}:
+            return
+        parts = [self.q_proj, self.k_proj] + ([] if self.k_eq_v else [self.v_proj])
+        proj = _stack_rows(parts)
+        if proj is None:
+            return
+        d = self.head_dim
+        weight = mx.concatenate([mx.broadcast_to(self.q_norm.weight, (self.n_heads, d)),
+                                 mx.broadcast_to(self.k_norm.weight, (self.n_kv_heads, d))])
+        self.fused = FusedAttention(proj, weight[:, None, :])
+        mx.eval(self.fused.qk_norm_weight)
 
     def rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
         if self._periods is None:
@@ -305,6 +370,8 @@ class Attention(nn.Module):
                 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """Queries ``[B, H, L, D]`` and, for a layer with its own, keys and values
         (q/k normed and rotated, v normed without a weight)."""
+        if self.fused is not None:
+            return self._project_fused(x, offset)
         q = self.rope(self._normed_heads(self.q_proj(x), self.n_heads, self.q_norm), offset)
         if not self.has_kv:
             return q, None, None
@@ -315,6 +382,19 @@ class Attention(nn.Module):
         v = self._normed_heads(v_raw, self.n_kv_heads, self._v_norm)
         return q, k, v
 
+    def _project_fused(self, x: mx.array, offset: int | mx.array
+                       ) -> tuple[mx.array, mx.array, mx.array]:
+        """``project`` through the stacked weights: heads [q | k | v], all normed
+        without a weight in one go, then q and k weighted and rotated together."""
+        fused = self.fused
+        H, qk = self.n_heads, self.n_heads + self.n_kv_heads
+        heads = qk if self.k_eq_v else qk + self.n_kv_heads
+        normed = self._normed_heads(fused.proj(x), heads, self._v_norm)
+        rotated = self.rope(normed[:, :qk] * fused.qk_norm_weight, offset)
+        # K=V layers: the value is the key projection, normed without a weight
+        v = normed[:, H:qk] if self.k_eq_v else normed[:, qk:]
+        return rotated[:, :H], rotated[:, H:], v
+
     def attend(self, q: mx.array, keys: mx.array, values: mx.array,
                mask: mx.array | str | None) -> mx.array:
         B, _, L, _ = q.shape
@@ -323,15 +403,32 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+@dataclass
+class FusedMLP:
+    """The gate and up projections as one stacked map (kept out of the parameter tree)."""
+
+    gate_up: nn.Module
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
+        self.intermediate = intermediate
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.fused: FusedMLP | None = None
+
+    def fuse(self) -> None:
+        gate_up = _stack_rows([self.gate_proj, self.up_proj])
+        self.fused = None if gate_up is None else FusedMLP(gate_up)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(_gelu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.fused is None:
+            return self.down_proj(_gelu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate_up = self.fused.gate_up(x)
+        i = self.intermediate
+        return self.down_proj(_gelu_mul(gate_up[..., :i], gate_up[..., i:]))
 
 
 class ExpertLinear(nn.Module):
@@ -521,6 +618,7 @@ class Gemma4Model(Model):
         #: trace and replay decode steps and short verify forwards (off: always eager)
         self.compile_decode = True
         self._steps: dict[Any, Callable] = {}
+        self._fused = False  # the layers' projections are stacked (``_fuse``)
         self._shared_sources = frozenset(s for i, s in enumerate(self.args.kv_source) if s != i)
 
     # -- facts ---------------------------------------------------------------
@@ -592,12 +690,30 @@ class Gemma4Model(Model):
         return name
 
     def update(self, parameters: dict, strict: bool = True) -> Gemma4Model:
-        self._steps.clear()  # traced steps hold the old weights
+        self._drop_derived()
         return super().update(parameters, strict=strict)
 
     def update_modules(self, modules: dict, strict: bool = True) -> Gemma4Model:
-        self._steps.clear()
+        self._drop_derived()
         return super().update_modules(modules, strict=strict)
+
+    def _drop_derived(self) -> None:
+        """Forget what was built from the weights: traced steps and stacked projections."""
+        self._steps.clear()
+        if self._fused:
+            for layer in self.layers:
+                layer.self_attn.fused = layer.mlp.fused = None
+            self._fused = False
+
+    def _fuse(self) -> None:
+        """Stack each layer's q/k/v and gate/up projections, once per set of weights:
+        fewer, wider matmuls (and one norm and rope for q and k), the same arithmetic."""
+        if self._fused:
+            return
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        self._fused = True
 
     # -- target interface ------------------------------------------------------
     def make_cache(self) -> list[KVCache | RingCache | None]:
@@ -631,6 +747,7 @@ class Gemma4Model(Model):
     def __call__(self, ids: mx.array, cache: Sequence[Any] | None = None, *,
                  taps: Sequence[int] | None = None) -> mx.array | tuple[mx.array, mx.array]:
         taps = self._check_taps(taps)
+        self._fuse()
         if cache is not None and len(cache) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} cache entries, got {len(cache)}")
         if cache is not None and self.compile_decode and self._can_replay(ids, cache):
@@ -656,11 +773,11 @@ class Gemma4Model(Model):
         m, a = self.model, self.args
         B, L = ids.shape
         p = a.hidden_size_per_layer_input
-        table = m.embed_tokens_per_layer(ids)
-        table = table * mx.array(p ** 0.5, table.dtype)
+        table = m.embed_tokens_per_layer(ids).reshape(B, L, a.num_layers, p)
         proj = m.per_layer_model_projection(h) * (a.hidden_size ** -0.5)
         proj = m.per_layer_projection_norm(proj.reshape(B, L, a.num_layers, p))
-        return (proj + table.reshape(B, L, a.num_layers, p)) * (2 ** -0.5)
+        # scaled after the reshape: a traced step fuses it with the sum
+        return (proj + table * mx.array(p ** 0.5, table.dtype)) * (2 ** -0.5)
 
     def _run(self, ids: mx.array, offset: int | mx.array,
              store: Callable[[int, mx.array, mx.array], KV], taps: tuple[int, ...]
@@ -784,20 +901,20 @@ class Gemma4Model(Model):
         def step(ids: mx.array, offset: mx.array, state: list[mx.array]) -> list[mx.array]:
             state = list(state)
             written: list[mx.array] = []
-            queries = offset + mx.arange(L)  # positions of the new tokens
+            queries = offset + _arange(L)  # positions of the new tokens
             masks: dict[Any, mx.array] = {}
 
             def full_mask(size: int) -> mx.array:
                 # a full buffer holds positions 0 .. offset + L - 1 in place
                 if size not in masks:
-                    masks[size] = mx.arange(size) <= queries[:, None]
+                    masks[size] = _arange(size) <= offset + _arange(L)[:, None]
                 return masks[size]
 
             def ring_mask() -> mx.array:
                 # Before the write slot s holds position (offset - 1) - ((offset - 1 - s)
                 # mod window) (negative: never written); the new keys follow the ring.
                 if "ring" not in masks:
-                    slots = mx.arange(window)
+                    slots = _arange(window)
                     held = (offset - 1) - mx.remainder(offset - 1 - slots, window)
                     pos = mx.concatenate([held, queries])
                     q = queries[:, None]
@@ -818,7 +935,7 @@ class Gemma4Model(Model):
                     keys = mx.slice_update(keys, k, slot, (2,))
                     values = mx.slice_update(values, v, slot, (2,))
                     state[2 * j], state[2 * j + 1] = keys, values
-                    mask = None if rings_full else mx.arange(window) <= offset
+                    mask = None if rings_full else _arange(window) <= offset
                     return keys, values, mask
                 # A block attends over the old window plus itself, then is stored
                 # (L <= window: its slots are distinct).
@@ -837,6 +954,14 @@ class Gemma4Model(Model):
             return [logits] + ([tapped] if taps else []) + state + written
 
         return step
+
+
+@lru_cache(maxsize=16)
+def _arange(n: int) -> mx.array:
+    """``mx.arange(n)``, evaluated: traced steps hold it as a constant (no kernel)."""
+    steps = mx.arange(n)
+    mx.eval(steps)
+    return steps
 
 
 def _grow(cache: KVCache, offset: int, n: int, step: int) -> None:

@@ -189,6 +189,15 @@ def _triangles(size: int) -> tuple[mx.array, mx.array]:
 
 
 @cache
+def _positions(size: int) -> mx.array:
+    """``arange(size)``, evaluated once: a constant to traced forwards rather than an
+    operation of every call."""
+    positions = mx.arange(size, dtype=mx.int32)
+    mx.eval(positions)
+    return positions
+
+
+@cache
 def _identity(size: int) -> mx.array:
     eye = mx.eye(size, dtype=mx.float32)
     mx.eval(eye)
@@ -304,34 +313,48 @@ def _gated_rms_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: float) -
     return mx.fast.rms_norm(x, weight, eps) * nn.silu(gate)
 
 
+def _qk_pairs(conv: mx.array, hk: int, dk: int) -> mx.array:
+    """Each key head's normalised (q, k) pair ``[..., Hk, 2, Dk]`` (float32) from the conv
+    output ``[..., C]`` (float32): :func:`_normalize_qk` as one rms_norm and one multiply."""
+    lead = conv.shape[:-1]
+    qk = conv[..., : 2 * hk * dk].reshape(*lead, 2, hk, dk).swapaxes(-3, -2)
+    scale = mx.array([[1.0 / dk], [dk ** -0.5]], dtype=mx.float32)  # q row, k row
+    return mx.fast.rms_norm(qk, None, 1e-6 / dk) * scale
+
+
 @cache
 def _decode_step(hk: int, hv: int, dk: int, dv: int, eps: float) -> Callable[..., Any]:
-    """Compiled single-token DeltaNet core: conv, recurrence, gated norm (shared by layers)."""
+    """Compiled single-token DeltaNet core: conv, recurrence, gated norm (shared by layers).
+
+    Laid out for few operations: q and k are normalised together, value heads are grouped
+    by the key head they read (``[B, Hk, Hv / Hk, ...]``: q and k are broadcast, not
+    repeated), ``S q`` and ``S k`` come from one product and ``k . q`` from another.
+    """
+    rep = hv // hk
 
     def step(qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv_tail: mx.array,
              state: mx.array, conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array,
              norm_weight: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         B = qkv.shape[0]
+        K = conv_weight.shape[1]
         dtype = qkv.dtype
-        window = mx.concatenate([conv_tail, qkv], axis=1)  # [B, K, C]
-        conv = (window.astype(mx.float32) * conv_weight[..., 0].T.astype(mx.float32)).sum(1)
-        conv = nn.silu(conv.astype(dtype))  # as _conv_silu: float32 sum, silu in dtype
-        q = conv[:, : hk * dk].reshape(B, hk, dk)
-        k = conv[:, hk * dk: 2 * hk * dk].reshape(B, hk, dk)
-        v = conv[:, 2 * hk * dk:].reshape(B, hv, dv).astype(mx.float32)
-        q, k = _normalize_qk(q, k)
-        if hv != hk:
-            q = mx.repeat(q, hv // hk, axis=1)
-            k = mx.repeat(k, hv // hk, axis=1)
+        weight = conv_weight[..., 0]  # [C, K]
+        conv = _conv_silu(*(conv_tail[:, i] for i in range(K - 1)), qkv[:, 0],
+                          *(weight[:, i] for i in range(K))).astype(mx.float32)  # [B, C]
+        new_tail = mx.concatenate([conv_tail[:, 1:], qkv], axis=1)
+        qk = _qk_pairs(conv, hk, dk)  # [B, Hk, 2, Dk]
+        v = conv[:, 2 * hk * dk:].reshape(B, hk, rep, dv)
         g, beta = _decay_and_beta(a[:, 0], b[:, 0], A_log, dt_bias)
-        e = mx.exp(g)[..., None]  # [B, Hv, 1]
-        # With S' = e S + d k^T: S k and S q come from one product; S' q = e Sq + d (k.q).
-        sk_sq = state @ mx.stack([k, q], axis=-1)  # [B, Hv, Dv, 2]
-        delta = beta[..., None] * (v - e * sk_sq[..., 0])
-        new_state = e[..., None] * state + delta[..., :, None] * k[..., None, :]
-        out = e * sk_sq[..., 1] + delta * (k * q).sum(-1, keepdims=True)
+        e = mx.exp(g).reshape(B, hk, rep, 1)
+        S = state.reshape(B, hk, rep, dv, dk)
+        # With S' = e S + d k^T: S q and S k come from one product; S' q = e Sq + d (k.q).
+        sq_sk = qk[:, :, None] @ S.swapaxes(-1, -2)  # [B, Hk, rep, 2, Dv]
+        kq = (qk @ qk.swapaxes(-1, -2))[:, :, None, 0, 1:]  # [B, Hk, 1, 1]
+        delta = beta.reshape(B, hk, rep, 1) * (v - e * sq_sk[..., 1, :])
+        new_state = e[..., None] * S + delta[..., :, None] * qk[:, :, None, 1:]
+        out = (e * sq_sk[..., 0, :] + delta * kq).reshape(B, hv, dv)
         out = _gated_rms_norm(out.astype(dtype), z.reshape(B, hv, dv), norm_weight, eps)
-        return out.reshape(B, 1, hv * dv), window[:, 1:], new_state
+        return out.reshape(B, 1, hv * dv), new_tail, new_state.reshape(state.shape)
 
     return mx.compile(step)
 
@@ -343,6 +366,7 @@ def _block_step(hk: int, hv: int, dk: int, dv: int, eps: float) -> Callable[...,
     pay). Returns ``(out, new_tail, new_state, k, delta, g)``: besides what the step returns,
     each token's normalised key ``[B, Hv, L, Dk]``, correction ``d_t`` ``[B, Hv, L, Dv]`` and
     log decay ``[B, Hv, L]``, from which :func:`_block_state_after` rebuilds interior states."""
+    rep = hv // hk
 
     def block(qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv_tail: mx.array,
               state: mx.array, conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array,
@@ -353,31 +377,29 @@ def _block_step(hk: int, hv: int, dk: int, dv: int, eps: float) -> Callable[...,
         window = mx.concatenate([conv_tail, qkv], axis=1)  # [B, K - 1 + L, C]
         weight = conv_weight[..., 0]
         conv = _conv_silu(*(window[:, i:i + L] for i in range(K)),
-                          *(weight[:, i] for i in range(K)))
-        q = conv[..., : hk * dk].reshape(B, L, hk, dk)
-        k = conv[..., hk * dk: 2 * hk * dk].reshape(B, L, hk, dk)
-        v = conv[..., 2 * hk * dk:].reshape(B, L, hv, dv).astype(mx.float32)
-        q, k = _normalize_qk(q, k)
-        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, H, L, D]
-        if hv != hk:
-            q = mx.repeat(q, hv // hk, axis=1)
-            k = mx.repeat(k, hv // hk, axis=1)
-        g, beta = _decay_and_beta(a, b, A_log, dt_bias)
-        g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)  # [B, Hv, L]
-        e = mx.exp(g)[..., None]
-        kq = (k * q).sum(-1, keepdims=True)
+                          *(weight[:, i] for i in range(K))).astype(mx.float32)
+        qk = _qk_pairs(conv, hk, dk)  # [B, L, Hk, 2, Dk]
+        v = conv[..., 2 * hk * dk:].reshape(B, L, hk, rep, dv)
+        kq = (qk @ qk.swapaxes(-1, -2))[..., None, 0, 1:]  # [B, L, Hk, 1, 1]
+        g, beta = _decay_and_beta(a, b, A_log, dt_bias)  # [B, L, Hv]
+        e = mx.exp(g).reshape(B, L, hk, rep, 1)
+        beta = beta.reshape(B, L, hk, rep, 1)
         outs, deltas = [], []
-        S = state
+        S = state.reshape(B, hk, rep, dv, dk)
         for t in range(L):
-            k_t, e_t = k[:, :, t], e[:, :, t]
-            sk_sq = S @ mx.stack([k_t, q[:, :, t]], axis=-1)  # [B, Hv, Dv, 2]
-            delta = beta[:, :, t, None] * (v[:, :, t] - e_t * sk_sq[..., 0])
-            S = e_t[..., None] * S + delta[..., :, None] * k_t[..., None, :]
-            outs.append(e_t * sk_sq[..., 1] + delta * kq[:, :, t])
+            qk_t, e_t = qk[:, t], e[:, t]
+            sq_sk = qk_t[:, :, None] @ S.swapaxes(-1, -2)  # [B, Hk, rep, 2, Dv]
+            delta = beta[:, t] * (v[:, t] - e_t * sq_sk[..., 1, :])
+            S = e_t[..., None] * S + delta[..., :, None] * qk_t[:, :, None, 1:]
+            outs.append(e_t * sq_sk[..., 0, :] + delta * kq[:, t])
             deltas.append(delta)
-        out = mx.stack(outs, axis=2).transpose(0, 2, 1, 3)  # [B, L, Hv, Dv]
+        out = mx.stack(outs, axis=1).reshape(B, L, hv, dv)
         out = _gated_rms_norm(out.astype(dtype), z.reshape(B, L, hv, dv), norm_weight, eps)
-        return (out.reshape(B, L, hv * dv), window[:, L:], S, k, mx.stack(deltas, axis=2), g)
+        # per value head, [B, Hv, L, D] as the block kernel writes them
+        k = mx.broadcast_to(qk[:, :, :, None, 1], (B, L, hk, rep, dk)).reshape(B, L, hv, dk)
+        delta = mx.stack(deltas, axis=1).reshape(B, L, hv, dv)
+        return (out.reshape(B, L, hv * dv), window[:, L:], S.reshape(state.shape),
+                k.transpose(0, 2, 1, 3), delta.transpose(0, 2, 1, 3), g.transpose(0, 2, 1))
 
     return mx.compile(block)
 
@@ -475,6 +497,9 @@ class _Projection:
                 first = layers[0]
                 self.fused = ("quantized", *arrays, *([None] * (3 - len(arrays))),
                               first.group_size, first.bits, first.mode)
+            # Materialise the joined arrays now: a traced forward that captured them lazy
+            # would concatenate (and transpose) the weights again in every call.
+            mx.eval([a for a in self.fused if isinstance(a, mx.array)])
         self.sources = tuple(layer.weight for layer in layers)
 
     def ensure(self, owner: nn.Module) -> list[nn.Module]:
@@ -955,11 +980,12 @@ class Qwen3_5(Model):
         wanted = set(taps)
 
         def step(ids: mx.array, offset: mx.array, state: list[mx.array]) -> list[mx.array]:
+            B = ids.shape[0]
             state = list(state)
             extras: list[mx.array] = []
             tapped: dict[int, mx.array] = {}
             masks: dict[int, mx.array] = {}
-            queries = offset + mx.arange(L)
+            rows = _positions(L)[:, None]  # query row i sits at position offset + i
             h = self.model.embed_tokens(ids)
             for i, layer in enumerate(layers):
                 x = layer.input_layernorm(h)
@@ -970,10 +996,12 @@ class Qwen3_5(Model):
                 else:
                     size = state[2 * i].shape[2]
                     if size not in masks:  # a buffer holds positions 0 .. offset + L - 1
-                        masks[size] = mx.arange(size) <= queries[:, None]
+                        masks[size] = _positions(size) <= offset + rows  # one kernel
                     h, state[2 * i], state[2 * i + 1] = layer.self_attn.traced(
                         x, h, state[2 * i], state[2 * i + 1], offset, masks[size])
-                h = layer.mlp(layer.post_attention_layernorm(h), h)
+                # the MLP on [B * L, hidden] rows: 2-D matmuls need no flatten / broadcast
+                rows_h = h.reshape(B * L, -1)
+                h = layer.mlp(layer.post_attention_layernorm(rows_h), rows_h).reshape(h.shape)
                 if i in wanted:
                     tapped[i] = h
             logits = self.raw_logits(self.model.norm(h))

@@ -56,7 +56,9 @@ def test_shipped_folder_is_complete_and_within_the_size_limit():
     assert config["model_type"] == "qwen3_5_text" and config["tie_word_embeddings"]
     assert {"linear_attention", "full_attention"} <= set(config["layer_types"])
     tensors = mx.load(str(MODEL_PATH / "model.safetensors"))
-    assert {v.dtype for v in tensors.values()} == {mx.bfloat16} and config["dtype"] == "bfloat16"
+    # stored in bf16, computed in the float32 the config declares (verify and decode agree)
+    assert {v.dtype for v in tensors.values()} == {mx.bfloat16} and config["dtype"] == "float32"
+    assert mlxrunner.load_model(MODEL_PATH).dtype == mx.float32
     draft = json.loads((MODEL_PATH / "draft" / "config.json").read_text())
     assert draft["architectures"] == ["DFlash2DraftModel"] and draft["dtype"] == "bfloat16"
     section = draft["dflash_config"]

@@ -334,6 +334,7 @@ class DFlashDraftModel(mlxrunner.DraftModel):
             self["embed_tokens"] = nn.Embedding(target.vocab_size, args.hidden_size)
         if self.own_head:
             self["lm_head"] = nn.Linear(args.hidden_size, target.vocab_size, bias=False)
+        self._graphs: dict[tuple[Any, ...], Any] = {}  # traced rounds (``traced``)
 
     @classmethod
     def config_for_checkpoint(cls, config: dict[str, Any], tensor_names: Any) -> dict[str, Any]:
@@ -388,6 +389,58 @@ class DFlashDraftModel(mlxrunner.DraftModel):
             logits = logits * self.args.output_multiplier
         return softcap(logits, self.args.final_logit_softcapping)
 
+    # -- rounds: the block and its proposals --------------------------------------------
+    def block_rows(self, anchor: mx.array, pos: int | mx.array, n: int,
+                   stores: list[ContextKV] | list[TracedKV]) -> mx.array:
+        """Block rows 1..n, final-normed: [n, hidden]. The full trained block always runs
+        (in-block attention is bidirectional); only the first n rows are proposals."""
+        masks = mx.full((self.block_size - 1,), self.mask_token_id, dtype=mx.int32)
+        ids = mx.concatenate([anchor.astype(mx.int32), masks])[None]
+        return self.block_hidden(ids, pos, stores)[0, 1:1 + n]
+
+    def greedy_tokens(self, hidden: mx.array, anchor: mx.array) -> mx.array:
+        """Temperature 0: the proposed tokens [n] from block rows ``hidden`` [n, hidden]
+        (pure array code: it runs inside the traced block)."""
+        return mx.argmax(self.proposal_logits(hidden), axis=-1).astype(mx.int32)
+
+    def prepare_trace(self) -> None:
+        """Runs before a block graph is first traced (e.g. first-use checks that evaluate)."""
+
+    def traced(self, key: tuple[Any, ...], build: Any) -> Any:
+        """The compiled graph for ``key`` (built by ``build()`` on first use), shared by every
+        session of this draft: a new generation replays the graphs, it does not retrace."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            self.prepare_trace()
+            graph = self._graphs[key] = mx.compile(build())
+        return graph
+
+    def _block_graph(self, n: int, greedy: bool) -> Any:
+        windows = [layer.self_attn.window for layer in self.layers]
+
+        def graph(anchor: mx.array, pos: mx.array, state: list[mx.array]) -> list[mx.array]:
+            stores = [TracedKV(*state[4 * i:4 * i + 4], window)
+                      for i, window in enumerate(windows)]
+            hidden = self.block_rows(anchor, pos, n, stores)
+            rows = self.greedy_tokens(hidden, anchor) if greedy else hidden
+            return [rows] + [a for store in stores for a in (store.keys, store.values)]
+
+        return graph
+
+    def _append_graph(self) -> Any:
+        windows = [layer.self_attn.window for layer in self.layers]
+
+        def graph(tapped: mx.array, state: list[mx.array]) -> list[mx.array]:
+            ctx = self.context(tapped)
+            out = []
+            for i, (layer, window) in enumerate(zip(self.layers, windows)):
+                store = TracedKV(*state[4 * i:4 * i + 4], window)
+                k, v = layer.self_attn.context_kv(ctx, store.start + store.length)
+                out += store.with_block(k, v)
+            return out
+
+        return graph
+
     def new_session(self, sampler: Any) -> DFlashSession:
         return DFlashSession(self, sampler)
 
@@ -395,9 +448,10 @@ class DFlashDraftModel(mlxrunner.DraftModel):
 class DFlashSession(mlxrunner.DraftSession):
     """Context keys/values per draft layer; proposals from one block forward per round.
 
-    The block runs traced (one ``mx.compile`` graph per drafted length, replayed every
-    round: a few fused kernels instead of hundreds of small ones) unless the draft's
-    ``trace_blocks`` is off; both paths compute the same thing.
+    The block and each commit run through traced graphs (one ``mx.compile`` graph per
+    drafted length or committed row count, shared by the draft's sessions: a few fused
+    kernels instead of hundreds of small ones) unless the draft's ``trace_blocks`` is off;
+    both paths compute the same thing.
     """
 
     draft: DFlashDraftModel
@@ -405,23 +459,28 @@ class DFlashSession(mlxrunner.DraftSession):
     def __init__(self, draft: DFlashDraftModel, sampler: Any) -> None:
         super().__init__(draft, sampler)
         self.stores = [ContextKV(layer.self_attn.window) for layer in draft.layers]
-        self._graphs: dict[tuple[int, bool], Any] = {}
-        self._append_graphs: dict[int, Any] = {}
 
     @property
     def context_length(self) -> int:
         return self.stores[0].end if self.stores else 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for store in self.stores for a in (store.keys, store.values) if a is not None]
+
+    def prefill(self, tapped: mx.array) -> None:
+        self._append(tapped)
+
+    def commit(self, tapped: mx.array) -> None:
+        self._append(tapped)
 
     def _append(self, tapped: mx.array) -> None:
         draft = self.draft
         rows = tapped.shape[1]
         if draft.trace_blocks and rows <= draft.block_size and self.context_length:
             # a commit (a few rows): through a traced graph, one per row count
-            graph = self._append_graphs.get(rows)
-            if graph is None:
-                graph = self._append_graphs[rows] = mx.compile(self._append_graph())
-            out = graph(tapped, self._graph_state(rows, appending=True))
-            self._take_state(out)
+            graph = draft.traced(("append", rows), draft._append_graph)
+            self._take_state(graph(tapped, self._graph_state(rows, appending=True)))
             for store in self.stores:
                 store.length += rows
             return
@@ -429,21 +488,6 @@ class DFlashSession(mlxrunner.DraftSession):
         for layer, store in zip(draft.layers, self.stores):
             k, v = layer.self_attn.context_kv(ctx, store.end)
             store.append(k, v)
-
-    def _append_graph(self) -> Any:
-        draft = self.draft
-        windows = [store.window for store in self.stores]
-
-        def graph(tapped: mx.array, state: list[mx.array]) -> list[mx.array]:
-            ctx = draft.context(tapped)
-            out = []
-            for i, (layer, window) in enumerate(zip(draft.layers, windows)):
-                store = TracedKV(*state[4 * i:4 * i + 4], window)
-                k, v = layer.self_attn.context_kv(ctx, store.start + store.length)
-                out += store.with_block(k, v)
-            return out
-
-        return graph
 
     def _graph_state(self, rows: int, appending: bool) -> list[mx.array]:
         """Every store's (keys, values, length, start) for a traced graph that writes
@@ -468,16 +512,6 @@ class DFlashSession(mlxrunner.DraftSession):
         for i, store in enumerate(self.stores):
             store.keys, store.values = buffers[2 * i], buffers[2 * i + 1]
 
-    @property
-    def state(self) -> list[mx.array]:
-        return [a for store in self.stores for a in (store.keys, store.values) if a is not None]
-
-    def prefill(self, tapped: mx.array) -> None:
-        self._append(tapped)
-
-    def commit(self, tapped: mx.array) -> None:
-        self._append(tapped)
-
     def _check_block(self, pos: int, n: int) -> None:
         if pos != self.context_length:
             raise ValueError(f"draft context ends at {self.context_length}, round is at {pos}")
@@ -485,33 +519,16 @@ class DFlashSession(mlxrunner.DraftSession):
         if not 1 <= n <= size - 1:
             raise ValueError(f"a {size}-block drafts 1..{size - 1} tokens, asked for {n}")
 
-    def _hidden(self, anchor: mx.array, pos: int | mx.array, n: int,
-                stores: list[ContextKV] | list[TracedKV]) -> mx.array:
-        """Block rows 1..n, final-normed: [n, hidden]. The full trained block always runs
-        (in-block attention is bidirectional); only the first n rows are proposals."""
-        draft = self.draft
-        masks = mx.full((draft.block_size - 1,), draft.mask_token_id, dtype=mx.int32)
-        ids = mx.concatenate([anchor.astype(mx.int32), masks])[None]
-        return draft.block_hidden(ids, pos, stores)[0, 1:1 + n]
-
     def block(self, current: int, pos: int, n: int) -> mx.array:
         """Final-normed hidden states of block rows 1..n ([n, hidden]), computed eagerly."""
         self._check_block(pos, n)
-        return self._hidden(mx.array([current], dtype=mx.int32), pos, n, self.stores)
-
-    def greedy_tokens(self, hidden: mx.array, anchor: mx.array) -> mx.array:
-        """Temperature 0: the proposed tokens [n] from block rows ``hidden`` [n, hidden]
-        (pure array code: it runs inside the traced block)."""
-        return mx.argmax(self.draft.proposal_logits(hidden), axis=-1).astype(mx.int32)
+        return self.draft.block_rows(mx.array([current], dtype=mx.int32), pos, n, self.stores)
 
     def sampled(self, hidden: mx.array, anchor: mx.array) -> DraftProposal:
         """Temperature > 0: draws from the request's stream (outside any trace)."""
         logits = self.draft.proposal_logits(hidden)
         probs = mx.softmax(logits / self.temperature, axis=-1, precise=True)
         return DraftProposal(self.draw(probs), probs)
-
-    def prepare_trace(self) -> None:
-        """Runs before a block graph is first traced (e.g. first-use checks that evaluate)."""
 
     def propose(self, current: int, pos: int, n: int) -> DraftProposal:
         self._check_block(pos, n)
@@ -520,8 +537,8 @@ class DFlashSession(mlxrunner.DraftSession):
         if self.draft.trace_blocks:
             rows = self._traced(anchor, pos, n, greedy)
         else:
-            hidden = self._hidden(anchor, pos, n, self.stores)
-            rows = self.greedy_tokens(hidden, anchor) if greedy else hidden
+            hidden = self.draft.block_rows(anchor, pos, n, self.stores)
+            rows = self.draft.greedy_tokens(hidden, anchor) if greedy else hidden
         if greedy:
             return DraftProposal.point_mass(rows)
         return self.sampled(rows, anchor)
@@ -529,23 +546,8 @@ class DFlashSession(mlxrunner.DraftSession):
     def _traced(self, anchor: mx.array, pos: int, n: int, greedy: bool) -> mx.array:
         """The block through its traced graph: the tokens (greedy) or the hidden rows."""
         draft = self.draft
-        graph = self._graphs.get((n, greedy))
-        if graph is None:
-            self.prepare_trace()
-            graph = self._graphs[(n, greedy)] = mx.compile(self._block_graph(n, greedy))
+        graph = draft.traced(("block", n, greedy), lambda: draft._block_graph(n, greedy))
         state = self._graph_state(draft.block_size, appending=False)
         out = graph(anchor, mx.array(pos, dtype=mx.int32), state)
         self._take_state(out[1:])
         return out[0]
-
-    def _block_graph(self, n: int, greedy: bool) -> Any:
-        windows = [store.window for store in self.stores]
-
-        def graph(anchor: mx.array, pos: mx.array, state: list[mx.array]) -> list[mx.array]:
-            stores = [TracedKV(*state[4 * i:4 * i + 4], window)
-                      for i, window in enumerate(windows)]
-            hidden = self._hidden(anchor, pos, n, stores)
-            rows = self.greedy_tokens(hidden, anchor) if greedy else hidden
-            return [rows] + [a for store in stores for a in (store.keys, store.values)]
-
-        return graph

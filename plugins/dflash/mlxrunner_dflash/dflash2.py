@@ -162,6 +162,20 @@ class DFlash2DraftModel(DFlashDraftModel):
                 out[f"{bare}.weight"] = out.pop(bare)
         return out
 
+    def selector_scores(self, hidden: mx.array, anchor: mx.array
+                        ) -> tuple[mx.array, mx.array, mx.array]:
+        """Candidates, row 0's scores and transition scores of block rows ``hidden``."""
+        logits = self.raw_logits(hidden).astype(mx.float32)
+        return self.candidate_selector.scores(hidden, logits, anchor, self.scale_logits)
+
+    def greedy_tokens(self, hidden: mx.array, anchor: mx.array) -> mx.array:
+        return greedy_path(*self.selector_scores(hidden, anchor))
+
+    def prepare_trace(self) -> None:
+        # topk_indices checks its CUDA kernel on first use (an evaluation): not inside a trace
+        selector = self.candidate_selector
+        mx.eval(mlxrunner.topk_indices(mx.zeros((1, selector.vocab_size)), selector.top_k))
+
     def new_session(self, sampler: Any) -> DFlash2Session:
         return DFlash2Session(self, sampler)
 
@@ -169,22 +183,9 @@ class DFlash2DraftModel(DFlashDraftModel):
 class DFlash2Session(DFlashSession):
     draft: DFlash2DraftModel
 
-    def _selector_scores(self, hidden: mx.array, anchor: mx.array
-                         ) -> tuple[mx.array, mx.array, mx.array]:
-        draft = self.draft
-        logits = draft.raw_logits(hidden).astype(mx.float32)
-        return draft.candidate_selector.scores(hidden, logits, anchor, draft.scale_logits)
-
-    def greedy_tokens(self, hidden: mx.array, anchor: mx.array) -> mx.array:
-        return greedy_path(*self._selector_scores(hidden, anchor))
-
     def sampled(self, hidden: mx.array, anchor: mx.array) -> DraftProposal:
-        return sampled_path(*self._selector_scores(hidden, anchor), self.temperature, self.draw)
-
-    def prepare_trace(self) -> None:
-        # topk_indices checks its CUDA kernel on first use (an evaluation): not inside a trace
-        selector = self.draft.candidate_selector
-        mx.eval(mlxrunner.topk_indices(mx.zeros((1, selector.vocab_size)), selector.top_k))
+        return sampled_path(*self.draft.selector_scores(hidden, anchor), self.temperature,
+                            self.draw)
 
 
 def greedy_path(ids: mx.array, first: mx.array, transitions: mx.array) -> mx.array:
