@@ -345,6 +345,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve -----------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .loading import load
+    from .server import Service, make_server
+
+    model_arg = args.model or "default"
+    bundle = load(model_arg, draft=args.draft, renderer=args.renderer, parser=args.parser,
+                  dtype=args.dtype, use_draft=not args.no_draft)
+    service = Service(bundle, name=args.name or model_arg)
+    try:
+        server = make_server(service, args.host, args.port, verbose=args.verbose)
+    except OSError as exc:
+        raise MLXRunnerError(f"cannot listen on {args.host}:{args.port} "
+                             f"({exc.strerror or exc})") from None
+    host, port = server.server_address[:2]
+    draft = f", draft {type(bundle.draft).__name__}" if bundle.draft is not None else ""
+    print(f"mlxrunner: serving {service.name}{draft} on http://{host}:{port}/v1 "
+          "(Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0
+
+
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="model folder or registered name (default: the "
+                                            "embedded demo)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    p.add_argument("--name", help="the model name the API reports")
+    p.add_argument("--draft")
+    p.add_argument("--no-draft", action="store_true")
+    p.add_argument("--renderer")
+    p.add_argument("--parser")
+    p.add_argument("--dtype")
+    p.add_argument("--verbose", action="store_true", help="log each request")
+
+
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model")
     p.add_argument("--draft")
@@ -404,6 +444,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
     simple("render", "print the prompt a conversation becomes", cmd_render, add_render)
     simple("bench", "measure prefill and decode speed, plain and speculative", cmd_bench,
            _add_bench_arguments)
+    simple("serve", "serve a model over an OpenAI-compatible HTTP API", cmd_serve,
+           _add_serve_arguments)
     return parser, registry
 
 

@@ -1,0 +1,388 @@
+"""``mlxrunner serve``: one model behind an OpenAI-compatible HTTP API.
+
+Routes: ``POST /v1/chat/completions`` (messages and tools through the model's renderer,
+the reply through its parser: content, ``reasoning_content``, ``tool_calls``),
+``POST /v1/completions`` (a raw prompt), ``GET /v1/models``, ``GET /health``. Both POST
+routes stream server-sent events with ``"stream": true``. Requests decode one at a time
+(speculatively when the model has a draft, which leaves the output unchanged); a bad
+request gets status 400 and one line naming the problem, and the server keeps serving.
+
+It binds to 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from .chat import ParsedMessage, validate_conversation
+from .errors import MLXRunnerError
+
+MAX_BODY_BYTES = 16 << 20
+DEFAULT_MAX_TOKENS = 1024
+#: request fields that are sampler options (OpenAI's names, plus Ollama's top_k, min_p, ...)
+SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                  "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs",
+                  "top_logprobs")
+
+
+class RequestError(MLXRunnerError):
+    """A request the server cannot take (status 400, or ``status``)."""
+
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _StopText(Exception):
+    """Raised from the token callback when a stop string has appeared."""
+
+
+@dataclass
+class Reply:
+    """What one request produced."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _stop_strings(body: Mapping[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("stop must be a non-empty string or a list of them")
+    return stops
+
+
+def _max_tokens(body: Mapping[str, Any], default: int) -> int:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(f"max_tokens must be a positive integer, got {value!r}")
+    return value
+
+
+class Service:
+    """The model side of the server: requests in, replies (or streamed pieces) out."""
+
+    def __init__(self, bundle: Any, name: str | None = None) -> None:
+        self.bundle = bundle
+        self.name = name or bundle.path.name
+        self.lock = threading.Lock()  # one generation at a time: MLX state is not shared
+        tok = bundle.tokenizer
+        stop_ids = set(tok.eos_ids) | set(getattr(bundle.model, "eos_token_ids", ()) or ())
+        for marker in getattr(bundle.renderer, "stop_markers", ()) or ():
+            marker_id = tok.token_to_id(marker)
+            if marker_id is not None:
+                stop_ids.add(marker_id)
+        self.stop_ids = frozenset(stop_ids)
+        self.default_max_tokens = int(bundle.extra.get("max_tokens") or DEFAULT_MAX_TOKENS)
+
+    # -- requests --------------------------------------------------------------------
+    def chat_prompt(self, body: Mapping[str, Any]) -> tuple[str, list[Any] | None]:
+        """The rendered prompt of a chat request, and its normalised tools."""
+        renderer = self.bundle.renderer
+        if renderer is None:
+            raise RequestError(f"model {self.name} has no chat format: use /v1/completions")
+        messages, tools = validate_conversation(body.get("messages"), body.get("tools"))
+        think = body.get("think")
+        if think is not None and not isinstance(think, bool):
+            raise RequestError(f"think must be true or false, got {think!r}")
+        text = renderer.render(messages, tools, think=think, add_generation_prompt=True)
+        return text, tools
+
+    def generate(self, prompt_text: str, body: Mapping[str, Any], *, rendered: bool,
+                 on_text: Callable[[str], None] | None = None) -> Reply:
+        """Decode after ``prompt_text`` (``rendered``: a chat prompt whose special tokens are
+        in the text, so none are added); ``on_text`` receives the text as it is decided
+        (held back where a stop string may be starting)."""
+        from .generation import generate
+
+        bundle = self.bundle
+        options = bundle.defaults.merged({k: body[k] for k in SAMPLER_FIELDS if k in body})
+        max_tokens = _max_tokens(body, self.default_max_tokens)
+        stops = _stop_strings(body)
+        tok = bundle.tokenizer
+        ids = tok.encode(prompt_text, add_special_tokens=not rendered)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        detok = tok.detokenizer()
+        reply = Reply()
+        pending = ""  # decided text not yet handed on (a stop string may be starting)
+        hold = max((len(s) for s in stops), default=1) - 1
+
+        def emit(text: str) -> None:
+            reply.text += text
+            if on_text is not None and text:
+                on_text(text)
+
+        def on_token(token: int) -> None:
+            nonlocal pending
+            reply.tokens.append(token)
+            if token in self.stop_ids:
+                return
+            pending += detok.add(token)
+            for stop in stops:
+                at = pending.find(stop)
+                if at >= 0:
+                    emit(pending[:at])
+                    pending = ""
+                    raise _StopText
+            cut = len(pending) - hold
+            if cut > 0:
+                emit(pending[:cut])
+                pending = pending[cut:]
+
+        with self.lock:
+            try:
+                result = generate(bundle.model, ids, options=options, max_tokens=max_tokens,
+                                  eos_ids=self.stop_ids, on_token=on_token,
+                                  draft=bundle.draft)
+            except _StopText:
+                reply.finish_reason = "stop"
+                return reply
+        pending += detok.finish()
+        emit(pending)
+        reply.finish_reason = result.finish_reason
+        reply.logprobs = result.logprobs
+        reply.stats = result.stats.as_dict()
+        reply.stats["prompt_tokens"] = len(ids)
+        return reply
+
+    def logprobs_entry(self, reply: Reply) -> dict[str, Any] | None:
+        if not reply.logprobs:
+            return None
+        tok = self.bundle.tokenizer
+        content = []
+        for token, info in zip(reply.tokens, reply.logprobs):
+            content.append({"token": tok.decode([token]), "logprob": info["logprob"],
+                            "top_logprobs": [{"token": tok.decode([i]), "logprob": lp}
+                                             for i, lp in info["top_logprobs"]]})
+        return {"content": content}
+
+
+def _tool_call_entries(parsed: ParsedMessage, start: int = 0) -> list[dict[str, Any]]:
+    return [{"index": start + i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call.name,
+                          "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+            for i, call in enumerate(parsed.tool_calls)]
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    prompt = int(reply.stats.get("prompt_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": len(reply.tokens),
+            "total_tokens": prompt + len(reply.tokens)}
+
+
+class Handler(BaseHTTPRequestHandler):
+    """HTTP in and out; the work is the :class:`Service`'s."""
+
+    service: Service
+    server_version = "mlxrunner"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        if getattr(self.server, "verbose", False):
+            super().log_message(format, *args)
+
+    # -- plumbing --------------------------------------------------------------------
+    def _send_json(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_error(self, status: int, message: str) -> None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        self._send_json(status, {"error": {"message": message, "type": kind}})
+
+    def _read_body(self) -> dict[str, Any]:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise RequestError("the request has no Content-Length",
+                               HTTPStatus.LENGTH_REQUIRED)
+        if int(length) > MAX_BODY_BYTES:
+            raise RequestError(f"the request body is over {MAX_BODY_BYTES} bytes",
+                               HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        raw = self.rfile.read(int(length))
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RequestError(f"the request body is not JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
+    def _start_events(self) -> None:
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+    def _event(self, payload: Any) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
+
+    # -- routes ----------------------------------------------------------------------
+    def do_GET(self) -> None:  # noqa: N802 - the base's name
+        if self.path == "/health":
+            self._send_json(HTTPStatus.OK, {"status": "ok"})
+        elif self.path == "/v1/models":
+            self._send_json(HTTPStatus.OK, {"object": "list", "data": [
+                {"id": self.service.name, "object": "model", "owned_by": "mlxrunner"}]})
+        else:
+            self._send_error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
+
+    def do_POST(self) -> None:  # noqa: N802 - the base's name
+        routes = {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}
+        route = routes.get(self.path)
+        if route is None:
+            self._send_error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
+            return
+        try:
+            body = self._read_body()
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise RequestError(f"stream must be true or false, got {stream!r}")
+            route(body, stream)
+        except RequestError as exc:
+            self._send_error(exc.status, str(exc))
+        except (MLXRunnerError, ValueError) as exc:  # a conversation or option problem
+            self._send_error(HTTPStatus.BAD_REQUEST, str(exc).splitlines()[0])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client went away; the next request is served as usual
+
+    def _envelope(self, kind: str, request_id: str) -> dict[str, Any]:
+        return {"id": request_id, "object": kind, "created": int(time.time()),
+                "model": self.service.name}
+
+    def _chat(self, body: dict[str, Any], stream: bool) -> None:
+        service = self.service
+        prompt, tools = service.chat_prompt(body)
+        parser = service.bundle.parser
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if not stream:
+            reply = service.generate(prompt, body, rendered=True)
+            message: dict[str, Any] = {"role": "assistant", "content": reply.text}
+            finish = reply.finish_reason
+            if parser is not None:
+                parser.reset(prompt, tools=tools)
+                parsed = parser.parse(reply.text)
+                message["content"] = parsed.content
+                if parsed.thinking:
+                    message["reasoning_content"] = parsed.thinking
+                if parsed.tool_calls:
+                    message["tool_calls"] = [{k: v for k, v in entry.items() if k != "index"}
+                                             for entry in _tool_call_entries(parsed)]
+                    finish = "tool_calls"
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+            logprobs = service.logprobs_entry(reply)
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
+            self._send_json(HTTPStatus.OK, {**self._envelope("chat.completion", request_id),
+                                            "choices": [choice], "usage": _usage(reply),
+                                            "statistics": reply.stats})
+            return
+
+        chunk_head = self._envelope("chat.completion.chunk", request_id)
+        calls = 0
+
+        def send(delta: dict[str, Any], finish: str | None = None) -> None:
+            self._event({**chunk_head, "choices": [
+                {"index": 0, "delta": delta, "finish_reason": finish}]})
+
+        def send_parsed(pieces: list[ParsedMessage]) -> None:
+            nonlocal calls
+            for piece in pieces:
+                if piece.tool_calls:
+                    entries = _tool_call_entries(piece, calls)
+                    calls += len(entries)
+                    send({"tool_calls": entries})
+                elif piece.thinking:
+                    send({"reasoning_content": piece.thinking})
+                elif piece.content:
+                    send({"content": piece.content})
+
+        if parser is not None:
+            parser.reset(prompt, tools=tools)
+        self._start_events()
+        send({"role": "assistant", "content": ""})
+
+        def on_text(text: str) -> None:
+            if parser is None:
+                send({"content": text})
+            else:
+                send_parsed(parser.feed(text))
+
+        reply = service.generate(prompt, body, rendered=True, on_text=on_text)
+        if parser is not None:
+            send_parsed(parser.finish())
+        send({}, "tool_calls" if calls else reply.finish_reason)
+        self._event("[DONE]")
+
+    def _completion(self, body: dict[str, Any], stream: bool) -> None:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise RequestError("prompt must be a string")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        head = self._envelope("text_completion", request_id)
+        if not stream:
+            reply = self.service.generate(prompt, body, rendered=False)
+            choice: dict[str, Any] = {"index": 0, "text": reply.text,
+                                      "finish_reason": reply.finish_reason}
+            logprobs = self.service.logprobs_entry(reply)
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
+            self._send_json(HTTPStatus.OK, {**head, "choices": [choice],
+                                            "usage": _usage(reply), "statistics": reply.stats})
+            return
+        self._start_events()
+
+        def on_text(text: str) -> None:
+            self._event({**head, "choices": [{"index": 0, "text": text,
+                                              "finish_reason": None}]})
+
+        reply = self.service.generate(prompt, body, rendered=False, on_text=on_text)
+        self._event({**head, "choices": [{"index": 0, "text": "",
+                                          "finish_reason": reply.finish_reason}]})
+        self._event("[DONE]")
+
+
+def make_server(service: Service, host: str = "127.0.0.1", port: int = 8080,
+                verbose: bool = False) -> ThreadingHTTPServer:
+    """An HTTP server for ``service`` (not yet serving: call ``serve_forever``)."""
+    handler = type("BoundHandler", (Handler,), {"service": service})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    server.verbose = verbose  # type: ignore[attr-defined]
+    return server
+
+
+def events(lines: Iterator[bytes]) -> Iterator[Any]:
+    """The JSON payloads of a server-sent event stream, until ``[DONE]`` (for clients)."""
+    for raw in lines:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
