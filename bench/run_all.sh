@@ -13,3 +13,6 @@ run python3 bench/topk.py $quick --json "$out/topk-$dev.json"
 run python3 bench/qwen3_5.py $quick --json "$out/qwen3_5-$dev.json"
 run python3 bench/gemma4.py $quick --json "$out/gemma4-$dev.json"
 run python3 bench/speculative.py $quick --json "$out/speculative-$dev.json"
+# the embedded demo pair, greedy, speculative beside plain (best of 3 after 2 warm-ups)
+run mlxrunner bench default --prompt "def fibonacci(n):" --max-tokens 128 --repeats 3 \
+  --warmup 2 --json "$out/demo-$dev.json"

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One GPU session's measurements in two calls of at most 10 minutes each (device time is
+# 30 minutes a session; a cold machine takes 1-2 of them). From the project root, after
+# `bash ../shared/gpu/prepare-mlx-cuda` and `pip download mlx-lm==0.32.2 --no-deps -d .whl`
+# here, and the shared configs copied to .gpu/shared-data/configs:
+#   call 1 (carry .mlx-cuda-a):                 bash .mlx-cuda-a/stage.sh
+#   call 2 (carry .mlx-cuda-b .whl .gpu), <30 s: bash bench/gpu_session.sh demo
+#   call 3 (same carry), <30 s after call 2:    bash bench/gpu_session.sh bench [NAMES]
+# `demo` builds the demo pair (--preset gpu) into /tmp/demo and leaves it as $OUT/demo.tgz.*
+# (15 MB parts: cat them and untar over plugins/demo/mlxrunner_demo/model to ship it);
+# `bench` runs every benchmark into $OUT (JSON) and measures the shipped demo pair and, if
+# call 2 ran on this machine, the new one.
+set -u
+source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
+export PYTHONUNBUFFERED=1 MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
+out=${OUT:-/tmp/gpu-out}
+mkdir -p "$out"
+case "${1:-}" in
+  demo)
+    timeout 560 python3 plugins/demo/recipe/build_demo.py --out /tmp/demo \
+      --time-budget-s "${DEMO_BUDGET_S:-480}" > "$out/build.txt" 2>&1
+    echo "build exit $?"
+    grep -v "^step \|target step" "$out/build.txt" | tail -14
+    cp /tmp/demo.build/build_summary.json /tmp/demo.build/model_card_figures.md "$out/" 2>/dev/null
+    (cd /tmp && tar czf demo.tgz demo && split -b 15m demo.tgz "$out/demo.tgz.")
+    ;;
+  bench)
+    # names: topk qwen3_5 gemma4 speculative (default: all; about 2-3 minutes each on the
+    # H200, so split them over two calls when the demo build does not run)
+    shift
+    for name in "${@:-topk qwen3_5 gemma4 speculative}"; do
+      for one in $name; do
+        echo "== $one"
+        timeout "${BENCH_TIMEOUT:-200}" python3 "bench/$one.py" --json "$out/$one-gpu.json" ||
+          echo "!! exit $? for $one"
+      done
+    done
+    timeout 90 mlxrunner bench default --prompt "def fibonacci(n):" --max-tokens 128 \
+      --repeats 3 --warmup 2 --json "$out/demo-gpu.json"
+    if [ -d /tmp/demo/draft ]; then
+      timeout 90 mlxrunner bench /tmp/demo --prompt "def fibonacci(n):" --max-tokens 128 \
+        --repeats 3 --warmup 2 --json "$out/demo-built-gpu.json"
+    fi
+    ;;
+  *) echo "usage: bash bench/gpu_session.sh demo | bench [topk qwen3_5 gemma4 speculative]" >&2
+     exit 2 ;;
+esac
