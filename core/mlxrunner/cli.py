@@ -141,6 +141,17 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also decode without the draft and print both statistics")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--chat", action="store_true",
+                   help="a multi-turn conversation, one message per input line (the default "
+                        "at a terminal when no prompt is given)")
+
+
+def _read_piped_line(prompt: str) -> str:
+    """A line of piped input (no prompt echoed); EOFError at the end."""
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
 
 
 def _split_model_and_prompt(args: Sequence[str]) -> tuple[str | None, str | None]:
@@ -190,6 +201,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.compare = True
     if prompt == "-":
         prompt = sys.stdin.read()
+    # A model and no prompt at a terminal (or --chat): a conversation, as `ollama run` does.
+    chat = args.chat or (prompt is None and not args.compare and sys.stdin.isatty())
     if prompt is None:
         prompt = DEFAULT_PROMPT
     from .generation import generate
@@ -200,14 +213,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = bundle.defaults.merged(_sampler_overrides(args))
     max_tokens = args.max_tokens or bundle.extra.get("max_tokens") or 256
     think = None if args.think is None else args.think == "on"
+    if chat:
+        from .interactive import chat_loop
+
+        system = args.system if args.system is not None else bundle.extra.get("system")
+        chat_loop(bundle, options, max_tokens=max_tokens, think=think, system=system,
+                  read=input if sys.stdin.isatty() else _read_piped_line,
+                  color=sys.stdout.isatty())
+        return 0
     prompt_text, prompt_ids = build_prompt(bundle, prompt, raw=args.raw, system=args.system,
                                            think=think)
     tok = bundle.tokenizer
-    stop_ids = set(tok.eos_ids) | set(getattr(bundle.model, "eos_token_ids", ()) or ())
-    for marker in getattr(bundle.renderer, "stop_markers", ()) or ():
-        marker_id = tok.token_to_id(marker)
-        if marker_id is not None:
-            stop_ids.add(marker_id)
+    stop_ids = bundle.stop_token_ids()
     detok = tok.detokenizer()
     stream = not args.json
 

@@ -251,6 +251,17 @@ class Bundle:
     modelfile: Any | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def stop_token_ids(self) -> frozenset[int]:
+        """Ids that end a reply: the tokenizer's EOS ids, the model's own, and the
+        renderer's stop markers (e.g. an end-of-turn token)."""
+        tok = self.tokenizer
+        ids = set(tok.eos_ids) | set(getattr(self.model, "eos_token_ids", ()) or ())
+        for marker in getattr(self.renderer, "stop_markers", ()) or ():
+            marker_id = tok.token_to_id(marker)
+            if marker_id is not None:
+                ids.add(marker_id)
+        return frozenset(ids)
+
 
 def parameter_count(model: nn.Module) -> int:
     """Parameters as the unquantized model would have them (packed weights unpacked)."""

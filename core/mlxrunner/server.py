@@ -82,13 +82,7 @@ class Service:
         self.bundle = bundle
         self.name = name or bundle.path.name
         self.lock = threading.Lock()  # one generation at a time: MLX state is not shared
-        tok = bundle.tokenizer
-        stop_ids = set(tok.eos_ids) | set(getattr(bundle.model, "eos_token_ids", ()) or ())
-        for marker in getattr(bundle.renderer, "stop_markers", ()) or ():
-            marker_id = tok.token_to_id(marker)
-            if marker_id is not None:
-                stop_ids.add(marker_id)
-        self.stop_ids = frozenset(stop_ids)
+        self.stop_ids = bundle.stop_token_ids()
         self.default_max_tokens = int(bundle.extra.get("max_tokens") or DEFAULT_MAX_TOKENS)
 
     # -- requests --------------------------------------------------------------------
