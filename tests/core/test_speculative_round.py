@@ -95,6 +95,25 @@ def test_greedy_round_accepts_up_to_the_first_disagreement():
     assert int(d.accepted.item()) == 3 and int(d.fix_tokens[3].item()) == 8  # bonus
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_greedy_shortcut_decides_as_the_general_round_on_point_masses(seed):
+    """Greedy rounds compare argmaxes instead of drawing: on point masses the general round
+    (acceptance tests, residuals, bonus draw) decides the same, from the same keys."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 8))
+    target = rng.integers(0, 4, size=n + 1)
+    drafts_np = np.where(rng.random(n) < 0.7, target[:n], rng.integers(0, 4, size=n))
+    p = Distribution(mx.ones((n + 1, 1)), mx.array(target[:, None], dtype=mx.int32))
+    drafts = mx.array(drafts_np, dtype=mx.int32) if n else None
+    q = DraftProposal.point_mass(drafts).distribution() if n else None
+    greedy, general = Sampler(GREEDY, 4), Sampler(SamplerOptions(temperature=1.0, seed=seed), 4)
+    fast, slow = decide(greedy, p, q, drafts), decide(general, p, q, drafts)
+    accepted = int(slow.accepted.item())
+    assert int(fast.accepted.item()) == accepted
+    assert int(fast.fix_tokens[accepted].item()) == int(slow.fix_tokens[accepted].item())
+    assert greedy.draws == general.draws == 2 * n + 1
+
+
 def test_a_round_draws_everything_before_one_sync_from_a_fixed_number_of_keys():
     p = _dense([[0.5, 0.5, 0, 0]] * 4)
     q = _dense([[0.25] * 4] * 3)
