@@ -40,7 +40,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import cache, lru_cache, partial
 from typing import Any
 
 import mlx.core as mx
@@ -188,13 +188,14 @@ def _triangles(size: int) -> tuple[mx.array, mx.array]:
     return causal, strict
 
 
-@cache
-def _positions(size: int) -> mx.array:
-    """``arange(size)``, evaluated once: a constant to traced forwards rather than an
-    operation of every call."""
-    positions = mx.arange(size, dtype=mx.int32)
-    mx.eval(positions)
-    return positions
+@lru_cache(maxsize=16)  # a few buffer sizes are live at a time; old ones may go
+def _key_distances(length: int, size: int) -> mx.array:
+    """``[length, size]``: key position minus query row (``j - i``), evaluated once: query
+    row ``i`` of a traced forward at ``offset`` sees key ``j`` where this is ``<= offset``
+    (one comparison per call rather than building the positions)."""
+    distances = mx.arange(size, dtype=mx.int32)[None] - mx.arange(length, dtype=mx.int32)[:, None]
+    mx.eval(distances)
+    return distances
 
 
 @cache
@@ -336,15 +337,13 @@ def _decode_step(hk: int, hv: int, dk: int, dv: int, eps: float) -> Callable[...
              state: mx.array, conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array,
              norm_weight: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         B = qkv.shape[0]
-        K = conv_weight.shape[1]
         dtype = qkv.dtype
-        weight = conv_weight[..., 0]  # [C, K]
-        conv = _conv_silu(*(conv_tail[:, i] for i in range(K - 1)), qkv[:, 0],
-                          *(weight[:, i] for i in range(K))).astype(mx.float32)  # [B, C]
-        new_tail = mx.concatenate([conv_tail[:, 1:], qkv], axis=1)
+        window = mx.concatenate([conv_tail, qkv], axis=1)  # [B, K, C]
+        conv = _conv_silu(*_conv_taps(window, 1), *_conv_columns(conv_weight)
+                          ).astype(mx.float32).squeeze(1)  # [B, C]
         qk = _qk_pairs(conv, hk, dk)  # [B, Hk, 2, Dk]
         v = conv[:, 2 * hk * dk:].reshape(B, hk, rep, dv)
-        g, beta = _decay_and_beta(a[:, 0], b[:, 0], A_log, dt_bias)
+        g, beta = _decay_and_beta(a, b, A_log, dt_bias)  # [B, 1, Hv]
         e = mx.exp(g).reshape(B, hk, rep, 1)
         S = state.reshape(B, hk, rep, dv, dk)
         # With S' = e S + d k^T: S q and S k come from one product; S' q = e Sq + d (k.q).
@@ -354,7 +353,7 @@ def _decode_step(hk: int, hv: int, dk: int, dv: int, eps: float) -> Callable[...
         new_state = e[..., None] * S + delta[..., :, None] * qk[:, :, None, 1:]
         out = (e * sq_sk[..., 0, :] + delta * kq).reshape(B, hv, dv)
         out = _gated_rms_norm(out.astype(dtype), z.reshape(B, hv, dv), norm_weight, eps)
-        return out.reshape(B, 1, hv * dv), new_tail, new_state.reshape(state.shape)
+        return out.reshape(B, 1, hv * dv), window[:, 1:], new_state.reshape(state.shape)
 
     return mx.compile(step)
 
@@ -372,12 +371,10 @@ def _block_step(hk: int, hv: int, dk: int, dv: int, eps: float) -> Callable[...,
               state: mx.array, conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array,
               norm_weight: mx.array) -> tuple[mx.array, ...]:
         B, L, _ = qkv.shape
-        K = conv_weight.shape[1]
         dtype = qkv.dtype
         window = mx.concatenate([conv_tail, qkv], axis=1)  # [B, K - 1 + L, C]
-        weight = conv_weight[..., 0]
-        conv = _conv_silu(*(window[:, i:i + L] for i in range(K)),
-                          *(weight[:, i] for i in range(K))).astype(mx.float32)
+        conv = _conv_silu(*_conv_taps(window, L), *_conv_columns(conv_weight)
+                          ).astype(mx.float32)
         qk = _qk_pairs(conv, hk, dk)  # [B, L, Hk, 2, Dk]
         v = conv[..., 2 * hk * dk:].reshape(B, L, hk, rep, dv)
         kq = (qk @ qk.swapaxes(-1, -2))[..., None, 0, 1:]  # [B, L, Hk, 1, 1]
@@ -423,6 +420,21 @@ def _block_state_after(j: int) -> Callable[..., tuple[mx.array, mx.array]]:
     return mx.compile(state_after)
 
 
+def _conv_taps(window: mx.array, L: int) -> list[mx.array]:
+    """The K shifted inputs ``[B, L, C]`` of the causal convolution from its window
+    ``[B, K - 1 + L, C]`` (one split for a single token)."""
+    K = window.shape[1] - L + 1
+    if L == 1:
+        return mx.split(window, K, axis=1)
+    return [window[:, i:i + L] for i in range(K)]
+
+
+def _conv_columns(conv_weight: mx.array) -> list[mx.array]:
+    """The K weight columns ``[1, 1, C]`` of the depthwise weight ``[C, K, 1]``: one
+    transpose and one split."""
+    return mx.split(conv_weight.T, conv_weight.shape[1], axis=1)
+
+
 @partial(mx.compile, shapeless=True)
 def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
@@ -452,29 +464,31 @@ class _Projection:
     """One matmul for one or more bias-free linear layers of ``owner`` that read one input.
 
     Decoding one token is bound by the number of operations, not by arithmetic, so the
-    in-projections of a layer share one matmul and a residual add rides in the output
-    projection's ``addmm``. The layers keep their checkpoint names and shapes: on first
-    use their weights are concatenated along the output rows and each layer's arrays are
-    replaced by row slices (views) of the concatenation, so memory is not doubled. New
-    weights loaded later (other array objects) are noticed and concatenated again. Layers
-    that cannot share a matmul (different quantization, a bias) run one by one.
+    in-projections of a layer share one matmul (whose output one ``Split`` cuts into the
+    layers' outputs) and a residual add rides in the output projection's ``addmm``. The
+    layers keep their checkpoint names and shapes: on first use their weights are
+    concatenated along the output rows and each layer's arrays are replaced by row slices
+    (views) of the concatenation, so memory is not doubled. New weights loaded later (other
+    array objects) are noticed and concatenated again. Layers that cannot share a matmul
+    (different quantization, a bias) run one by one. An embedding (a tied output head)
+    counts as a linear layer with the same weight layout.
     """
 
     def __init__(self, *names: str) -> None:
         self.names = names
         self.sources: tuple[mx.array, ...] = ()
         self.fused: tuple[Any, ...] | None = None  # (kind, arrays...) once built
-        self.bounds: list[tuple[int, int]] = []
-        self.last: mx.array | None = None  # the latest call's joined output
+        self.cuts: list[int] = []  # where each layer's output columns start (after the first)
 
     def _layers(self, owner: nn.Module) -> list[nn.Module]:
         return [getattr(owner, name) for name in self.names]
 
     def _build(self, layers: list[nn.Module]) -> None:
-        plain = all(type(layer) is nn.Linear and "bias" not in layer for layer in layers)
-        quantized = all(isinstance(layer, nn.QuantizedLinear) and "bias" not in layer
-                        for layer in layers) and len({(layer.group_size, layer.bits,
-                                                       layer.mode) for layer in layers}) == 1
+        plain = all(type(layer) in (nn.Linear, nn.Embedding) and "bias" not in layer
+                    for layer in layers)
+        quantized = all(isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                        and "bias" not in layer for layer in layers) and len(
+            {(layer.group_size, layer.bits, layer.mode) for layer in layers}) == 1
         self.fused = None
         if plain or quantized:
             keys = ("weight",) if plain else ("weight", "scales", "biases")
@@ -482,13 +496,13 @@ class _Projection:
                 keys = ("weight", "scales")
             rows = [layer.weight.shape[0] for layer in layers]
             starts = [sum(rows[:i]) for i in range(len(rows) + 1)]
-            self.bounds = list(zip(starts[:-1], starts[1:]))
+            self.cuts = starts[1:-1]
             arrays = []
             for key in keys:
                 joined = (layers[0][key] if len(layers) == 1 else
                           mx.concatenate([layer[key] for layer in layers], axis=0))
                 if len(layers) > 1:
-                    for layer, (a, b) in zip(layers, self.bounds):
+                    for layer, a, b in zip(layers, starts[:-1], starts[1:]):
                         setattr(layer, key, joined[a:b])
                 arrays.append(joined)
             if plain:
@@ -511,36 +525,38 @@ class _Projection:
             self._build(layers)
         return layers
 
-    def joined(self, owner: nn.Module, x: mx.array) -> tuple[mx.array | None, list[mx.array]]:
-        """The one matmul's output (None where the layers run one by one) and its slices."""
-        outs = self(owner, x)
-        return (self.last if self.fused is not None else None), outs
+    def joined(self, owner: nn.Module, x: mx.array,
+               residual: mx.array | None = None) -> mx.array | None:
+        """The one matmul's output (``residual`` added), or None where the layers run one
+        by one. ``x`` as rows ``[N, in]`` (with ``residual [N, out]``) needs no broadcast
+        of the weight nor a flatten around the product."""
+        self.ensure(owner)
+        if self.fused is None:
+            return None
+        if self.fused[0] == "plain":
+            weight_t = self.fused[1]
+            return x @ weight_t if residual is None else mx.addmm(residual, x, weight_t)
+        _, w, scales, biases, group_size, bits, mode = self.fused
+        y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
+                                group_size=group_size, bits=bits, mode=mode)
+        return y if residual is None else residual + y
+
+    def split(self, joined: mx.array) -> list[mx.array]:
+        """The layers' outputs from a joined output (any leading shape): one operation."""
+        if not self.cuts:
+            return [joined]
+        return mx.split(joined, self.cuts, axis=-1)
 
     def __call__(self, owner: nn.Module, x: mx.array,
                  residual: mx.array | None = None) -> list[mx.array]:
         """The layers' outputs (``residual`` added, for a single layer)."""
-        layers = self.ensure(owner)
-        if self.fused is None:
-            outs = [layer(x) for layer in layers]
-            if residual is not None:
-                outs[0] = residual + outs[0]
-            return outs
-        if self.fused[0] == "plain":
-            weight_t = self.fused[1]
-            if residual is not None:
-                y = mx.addmm(residual, x, weight_t)
-            else:
-                y = x @ weight_t
-        else:
-            _, w, scales, biases, group_size, bits, mode = self.fused
-            y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
-                                    group_size=group_size, bits=bits, mode=mode)
-            if residual is not None:
-                y = residual + y
-        self.last = y
-        if len(layers) == 1:
-            return [y]
-        return [y[..., a:b] for a, b in self.bounds]
+        joined = self.joined(owner, x, residual)
+        if joined is not None:
+            return self.split(joined)
+        outs = [layer(x) for layer in self._layers(owner)]
+        if residual is not None:
+            outs[0] = residual + outs[0]
+        return outs
 
 
 # -- layers -----------------------------------------------------------------------------------
@@ -638,14 +654,22 @@ class GatedDeltaNet(nn.Module):
 
     def traced(self, x: mx.array, residual: mx.array, conv_tail: mx.array, state: mx.array,
                capture: bool) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
-        """Inside a traced forward through a filled cache: ``residual + mixer(x)``, the new
-        conv tail and state, and (``capture``, blocks of L > 1) the arrays
-        :func:`_block_state_after` rebuilds interior states from: qkv, k, delta, g."""
-        joined, (qkv, z, b, a) = self._in.joined(self, x)
+        """Inside a traced forward through a filled cache, on rows ``x, residual [B * L,
+        hidden]``: ``residual + mixer(x)``, the new conv tail and state, and (``capture``,
+        blocks of L > 1) the arrays :func:`_block_state_after` rebuilds interior states
+        from: qkv, k, delta, g. The DeltaNet core (and its kernels) sees ``[B, L, ...]``."""
+        B = conv_tail.shape[0]
+        L = x.shape[0] // B
+        joined = self._in.joined(self, x)
+        if joined is None:  # the in-projections run one by one
+            qkv, z, b, a = (part.reshape(B, L, -1) for part in self._in(self, x))
+        else:
+            joined = joined.reshape(B, L, -1)
+            qkv, z, b, a = self._in.split(joined)
         args = (qkv, z, b, a, conv_tail, state, self.conv1d.weight, self.A_log,
                 self.dt_bias, self.norm.weight)
         extra: list[mx.array] = []
-        if x.shape[1] == 1:
+        if L == 1:
             out, tail, state = cuda_kernels.deltanet_step(args, _decode_step(*self.dims()),
                                                           *self.dims(), joined=joined)
         else:
@@ -653,7 +677,7 @@ class GatedDeltaNet(nn.Module):
                 args, _block_step(*self.dims()), *self.dims(), joined=joined)
             if capture:
                 extra = [qkv, k, delta, g]
-        return self._out(self, out, residual)[0], tail, state, extra
+        return self._out(self, out.reshape(B * L, -1), residual)[0], tail, state, extra
 
 
 class Attention(nn.Module):
@@ -675,35 +699,37 @@ class Attention(nn.Module):
         self._in = _Projection("q_proj", "k_proj", "v_proj")
         self._out = _Projection("o_proj")
 
-    def _project(self, x: mx.array, offset: int | mx.array
+    def _project(self, x: mx.array, offset: int | mx.array, B: int, L: int
                  ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """Queries, keys, values ``[B, H, L, D]`` (normed, rotated) and the output gate."""
-        B, L, _ = x.shape
+        """Queries, keys, values (normed, rotated) and the output gate, all ``[B, H, L, D]``,
+        from ``x`` (``[B, L, hidden]`` or rows ``[B * L, hidden]``)."""
         D = self.head_dim
-        q_gate, k, v = self._in(self, x)
-        # Each head's slice of q_proj is [query | gate].
-        q_gate = q_gate.reshape(B, L, self.heads, 2 * D)
-        q, gate = q_gate[..., :D], q_gate[..., D:]
-        q = self.q_norm(q).transpose(0, 2, 1, 3)
-        k = self.k_norm(k.reshape(B, L, self.kv_heads, D)).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.kv_heads, D).transpose(0, 2, 1, 3)
-        q = mx.fast.rope(q, self.rotary_dims, traditional=False, base=self.rope_theta,
-                         scale=1.0, offset=offset)
-        k = mx.fast.rope(k, self.rotary_dims, traditional=False, base=self.rope_theta,
-                         scale=1.0, offset=offset)
+        joined = self._in.joined(self, x)
+        if joined is None:  # the projections run one by one
+            joined = mx.concatenate(self._in(self, x), axis=-1)
+        # The joined row is D-wide head rows [q_0 | gate_0 | q_1 | gate_1 | ... | k | v]:
+        # one reshape and one transpose give every head row as [B, rows, L, D].
+        rows = joined.reshape(B, L, -1, D).transpose(0, 2, 1, 3)
+        pairs = 2 * self.heads
+        q_gate, k, v = mx.split(rows, [pairs, pairs + self.kv_heads], axis=1)
+        q, gate = q_gate[:, 0::2], q_gate[:, 1::2]
+        q = mx.fast.rope(self.q_norm(q), self.rotary_dims, traditional=False,
+                         base=self.rope_theta, scale=1.0, offset=offset)
+        k = mx.fast.rope(self.k_norm(k), self.rotary_dims, traditional=False,
+                         base=self.rope_theta, scale=1.0, offset=offset)
         return q, k, v, gate
 
     def _finish(self, out: mx.array, gate: mx.array, residual: mx.array) -> mx.array:
-        B, _, L, _ = out.shape
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, self.heads * self.head_dim)
-        out = _sigmoid_gate(out, gate.reshape(B, L, self.heads * self.head_dim))
-        return self._out(self, out, residual)[0]
+        """``residual + o_proj(out * sigmoid(gate))`` for ``out, gate [B, H, L, D]``, in
+        ``residual``'s shape."""
+        out = _sigmoid_gate(out, gate).transpose(0, 2, 1, 3)
+        return self._out(self, out.reshape(*residual.shape[:-1], -1), residual)[0]
 
     def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array) -> mx.array:
         """``residual + attention(x)``."""
-        L = x.shape[1]
+        B, L, _ = x.shape
         offset = 0 if cache is None else cache.offset
-        q, k, v, gate = self._project(x, offset)
+        q, k, v, gate = self._project(x, offset, B, L)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
@@ -715,12 +741,15 @@ class Attention(nn.Module):
         self._out.ensure(self)
 
     def traced(self, x: mx.array, residual: mx.array, keys: mx.array, values: mx.array,
-               offset: mx.array, mask: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Inside a traced forward: write the new keys and values into the fixed-size
-        buffers at ``offset`` and attend over the whole buffers under ``mask``."""
-        q, k, v, gate = self._project(x, offset)
-        keys = mx.slice_update(keys, k, offset.reshape(1), (2,))
-        values = mx.slice_update(values, v, offset.reshape(1), (2,))
+               offset: mx.array, start: mx.array, mask: mx.array
+               ) -> tuple[mx.array, mx.array, mx.array]:
+        """Inside a traced forward, on rows ``x, residual [B * L, hidden]``: write the new
+        keys and values into the fixed-size buffers at ``offset`` (``start``: the same as
+        ``[offset]``) and attend over the whole buffers under ``mask``."""
+        B = keys.shape[0]
+        q, k, v, gate = self._project(x, offset, B, x.shape[0] // B)
+        keys = mx.slice_update(keys, k, start, (2,))
+        values = mx.slice_update(values, v, start, (2,))
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self._finish(out, gate, residual), keys, values
 
@@ -780,6 +809,10 @@ class Qwen3_5(Model):
         self.model = TextModel(self.config)
         if not self.config.tie_word_embeddings:
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        # traced forwards: the output head (the embedding when tied) as one matmul on a
+        # weight transposed once
+        self._head = _Projection("embed_tokens" if self.config.tie_word_embeddings
+                                 else "lm_head")
         #: trace forwards of up to TRACED_BLOCK tokens through filled caches (False: eager)
         self.compile_steps = True
         self._steps: dict[Any, Callable[..., Any]] = {}
@@ -906,6 +939,7 @@ class Qwen3_5(Model):
                     layer.self_attn.prepare_traced()
                 layer.mlp._in.ensure(layer.mlp)
                 layer.mlp._out.ensure(layer.mlp)
+            self._head.ensure(self._head_owner())
             step = self._steps[key] = mx.compile(self._step_graph(taps or (), L, capture))
             first_call = True
         else:
@@ -927,7 +961,7 @@ class Qwen3_5(Model):
                 # drop the cache's references so the write can reuse the buffers
                 c.keys = c.values = None
         try:
-            out = step(ids, mx.array(offset, mx.int32), state)
+            out = step(ids, mx.array(offset, mx.int32), mx.array([offset], mx.int32), state)
         except Exception as exc:
             if not first_call:
                 raise
@@ -975,18 +1009,20 @@ class Qwen3_5(Model):
         return logits, tapped
 
     def _step_graph(self, taps: tuple[int, ...], L: int, capture: bool) -> Callable[..., Any]:
-        """A forward of ``L`` tokens as a pure function of (ids, offset, cache arrays)."""
+        """A forward of ``L`` tokens as a pure function of (ids, offset, ``[offset]``, cache
+        arrays). Activations stay rows ``[B * L, hidden]`` from the embedding to the head:
+        2-D matmuls need no flatten, unflatten or weight broadcast around them."""
         layers = self.layers
         wanted = set(taps)
 
-        def step(ids: mx.array, offset: mx.array, state: list[mx.array]) -> list[mx.array]:
+        def step(ids: mx.array, offset: mx.array, start: mx.array,
+                 state: list[mx.array]) -> list[mx.array]:
             B = ids.shape[0]
             state = list(state)
             extras: list[mx.array] = []
             tapped: dict[int, mx.array] = {}
             masks: dict[int, mx.array] = {}
-            rows = _positions(L)[:, None]  # query row i sits at position offset + i
-            h = self.model.embed_tokens(ids)
+            h = self.model.embed_tokens(ids).reshape(B * L, -1)
             for i, layer in enumerate(layers):
                 x = layer.input_layernorm(h)
                 if layer.is_linear:
@@ -995,22 +1031,24 @@ class Qwen3_5(Model):
                     extras += extra
                 else:
                     size = state[2 * i].shape[2]
-                    if size not in masks:  # a buffer holds positions 0 .. offset + L - 1
-                        masks[size] = _positions(size) <= offset + rows  # one kernel
+                    if size not in masks:  # query row i sits at position offset + i
+                        masks[size] = _key_distances(L, size) <= offset
                     h, state[2 * i], state[2 * i + 1] = layer.self_attn.traced(
-                        x, h, state[2 * i], state[2 * i + 1], offset, masks[size])
-                # the MLP on [B * L, hidden] rows: 2-D matmuls need no flatten / broadcast
-                rows_h = h.reshape(B * L, -1)
-                h = layer.mlp(layer.post_attention_layernorm(rows_h), rows_h).reshape(h.shape)
+                        x, h, state[2 * i], state[2 * i + 1], offset, start, masks[size])
+                h = layer.mlp(layer.post_attention_layernorm(h), h)
                 if i in wanted:
                     tapped[i] = h
-            logits = self.raw_logits(self.model.norm(h))
-            out = [logits]
+            head = self._head(self._head_owner(), self.model.norm(h))[0]
+            out = [head.reshape(B, L, -1)]
             if taps:
-                out.append(mx.concatenate([tapped[t] for t in taps], axis=-1))
+                out.append(mx.concatenate([tapped[t] for t in taps], axis=-1).reshape(B, L, -1))
             return out + state + extras
 
         return step
+
+    def _head_owner(self) -> nn.Module:
+        """The module holding the output head's layer (``self._head`` names it)."""
+        return self.model if self.config.tie_word_embeddings else self
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
         return self.model.embed_tokens(ids)
