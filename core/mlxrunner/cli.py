@@ -234,10 +234,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     if args.compare and bundle.draft is not None:
-        # Warm both paths first (first calls trace and compile per shape), so the comparison
+        # Warm both paths over the whole run first (first calls trace and compile each
+        # shape: every verify length and commit size a run meets), so the comparison
         # measures decoding, not compilation.
         for warm_draft in (bundle.draft, None):
-            generate(bundle.model, prompt_ids, options=options, max_tokens=min(16, max_tokens),
+            generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
                      eos_ids=frozenset(stop_ids), draft=warm_draft)
     result = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
                       eos_ids=frozenset(stop_ids), on_token=on_token, draft=bundle.draft)
