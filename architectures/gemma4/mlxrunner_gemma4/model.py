@@ -20,7 +20,11 @@ its shapes only change when a full-attention buffer grows (every
 
 Every forward computes a layer's q/k/v (and the MLP's gate/up) projections with one
 matmul over weights stacked by rows once after loading, and normalises and rotates
-all of a layer's heads together: fewer kernels per step, the same arithmetic.
+all of a layer's heads together: fewer kernels per step, the same arithmetic. The
+layer stack runs on ``[B * L, hidden]`` rows and float weights are read through
+transposed views evaluated once, so its matmuls add no flatten, unflatten or
+transpose nodes to a traced step (whose every node, views included, costs host time
+on each replay).
 """
 
 from __future__ import annotations
@@ -242,6 +246,58 @@ class RMSNorm(nn.Module):
         return mx.fast.rms_norm(x, self.weight, self.eps)
 
 
+@dataclass
+class TransposedWeight:
+    """An evaluated transposed view of a float weight ``[out, in]`` (kept out of the
+    parameter tree): a traced step holds it as a constant, so ``x @ weight.T`` costs no
+    Transpose node per forward; the matmul reads the same memory with the same strides."""
+
+    weight: mx.array  # the parameter it views
+    view: mx.array
+
+    @classmethod
+    def of(cls, weight: mx.array) -> TransposedWeight:
+        view = weight.T
+        mx.eval(view)
+        return cls(weight, view)
+
+
+class _HoldsTransposed:
+    """A module with a float ``weight`` that can hold its ``TransposedWeight``
+    (``hold_transposed``; the model drops it with the other derived arrays)."""
+
+    transposed: TransposedWeight | None = None
+
+    def hold_transposed(self) -> None:
+        self.transposed = TransposedWeight.of(self["weight"])
+
+    def _weight_t(self) -> mx.array | None:
+        """The held view while it still views the weight (None: use ``weight.T``)."""
+        t = self.transposed
+        return t.view if t is not None and t.weight is self["weight"] else None
+
+
+class Linear(_HoldsTransposed, nn.Linear):
+    """``nn.Linear`` through its held transposed weight view."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight_t = self._weight_t()
+        if weight_t is None:
+            return super().__call__(x)
+        if "bias" in self:
+            return mx.addmm(self["bias"], x, weight_t)
+        return x @ weight_t
+
+
+class Embedding(_HoldsTransposed, nn.Embedding):
+    """``nn.Embedding`` whose ``as_linear`` (the tied head) goes through its held
+    transposed weight view."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        weight_t = self._weight_t()
+        return super().as_linear(x) if weight_t is None else x @ weight_t
+
+
 # Elementwise chains fused into one kernel each, whatever the shapes (prefill and
 # verify forwards run eagerly; inside the traced decode step they are inlined).
 @partial(mx.compile, shapeless=True)
@@ -287,6 +343,8 @@ def _stack_rows(parts: Sequence[nn.Module]) -> nn.Module | None:
             p[key] = stacked[key][row:row + rows]
         row += rows
     mx.eval(stacked.parameters(), [p.parameters() for p in parts])
+    if isinstance(stacked, Linear):
+        stacked.hold_transposed()
     return stacked
 
 
@@ -313,14 +371,14 @@ class Attention(nn.Module):
         self.eps = cfg.rms_norm_eps
         bias = cfg.attention_bias
         hidden = cfg.hidden_size
-        self.q_proj = nn.Linear(hidden, self.n_heads * d, bias=bias)
+        self.q_proj = Linear(hidden, self.n_heads * d, bias=bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         if self.has_kv:
-            self.k_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=bias)
+            self.k_proj = Linear(hidden, self.n_kv_heads * d, bias=bias)
             if not self.k_eq_v:
-                self.v_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=bias)
+                self.v_proj = Linear(hidden, self.n_kv_heads * d, bias=bias)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(self.n_heads * d, hidden, bias=bias)
+        self.o_proj = Linear(self.n_heads * d, hidden, bias=bias)
         spec = cfg.rope[self.layer_type]
         self._theta = spec.theta
         self._periods = None if spec.periods is None else mx.array(spec.periods, mx.float32)
@@ -354,53 +412,58 @@ class Attention(nn.Module):
         return mx.fast.rope(x, self.head_dim, traditional=False, base=None, scale=1.0,
                             offset=offset, freqs=self._periods)
 
-    def _normed_heads(self, x: mx.array, heads: int, norm: Callable[[mx.array], mx.array]
-                      ) -> mx.array:
-        """``[B, L, heads * D]`` to ``[B, heads, L, D]``, normed over D on the way (before
+    def _normed_heads(self, x: mx.array, L: int, heads: int,
+                      norm: Callable[[mx.array], mx.array]) -> mx.array:
+        """``[B * L, heads * D]`` to ``[B, heads, L, D]``, normed over D on the way (before
         the transpose, on contiguous rows); one token needs no transpose at all."""
-        B, L, _ = x.shape
         if L == 1:
-            return norm(x.reshape(B, heads, 1, self.head_dim))
-        return norm(x.reshape(B, L, heads, self.head_dim)).transpose(0, 2, 1, 3)
+            return norm(x.reshape(-1, heads, 1, self.head_dim))
+        return norm(x.reshape(-1, L, heads, self.head_dim)).transpose(0, 2, 1, 3)
 
     def _v_norm(self, v: mx.array) -> mx.array:
         return mx.fast.rms_norm(v, None, self.eps)
 
-    def project(self, x: mx.array, offset: int | mx.array
+    def project(self, x: mx.array, L: int, offset: int | mx.array
                 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """Queries ``[B, H, L, D]`` and, for a layer with its own, keys and values
-        (q/k normed and rotated, v normed without a weight)."""
+        """Queries ``[B, H, L, D]`` of ``x [B * L, hidden]`` and, for a layer with its
+        own, keys and values (q/k normed and rotated, v normed without a weight)."""
         if self.fused is not None:
-            return self._project_fused(x, offset)
-        q = self.rope(self._normed_heads(self.q_proj(x), self.n_heads, self.q_norm), offset)
+            return self._project_fused(x, L, offset)
+        q = self.rope(self._normed_heads(self.q_proj(x), L, self.n_heads, self.q_norm), offset)
         if not self.has_kv:
             return q, None, None
         k_raw = self.k_proj(x)
         # K=V layers: the value is the raw key projection, normed like any value
         v_raw = k_raw if self.k_eq_v else self.v_proj(x)
-        k = self.rope(self._normed_heads(k_raw, self.n_kv_heads, self.k_norm), offset)
-        v = self._normed_heads(v_raw, self.n_kv_heads, self._v_norm)
+        k = self.rope(self._normed_heads(k_raw, L, self.n_kv_heads, self.k_norm), offset)
+        v = self._normed_heads(v_raw, L, self.n_kv_heads, self._v_norm)
         return q, k, v
 
-    def _project_fused(self, x: mx.array, offset: int | mx.array
+    def _project_fused(self, x: mx.array, L: int, offset: int | mx.array
                        ) -> tuple[mx.array, mx.array, mx.array]:
         """``project`` through the stacked weights: heads [q | k | v], all normed
-        without a weight in one go, then q and k weighted and rotated together."""
+        without a weight in one go, then q and k weighted and rotated together (each
+        cut with one split: one graph node instead of a slice per part)."""
         fused = self.fused
         H, qk = self.n_heads, self.n_heads + self.n_kv_heads
         heads = qk if self.k_eq_v else qk + self.n_kv_heads
-        normed = self._normed_heads(fused.proj(x), heads, self._v_norm)
-        rotated = self.rope(normed[:, :qk] * fused.qk_norm_weight, offset)
-        # K=V layers: the value is the key projection, normed without a weight
-        v = normed[:, H:qk] if self.k_eq_v else normed[:, qk:]
-        return rotated[:, :H], rotated[:, H:], v
+        normed = self._normed_heads(fused.proj(x), L, heads, self._v_norm)
+        if self.k_eq_v:  # the value is the key projection, normed without a weight
+            qk_heads, v = normed, normed[:, H:]
+        else:
+            qk_heads, v = mx.split(normed, [qk], axis=1)
+        q, k = mx.split(self.rope(qk_heads * fused.qk_norm_weight, offset), [H], axis=1)
+        return q, k, v
 
     def attend(self, q: mx.array, keys: mx.array, values: mx.array,
                mask: mx.array | str | None) -> mx.array:
-        B, _, L, _ = q.shape
+        """Attention of ``q [B, H, L, D]`` over the keys and values, projected to
+        ``[B * L, hidden]``."""
+        L = q.shape[2]
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
-        out = out.reshape(B, 1, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out)
+        if L > 1:
+            out = out.transpose(0, 2, 1, 3)
+        return self.o_proj(out.reshape(-1, self.n_heads * out.shape[-1]))
 
 
 @dataclass
@@ -414,9 +477,9 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.fused: FusedMLP | None = None
 
     def fuse(self) -> None:
@@ -426,9 +489,8 @@ class MLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if self.fused is None:
             return self.down_proj(_gelu_mul(self.gate_proj(x), self.up_proj(x)))
-        gate_up = self.fused.gate_up(x)
-        i = self.intermediate
-        return self.down_proj(_gelu_mul(gate_up[..., :i], gate_up[..., i:]))
+        gate, up = mx.split(self.fused.gate_up(x), [self.intermediate], axis=-1)
+        return self.down_proj(_gelu_mul(gate, up))
 
 
 class ExpertLinear(nn.Module):
@@ -480,7 +542,7 @@ class QuantizedExpertLinear(nn.Module):
 class Router(nn.Module):
     def __init__(self, cfg: Gemma4Config) -> None:
         super().__init__()
-        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.proj = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.scale = mx.ones((cfg.hidden_size,))
         self.per_expert_scale = mx.ones((cfg.num_experts,))
         self.eps = cfg.rms_norm_eps
@@ -554,8 +616,8 @@ class DecoderLayer(nn.Module):
         self.per_layer = cfg.hidden_size_per_layer_input > 0
         if self.per_layer:
             p = cfg.hidden_size_per_layer_input
-            self.per_layer_input_gate = nn.Linear(h, p, bias=False)
-            self.per_layer_projection = nn.Linear(p, h, bias=False)
+            self.per_layer_input_gate = Linear(h, p, bias=False)
+            self.per_layer_projection = Linear(p, h, bias=False)
             self.post_per_layer_input_norm = RMSNorm(h, eps)
         self.layer_scalar = mx.ones((1,))
 
@@ -579,14 +641,14 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     def __init__(self, cfg: Gemma4Config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.hidden_size_per_layer_input:
             p = cfg.hidden_size_per_layer_input
-            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input,
+            self.embed_tokens_per_layer = Embedding(cfg.vocab_size_per_layer_input,
                                                        cfg.num_layers * p)
-            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, cfg.num_layers * p,
+            self.per_layer_model_projection = Linear(cfg.hidden_size, cfg.num_layers * p,
                                                         bias=False)
             self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps)
 
@@ -614,7 +676,7 @@ class Gemma4Model(Model):
         self.args = Gemma4Config.from_dict(config)
         self.model = TextModel(self.args)
         if not self.args.tie_word_embeddings:
-            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+            self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
         #: trace and replay decode steps and short verify forwards (off: always eager)
         self.compile_decode = True
         self._steps: dict[Any, Callable] = {}
@@ -698,21 +760,31 @@ class Gemma4Model(Model):
         return super().update_modules(modules, strict=strict)
 
     def _drop_derived(self) -> None:
-        """Forget what was built from the weights: traced steps and stacked projections."""
+        """Forget what was built from the weights: traced steps, stacked projections and
+        transposed weight views."""
         self._steps.clear()
         if self._fused:
             for layer in self.layers:
                 layer.self_attn.fused = layer.mlp.fused = None
+            for _, module in self.named_modules():
+                if isinstance(module, _HoldsTransposed):
+                    module.transposed = None
             self._fused = False
 
     def _fuse(self) -> None:
         """Stack each layer's q/k/v and gate/up projections, once per set of weights:
-        fewer, wider matmuls (and one norm and rope for q and k), the same arithmetic."""
+        fewer, wider matmuls (and one norm and rope for q and k), the same arithmetic;
+        and hold the float weights' transposed views (the tied head's included)."""
         if self._fused:
             return
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        for _, module in self.named_modules():
+            if isinstance(module, Linear):
+                module.hold_transposed()
+        if self.args.tie_word_embeddings and isinstance(self.model.embed_tokens, Embedding):
+            self.model.embed_tokens.hold_transposed()
         self._fused = True
 
     # -- target interface ------------------------------------------------------
@@ -767,23 +839,28 @@ class Gemma4Model(Model):
         return taps
 
     # -- the layer stack (shared by both paths) ----------------------------------
-    def _per_layer_inputs(self, ids: mx.array, h: mx.array) -> mx.array:
-        """``[B, L, layers, P]``: token table (times sqrt(P)) and projection of the
-        scaled embedding, combined."""
+    def _per_layer_inputs(self, ids: mx.array, h: mx.array) -> list[mx.array]:
+        """Each layer's ``[N, P]`` input for ``N`` tokens: token table (times sqrt(P))
+        and projection of the scaled embedding ``h [N, hidden]``, combined, then cut
+        with one split."""
         m, a = self.model, self.args
-        B, L = ids.shape
         p = a.hidden_size_per_layer_input
-        table = m.embed_tokens_per_layer(ids).reshape(B, L, a.num_layers, p)
+        table = m.embed_tokens_per_layer(ids)
         proj = m.per_layer_model_projection(h) * (a.hidden_size ** -0.5)
-        proj = m.per_layer_projection_norm(proj.reshape(B, L, a.num_layers, p))
-        # scaled after the reshape: a traced step fuses it with the sum
-        return (proj + table * mx.array(p ** 0.5, table.dtype)) * (2 ** -0.5)
+        proj = m.per_layer_projection_norm(proj.reshape(-1, a.num_layers, p))
+        # one fused kernel for the scales and the sum
+        combined = (proj.reshape(table.shape) + table * mx.array(p ** 0.5, table.dtype)
+                    ) * (2 ** -0.5)
+        return _split_evenly(combined, a.num_layers)
 
     def _run(self, ids: mx.array, offset: int | mx.array,
              store: Callable[[int, mx.array, mx.array], KV], taps: tuple[int, ...]
              ) -> tuple[mx.array, mx.array | None]:
         """Embedding, every layer, head; ``store(i, k, v)`` files layer i's new keys
-        and values in its cache and returns what its queries attend over."""
+        and values in its cache and returns what its queries attend over. The stack
+        runs on ``[B * L, hidden]`` rows: its matmuls need no flatten and unflatten."""
+        B, L = ids.shape
+        ids = ids.reshape(-1)
         h = self.embed_tokens(ids)
         ple = self._per_layer_inputs(ids, h) if self.args.hidden_size_per_layer_input else None
         kv_of: dict[int, KV] = {}
@@ -791,7 +868,7 @@ class Gemma4Model(Model):
         tap_set = set(taps)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(h), offset)
+            q, k, v = attn.project(layer.input_layernorm(h), L, offset)
             if k is not None:
                 kv = store(i, k, v)
                 if i in self._shared_sources:
@@ -799,11 +876,11 @@ class Gemma4Model(Model):
             else:
                 kv = kv_of[self.args.kv_source[i]]
             a = attn.attend(q, *kv)
-            h = layer.finish(h, a, ple[:, :, i, :] if ple is not None else None)
+            h = layer.finish(h, a, ple[i] if ple is not None else None)
             if i in tap_set:
                 tapped.append(h)
-        out = self.logits(h)
-        return out, (mx.concatenate(tapped, axis=-1) if tapped else None)
+        out = self.logits(h).reshape(B, L, -1)
+        return out, (mx.concatenate(tapped, axis=-1).reshape(B, L, -1) if tapped else None)
 
     # -- eager path ------------------------------------------------------------
     def _forward_eager(self, ids: mx.array, cache: Sequence[Any] | None,
@@ -954,6 +1031,24 @@ class Gemma4Model(Model):
             return [logits] + ([tapped] if taps else []) + state + written
 
         return step
+
+
+#: MLX records a split into up to this many parts as one graph node, into more as a
+#: slice per part
+_SPLIT_NODE_PARTS = 10
+
+
+def _split_evenly(x: mx.array, parts: int) -> list[mx.array]:
+    """``mx.split(x, parts, axis=-1)`` in few graph nodes: groups of up to
+    ``_SPLIT_NODE_PARTS`` parts first, then each group (views of the same memory)."""
+    if parts <= _SPLIT_NODE_PARTS:
+        return mx.split(x, parts, axis=-1)
+    width = x.shape[-1] // parts
+    group = _SPLIT_NODE_PARTS * width
+    pieces = []
+    for chunk in mx.split(x, list(range(group, x.shape[-1], group)), axis=-1):
+        pieces += mx.split(chunk, chunk.shape[-1] // width, axis=-1)
+    return pieces
 
 
 @lru_cache(maxsize=16)
