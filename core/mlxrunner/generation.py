@@ -70,7 +70,8 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
     ids = mx.array(list(prompt), dtype=mx.int32)[None]
     tapped_parts = []
     logits = None
-    for start in range(0, ids.shape[1], chunk):
+    total = ids.shape[1]
+    for start in range(0, total, chunk):
         out = model(ids[:, start:start + chunk], cache, taps=taps) if taps else \
             model(ids[:, start:start + chunk], cache)
         extra: Sequence[mx.array] = ()
@@ -78,8 +79,13 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
             out, tapped = out
             tapped_parts.append(tapped)
             extra = on_taps(tapped) if on_taps is not None else (tapped,)
-        logits = out[:, -1, :]
-        mx.eval(logits, *[c.state for c in cache if c is not None], *extra)
+        # Only the last chunk's logits are wanted: earlier chunks evaluate the caches alone,
+        # so their vocabulary head (the widest matmul) is never computed.
+        wanted = []
+        if start + chunk >= total:
+            logits = out[:, -1, :]
+            wanted = [logits]
+        mx.eval(*wanted, *[c.state for c in cache if c is not None], *extra)
     if logits is None:
         raise ValueError("the prompt must hold at least one token")
     tapped_all = None

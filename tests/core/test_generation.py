@@ -79,3 +79,22 @@ def test_logprob_requests_decode_without_the_draft(model):
     options = SamplerOptions(temperature=0, logprobs=True)
     result = mlxrunner.generate(model, [1, 2, 3], options=options, max_tokens=5, draft=draft)
     assert result.stats.as_dict()["mode"] == "plain" and len(result.logprobs) == 5
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 7])
+def test_chunked_prefill_gives_the_last_rows_logits_and_the_same_caches(model, chunk):
+    """Any chunking (the last chunk full, partial or a single token) ends with the prompt's
+    last-row logits and caches that continue exactly like a one-shot prefill's."""
+    from mlxrunner.generation import prefill
+
+    prompt = [3, 9, 4, 1, 5, 2, 8, 6]
+    whole_cache, split_cache = model.make_cache(), model.make_cache()
+    whole, _ = prefill(model, prompt, whole_cache, chunk=len(prompt))
+    split, _ = prefill(model, prompt, split_cache, chunk=chunk)
+    np.testing.assert_allclose(np.array(split), np.array(whole), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(whole),
+                               np.array(model(mx.array([prompt]))[:, -1, :]), rtol=1e-5,
+                               atol=1e-5)
+    step = mx.array([[7]])
+    np.testing.assert_allclose(np.array(model(step, split_cache)),
+                               np.array(model(step, whole_cache)), rtol=1e-5, atol=1e-5)
