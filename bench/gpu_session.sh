@@ -18,7 +18,7 @@ mkdir -p "$out"
 case "${1:-}" in
   demo)
     timeout 560 python3 plugins/demo/recipe/build_demo.py --out /tmp/demo \
-      --time-budget-s "${DEMO_BUDGET_S:-480}" > "$out/build.txt" 2>&1
+      --time-budget-s "${DEMO_BUDGET_S:-440}" > "$out/build.txt" 2>&1
     echo "build exit $?"
     grep -v "^step \|target step" "$out/build.txt" | tail -14
     cp /tmp/demo.build/build_summary.json /tmp/demo.build/model_card_figures.md "$out/" 2>/dev/null
