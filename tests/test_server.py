@@ -105,6 +105,7 @@ def test_a_stop_string_ends_the_text_before_it(served):
             finish = reply[-1]["choices"][0]["finish_reason"]
         else:
             got, finish = reply["choices"][0]["text"], reply["choices"][0]["finish_reason"]
+            assert reply["usage"]["prompt_tokens"] == free["usage"]["prompt_tokens"] > 0
         assert (got, finish) == (text[:first], "stop")
 
 
@@ -177,3 +178,35 @@ def test_a_taken_port_is_one_clear_error(served, capsys):
     assert main(["serve", "--port", port]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mlxrunner: error: cannot listen on 127.0.0.1:")
+
+
+def test_concurrent_streamed_chats_each_get_the_whole_reply(served):
+    """Each request parses its reply with a parser of its own."""
+    _, base = served
+    body = {"messages": [{"role": "user", "content": "class Test"}], "max_tokens": 24,
+            "temperature": 0}
+    _, whole = post(base + "/v1/chat/completions", body)
+    want = whole["choices"][0]["message"]["content"]
+    results: list[Any] = [None] * 3
+
+    def ask(i: int) -> None:
+        results[i] = post(base + "/v1/chat/completions", {**body, "stream": True})
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for status, chunks in results:
+        assert status == 200
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+
+
+def test_a_port_out_of_range_is_refused_by_the_command_line():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "serve", "--port", "70000"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].endswith("'70000' is not a port (0-65535)")

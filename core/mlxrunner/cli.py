@@ -239,16 +239,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         # measures decoding, not compilation.
         for warm_draft in (bundle.draft, None):
             generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                     eos_ids=frozenset(stop_ids), draft=warm_draft)
+                     eos_ids=stop_ids, draft=warm_draft)
     result = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                      eos_ids=frozenset(stop_ids), on_token=on_token, draft=bundle.draft)
+                      eos_ids=stop_ids, on_token=on_token, draft=bundle.draft)
     if stream:
         sys.stdout.write(detok.finish() + "\n")
         sys.stdout.flush()
     stats = {"run": result.stats.as_dict()}
     if args.compare and bundle.draft is not None:
         plain = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                         eos_ids=frozenset(stop_ids))
+                         eos_ids=stop_ids)
         stats["plain"] = plain.stats.as_dict()
         same = plain.tokens == result.tokens
         stats["identical_to_plain"] = same
@@ -369,14 +369,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import Service, make_server
 
     model_arg = args.model or "default"
-    bundle = load(model_arg, draft=args.draft, renderer=args.renderer, parser=args.parser,
-                  dtype=args.dtype, use_draft=not args.no_draft)
-    service = Service(bundle, name=args.name or model_arg)
+    # Bind first: a taken port is reported before a long model load.
     try:
-        server = make_server(service, args.host, args.port, verbose=args.verbose)
+        server = make_server(None, args.host, args.port, verbose=args.verbose)
     except OSError as exc:
         raise MLXRunnerError(f"cannot listen on {args.host}:{args.port} "
                              f"({exc.strerror or exc})") from None
+    try:
+        bundle = load(model_arg, draft=args.draft, renderer=args.renderer, parser=args.parser,
+                      dtype=args.dtype, use_draft=not args.no_draft)
+    except BaseException:
+        server.server_close()
+        raise
+    service = server.service = Service(bundle, name=args.name or model_arg)
     host, port = server.server_address[:2]
     draft = f", draft {type(bundle.draft).__name__}" if bundle.draft is not None else ""
     print(f"mlxrunner: serving {service.name}{draft} on http://{host}:{port}/v1 "
@@ -388,12 +393,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return port
+
+
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="model folder or registered name (default: the "
                                             "embedded demo)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    p.add_argument("--port", type=_port, default=8080, help="port (0: any free one)")
     p.add_argument("--name", help="the model name the API reports")
     p.add_argument("--draft")
     p.add_argument("--no-draft", action="store_true")

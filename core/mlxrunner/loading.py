@@ -251,6 +251,15 @@ class Bundle:
     modelfile: Any | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def new_parser(self) -> Any | None:
+        """A parser of its own for one reply (a parser holds the state of the reply it is
+        parsing, so concurrent replies must not share one)."""
+        if self.parser_name is None:
+            return None
+        from .chat import get_parser
+
+        return get_parser(self.parser_name, self.extra.get("context"))
+
     def stop_token_ids(self) -> frozenset[int]:
         """Ids that end a reply: the tokenizer's EOS ids, the model's own, and the
         renderer's stop markers (e.g. an end-of-turn token)."""

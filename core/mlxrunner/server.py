@@ -114,7 +114,7 @@ class Service:
         if not ids:
             raise RequestError("the prompt is empty")
         detok = tok.detokenizer()
-        reply = Reply()
+        reply = Reply(stats={"prompt_tokens": len(ids)})
         pending = ""  # decided text not yet handed on (a stop string may be starting)
         hold = max((len(s) for s in stops), default=1) - 1
 
@@ -152,8 +152,7 @@ class Service:
         emit(pending)
         reply.finish_reason = result.finish_reason
         reply.logprobs = result.logprobs
-        reply.stats = result.stats.as_dict()
-        reply.stats["prompt_tokens"] = len(ids)
+        reply.stats.update(result.stats.as_dict())
         return reply
 
     def logprobs_entry(self, reply: Reply) -> dict[str, Any] | None:
@@ -184,12 +183,17 @@ def _usage(reply: Reply) -> dict[str, int]:
 class Handler(BaseHTTPRequestHandler):
     """HTTP in and out; the work is the :class:`Service`'s."""
 
-    service: Service
+    server: Server
     server_version = "mlxrunner"
     protocol_version = "HTTP/1.1"
 
+    @property
+    def service(self) -> Service:
+        assert self.server.service is not None, "serve_forever before the service was set"
+        return self.server.service
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
-        if getattr(self.server, "verbose", False):
+        if self.server.verbose:
             super().log_message(format, *args)
 
     # -- plumbing --------------------------------------------------------------------
@@ -271,7 +275,7 @@ class Handler(BaseHTTPRequestHandler):
     def _chat(self, body: dict[str, Any], stream: bool) -> None:
         service = self.service
         prompt, tools = service.chat_prompt(body)
-        parser = service.bundle.parser
+        parser = service.bundle.new_parser()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if not stream:
             reply = service.generate(prompt, body, rendered=True)
@@ -360,13 +364,24 @@ class Handler(BaseHTTPRequestHandler):
         self._event("[DONE]")
 
 
-def make_server(service: Service, host: str = "127.0.0.1", port: int = 8080,
-                verbose: bool = False) -> ThreadingHTTPServer:
-    """An HTTP server for ``service`` (not yet serving: call ``serve_forever``)."""
-    handler = type("BoundHandler", (Handler,), {"service": service})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    server.verbose = verbose  # type: ignore[attr-defined]
+class Server(ThreadingHTTPServer):
+    """The listening socket and its :class:`Service` (set before ``serve_forever``)."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, verbose: bool = False) -> None:
+        super().__init__((host, port), Handler)
+        self.verbose = verbose
+        self.service: Service | None = None
+
+
+def make_server(service: Service | None, host: str = "127.0.0.1", port: int = 8080,
+                verbose: bool = False) -> Server:
+    """A server bound to ``host:port`` for ``service`` (not yet serving: call
+    ``serve_forever``). The service may be set later, e.g. after binding has shown that
+    the port is free and before a slow model load."""
+    server = Server(host, port, verbose)
+    server.service = service
     return server
 
 

@@ -459,6 +459,11 @@ class DFlashSession(mlxrunner.DraftSession):
     def __init__(self, draft: DFlashDraftModel, sampler: Any) -> None:
         super().__init__(draft, sampler)
         self.stores = [ContextKV(layer.self_attn.window) for layer in draft.layers]
+        # empty arrays with each layer's key/value shape and dtype: what a store allocates by
+        # when a traced graph needs room (made once, not every round)
+        self._empty_kv = [mx.zeros((1, layer.self_attn.n_kv_heads, 0,
+                                    layer.self_attn.head_dim), draft.compute_dtype)
+                          for layer in draft.layers]
 
     @property
     def context_length(self) -> int:
@@ -494,11 +499,8 @@ class DFlashSession(mlxrunner.DraftSession):
         ``rows`` rows at the context's end (``appending``: rows the context keeps, so
         rows out of every window's reach may go first). The stores let go of their
         buffers so that the graph may write them in place (:meth:`_take_state`)."""
-        draft = self.draft
         state: list[mx.array] = []
-        for layer, store in zip(draft.layers, self.stores):
-            attn = layer.self_attn
-            like = mx.zeros((1, attn.n_kv_heads, 0, attn.head_dim), draft.compute_dtype)
+        for like, store in zip(self._empty_kv, self.stores):
             if appending:
                 store.make_room(rows, like, like)
             else:
