@@ -52,28 +52,36 @@ def run(model: Any, cache: list[Any], prompt: mx.array, new: int) -> dict[str, f
     y = step(prompt[None, -1:])  # the prompt's last token: the first decode step
     mx.async_eval(y)
     y.item()
+    build_s = 0.0
     start = time.perf_counter()
     for _ in range(new):
+        built = time.perf_counter()
         nxt = step(y)
+        build_s += time.perf_counter() - built
         mx.async_eval(nxt)
         y.item()  # read the previous token while the next step runs
         y = nxt
     y.item()
     decode_s = time.perf_counter() - start
     return {"prefill_s": prefill_s, "prefill_tok_s": (prompt.size - 1) / prefill_s,
-            "decode_s": decode_s, "decode_tok_s": new / decode_s}
+            "decode_s": decode_s, "decode_tok_s": new / decode_s,
+            "decode_build_ms": 1e3 * build_s / new}
 
 
 def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
             name_width: int) -> dict[str, dict[str, float]]:
     """Best prefill and decode rates of each row (a model with ``make_cache``), printed
-    with names padded to ``name_width``. The rows take turns in every repeat so that a
-    change of machine load hits them alike."""
+    with names padded to ``name_width``. The rows take turns in every repeat, each repeat
+    starting one row further on, so that a change of machine load or the allocator state
+    a row inherits from the one before hits them alike."""
     for model in rows.values():
         run(model, model.make_cache(), prompt, min(new, 4))  # warm-up: trace, JIT, allocate
     best: dict[str, dict[str, float]] = {}
-    for _ in range(repeats):
-        for name, model in rows.items():
+    names = list(rows)
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            model = rows[name]
             result = run(model, model.make_cache(), prompt, new)
             gc.collect()
             kept = best.setdefault(name, result)
@@ -81,9 +89,13 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
                 if result[f"{key}_tok_s"] > kept[f"{key}_tok_s"]:
                     kept[f"{key}_s"], kept[f"{key}_tok_s"] = (result[f"{key}_s"],
                                                               result[f"{key}_tok_s"])
-    for name, result in best.items():
+                    if key == "decode":
+                        kept["decode_build_ms"] = result["decode_build_ms"]
+    for name in names:
+        result = best[name]
         print(f"  {name:{name_width}s} prefill {result['prefill_tok_s']:10.1f} tok/s   "
-              f"decode {result['decode_tok_s']:8.1f} tok/s", flush=True)
+              f"decode {result['decode_tok_s']:8.1f} tok/s   (building a step "
+              f"{result['decode_build_ms']:.2f} ms)", flush=True)
     return best
 
 

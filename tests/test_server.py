@@ -109,6 +109,23 @@ def test_a_stop_string_ends_the_text_before_it(served):
         assert (got, finish) == (text[:first], "stop")
 
 
+def test_logprobs_survive_a_stop_string(served):
+    """A stop string ends the reply; the logprobs of every token kept come back with it."""
+    _, base = served
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 40, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    _, free = post(base + "/v1/completions", body)
+    text = free["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    status, reply = post(base + "/v1/completions", {**body, "stop": [stop]})
+    assert status == 200 and reply["choices"][0]["finish_reason"] == "stop"
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert 0 < len(content) < len(free["choices"][0]["logprobs"]["content"])
+    assert len(content) == reply["usage"]["completion_tokens"]
+    # the same greedy tokens as the free run, up to where the stop string appeared
+    assert content == free["choices"][0]["logprobs"]["content"][:len(content)]
+
+
 def test_logprobs_come_back_per_token(served):
     _, base = served
     status, reply = post(base + "/v1/completions", {"prompt": "import", "max_tokens": 5,

@@ -153,12 +153,15 @@ def _logprob_dict(info: Any) -> dict[str, Any] | None:
 
 def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | None = None,
              max_tokens: int = 256, eos_ids: frozenset[int] | set[int] = frozenset(),
-             on_token: Callable[[int], None] | None = None, draft: Any = None,
+             on_token: Callable[[int], bool | None] | None = None, draft: Any = None,
              draft_options: dict[str, Any] | None = None) -> GenerationResult:
     """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids).
 
-    With a ``draft`` (and no logprobs requested) the speculative loop runs; its
-    output equals what plain decoding would give, and its stats say how it went.
+    ``on_token`` sees each token as it is decided; returning True ends generation after
+    that token (finish reason "stop": e.g. a stop string has appeared), with the tokens,
+    logprobs and stats so far. With a ``draft`` (and no logprobs requested) the
+    speculative loop runs; its output equals what plain decoding would give, and its
+    stats say how it went.
     """
     options = options or SamplerOptions()
     sampler = Sampler(options, model.vocab_size)
@@ -173,12 +176,14 @@ def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | N
                                       on_token=on_token, **(draft_options or {}))
         return result
     stats = GenerationStats()
+    stopped = False
     for token, info in stream_plain(model, prompt, sampler, max_tokens, eos_ids, stats,
                                     want_logprobs):
         tokens.append(token)
         if info is not None:
             logprobs.append(info)
-        if on_token is not None:
-            on_token(token)
-    finish = "stop" if tokens and tokens[-1] in eos_ids else "length"
+        if on_token is not None and on_token(token):
+            stopped = True
+            break
+    finish = "stop" if stopped or (tokens and tokens[-1] in eos_ids) else "length"
     return GenerationResult(tokens=tokens, finish_reason=finish, stats=stats, logprobs=logprobs)

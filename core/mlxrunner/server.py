@@ -41,10 +41,6 @@ class RequestError(MLXRunnerError):
         self.status = status
 
 
-class _StopText(Exception):
-    """Raised from the token callback when a stop string has appeared."""
-
-
 @dataclass
 class Reply:
     """What one request produced."""
@@ -123,33 +119,33 @@ class Service:
             if on_text is not None and text:
                 on_text(text)
 
-        def on_token(token: int) -> None:
-            nonlocal pending
+        stopped = False
+
+        def on_token(token: int) -> bool:
+            nonlocal pending, stopped
             reply.tokens.append(token)
             if token in self.stop_ids:
-                return
+                return False
             pending += detok.add(token)
             for stop in stops:
                 at = pending.find(stop)
                 if at >= 0:
                     emit(pending[:at])
                     pending = ""
-                    raise _StopText
+                    stopped = True
+                    return True  # generation ends here, its logprobs and stats kept
             cut = len(pending) - hold
             if cut > 0:
                 emit(pending[:cut])
                 pending = pending[cut:]
+            return False
 
         with self.lock:
-            try:
-                result = generate(bundle.model, ids, options=options, max_tokens=max_tokens,
-                                  eos_ids=self.stop_ids, on_token=on_token,
-                                  draft=bundle.draft)
-            except _StopText:
-                reply.finish_reason = "stop"
-                return reply
-        pending += detok.finish()
-        emit(pending)
+            result = generate(bundle.model, ids, options=options, max_tokens=max_tokens,
+                              eos_ids=self.stop_ids, on_token=on_token, draft=bundle.draft)
+        if not stopped:
+            pending += detok.finish()
+            emit(pending)
         reply.finish_reason = result.finish_reason
         reply.logprobs = result.logprobs
         reply.stats.update(result.stats.as_dict())

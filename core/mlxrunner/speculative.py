@@ -435,23 +435,30 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
 def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int], *,
                          sampler: Sampler | None = None, options: SamplerOptions | None = None,
                          max_tokens: int = 256, eos_ids: frozenset[int] | set[int] = frozenset(),
-                         on_token: Callable[[int], None] | None = None,
+                         on_token: Callable[[int], bool | None] | None = None,
                          depth: int | None = None) -> GenerationResult:
     """Generate with ``draft``; the output has plain decoding's distribution (greedy: its
     very tokens). Returns :class:`mlxrunner.GenerationResult` with
-    :class:`SpeculativeStats` as ``stats``."""
+    :class:`SpeculativeStats` as ``stats``. ``on_token`` returning True ends generation
+    after that token (the rest of its round is dropped), as in :func:`mlxrunner.generate`."""
     from .generation import GenerationResult
 
     if sampler is None:
         sampler = Sampler(options or SamplerOptions(), model.vocab_size)
     stats = SpeculativeStats(draft=type(draft).__name__)
     tokens: list[int] = []
-    for chunk in speculative_stream(model, draft, prompt, sampler=sampler,
-                                    max_tokens=max_tokens, eos_ids=eos_ids, depth=depth,
-                                    stats=stats):
+    stopped = False
+    stream = speculative_stream(model, draft, prompt, sampler=sampler, max_tokens=max_tokens,
+                                eos_ids=eos_ids, depth=depth, stats=stats)
+    for chunk in stream:
         for token in chunk:
             tokens.append(token)
-            if on_token is not None:
-                on_token(token)
-    finish = "stop" if tokens and tokens[-1] in eos_ids else "length"
+            if on_token is not None and on_token(token):
+                stopped = True
+                break
+        if stopped:
+            stream.close()
+            stats.generated_tokens = len(tokens)  # what the caller keeps
+            break
+    finish = "stop" if stopped or (tokens and tokens[-1] in eos_ids) else "length"
     return GenerationResult(tokens=tokens, finish_reason=finish, stats=stats)

@@ -117,21 +117,33 @@ def _topk_cpu(x: mx.array, k: int) -> mx.array:
     return mx.concatenate(out, axis=0).reshape(*lead, k)
 
 
-# One block per 2048-value chunk: build the unsigned 64-bit keys (same order as
-# the int64 keys above, offset by 2**63) in shared memory, bitonic-sort runs of
-# P (k rounded up to a power of two), then halve: each pair of sorted runs keeps
-# the P smallest of their union (min against the reversed partner: a bitonic
-# sequence) and bitonic-merges it, until one sorted run of P is left.
+# One block per span of M sub-chunks: build the unsigned 64-bit keys (same order
+# as the int64 keys above, offset by 2**63) of 2048 values in shared memory,
+# bitonic-sort runs of P (k rounded up to a power of two), then halve: each pair
+# of sorted runs keeps the P smallest of their union (min against the reversed
+# partner: a bitonic sequence) and bitonic-merges it, until one sorted run of P
+# is left in slots 0..P-1. With M > 1 the block goes on: slots P.. take the next
+# 2048 - P values and the same network runs again over all 2048, the best P so
+# far among them, so a block's span is 2048 + (M - 1) * (2048 - P) values. Fewer,
+# longer spans leave fewer candidates to sort after the kernel (used where rows
+# give the GPU enough blocks anyway).
 _CUDA_CHUNK_TOPK = r"""
     constexpr int CH = 2048;
     constexpr int THREADS = 256;
     __shared__ unsigned long long keys[CH];
+    constexpr int SPAN = CH + (M - 1) * (CH - P);
     const int chunk = blockIdx.x;
     const int row = blockIdx.y;
     const int tid = threadIdx.x;
     const auto* in = x + (size_t)row * N;
-    for (int i = tid; i < CH; i += THREADS) {
-      int idx = chunk * CH + i;
+    for (int sub = 0; sub < M; ++sub) {
+    const int kept = sub == 0 ? 0 : P;  // slots 0..P-1 hold the best P so far
+    const int first = chunk * SPAN + (sub == 0 ? 0 : CH + (sub - 1) * (CH - P));
+    if (first >= N) {
+      break;  // the same for every thread of the block
+    }
+    for (int i = tid; i < CH - kept; i += THREADS) {
+      int idx = first + i;
       unsigned long long key = ~0ull;
       if (idx < N) {
         unsigned int b = __float_as_uint(static_cast<float>(in[idx]));
@@ -145,7 +157,7 @@ _CUDA_CHUNK_TOPK = r"""
         }
         key = ((unsigned long long)ord << 32) | (unsigned int)idx;
       }
-      keys[i] = key;
+      keys[kept + i] = key;
     }
     __syncthreads();
     for (int size = 2; size <= P; size <<= 1) {
@@ -193,6 +205,7 @@ _CUDA_CHUNK_TOPK = r"""
         __syncthreads();
       }
     }
+    }  // sub-chunks
     auto* dst = out + ((size_t)row * gridDim.x + chunk) * K;
     for (int i = tid; i < K; i += THREADS) {
       dst[i] = keys[i];
@@ -202,28 +215,49 @@ _cuda_kernel = None
 _KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _MAX_GRID_ROWS = 65535  # gridDim.y limit
 _kernel_failed: str | None = None  # why the kernel is off (after one warning)
-_kernel_checked: set[tuple[int, int, str]] = set()  # (N, K, dtype) instances that passed
+_kernel_checked: set[tuple[int, int, str, int]] = set()  # (N, K, dtype, M) that passed
 
 
-def kernel_launch(rows: int, n: int, k: int) -> dict:
+KERNEL_MIN_BLOCKS = 1024
+"""Spans grow past one chunk only while the launch keeps at least this many blocks (an
+H200 runs about 1000 of these blocks at once): batch 1 keeps one chunk per block."""
+
+_MAX_SUBCHUNKS = 16
+
+
+def kernel_launch(rows: int, n: int, k: int, subchunks: int | None = None) -> dict:
     """The kernel's launch geometry for ``rows`` rows of ``n`` values: CUDA-free, testable.
 
-    MLX's ``grid`` counts threads (blocks = grid / threadgroup, rounded up), so
-    one 256-thread block per chunk needs ``chunks * 256`` threads along x.
+    MLX's ``grid`` counts threads (blocks = grid / threadgroup, rounded up), so one
+    256-thread block per span needs ``spans * 256`` threads along x. ``subchunks`` (M)
+    defaults to the fewest that leave one sort of at most CHUNK candidates after the
+    kernel, where ``rows`` keep :data:`KERNEL_MIN_BLOCKS` blocks busy; else 1.
     """
-    chunks = -(-n // CHUNK)
     power = 1 << (k - 1).bit_length()  # runs of P >= k keys, P a power of two
+
+    def spans(m: int) -> int:
+        return -(-n // (CHUNK + (m - 1) * (CHUNK - power)))
+
+    if subchunks is None:
+        subchunks = 1
+        while spans(subchunks) * k > CHUNK and subchunks < _MAX_SUBCHUNKS:
+            subchunks += 1
+        if spans(subchunks) * k > CHUNK or rows * spans(subchunks) < KERNEL_MIN_BLOCKS:
+            subchunks = 1
+    chunks = spans(subchunks)
     return {
-        "template": [("N", n), ("K", k), ("P", power)],
+        "template": [("N", n), ("K", k), ("P", power), ("M", subchunks)],
         "grid": (chunks * 256, rows, 1),
         "threadgroup": (256, 1, 1),
         "output_shape": (rows, chunks, k),
         "chunks": chunks,
+        "span": CHUNK + (subchunks - 1) * (CHUNK - power),
     }
 
 
-def _cuda_first_k_per_chunk(x: mx.array, k: int) -> mx.array:
-    """The first k uint64 keys of every chunk of each row, sorted: [rows, chunks, k]."""
+def _cuda_first_k_per_chunk(x: mx.array, k: int, subchunks: int | None = None) -> mx.array:
+    """The first k uint64 keys of every span of each row, sorted: [rows, spans, k]
+    (spans of one chunk, or more: :func:`kernel_launch`)."""
     global _cuda_kernel
     if _cuda_kernel is None:
         _cuda_kernel = mx.fast.cuda_kernel(
@@ -233,7 +267,7 @@ def _cuda_first_k_per_chunk(x: mx.array, k: int) -> mx.array:
     rows = x.reshape(-1, n)
     if rows.dtype not in _KERNEL_DTYPES:
         rows = rows.astype(mx.float32)
-    launch = kernel_launch(rows.shape[0], n, k)
+    launch = kernel_launch(rows.shape[0], n, k, subchunks)
     (keys,) = _cuda_kernel(
         inputs=[rows], template=launch["template"], grid=launch["grid"],
         threadgroup=launch["threadgroup"], output_shapes=[launch["output_shape"]],
@@ -252,7 +286,7 @@ def check_rows(rows: int, n: int) -> mx.array:
 
 def _kernel_usable(x: mx.array, k: int) -> bool:
     """Whether the fused kernel may run for this input: CUDA present, not turned off,
-    and its (N, K, dtype) instance agreed with the chunked sort on a check row once.
+    and its (N, K, dtype, M) instance agreed with the chunked sort on check rows once.
 
     Any failure (no CUDA, compile error, a launch refused, a wrong answer) turns the
     kernel off for the process with one warning; the chunked sort takes over.
@@ -267,13 +301,14 @@ def _kernel_usable(x: mx.array, k: int) -> bool:
         return False  # one launch cannot hold that many rows: sort instead (no warning)
     n = x.shape[-1]
     dtype = x.dtype if x.dtype in _KERNEL_DTYPES else mx.float32
-    instance = (n, k, str(dtype))
+    subchunks = dict(kernel_launch(rows, n, k)["template"])["M"]
+    instance = (n, k, str(dtype), subchunks)
     if instance in _kernel_checked:
         return True
     try:
         probe = check_rows(2, n).astype(dtype)
-        got = _topk_from_chunk_keys(_cuda_first_k_per_chunk(probe, k), probe.shape[:-1], k,
-                                    _U64_PAD)
+        got = _topk_from_chunk_keys(_cuda_first_k_per_chunk(probe, k, subchunks),
+                                    probe.shape[:-1], k, _U64_PAD)
         want = _topk_gpu(probe, k, select="sort")
         mx.eval(got, want)
         if not mx.array_equal(got, want).item():

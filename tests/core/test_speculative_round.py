@@ -266,3 +266,26 @@ def test_unmeasured_controller_depends_on_acceptance_only():
 def test_stats_start_empty():
     s = SpeculativeStats()
     assert s.acceptance_rate == 0.0 and s.tau == 0.0 and s.tokens_per_second == 0.0
+
+
+def test_on_token_can_end_generation_plain_and_speculative():
+    """on_token returning True keeps that token and ends generation ("stop") on both paths;
+    the speculative round's remaining tokens are dropped and not counted."""
+    from mlxrunner import generate
+
+    target = toy(vocab=32)
+    prompt = [1, 2, 3]
+    full = plain_tokens(target, prompt, 20, options=GREEDY)
+    draft = ScriptedDraft.for_script(target, prompt + full)
+    for with_draft in (None, draft):
+        seen: list[int] = []
+
+        def stop_at_seven(token: int, seen=seen) -> bool:
+            seen.append(token)
+            return len(seen) == 7
+
+        result = generate(target, prompt, options=GREEDY, max_tokens=20,
+                          on_token=stop_at_seven, draft=with_draft)
+        assert result.tokens == seen == full[:7]
+        assert result.finish_reason == "stop"
+        assert result.stats.generated_tokens == 7

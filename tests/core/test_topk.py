@@ -220,61 +220,78 @@ def test_cuda_kernel_strategy(n: int) -> None:
 # ---- the CUDA kernel's logic, checked off the GPU ---------------------------------
 
 
-def emulate_cuda_kernel(x: np.ndarray, k: int) -> np.ndarray:
+def _emulate_network(keys: np.ndarray, p: int) -> None:
+    """The kernel's sort-and-halve network over one block's 2048 keys, in place."""
+    from mlxrunner import topk
+
+    ch = topk.CHUNK
+    t = np.arange(ch // 2)
+    size = 2
+    while size <= p:
+        stride = size >> 1
+        while stride > 0:
+            lo = 2 * t - (t & (stride - 1))
+            hi = lo + stride
+            up = (size == p) | ((lo & size) == 0)
+            a, bb = keys[lo], keys[hi]
+            swap = (a > bb) == up
+            keys[lo[swap]], keys[hi[swap]] = bb[swap], a[swap]
+            stride >>= 1
+        size <<= 1
+    s = p
+    while s < ch:
+        pairs = ch // (2 * s)
+        t2 = np.arange(pairs * p)
+        g, i = t2 // p, t2 % p
+        a_i = g * 2 * s + i
+        b_i = g * 2 * s + s + (p - 1 - i)
+        keys[a_i] = np.minimum(keys[a_i], keys[b_i])
+        stride = p >> 1
+        while stride > 0:
+            t3 = np.arange(pairs * (p // 2))
+            g, u = t3 // (p // 2), t3 % (p // 2)
+            lo = g * 2 * s + 2 * u - (u & (stride - 1))
+            hi = lo + stride
+            a, bb = keys[lo], keys[hi]
+            swap = a > bb
+            keys[lo[swap]], keys[hi[swap]] = bb[swap], a[swap]
+            stride >>= 1
+        s <<= 1
+
+
+def emulate_cuda_kernel(x: np.ndarray, k: int, subchunks: int | None = None) -> np.ndarray:
     """The kernel's exact index arithmetic in numpy (every stage's compare-swaps are
-    disjoint, so each stage runs as one vectorised step): [rows, chunks, k] uint64."""
+    disjoint, so each stage runs as one vectorised step): [rows, spans, k] uint64."""
     from mlxrunner import topk
 
     rows_n, n = x.shape
-    launch = topk.kernel_launch(rows_n, n, k)
-    n_t, k_t, p = (value for _, value in launch["template"])
+    launch = topk.kernel_launch(rows_n, n, k, subchunks)
+    n_t, k_t, p, m = (value for _, value in launch["template"])
     assert (n_t, k_t) == (n, k)
     ch = topk.CHUNK
+    span = ch + (m - 1) * (ch - p)
     chunks = launch["grid"][0] // launch["threadgroup"][0]  # MLX: blocks = grid / threadgroup
     out = np.zeros((rows_n, chunks, k), np.uint64)
     bits = x.astype(np.float32).view(np.uint32)
     for row in range(rows_n):
         for chunk in range(chunks):
-            idx = chunk * ch + np.arange(ch)
             keys = np.full(ch, np.iinfo(np.uint64).max, np.uint64)
-            real = idx < n
-            b = bits[row, idx[real]].copy()
-            b[b == 0x80000000] = 0
-            asc = np.where(b & 0x80000000, ~b, b | 0x80000000).astype(np.uint32)
-            order = np.where((b & 0x7FFFFFFF) <= 0x7F800000, ~asc, 0xFFFFFFFF).astype(np.uint64)
-            keys[real] = (order << np.uint64(32)) | idx[real].astype(np.uint64)
-            t = np.arange(ch // 2)
-            size = 2
-            while size <= p:
-                stride = size >> 1
-                while stride > 0:
-                    lo = 2 * t - (t & (stride - 1))
-                    hi = lo + stride
-                    up = (size == p) | ((lo & size) == 0)
-                    a, bb = keys[lo], keys[hi]
-                    swap = (a > bb) == up
-                    keys[lo[swap]], keys[hi[swap]] = bb[swap], a[swap]
-                    stride >>= 1
-                size <<= 1
-            s = p
-            while s < ch:
-                pairs = ch // (2 * s)
-                t2 = np.arange(pairs * p)
-                g, i = t2 // p, t2 % p
-                a_i = g * 2 * s + i
-                b_i = g * 2 * s + s + (p - 1 - i)
-                keys[a_i] = np.minimum(keys[a_i], keys[b_i])
-                stride = p >> 1
-                while stride > 0:
-                    t3 = np.arange(pairs * (p // 2))
-                    g, u = t3 // (p // 2), t3 % (p // 2)
-                    lo = g * 2 * s + 2 * u - (u & (stride - 1))
-                    hi = lo + stride
-                    a, bb = keys[lo], keys[hi]
-                    swap = a > bb
-                    keys[lo[swap]], keys[hi[swap]] = bb[swap], a[swap]
-                    stride >>= 1
-                s <<= 1
+            for sub in range(m):
+                kept = 0 if sub == 0 else p
+                first = chunk * span + (0 if sub == 0 else ch + (sub - 1) * (ch - p))
+                if first >= n:
+                    break
+                idx = first + np.arange(ch - kept)
+                fresh = np.full(ch - kept, np.iinfo(np.uint64).max, np.uint64)
+                real = idx < n
+                b = bits[row, idx[real]].copy()
+                b[b == 0x80000000] = 0
+                asc = np.where(b & 0x80000000, ~b, b | 0x80000000).astype(np.uint32)
+                order = np.where((b & 0x7FFFFFFF) <= 0x7F800000, ~asc,
+                                 0xFFFFFFFF).astype(np.uint64)
+                fresh[real] = (order << np.uint64(32)) | idx[real].astype(np.uint64)
+                keys[kept:] = fresh
+                _emulate_network(keys, p)
             out[row, chunk] = keys[:k]
     return out
 
@@ -293,15 +310,48 @@ def test_cuda_kernel_algorithm_emulated(n: int) -> None:
         assert (got == want).all(), k
 
 
+@pytest.mark.parametrize("n,m", [(5000, 2), (9000, 3), (4100, 3)])
+def test_cuda_kernel_spans_of_several_chunks_emulated(n: int, m: int) -> None:
+    """A block that walks M sub-chunks keeps the first k of its whole span."""
+    x = mixed_rows(2, n, seed=n + m)
+    order = np.argsort(-x, axis=-1, kind="stable")
+    for k in (2, 20, 64, 100):
+        launch_span = 2048 + (m - 1) * (2048 - (1 << (k - 1).bit_length()))
+        got = emulate_cuda_kernel(x, k, subchunks=m)
+        assert got.shape == (2, -(-n // launch_span), k)
+        for row in range(2):
+            for span in range(got.shape[1]):
+                lo, hi = span * launch_span, min(n, (span + 1) * launch_span)
+                inside = order[row][(order[row] >= lo) & (order[row] < hi)][:k]
+                got_index = (got[row, span] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+                real = got[row, span] != np.iinfo(np.uint64).max
+                assert got_index[real].tolist() == inside.tolist(), (k, row, span)
+
+
+@pytest.mark.parametrize("rows,n,k,m", [(64, 151936, 64, 3), (64, 262144, 64, 5),
+                                        (64, 262144, 20, 2), (64, 151936, 20, 1),
+                                        (1, 151936, 64, 1), (8, 151936, 64, 1)])
+def test_cuda_kernel_span_choice(rows: int, n: int, k: int, m: int) -> None:
+    """Long spans only where the rows keep the GPU busy, and then just long enough to leave
+    one block sort of candidates."""
+    from mlxrunner import topk
+
+    launch = topk.kernel_launch(rows, n, k)
+    assert dict(launch["template"])["M"] == m
+    if m > 1:
+        assert launch["chunks"] * k <= topk.CHUNK
+        assert rows * launch["chunks"] >= topk.KERNEL_MIN_BLOCKS
+
+
 @pytest.mark.parametrize("n,k", [(2049, 2), (2049, 512), (151936, 40), (262144, 64)])
 def test_cuda_kernel_launch_geometry(n: int, k: int) -> None:
     from mlxrunner import topk
 
-    launch = topk.kernel_launch(64, n, k)
+    launch = topk.kernel_launch(8, n, k)
     chunks = launch["chunks"]
     assert (chunks - 1) * topk.CHUNK < n <= chunks * topk.CHUNK
-    assert launch["grid"] == (chunks * 256, 64, 1) and launch["threadgroup"] == (256, 1, 1)
-    assert launch["output_shape"] == (64, chunks, k)
+    assert launch["grid"] == (chunks * 256, 8, 1) and launch["threadgroup"] == (256, 1, 1)
+    assert launch["output_shape"] == (8, chunks, k)
     power = dict(launch["template"])["P"]
     assert power >= k and power & (power - 1) == 0 and power < 2 * k
     assert all(type(v) is int for _, v in launch["template"])  # MLX takes int, bool, Dtype
@@ -321,7 +371,7 @@ def test_kernel_is_the_default_when_it_checks_out(fresh_kernel_state, monkeypatc
     topk = fresh_kernel_state
     calls = []
 
-    def stand_in(x: mx.array, k: int) -> mx.array:
+    def stand_in(x: mx.array, k: int, subchunks: int | None = None) -> mx.array:
         calls.append(x.shape)
         return chunk_keys_like_the_cuda_kernel(x, k)
 
@@ -339,7 +389,7 @@ def test_kernel_is_the_default_when_it_checks_out(fresh_kernel_state, monkeypatc
 def test_kernel_falls_back_with_one_warning(fresh_kernel_state, monkeypatch, failure) -> None:
     topk = fresh_kernel_state
 
-    def broken(x: mx.array, k: int) -> mx.array:
+    def broken(x: mx.array, k: int, subchunks: int | None = None) -> mx.array:
         if failure == "raises":
             raise ValueError("[custom_kernel] something the GPU refused")
         keys = chunk_keys_like_the_cuda_kernel(x, k)
@@ -376,3 +426,14 @@ def test_cuda_kernel_is_the_gpu_default() -> None:
     got = np.array(topk_indices(mx.array(x), 40))
     assert (got == reference(x, 40)).all()
     assert topk.kernel_status() == "on"
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(151936, 64), (262144, 20), (262144, 64)])
+def test_cuda_kernel_long_spans_at_batch_64(n: int, k: int) -> None:
+    from mlxrunner import topk
+
+    assert dict(topk.kernel_launch(64, n, k)["template"])["M"] > 1
+    x = mixed_rows(64, n, seed=k)
+    got = np.array(topk._topk_gpu(mx.array(x), k, select="kernel"))
+    assert (got == reference(x, k)).all()

@@ -299,3 +299,34 @@ def test_a_checkpoint_holds_weights_optimizer_and_data_state(tiny_target, tmp_pa
     saved = mx.load(str(tmp_path / "d" / "model.safetensors"))  # the draft in the target's dtype
     assert {v.dtype for v in saved.values()} == {load_model(folder).dtype}
     assert dict(tree_flatten(saved)).keys() == draft.keys()
+
+
+def test_document_openings_start_where_documents_do():
+    eos = 0
+    stream = np.array([5, 6, 7, 0, 8, 9, 10, 11, 0, 12, 13, 14, 15, 16], dtype=np.int32)
+    rng = np.random.default_rng(0)
+    prompts = train.document_openings(rng, stream, 40, 3, eos)
+    assert prompts.shape == (40, 3)
+    assert {tuple(p) for p in prompts.tolist()} == {(5, 6, 7), (8, 9, 10), (12, 13, 14)}
+
+
+def test_the_pool_mixes_short_document_openings_with_corpus_windows():
+    """Half the batches (distill_openings 0.5) continue a document's first 4-32 tokens, the
+    rest a window of seq_len / 4; every row is its prompt plus the target's greedy tokens."""
+    vocab, eos = 64, 0
+    target = ToyTarget({"vocab_size": vocab, "hidden_size": 16, "seed": 1})
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(3, vocab, size=int(n)) for n in rng.integers(40, 80, size=30)]
+    stream = np.concatenate([np.append(d, eos) for d in docs]).astype(np.int32)
+    settings = train.TrainSettings(target="", corpus=[], out="", seq_len=48, self_distill=8,
+                                   distill_batch=1, distill_openings=0.5, quiet=True)
+    pool = train.build_pool(target, stream, settings, eos, seed=0, seconds=0,
+                            progress=train.Progress(1, quiet=True))
+    assert pool.shape == (8, 48)
+    doc_starts = {tuple(d[:4].tolist()) for d in docs}
+    opened = [tuple(row[:4].tolist()) in doc_starts for row in pool]
+    assert [opened[i] for i in (0, 2, 4, 6)] == [True] * 4  # rows alternate, openings first
+    assert sum(opened) <= 5  # a window (12 tokens from anywhere) rarely opens a document
+    for row in pool:  # past the longest prompt (32) every token is the target's greedy one
+        greedy = np.array(mx.argmax(target(mx.array(row[None])), axis=-1))[0]
+        assert (row[33:] == greedy[32:-1]).all()

@@ -110,6 +110,8 @@ class TrainSettings:
     self_distill: int = 0
     distill_mix: float = 0.5
     distill_batch: int = 64  # sequences generated together (one forward per token for all)
+    # share of the pool prompted like a user: a document's first 4-32 tokens, not a window
+    distill_openings: float = 0.5
     distill_time_s: float = 0.0  # 0: at most 40% of --time-budget-s (no limit without one)
     prompt_len: int = 0  # 0: seq_len // 4
     conv_kernel_size: int = 2
@@ -1137,22 +1139,43 @@ def next_windows(rng: np.random.Generator, data: Data, settings: TrainSettings) 
     return ids
 
 
+def document_openings(rng: np.random.Generator, stream: np.ndarray, count: int, length: int,
+                      eos_id: int) -> np.ndarray:
+    """``count`` prompts of ``length`` tokens that start where a document does (after an EOS,
+    or the stream's start): [count, length] int32."""
+    starts = np.flatnonzero(stream[:-length - 1] == eos_id) + 1
+    starts = np.concatenate([[0], starts[starts + length <= stream.shape[0]]])
+    picked = rng.choice(starts, size=count)
+    return np.stack([stream[s:s + length] for s in picked]).astype(np.int32)
+
+
 def build_pool(target: mlxrunner.Model, stream: np.ndarray, settings: TrainSettings,
                eos_id: int, seed: int, seconds: float, progress: Progress) -> np.ndarray:
-    """``settings.self_distill`` sequences: a corpus prompt and the target's greedy rest."""
+    """``settings.self_distill`` sequences: a prompt and the target's greedy rest. A share
+    (``distill_openings``) of the batches is prompted with a document's first 4-32 tokens,
+    the way people prompt a code model, so the draft also learns the text the target writes
+    from a short start (looser than its continuations of long corpus windows); the rest
+    continue a corpus window of ``prompt_len`` tokens."""
     rng = np.random.default_rng(seed)
     prompt_len = settings.prompt_len or max(1, settings.seq_len // 4)
     rows = []
     t0 = time.perf_counter()
     per = max(1, min(settings.self_distill, settings.distill_batch))
     deadline = t0 + seconds if seconds else None
+    openings = 0.0  # batches prompted with openings so far, against the share wanted
     while sum(r.shape[0] for r in rows) < settings.self_distill:
-        prompts = sample_windows(rng, stream, per, prompt_len)
+        opening = openings < settings.distill_openings * (len(rows) + 1)
+        if opening:
+            length = min(int(rng.integers(4, 33)), settings.seq_len - 1)
+            prompts = document_openings(rng, stream, per, length, eos_id)
+        else:
+            prompts = sample_windows(rng, stream, per, prompt_len)
         try:
             done = generate_greedy(target, prompts, settings.seq_len, eos_id, deadline)
             if done is None:  # out of time part-way: that batch is dropped
                 break
             rows.append(done)
+            openings += opening
         except RuntimeError as exc:
             # Some backends reject very wide decode batches (MLX CUDA failed to build its
             # graph at 256 rows): halve the batch, and train on the corpus alone at the end.
@@ -1259,6 +1282,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of each batch drawn from the self-distilled sequences")
     parser.add_argument("--distill-batch", type=int, default=d.distill_batch,
                         help="self-distilled sequences generated together")
+    parser.add_argument("--distill-openings", type=float, default=d.distill_openings,
+                        help="share of self-distilled sequences prompted with a document's "
+                             "first 4-32 tokens (the rest: a window of --seq-len / 4 tokens)")
     parser.add_argument("--conv-kernel-size", type=int, default=d.conv_kernel_size)
     parser.add_argument("--conv-group-size", type=int, default=d.conv_group_size)
     parser.add_argument("--selector-rank", type=int, default=d.selector_rank)
