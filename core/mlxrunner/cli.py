@@ -207,6 +207,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt = DEFAULT_PROMPT
     from .generation import generate
     from .loading import load
+    from .streaming import TextStream
 
     bundle = load(model_arg, draft=args.draft, renderer=args.renderer, parser=args.parser,
                   dtype=args.dtype, use_draft=not args.no_draft)
@@ -225,13 +226,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                                            think=think)
     tok = bundle.tokenizer
     stop_ids = bundle.stop_token_ids()
-    detok = tok.detokenizer()
     stream = not args.json
 
-    def on_token(token: int) -> None:
-        if stream:
-            sys.stdout.write(detok.add(token))
-            sys.stdout.flush()
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    text = TextStream(tok, stop_ids, on_text=write if stream else None)
 
     if args.compare and bundle.draft is not None:
         # Warm both paths over the whole run first (first calls trace and compile each
@@ -241,10 +242,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
                      eos_ids=stop_ids, draft=warm_draft)
     result = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                      eos_ids=stop_ids, on_token=on_token, draft=bundle.draft)
+                      eos_ids=stop_ids, on_token=text.add, draft=bundle.draft)
+    text.finish()
     if stream:
-        sys.stdout.write(detok.finish() + "\n")
-        sys.stdout.flush()
+        write("\n")
     stats = {"run": result.stats.as_dict()}
     if args.compare and bundle.draft is not None:
         plain = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,

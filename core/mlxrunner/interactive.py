@@ -63,9 +63,9 @@ def stream_reply(bundle: Any, prompt: str, options: Any, max_tokens: int,
                  color: bool) -> ParsedMessage:
     """Decode one reply to the rendered ``prompt``, writing it as it comes; returns it parsed."""
     from .generation import generate
+    from .streaming import TextStream
 
     parser, tok = bundle.parser, bundle.tokenizer
-    detok = tok.detokenizer()
     reply = ParsedMessage()
     in_thinking = False
 
@@ -88,16 +88,13 @@ def stream_reply(bundle: Any, prompt: str, options: Any, max_tokens: int,
     def feed(chunk: str) -> None:
         show(parser.feed(chunk) if parser is not None else [ParsedMessage(content=chunk)])
 
-    def on_token(token: int) -> None:
-        if token not in stop_ids:
-            feed(detok.add(token))
-
+    text = TextStream(tok, stop_ids, on_text=feed)
     if parser is not None:
         parser.reset(prompt)
     ids = tok.encode(prompt, add_special_tokens=False)
     generate(bundle.model, ids, options=options, max_tokens=max_tokens, eos_ids=stop_ids,
-             on_token=on_token, draft=bundle.draft)
-    feed(detok.finish())
+             on_token=text.add, draft=bundle.draft)
+    text.finish()
     if parser is not None:
         show(parser.finish())
     if color and in_thinking:

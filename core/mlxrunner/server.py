@@ -100,6 +100,7 @@ class Service:
         in the text, so none are added); ``on_text`` receives the text as it is decided
         (held back where a stop string may be starting)."""
         from .generation import generate
+        from .streaming import TextStream
 
         bundle = self.bundle
         options = bundle.defaults.merged({k: body[k] for k in SAMPLER_FIELDS if k in body})
@@ -109,43 +110,17 @@ class Service:
         ids = tok.encode(prompt_text, add_special_tokens=not rendered)
         if not ids:
             raise RequestError("the prompt is empty")
-        detok = tok.detokenizer()
         reply = Reply(stats={"prompt_tokens": len(ids)})
-        pending = ""  # decided text not yet handed on (a stop string may be starting)
-        hold = max((len(s) for s in stops), default=1) - 1
-
-        def emit(text: str) -> None:
-            reply.text += text
-            if on_text is not None and text:
-                on_text(text)
-
-        stopped = False
+        text = TextStream(tok, self.stop_ids, stops, on_text)
 
         def on_token(token: int) -> bool:
-            nonlocal pending, stopped
             reply.tokens.append(token)
-            if token in self.stop_ids:
-                return False
-            pending += detok.add(token)
-            for stop in stops:
-                at = pending.find(stop)
-                if at >= 0:
-                    emit(pending[:at])
-                    pending = ""
-                    stopped = True
-                    return True  # generation ends here, its logprobs and stats kept
-            cut = len(pending) - hold
-            if cut > 0:
-                emit(pending[:cut])
-                pending = pending[cut:]
-            return False
+            return text.add(token)  # True at a stop string: generation ends, logprobs kept
 
         with self.lock:
             result = generate(bundle.model, ids, options=options, max_tokens=max_tokens,
                               eos_ids=self.stop_ids, on_token=on_token, draft=bundle.draft)
-        if not stopped:
-            pending += detok.finish()
-            emit(pending)
+        reply.text = text.finish()
         reply.finish_reason = result.finish_reason
         reply.logprobs = result.logprobs
         reply.stats.update(result.stats.as_dict())
