@@ -190,13 +190,21 @@ class DFlash2Session(DFlashSession):
 
 def greedy_path(ids: mx.array, first: mx.array, transitions: mx.array) -> mx.array:
     """Temperature 0: row 0 takes the argmax of ``first``, row p the argmax of the transition
-    row of the slot chosen at p-1. Returns the tokens [n]."""
-    slot = mx.argmax(first).astype(mx.int32)
+    row of the slot chosen at p-1. Returns the tokens [n].
+
+    Every row's best successor of every slot comes from one reduction up front, so the
+    sequential part is one small gather per row (it runs inside the traced block, where
+    each operation costs host time on every round)."""
+    n, k = ids.shape[0], first.shape[-1]
+    slot = mx.argmax(first).astype(mx.int32).reshape(1)
     slots = [slot]
-    for p in range(1, ids.shape[0]):
-        slot = mx.argmax(mx.take(transitions[p - 1], slot, axis=0)).astype(mx.int32)
+    if n > 1:
+        best = mx.argmax(transitions, axis=-1).astype(mx.int32).reshape(-1)  # [(n-1) * K]
+    for p in range(1, n):
+        slot = mx.take(best, slot + (p - 1) * k)
         slots.append(slot)
-    return mx.take_along_axis(ids, mx.stack(slots)[:, None], axis=-1)[:, 0]
+    chosen = mx.concatenate(slots) + mx.arange(n, dtype=mx.int32) * k
+    return mx.take(ids.reshape(-1), chosen)
 
 
 def sampled_path(ids: mx.array, first: mx.array, transitions: mx.array, temperature: float,

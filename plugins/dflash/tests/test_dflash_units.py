@@ -364,3 +364,18 @@ def test_traced_blocks_propose_what_the_eager_block_proposes(architecture, layer
     assert traced.stores[-1].keys.shape[2] % traced.stores[-1].step == 0
     if window is not None:
         assert traced.stores[0].start > 0  # old rows were dropped along the way
+
+
+def test_greedy_path_follows_the_chain_of_argmaxes():
+    """The table-based greedy path equals walking the chain row by row (ties included)."""
+    rng = np.random.default_rng(0)
+    for n, k in [(1, 4), (2, 3), (7, 16), (5, 2)]:
+        ids = mx.array(rng.integers(0, 1000, size=(n, k)).astype(np.int32))
+        first = mx.array(rng.integers(-2, 3, size=k).astype(np.float32))  # ties
+        transitions = mx.array(rng.integers(-2, 3, size=(max(n - 1, 0), k, k)).astype(np.float32))
+        slot = int(np.argmax(np.array(first)))
+        want = [int(np.array(ids)[0, slot])]
+        for p in range(1, n):
+            slot = int(np.argmax(np.array(transitions)[p - 1, slot]))
+            want.append(int(np.array(ids)[p, slot]))
+        assert greedy_path(ids, first, transitions).tolist() == want
