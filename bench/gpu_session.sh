@@ -9,7 +9,8 @@
 # `demo` builds the demo pair (--preset gpu) into /tmp/demo and leaves it as $OUT/demo.tgz.*
 # (15 MB parts: cat them and untar over plugins/demo/mlxrunner_demo/model to ship it);
 # `bench` runs every benchmark into $OUT (JSON) and measures the shipped demo pair and, if
-# call 2 ran on this machine, the new one.
+# call 2 ran on this machine, the new one. At most 8 files come back from $OUT, so `bench`
+# leaves its JSON and logs in one $OUT/results.tgz.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
 export PYTHONUNBUFFERED=1 MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
@@ -31,8 +32,8 @@ case "${1:-}" in
     for name in "${@:-topk qwen3_5 gemma4 speculative}"; do
       for one in $name; do
         echo "== $one"
-        timeout "${BENCH_TIMEOUT:-200}" python3 "bench/$one.py" --json "$out/$one-gpu.json" ||
-          echo "!! exit $? for $one"
+        timeout "${BENCH_TIMEOUT:-200}" python3 "bench/$one.py" --json "$out/$one-gpu.json" \
+          2>&1 | tee "$out/$one-gpu.txt" | grep -v "^\s*$" | tail -"${TAIL_LINES:-12}"
       done
     done
     timeout 90 mlxrunner bench default --prompt "def fibonacci(n):" --max-tokens 128 \
@@ -41,6 +42,7 @@ case "${1:-}" in
       timeout 90 mlxrunner bench /tmp/demo --prompt "def fibonacci(n):" --max-tokens 128 \
         --repeats 3 --warmup 2 --json "$out/demo-built-gpu.json"
     fi
+    (cd "$out" && tar czf results.tgz --remove-files -- *.json *.txt 2>/dev/null)
     ;;
   *) echo "usage: bash bench/gpu_session.sh demo | bench [topk qwen3_5 gemma4 speculative]" >&2
      exit 2 ;;
