@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     device = str(mx.default_device())
     print(f"Gemma 4 bench: {config_name}, {args.dtype}, prompt {args.prompt}, "
           f"{args.new} new tokens, device {device}, mlx {mx.__version__}", flush=True)
+    print(f"  MLX settings for every row: {harness.mlx_settings()}", flush=True)
 
     ours = build_ours(config, dtype, args.seed)
     prompt = mx.random.randint(0, ours.vocab_size, (args.prompt,), key=mx.random.key(args.seed))
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "config": config_name, "dtype": args.dtype, "prompt": args.prompt, "new": args.new,
         "device": device, "mlx": mx.__version__, "platform": platform.platform(),
-        "mlx_lm": None,
+        "mlx_settings": harness.mlx_settings(), "mlx_lm": None,
     }
     if reference is not None:
         harness.record_parity(ours, reference, prompt, results)

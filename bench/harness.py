@@ -33,6 +33,14 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
+def mlx_settings() -> dict[str, str | None]:
+    """The MLX environment settings every row of a run shares (mlxrunner sets defaults for
+    them at import: ``mlxrunner.MLX_DEFAULTS``)."""
+    import os
+
+    return {k: os.environ.get(k) for k in ("MLX_ENABLE_TF32", "MLX_MAX_OPS_PER_BUFFER")}
+
+
 def eval_cache(cache: list[Any]) -> None:
     mx.eval([c.state for c in cache if c is not None])
 

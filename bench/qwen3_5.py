@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         f" (layers {args.layers or 'all'}, vocab {args.vocab or 'as configured'})"
     print(f"Qwen3.5 bench: {args.config.name}{shape}, {args.dtype}, prompt {args.prompt}, "
           f"{args.new} new tokens, device {device}, mlx {mx.__version__}", flush=True)
+    print(f"  MLX settings for every row: {harness.mlx_settings()}", flush=True)
 
     ours = build_ours(config, dtype, args.seed)
     ours.compile_steps = not args.eager
@@ -284,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": args.config.name, "layers": args.layers, "vocab": args.vocab,
         "dtype": args.dtype, "prompt": args.prompt, "new": args.new, "device": device,
         "mlx": mx.__version__, "traced_steps": not args.eager,
-        "platform": platform.platform(), "mlx_lm": None,
+        "platform": platform.platform(), "mlx_settings": harness.mlx_settings(),
+        "mlx_lm": None,
     }
     if reference is not None:
         harness.record_parity(ours, reference, prompt, results)

@@ -19,7 +19,9 @@ Strategies (same answer, chosen by ``mx.default_device()``):
   chunks sort within a block. ``GPU_CHUNK_SELECT`` picks how a chunk's k are
   found: a fused CUDA kernel (the default where CUDA is available; checked
   against the sort on first use, with one warning and the sort if it fails),
-  MLX's sort (the default elsewhere), or MLX's partition.
+  MLX's sort (the default elsewhere), or MLX's partition. Where the rows alone
+  keep the GPU busy (batch 64), each kernel block walks several chunks and keeps
+  their first k, so one sort of at most 2048 candidates is left.
 - CPU: partition the keys (a linear-time selection over contiguous int64),
   then sort the k selected.
 """
