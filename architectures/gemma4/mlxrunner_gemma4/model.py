@@ -24,7 +24,9 @@ all of a layer's heads together: fewer kernels per step, the same arithmetic. Th
 layer stack runs on ``[B * L, hidden]`` rows and float weights are read through
 transposed views evaluated once, so its matmuls add no flatten, unflatten or
 transpose nodes to a traced step (whose every node, views included, costs host time
-on each replay).
+on each replay). On CUDA the sandwich norms around each sublayer (normalise its output,
+add it to the stream, normalise the stream for the next sublayer) run as one fused,
+self-checked kernel each (``cuda_kernels.norm_add``) in decode steps and verify blocks.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import mlx.nn as nn
 
 import mlxrunner
 from mlxrunner import KVCache, Model, ModelFolderError, RingCache
+
+from .cuda_kernels import norm_add, prepare
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -312,11 +316,6 @@ def _gelu_mul(gate: mx.array, x: mx.array) -> mx.array:
     g = gate.astype(mx.float32)
     g = 0.5 * g * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g)))
     return g.astype(x.dtype) * x
-
-
-@partial(mx.compile, shapeless=True)
-def _residual_scaled(h: mx.array, x: mx.array, scalar: mx.array) -> mx.array:
-    return (h + x) * scalar
 
 
 def _stack_rows(parts: Sequence[nn.Module]) -> nn.Module | None:
@@ -621,21 +620,52 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(h, eps)
         self.layer_scalar = mx.ones((1,))
 
-    def finish(self, h: mx.array, attn: mx.array, per_layer_input: mx.array | None) -> mx.array:
-        """Everything after attention: residuals, feed-forward, per-layer input, scalar."""
-        h = h + self.post_attention_layernorm(attn)
-        ff = self.mlp(self.pre_feedforward_layernorm(h))
+    def finish(self, h: mx.array, attn: mx.array, per_layer_input: mx.array | None,
+               next_norm: RMSNorm | None = None) -> tuple[mx.array, mx.array | None]:
+        """Everything after attention: residuals, feed-forward, per-layer input, scalar.
+        Returns the new residual stream and, given the next layer's input norm, that norm
+        of it. Each "normalise a sublayer's output, add it to the stream (scale it), and
+        normalise the stream for the next sublayer" is one :func:`norm_add` (one fused
+        kernel on CUDA)."""
+        second = None if next_norm is None else next_norm.weight
+        eps2 = None if next_norm is None else next_norm.eps
+        post_attn = self.post_attention_layernorm
         if self.moe:
+            h = h + post_attn(attn)
+            ff = self.mlp(self.pre_feedforward_layernorm(h))
             indices, weights = self.router(h)
             moe = self.experts(self.pre_feedforward_layernorm_2(h), indices, weights)
             ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(moe)
-        ff = self.post_feedforward_layernorm(ff)
+        else:
+            h, x = norm_add(attn, h, post_attn.weight, post_attn.eps,
+                            second=self.pre_feedforward_layernorm.weight,
+                            eps2=self.pre_feedforward_layernorm.eps)
+            ff = self.mlp(x)
+        post_ff = self.post_feedforward_layernorm
         if not self.per_layer:
-            return _residual_scaled(h, ff, self.layer_scalar)
-        h = h + ff
+            return norm_add(ff, h, post_ff.weight, post_ff.eps, self.layer_scalar, second, eps2)
+        h, _ = norm_add(ff, h, post_ff.weight, post_ff.eps)
         gate = _gelu_mul(self.per_layer_input_gate(h), per_layer_input)
-        return _residual_scaled(h, self.post_per_layer_input_norm(self.per_layer_projection(gate)),
-                                self.layer_scalar)
+        post_ple = self.post_per_layer_input_norm
+        return norm_add(self.per_layer_projection(gate), h, post_ple.weight, post_ple.eps,
+                        self.layer_scalar, second, eps2)
+
+    def prepare_kernels(self, h: mx.array, next_norm: RMSNorm | None) -> None:
+        """Settle the fused norm kernels' self-checks for rows like ``h`` (eagerly, before
+        a forward is traced): the same calls :meth:`finish` makes."""
+        scalar, second = self.layer_scalar, None if next_norm is None else next_norm.weight
+        eps2 = None if next_norm is None else next_norm.eps
+        post_attn, post_ff = self.post_attention_layernorm, self.post_feedforward_layernorm
+        if not self.moe:
+            prepare(h, h, post_attn.weight, post_attn.eps,
+                    second=self.pre_feedforward_layernorm.weight,
+                    eps2=self.pre_feedforward_layernorm.eps)
+        if not self.per_layer:
+            prepare(h, h, post_ff.weight, post_ff.eps, scalar, second, eps2)
+            return
+        prepare(h, h, post_ff.weight, post_ff.eps)
+        post_ple = self.post_per_layer_input_norm
+        prepare(h, h, post_ple.weight, post_ple.eps, scalar, second, eps2)
 
 
 class TextModel(nn.Module):
@@ -866,9 +896,11 @@ class Gemma4Model(Model):
         kv_of: dict[int, KV] = {}
         tapped = []
         tap_set = set(taps)
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
             attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(h), L, offset)
+            q, k, v = attn.project(x, L, offset)
             if k is not None:
                 kv = store(i, k, v)
                 if i in self._shared_sources:
@@ -876,7 +908,8 @@ class Gemma4Model(Model):
             else:
                 kv = kv_of[self.args.kv_source[i]]
             a = attn.attend(q, *kv)
-            h = layer.finish(h, a, ple[i] if ple is not None else None)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            h, x = layer.finish(h, a, ple[i] if ple is not None else None, next_norm)
             if i in tap_set:
                 tapped.append(h)
         out = self.logits(h).reshape(B, L, -1)
@@ -941,6 +974,12 @@ class Gemma4Model(Model):
         key = (taps, L, rings_full, capture)
         step = self._steps.get(key)
         if step is None:
+            # the fused norm kernels' self-checks evaluate: settle them before tracing
+            like = mx.zeros((ids.size, self.args.hidden_size), self.embed_tokens(ids[:1, :1]).dtype)
+            layers = self.model.layers
+            for i, layer in enumerate(layers):
+                layer.prepare_kernels(like, layers[i + 1].input_layernorm
+                                      if i + 1 < len(layers) else None)
             step = self._steps[key] = mx.compile(self._step_graph(own, taps, L, rings_full,
                                                                   capture))
         state = []

@@ -1,0 +1,221 @@
+"""A fused CUDA kernel for Gemma 4's sandwich norms, with a checked fallback.
+
+Gemma 4 normalises a sublayer's output before adding it to the residual stream
+(``h = residual + rms_norm(x) * w``, sometimes times ``layer_scalar``) and then, most
+often, normalises the new ``h`` for the next sublayer. Through MLX that is two or three
+kernels (the fast RMSNorm is opaque to ``mx.compile``, so the add cannot join it); a
+decode step of a small model is bound by its number of kernels, and this pattern comes
+three times a layer. ``norm_add`` does it in one launch: one thread block per row.
+
+The kernel runs only on MLX's CUDA backend, for up to ``MAX_ROWS`` rows, and only after
+a self-check: on the first use
+for a row count, width, dtypes and variant it runs beside the MLX composition on random
+inputs; any error or mismatch turns it off for that case (one warning) and the
+composition runs instead. ``MLXRUNNER_GEMMA4_CUDA_KERNELS=0`` turns it off. Traced
+forwards call :func:`prepare` first, so no self-check runs inside a trace.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+
+ENV_SWITCH = "MLXRUNNER_GEMMA4_CUDA_KERNELS"
+
+# Template constants: H (row width), NT (threads per block), SCALED (multiply h by
+# scalar[0]), SECOND (also write rms_norm(h) * w2), EPS_E9 (the epsilon times 1e9); type T
+# of the activations. Every value is rounded to T where MLX's composition rounds it: the
+# normalised x, the sum, the scaled sum, the second norm.
+NORM_ADD_SOURCE = r"""
+    constexpr int kWarps = NT / 32;
+    const float eps = EPS_E9 * 1e-9f;
+    const int row = blockIdx.x;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    __shared__ float red[kWarps];
+    auto block_sum = [&](float s) -> float {
+        for (int o = 16; o > 0; o >>= 1) {
+            s += __shfl_xor_sync(0xffffffff, s, o);
+        }
+        if (lane == 0) {
+            red[warp] = s;
+        }
+        __syncthreads();
+        float total = 0.f;
+        for (int w = 0; w < kWarps; ++w) {
+            total += red[w];
+        }
+        __syncthreads();
+        return total;
+    };
+    const T* xr = x + (size_t)row * H;
+    const T* rr = residual + (size_t)row * H;
+    T* hr = h_out + (size_t)row * H;
+    float ss = 0.f;
+    for (int i = tid; i < H; i += NT) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+    }
+    const float rstd = rsqrtf(block_sum(ss) / H + eps);
+    float ss2 = 0.f;
+    for (int i = tid; i < H; i += NT) {
+        const T y = static_cast<T>(static_cast<float>(xr[i]) * rstd * static_cast<float>(w[i]));
+        T h = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(y));
+        if (SCALED) {
+            h = static_cast<T>(static_cast<float>(h) * static_cast<float>(scalar[0]));
+        }
+        hr[i] = h;
+        const float f = static_cast<float>(h);
+        ss2 += f * f;
+    }
+    if (SECOND) {
+        const float rstd2 = rsqrtf(block_sum(ss2) / H + eps);
+        T* nr = normed_out + (size_t)row * H;
+        for (int i = tid; i < H; i += NT) {
+            nr[i] = static_cast<T>(static_cast<float>(hr[i]) * rstd2 * static_cast<float>(w2[i]));
+        }
+    }
+"""
+
+_THREADS = 256
+#: The kernel serves decode steps and verify blocks, where launches are the cost; longer
+#: forwards (prompts) are bound by their matmuls and keep MLX's operations.
+MAX_ROWS = 64
+_kernel: Any = None
+_verdicts: dict[tuple[Any, ...], bool] = {}
+
+
+@partial(mx.compile, shapeless=True)
+def _residual_scaled(h: mx.array, x: mx.array, scalar: mx.array) -> mx.array:
+    return (h + x) * scalar
+
+
+def reference(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
+              scalar: mx.array | None = None, second: mx.array | None = None,
+              eps2: float | None = None) -> tuple[mx.array, mx.array | None]:
+    """The MLX composition the kernel replaces: ``h = residual + rms_norm(x) * weight``
+    (times ``scalar``), and ``rms_norm(h) * second`` where a second weight is given."""
+    y = mx.fast.rms_norm(x, weight, eps)
+    h = residual + y if scalar is None else _residual_scaled(residual, y, scalar)
+    normed = None if second is None else mx.fast.rms_norm(
+        h, second, eps if eps2 is None else eps2)
+    return h, normed
+
+
+def cuda_backend() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+
+
+def _launch(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
+            scalar: mx.array | None, second: mx.array | None) -> tuple[mx.array, mx.array | None]:
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="gemma4_norm_add", input_names=["x", "residual", "w", "scalar", "w2"],
+            output_names=["h_out", "normed_out"], source=NORM_ADD_SOURCE)
+    width = x.shape[-1]
+    rows = x.size // width
+    h, normed = _kernel(
+        inputs=[x, residual, weight, weight[:1] if scalar is None else scalar,
+                weight if second is None else second],
+        template=[("T", x.dtype), ("H", width), ("NT", _THREADS),
+                  ("SCALED", scalar is not None), ("SECOND", second is not None),
+                  ("EPS_E9", round(eps * 1e9))],
+        grid=(_THREADS * rows, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[x.shape, x.shape if second is not None else (1,)],
+        output_dtypes=[x.dtype, x.dtype])
+    return h, (normed if second is not None else None)
+
+
+def _key(x: mx.array, residual: mx.array, weight: mx.array, scalar: mx.array | None,
+         second: mx.array | None, eps: float, eps2: float | None) -> tuple[Any, ...] | None:
+    """The case a verdict is kept for, or None where the kernel cannot apply."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not cuda_backend():
+        return None
+    if eps2 is not None and eps2 != eps:
+        return None
+    if x.shape != residual.shape or x.dtype != residual.dtype or x.ndim < 1:
+        return None
+    if x.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        return None
+    if scalar is not None and (scalar.size != 1 or scalar.dtype != x.dtype):
+        return None
+    width = x.shape[-1]
+    if weight.shape != (width,) or (second is not None and second.shape != (width,)):
+        return None
+    if x.size // width > MAX_ROWS:
+        return None
+    return (x.size // width, width, x.dtype, weight.dtype,
+            None if second is None else second.dtype, scalar is not None, eps)
+
+
+def _agree(got: tuple[mx.array, mx.array | None], want: tuple[mx.array, mx.array | None],
+           half: bool) -> bool:
+    tolerance = 5e-2 if half else 1e-4
+    for a, b in zip(got, want):
+        if (a is None) != (b is None):
+            return False
+        if a is None:
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
+        if not float(mx.abs(a - b).max()) <= tolerance * (1.0 + float(mx.abs(b).max())):
+            return False
+    return True
+
+
+def _self_check(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
+                scalar: mx.array | None, second: mx.array | None) -> bool:
+    keys = mx.random.split(mx.random.key(4321), 2)
+    px = (4 * mx.random.normal(x.shape, key=keys[0])).astype(x.dtype)
+    pr = mx.random.normal(x.shape, key=keys[1]).astype(x.dtype)
+    try:
+        got = _launch(px, pr, weight, eps, scalar, second)
+        mx.eval([a for a in got if a is not None])
+    except Exception as exc:  # a kernel that does not build or run must not stop decoding
+        print(f"mlxrunner-gemma4: fused norm kernel unavailable ({type(exc).__name__}: "
+              f"{exc}); using MLX's operations", file=sys.stderr)
+        return False
+    if not _agree(got, reference(px, pr, weight, eps, scalar, second),
+                  x.dtype != mx.float32):
+        print("mlxrunner-gemma4: fused norm kernel disagrees with MLX's operations; using "
+              "them", file=sys.stderr)
+        return False
+    return True
+
+
+def _usable(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
+            scalar: mx.array | None, second: mx.array | None, eps2: float | None) -> bool:
+    key = _key(x, residual, weight, scalar, second, eps, eps2)
+    if key is None:
+        return False
+    verdict = _verdicts.get(key)
+    if verdict is None:
+        verdict = _verdicts[key] = _self_check(x, residual, weight, eps, scalar, second)
+    return verdict
+
+
+def prepare(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
+            scalar: mx.array | None = None, second: mx.array | None = None,
+            eps2: float | None = None) -> bool:
+    """Settle the verdict for arrays of these shapes and dtypes now (eagerly: a traced
+    forward must not run the self-check, an evaluation, while it is being traced)."""
+    return _usable(x, residual, weight, eps, scalar, second, eps2)
+
+
+def norm_add(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
+             scalar: mx.array | None = None, second: mx.array | None = None,
+             eps2: float | None = None) -> tuple[mx.array, mx.array | None]:
+    """``h = residual + rms_norm(x) * weight`` (times ``scalar``, one value) and, with a
+    ``second`` weight, ``rms_norm(h) * second``: one fused kernel where it applies and has
+    passed its self-check, else :func:`reference`."""
+    if _usable(x, residual, weight, eps, scalar, second, eps2):
+        return _launch(x, residual, weight, eps, scalar, second)
+    return reference(x, residual, weight, eps, scalar, second, eps2)

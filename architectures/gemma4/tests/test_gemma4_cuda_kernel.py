@@ -1,0 +1,98 @@
+"""The fused sandwich-norm kernel: where it applies, its fallback, and (on CUDA) that it
+computes what MLX's operations compute."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlxrunner_gemma4 import cuda_kernels as ck
+
+CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def _arrays(rows: int = 3, width: int = 64, dtype: mx.Dtype = mx.float32):
+    keys = mx.random.split(mx.random.key(0), 4)
+    x = (3 * mx.random.normal((rows, width), key=keys[0])).astype(dtype)
+    residual = mx.random.normal((rows, width), key=keys[1]).astype(dtype)
+    w = (1 + 0.1 * mx.random.normal((width,), key=keys[2])).astype(dtype)
+    w2 = (1 + 0.1 * mx.random.normal((width,), key=keys[3])).astype(dtype)
+    return x, residual, w, w2
+
+
+def test_reference_is_the_sandwich_composition():
+    x, residual, w, w2 = _arrays()
+    scalar = mx.array([0.5])
+    h, normed = ck.reference(x, residual, w, 1e-6, scalar, w2)
+    xn, rn = np.array(x, np.float64), np.array(residual, np.float64)
+    y = xn / np.sqrt((xn ** 2).mean(-1, keepdims=True) + 1e-6) * np.array(w)
+    want_h = (rn + y) * 0.5
+    want_n = want_h / np.sqrt((want_h ** 2).mean(-1, keepdims=True) + 1e-6) * np.array(w2)
+    np.testing.assert_allclose(np.array(h), want_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(normed), want_n, rtol=1e-5, atol=1e-5)
+    h2, none = ck.reference(x, residual, w, 1e-6)
+    assert none is None
+    np.testing.assert_allclose(np.array(h2), rn + y, rtol=1e-5, atol=1e-5)
+
+
+def test_off_the_gpu_norm_add_is_the_reference():
+    if CUDA:
+        pytest.skip("on CUDA the kernel may run")
+    x, residual, w, w2 = _arrays()
+    got = ck.norm_add(x, residual, w, 1e-6, second=w2)
+    want = ck.reference(x, residual, w, 1e-6, second=w2)
+    assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
+
+
+def test_where_the_kernel_applies(monkeypatch):
+    monkeypatch.setattr(ck, "cuda_backend", lambda: True)
+    x, residual, w, w2 = _arrays(4, 32, mx.bfloat16)
+    assert ck._key(x, residual, w, None, w2, 1e-6, None) is not None
+    assert ck._key(x, residual, w, mx.array([1.0], mx.bfloat16), None, 1e-6, 1e-6) is not None
+    # what it does not serve: prompts, mixed dtypes, a float32 scalar on bf16 rows,
+    # another epsilon for the second norm, a weight of another width
+    big = mx.zeros((ck.MAX_ROWS + 1, 32), mx.bfloat16)
+    assert ck._key(big, big, w, None, None, 1e-6, None) is None
+    assert ck._key(x, residual.astype(mx.float32), w, None, None, 1e-6, None) is None
+    assert ck._key(x, residual, w, mx.array([1.0]), None, 1e-6, None) is None
+    assert ck._key(x, residual, w, None, w2, 1e-6, 1e-5) is None
+    assert ck._key(x, residual, w[:16], None, None, 1e-6, None) is None
+    monkeypatch.setenv(ck.ENV_SWITCH, "0")
+    assert ck._key(x, residual, w, None, None, 1e-6, None) is None
+
+
+def test_a_failing_kernel_falls_back_once(monkeypatch, capsys):
+    monkeypatch.setattr(ck, "cuda_backend", lambda: True)
+    monkeypatch.setattr(ck, "_verdicts", {})
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise ValueError("[custom_kernel] refused")
+
+    monkeypatch.setattr(ck, "_launch", broken)
+    x, residual, w, w2 = _arrays()
+    for _ in range(2):
+        got = ck.norm_add(x, residual, w, 1e-6, second=w2)
+        want = ck.reference(x, residual, w, 1e-6, second=w2)
+        assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
+    assert len(calls) == 1  # the self-check, once
+    assert capsys.readouterr().err.count("fused norm kernel unavailable") == 1
+
+
+@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 1536), (8, 1536), (3, 200)])
+def test_kernel_matches_mlx_operations(dtype, rows, width):
+    x, residual, w, w2 = _arrays(rows, width, dtype)
+    scalar = mx.array([0.7], dtype)
+    tolerance = 1e-5 if dtype == mx.float32 else 2e-2
+    for s, second in ((None, None), (scalar, None), (None, w2), (scalar, w2)):
+        got = ck._launch(x, residual, w, 1e-6, s, second)
+        want = ck.reference(x, residual, w, 1e-6, s, second)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_allclose(np.array(a.astype(mx.float32)),
+                                           np.array(b.astype(mx.float32)),
+                                           rtol=tolerance, atol=tolerance)
