@@ -8,9 +8,9 @@
 #   call 3 (same carry), <30 s after call 2:    bash bench/gpu_session.sh bench [NAMES]
 # `demo` builds the demo pair (--preset gpu) into /tmp/demo and leaves it as $OUT/demo.tgz.*
 # (15 MB parts: cat them and untar over plugins/demo/mlxrunner_demo/model to ship it);
-# `bench` runs every benchmark into $OUT (JSON) and measures the shipped demo pair and, if
-# call 2 ran on this machine, the new one. At most 8 files come back from $OUT, so `bench`
-# leaves its JSON and logs in one $OUT/results.tgz.
+# `bench` runs the CUDA-only tests, then every benchmark into $OUT (JSON), and measures the
+# shipped demo pair and, if call 2 ran on this machine, the new one. At most 8 files come
+# back from $OUT, so `bench` leaves its JSON and logs in one $OUT/results.tgz.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
 export PYTHONUNBUFFERED=1 MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
@@ -29,6 +29,12 @@ case "${1:-}" in
     # names: topk qwen3_5 gemma4 speculative (default: all; about 2-3 minutes each on the
     # H200, so split them over two calls when the demo build does not run)
     shift
+    # first the tests that need CUDA (skipped on CI): the fused kernels against MLX
+    echo "== CUDA tests"
+    timeout "${CUDA_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
+      tests/core/test_topk.py architectures/qwen3_5/tests/test_qwen3_5_cuda_kernel.py \
+      architectures/gemma4/tests/test_gemma4_cuda_kernel.py 2>&1 | tee "$out/cuda-tests.txt" |
+      tail -4
     for name in "${@:-topk qwen3_5 gemma4 speculative}"; do
       for one in $name; do
         echo "== $one"
