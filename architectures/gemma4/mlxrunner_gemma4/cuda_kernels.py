@@ -28,8 +28,9 @@ ENV_SWITCH = "MLXRUNNER_GEMMA4_CUDA_KERNELS"
 
 # Template constants: H (row width), NT (threads per block), SCALED (multiply h by
 # scalar[0]), SECOND (also write rms_norm(h) * w2), EPS_E9 (the epsilon times 1e9); type T
-# of the activations. Every value is rounded to T where MLX's composition rounds it: the
-# normalised x, the sum, the scaled sum, the second norm.
+# of the activations. Every value is rounded to T where MLX's composition rounds it (its
+# RMSNorm kernel multiplies the weight, as T, by the normalised value rounded to T; the
+# add and the scaling round to T), so only the order of the sums of squares differs.
 NORM_ADD_SOURCE = r"""
     constexpr int kWarps = NT / 32;
     const float eps = EPS_E9 * 1e-9f;
@@ -53,6 +54,11 @@ NORM_ADD_SOURCE = r"""
         __syncthreads();
         return total;
     };
+    // as MLX's RMSNorm: the normalised value rounded to T, times the weight (as T), in T
+    auto mul = [](auto weight, float normalised) -> T {
+        return static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(weight))) *
+                              static_cast<float>(static_cast<T>(normalised)));
+    };
     const T* xr = x + (size_t)row * H;
     const T* rr = residual + (size_t)row * H;
     T* hr = h_out + (size_t)row * H;
@@ -64,7 +70,7 @@ NORM_ADD_SOURCE = r"""
     const float rstd = rsqrtf(block_sum(ss) / H + eps);
     float ss2 = 0.f;
     for (int i = tid; i < H; i += NT) {
-        const T y = static_cast<T>(static_cast<float>(xr[i]) * rstd * static_cast<float>(w[i]));
+        const T y = mul(w[i], static_cast<float>(xr[i]) * rstd);
         T h = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(y));
         if (SCALED) {
             h = static_cast<T>(static_cast<float>(h) * static_cast<float>(scalar[0]));
@@ -77,7 +83,7 @@ NORM_ADD_SOURCE = r"""
         const float rstd2 = rsqrtf(block_sum(ss2) / H + eps);
         T* nr = normed_out + (size_t)row * H;
         for (int i = tid; i < H; i += NT) {
-            nr[i] = static_cast<T>(static_cast<float>(hr[i]) * rstd2 * static_cast<float>(w2[i]));
+            nr[i] = mul(w2[i], static_cast<float>(hr[i]) * rstd2);
         }
     }
 """
