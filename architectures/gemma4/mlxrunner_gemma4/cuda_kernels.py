@@ -55,8 +55,8 @@ NORM_ADD_SOURCE = r"""
         return total;
     };
     // as MLX's RMSNorm: the normalised value rounded to T, times the weight (as T), in T
-    auto mul = [](auto weight, float normalised) -> T {
-        return static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(weight))) *
+    auto mul = [&](float weight, float normalised) -> T {
+        return static_cast<T>(static_cast<float>(static_cast<T>(weight)) *
                               static_cast<float>(static_cast<T>(normalised)));
     };
     const T* xr = x + (size_t)row * H;
@@ -70,7 +70,7 @@ NORM_ADD_SOURCE = r"""
     const float rstd = rsqrtf(block_sum(ss) / H + eps);
     float ss2 = 0.f;
     for (int i = tid; i < H; i += NT) {
-        const T y = mul(w[i], static_cast<float>(xr[i]) * rstd);
+        const T y = mul(static_cast<float>(w[i]), static_cast<float>(xr[i]) * rstd);
         T h = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(y));
         if (SCALED) {
             h = static_cast<T>(static_cast<float>(h) * static_cast<float>(scalar[0]));
@@ -83,7 +83,7 @@ NORM_ADD_SOURCE = r"""
         const float rstd2 = rsqrtf(block_sum(ss2) / H + eps);
         T* nr = normed_out + (size_t)row * H;
         for (int i = tid; i < H; i += NT) {
-            nr[i] = mul(w2[i], static_cast<float>(hr[i]) * rstd2);
+            nr[i] = mul(static_cast<float>(w2[i]), static_cast<float>(hr[i]) * rstd2);
         }
     }
 """

@@ -1,0 +1,116 @@
+"""Our CUDA kernel sources compile, off the GPU.
+
+MLX builds a ``mx.fast.cuda_kernel`` at its first launch, on the GPU machine; a source that
+does not compile there only shows as a kernel turned off (one warning, the slower path).
+These tests wrap each source the way MLX does (inputs as ``const T*``, outputs as ``T*``,
+template arguments as ``constexpr``/``using`` lines) and compile it with NVRTC for the H200
+(``compute_90``), which needs no GPU. They run where NVRTC and the CUDA headers are
+installed (``pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12``, about 90 MB,
+not in the test requirements) and skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half",
+              "uint64": "unsigned long long"}
+
+
+def _nvidia_dir(package: str) -> Path | None:
+    try:
+        module = __import__(f"nvidia.{package}", fromlist=["_"])
+    except ImportError:
+        return None
+    return Path(next(iter(module.__path__)))
+
+
+@pytest.fixture(scope="module")
+def nvrtc() -> tuple[Any, Path]:
+    lib_dir, runtime = _nvidia_dir("cuda_nvrtc"), _nvidia_dir("cuda_runtime")
+    if lib_dir is None or runtime is None:
+        pytest.skip("NVRTC and the CUDA headers are not installed "
+                    "(pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12)")
+    libs = sorted((lib_dir / "lib").glob("libnvrtc.so*"))
+    if not libs:
+        pytest.skip(f"no libnvrtc in {lib_dir}")
+    return ctypes.CDLL(str(libs[0])), runtime / "include"
+
+
+def _wrap(name: str, source: str, inputs: list[tuple[str, str]],
+          outputs: list[tuple[str, str]], template: list[tuple[str, Any]]) -> str:
+    """The kernel as MLX's custom_kernel builds it (its header swapped for CUDA's own)."""
+    lines = ["#include <cuda_bf16.h>", "#include <cuda_fp16.h>",
+             "namespace mlx { namespace core { namespace cu {",
+             f"__global__ void {name}("]
+    args = [f"    const {CUDA_TYPES[t]}* {n}" for n, t in inputs]
+    args += [f"    {CUDA_TYPES[t]}* {n}" for n, t in outputs]
+    lines.append(",\n".join(args) + ") {")
+    for key, value in template:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {key} = {value};")
+        else:
+            lines.append(f"  using {key} = {CUDA_TYPES[value]};")
+    lines += [source, "}", "}}}"]
+    return "\n".join(lines)
+
+
+def _compile(nvrtc: tuple[Any, Path], name: str, source: str) -> None:
+    lib, include = nvrtc
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(),
+                                  0, None, None) == 0
+    options = [b"--gpu-architecture=compute_90", f"--include-path={include}".encode(),
+               b"-std=c++17"]
+    status = lib.nvrtcCompileProgram(prog, len(options),
+                                     (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert status == 0, f"{name} does not compile:\n{log.value.decode()}"
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 151936, 64), (64, 151936, 64), (64, 262144, 20)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_topk_chunk_kernel_compiles(nvrtc, rows: int, n: int, k: int, dtype: str) -> None:
+    from mlxrunner import topk
+
+    launch = topk.kernel_launch(rows, n, k)
+    _compile(nvrtc, "topk", _wrap("topk", topk._CUDA_CHUNK_TOPK, [("x", dtype)],
+                                  [("out", "uint64")], launch["template"]))
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("second", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gemma4_norm_kernel_compiles(nvrtc, scaled: bool, second: bool, dtype: str) -> None:
+    ck = pytest.importorskip("mlxrunner_gemma4.cuda_kernels")
+    template = [("T", dtype), ("H", 1536), ("NT", 256), ("SCALED", scaled),
+                ("SECOND", second), ("EPS_E9", 1000)]
+    inputs = [(n, dtype) for n in ("x", "residual", "w", "scalar", "w2")]
+    _compile(nvrtc, "norm_add", _wrap("norm_add", ck.NORM_ADD_SOURCE, inputs,
+                                      [("h_out", dtype), ("normed_out", dtype)], template))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3_5_deltanet_kernels_compile(nvrtc, dtype: str) -> None:
+    ck = pytest.importorskip("mlxrunner_qwen3_5.cuda_kernels")
+    inputs = [("proj", dtype), ("conv_tail", dtype), ("state", "float32"),
+              ("conv_weight", dtype), ("A_log", dtype), ("dt_bias", dtype),
+              ("norm_weight", dtype)]
+    shape = [("T", dtype), ("Hk", 16), ("Hv", 16), ("Dk", 128), ("Dv", 128), ("K", 4),
+             ("C", 6144), ("P", 8224), ("OZ", 6144), ("OB", 8192), ("OA", 8208)]
+    step = [("out", dtype), ("new_tail", dtype), ("new_state", "float32")]
+    _compile(nvrtc, "step", _wrap("step", ck.DELTANET_STEP_SOURCE, inputs, step,
+                                  shape + [("NT", 512), ("EPS_E9", 1000)]))
+    block = step + [("k_out", "float32"), ("delta_out", "float32"), ("g_out", "float32")]
+    _compile(nvrtc, "block", _wrap("block", ck.DELTANET_BLOCK_SOURCE, inputs, block,
+                                   shape + [("L", 8), ("NT", 512), ("EPS_E9", 1000)]))
