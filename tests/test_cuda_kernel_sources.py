@@ -5,8 +5,8 @@ does not compile there only shows as a kernel turned off (one warning, the slowe
 These tests wrap each source the way MLX does (inputs as ``const T*``, outputs as ``T*``,
 template arguments as ``constexpr``/``using`` lines) and compile it with NVRTC for the H200
 (``compute_90``), which needs no GPU. They run where NVRTC and the CUDA headers are
-installed (``pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12``, about 90 MB,
-not in the test requirements) and skip elsewhere.
+installed (requirements-test.txt installs them on x86-64 Linux, about 90 MB) and skip
+elsewhere.
 """
 
 from __future__ import annotations
