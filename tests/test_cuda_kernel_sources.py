@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half",
+CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int",
               "uint64": "unsigned long long"}
 
 
@@ -114,3 +114,15 @@ def test_qwen3_5_deltanet_kernels_compile(nvrtc, dtype: str) -> None:
     block = step + [("k_out", "float32"), ("delta_out", "float32"), ("g_out", "float32")]
     _compile(nvrtc, "block", _wrap("block", ck.DELTANET_BLOCK_SOURCE, inputs, block,
                                    shape + [("L", 8), ("NT", 512), ("EPS_E9", 1000)]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("L", [1, 8])
+def test_qwen3_5_qk_norm_rope_kernel_compiles(nvrtc, dtype: str, L: int) -> None:
+    ck = pytest.importorskip("mlxrunner_qwen3_5.cuda_kernels")
+    inputs = [("rows", dtype), ("q_weight", dtype), ("k_weight", dtype),
+              ("inv_freq", "float32"), ("position", "int32")]
+    template = [("T", dtype), ("H", 8), ("HK", 2), ("D", 256), ("R", 64), ("L", L),
+                ("P", 5120), ("NT", 256), ("EPS_E9", 1000)]
+    _compile(nvrtc, "qk", _wrap("qk", ck.QK_NORM_ROPE_SOURCE, inputs,
+                                [("q_out", dtype), ("k_out", dtype)], template))

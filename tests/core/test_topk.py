@@ -437,3 +437,20 @@ def test_cuda_kernel_long_spans_at_batch_64(n: int, k: int) -> None:
     x = mixed_rows(64, n, seed=k)
     got = np.array(topk._topk_gpu(mx.array(x), k, select="kernel"))
     assert (got == reference(x, k)).all()
+
+
+@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
+                    .emulation_available(), reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("n,k,m", [(5000, 20, 1), (5000, 64, 2), (9000, 64, 3), (4100, 2, 3)])
+def test_cuda_kernel_source_runs_on_the_cpu(n: int, k: int, m: int) -> None:
+    """The kernel source itself (not a re-implementation) under the host emulation of
+    CUDA's threads: each span's first k keys, in order, for one and several sub-chunks."""
+    from mlxrunner import topk
+    from mlxrunner.testing.cuda_emulation import emulate_kernel
+
+    x = mixed_rows(2, n, seed=n + k)
+    launch = topk.kernel_launch(2, n, k, subchunks=m)
+    got = emulate_kernel(topk._CUDA_CHUNK_TOPK, {"x": x.astype(np.float32)},
+                         {"out": (launch["output_shape"], np.uint64)},
+                         launch["template"], blocks=(launch["chunks"], 2), threads=256)["out"]
+    assert (got == emulate_cuda_kernel(x, k, subchunks=m)).all()

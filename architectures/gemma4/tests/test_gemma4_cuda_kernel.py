@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from mlxrunner_gemma4 import cuda_kernels as ck
 
+from mlxrunner.testing.cuda_emulation import emulate_kernel, emulation_available
+
 CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
@@ -96,3 +98,27 @@ def test_kernel_matches_mlx_operations(dtype, rows, width):
                 np.testing.assert_allclose(np.array(a.astype(mx.float32)),
                                            np.array(b.astype(mx.float32)),
                                            rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not emulation_available(), reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("second", [False, True])
+def test_kernel_source_computes_the_reference_on_the_cpu(scaled, second):
+    """The kernel body run by the host emulation of CUDA's threads (float32), against
+    MLX's operations: 3 rows of 200 values (not a multiple of the 64 threads)."""
+    rows, width, threads = 3, 200, 64
+    x, residual, w, w2 = _arrays(rows, width)
+    scalar = mx.array([0.7])
+    got = emulate_kernel(
+        ck.NORM_ADD_SOURCE,
+        {"x": np.array(x), "residual": np.array(residual), "w": np.array(w),
+         "scalar": np.array(scalar if scaled else w[:1]), "w2": np.array(w2 if second else w)},
+        {"h_out": ((rows, width), np.float32),
+         "normed_out": ((rows, width) if second else (1,), np.float32)},
+        [("T", mx.float32), ("H", width), ("NT", threads), ("SCALED", scaled),
+         ("SECOND", second), ("EPS_E9", 1000)], blocks=rows, threads=threads)
+    h, normed = ck.reference(x, residual, w, 1e-6, scalar if scaled else None,
+                             w2 if second else None)
+    np.testing.assert_allclose(got["h_out"], np.array(h), rtol=2e-6, atol=2e-6)
+    if second:
+        np.testing.assert_allclose(got["normed_out"], np.array(normed), rtol=2e-6, atol=2e-6)

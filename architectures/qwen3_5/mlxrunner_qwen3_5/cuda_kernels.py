@@ -529,3 +529,140 @@ def deltanet_block(args: tuple[mx.array, ...], fallback: Callable[..., tuple[mx.
     ``delta [B, Hv, L, Dv]`` and ``g [B, Hv, L]`` (float32) let the state after any first
     ``j`` tokens be rebuilt from the starting state."""
     return _checked("block", args, fallback, (hk, hv, dk, dv, eps), launch, joined)
+
+
+# -- attention: q/k RMSNorm and partial RoPE in one launch --------------------------------------
+
+# One block per (row, head) of the joined projection ``[B * L, P]`` (rows of
+# ``[q_0 | gate_0 | ... | q_{H-1} | gate_{H-1} | k_0 .. k_{Hk-1} | v ...]``): the head's D values
+# normalised over D (as MLX's RMSNorm: the normalised value and the weight rounded to T, their
+# product in T), then its first R dims rotated (as MLX's non-traditional RoPE: pairs (i, i + R/2)
+# at angle (pos + l) * inv_freq[i]), written to q ``[B, H, L, D]`` or k ``[B, Hk, L, D]``.
+# Template constants: H, HK, D, R, L, P, NT (threads, D rounded up to 32), EPS_E9; type T.
+QK_NORM_ROPE_SOURCE = r"""
+    constexpr int kWarps = NT / 32;
+    const float eps = EPS_E9 * 1e-9f;
+    const int block = blockIdx.x;
+    const int head = block % (H + HK);
+    const int bl = block / (H + HK);  // b * L + l
+    const int b = bl / L;
+    const int l = bl % L;
+    const bool is_q = head < H;
+    const int t = threadIdx.x;
+    const int lane = t & 31;
+    const int warp = t >> 5;
+    __shared__ float red[kWarps];
+    __shared__ float normed[D];
+    const T* src = rows + (size_t)bl * P + (is_q ? 2 * head * D : 2 * H * D + (head - H) * D);
+    const float x = t < D ? static_cast<float>(src[t]) : 0.f;
+    float s = x * x;
+    for (int o = 16; o > 0; o >>= 1) {
+        s += __shfl_xor_sync(0xffffffff, s, o);
+    }
+    if (lane == 0) {
+        red[warp] = s;
+    }
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+        total += red[w];
+    }
+    const float rstd = rsqrtf(total / D + eps);
+    float n = 0.f;
+    if (t < D) {
+        const float weight = static_cast<float>(is_q ? q_weight[t] : k_weight[t]);
+        const float w_t = static_cast<float>(static_cast<T>(weight));
+        n = static_cast<float>(static_cast<T>(w_t * static_cast<float>(static_cast<T>(x * rstd))));
+        normed[t] = n;
+    }
+    __syncthreads();
+    if (t < D) {
+        float out = n;
+        if (t < R) {
+            constexpr int half = R / 2;
+            const int i = t < half ? t : t - half;
+            const float angle = static_cast<float>(position[0] + l) * inv_freq[i];
+            const float c = cosf(angle);
+            const float sn = sinf(angle);
+            out = t < half ? n * c - normed[t + half] * sn : normed[t - half] * sn + n * c;
+        }
+        T* dst = is_q ? q_out + (((size_t)b * H + head) * L + l) * D
+                      : k_out + (((size_t)b * HK + (head - H)) * L + l) * D;
+        dst[t] = static_cast<T>(out);
+    }
+"""
+
+_qk_kernel: Any = None
+_qk_verdicts: dict[tuple[Any, ...], bool] = {}
+#: decode steps and verify blocks: where launches cost; prompts keep MLX's operations
+QK_MAX_ROWS = 64
+
+
+def _qk_launch(rows: mx.array, q_weight: mx.array, k_weight: mx.array, inv_freq: mx.array,
+               position: mx.array, dims: tuple[int, int, int, int, float], B: int, L: int
+               ) -> tuple[mx.array, mx.array]:
+    global _qk_kernel
+    if _qk_kernel is None:
+        _qk_kernel = mx.fast.cuda_kernel(
+            name="qwen3_5_qk_norm_rope",
+            input_names=["rows", "q_weight", "k_weight", "inv_freq", "position"],
+            output_names=["q_out", "k_out"], source=QK_NORM_ROPE_SOURCE)
+    heads, kv_heads, head_dim, rotary, eps = dims
+    threads = 32 * -(-head_dim // 32)
+    q, k = _qk_kernel(
+        inputs=[rows, q_weight, k_weight, inv_freq, position],
+        template=[("T", rows.dtype), ("H", heads), ("HK", kv_heads), ("D", head_dim),
+                  ("R", rotary), ("L", L), ("P", rows.shape[-1]), ("NT", threads),
+                  ("EPS_E9", round(eps * 1e9))],
+        grid=(threads * B * L * (heads + kv_heads), 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(B, heads, L, head_dim), (B, kv_heads, L, head_dim)],
+        output_dtypes=[rows.dtype, rows.dtype])
+    return q, k
+
+
+def _qk_applies(rows: mx.array, dims: tuple[int, int, int, int, float], B: int, L: int
+                ) -> bool:
+    heads, kv_heads, head_dim, rotary, _ = dims
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not cuda_backend():
+        return False
+    return (rows.ndim == 2 and rows.shape[0] == B * L <= QK_MAX_ROWS and 0 < head_dim <= 1024
+            and rotary % 2 == 0 and 0 <= rotary <= head_dim
+            and rows.shape[1] >= (2 * heads + kv_heads) * head_dim
+            and rows.dtype in (mx.float32, mx.float16, mx.bfloat16))
+
+
+def qk_norm_rope_usable(rows: mx.array, q_weight: mx.array, k_weight: mx.array,
+                        dims: tuple[int, int, int, int, float], B: int, L: int,
+                        reference: Callable[..., tuple[mx.array, mx.array]],
+                        inv_freq: mx.array) -> bool:
+    """Whether :func:`qk_norm_rope` runs the kernel for arrays like these: it applies and
+    passed its self-check (run eagerly on the first call per shape and dtypes beside
+    ``reference(rows, position)``, MLX's operations; call it before tracing)."""
+    if not _qk_applies(rows, dims, B, L):
+        return False
+    key = (rows.shape, rows.dtype, q_weight.dtype, k_weight.dtype, dims, B, L)
+    verdict = _qk_verdicts.get(key)
+    if verdict is None:
+        probe = mx.random.normal(rows.shape, key=mx.random.key(99)).astype(rows.dtype)
+        position = mx.array([1234], dtype=mx.int32)
+        try:
+            got = _qk_launch(probe, q_weight, k_weight, inv_freq, position, dims, B, L)
+            mx.eval(got)
+            verdict = _agree(got, reference(probe, position), rows.dtype != mx.float32)
+            if not verdict:
+                print("mlxrunner-qwen3-5: fused q/k norm kernel disagrees with MLX's "
+                      "operations; using them", file=sys.stderr)
+        except Exception as exc:  # a kernel that does not build or run must not stop decoding
+            print(f"mlxrunner-qwen3-5: fused q/k norm kernel unavailable "
+                  f"({type(exc).__name__}: {exc}); using MLX's operations", file=sys.stderr)
+            verdict = False
+        _qk_verdicts[key] = verdict
+    return verdict
+
+
+def qk_norm_rope(rows: mx.array, q_weight: mx.array, k_weight: mx.array, inv_freq: mx.array,
+                 position: mx.array, dims: tuple[int, int, int, int, float], B: int, L: int
+                 ) -> tuple[mx.array, mx.array]:
+    """q ``[B, H, L, D]`` and k ``[B, Hk, L, D]``, normalised and rotated, from the joined
+    projection rows ``[B * L, P]`` (only where :func:`qk_norm_rope_usable` said yes)."""
+    return _qk_launch(rows, q_weight, k_weight, inv_freq, position, dims, B, L)

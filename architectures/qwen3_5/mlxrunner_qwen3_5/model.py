@@ -188,6 +188,15 @@ def _triangles(size: int) -> tuple[mx.array, mx.array]:
     return causal, strict
 
 
+@cache
+def _inv_freq(rotary_dims: int, base: float) -> mx.array:
+    """RoPE's inverse frequencies ``base ** (-2i / rotary_dims)`` (float32, evaluated once)."""
+    exponents = mx.arange(0, rotary_dims, 2, dtype=mx.float32) / rotary_dims
+    freqs = mx.power(mx.array(base, dtype=mx.float32), -exponents)
+    mx.eval(freqs)
+    return freqs
+
+
 @lru_cache(maxsize=16)  # a few buffer sizes are live at a time; old ones may go
 def _key_distances(length: int, size: int) -> mx.array:
     """``[length, size]``: key position minus query row (``j - i``), evaluated once: query
@@ -703,21 +712,55 @@ class Attention(nn.Module):
                  ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Queries, keys, values (normed, rotated) and the output gate, all ``[B, H, L, D]``,
         from ``x`` (``[B, L, hidden]`` or rows ``[B * L, hidden]``)."""
-        D = self.head_dim
         joined = self._in.joined(self, x)
         if joined is None:  # the projections run one by one
             joined = mx.concatenate(self._in(self, x), axis=-1)
+        flat = joined.reshape(B * L, -1)
         # The joined row is D-wide head rows [q_0 | gate_0 | q_1 | gate_1 | ... | k | v]:
         # one reshape and one transpose give every head row as [B, rows, L, D].
-        rows = joined.reshape(B, L, -1, D).transpose(0, 2, 1, 3)
+        q_gate, k, v = self._heads(flat, B, L)
+        gate = q_gate[:, 1::2]
+        if self._fused_qk(flat, B, L):  # CUDA: both norms and both rotations, one kernel
+            position = offset.reshape(1) if isinstance(offset, mx.array) else \
+                mx.array([offset], dtype=mx.int32)
+            q, k = cuda_kernels.qk_norm_rope(flat, self.q_norm.weight, self.k_norm.weight,
+                                             _inv_freq(self.rotary_dims, self.rope_theta),
+                                             position.astype(mx.int32), self._qk_dims(), B, L)
+            return q, k, v, gate
+        q, k = self._norm_rope(q_gate[:, 0::2], k, offset)
+        return q, k, v, gate
+
+    def _heads(self, flat: mx.array, B: int, L: int) -> list[mx.array]:
+        """``[q | gate pairs, k, v]`` heads ``[B, heads, L, D]`` of joined rows (views)."""
+        rows = flat.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
         pairs = 2 * self.heads
-        q_gate, k, v = mx.split(rows, [pairs, pairs + self.kv_heads], axis=1)
-        q, gate = q_gate[:, 0::2], q_gate[:, 1::2]
+        return mx.split(rows, [pairs, pairs + self.kv_heads], axis=1)
+
+    def _norm_rope(self, q: mx.array, k: mx.array, offset: int | mx.array
+                   ) -> tuple[mx.array, mx.array]:
         q = mx.fast.rope(self.q_norm(q), self.rotary_dims, traditional=False,
                          base=self.rope_theta, scale=1.0, offset=offset)
         k = mx.fast.rope(self.k_norm(k), self.rotary_dims, traditional=False,
                          base=self.rope_theta, scale=1.0, offset=offset)
-        return q, k, v, gate
+        return q, k
+
+    def _qk_dims(self) -> tuple[int, int, int, int, float]:
+        return (self.heads, self.kv_heads, self.head_dim, self.rotary_dims, self.q_norm.eps)
+
+    def _fused_qk(self, flat: mx.array, B: int, L: int) -> bool:
+        """Whether the fused q/k kernel serves rows like ``flat`` (self-checked on first
+        use against :meth:`_norm_rope`; traced forwards settle that first, in
+        :meth:`prepare_traced`)."""
+        if self.q_norm.eps != self.k_norm.eps:
+            return False
+
+        def reference(rows: mx.array, position: mx.array) -> tuple[mx.array, mx.array]:
+            q_gate, k, _ = self._heads(rows, B, L)
+            return self._norm_rope(q_gate[:, 0::2], k, position)
+
+        return cuda_kernels.qk_norm_rope_usable(
+            flat, self.q_norm.weight, self.k_norm.weight, self._qk_dims(), B, L, reference,
+            _inv_freq(self.rotary_dims, self.rope_theta))
 
     def _finish(self, out: mx.array, gate: mx.array, residual: mx.array) -> mx.array:
         """``residual + o_proj(out * sigmoid(gate))`` for ``out, gate [B, H, L, D]``, in
@@ -736,9 +779,13 @@ class Attention(nn.Module):
                                                    mask="causal" if L > 1 else None)
         return self._finish(out, gate, residual)
 
-    def prepare_traced(self) -> None:
+    def prepare_traced(self, batch: int, length: int, dtype: mx.Dtype) -> None:
+        """Eager setup before a forward of ``batch x length`` tokens is traced: the joined
+        projections and the fused q/k kernel's self-check."""
         self._in.ensure(self)
         self._out.ensure(self)
+        width = (2 * self.heads + 2 * self.kv_heads) * self.head_dim
+        self._fused_qk(mx.zeros((batch * length, width), dtype), batch, length)
 
     def traced(self, x: mx.array, residual: mx.array, keys: mx.array, values: mx.array,
                offset: mx.array, start: mx.array, mask: mx.array
@@ -936,7 +983,7 @@ class Qwen3_5(Model):
                 if layer.is_linear:
                     layer.linear_attn.prepare_traced(B, L, dtype)
                 else:
-                    layer.self_attn.prepare_traced()
+                    layer.self_attn.prepare_traced(B, L, dtype)
                 layer.mlp._in.ensure(layer.mlp)
                 layer.mlp._out.ensure(layer.mlp)
             self._head.ensure(self._head_owner())

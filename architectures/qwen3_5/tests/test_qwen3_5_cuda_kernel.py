@@ -3,25 +3,22 @@
 - Dispatch: off the CUDA backend (here) the pure-MLX step runs; on CUDA a kernel that
   fails or disagrees in its self-check is disabled and the pure-MLX step runs instead
   (exercised with stand-in launchers).
-- Logic: the kernel source is compiled by the host C++ compiler inside a tiny emulation of
-  CUDA's thread model (a thread per CUDA thread, barriers for __syncthreads and warp
-  shuffles) and compared with the pure-MLX step, float32. This checks the indexing and
+- Logic: the kernel sources run on the CPU under ``mlxrunner.testing.cuda_emulation`` (the
+  host C++ compiler, a thread per CUDA thread, barriers for __syncthreads and warp
+  shuffles) and are compared with MLX's operations, float32. This checks the indexing and
   the arithmetic; CUDA-only details (bf16 conversions, nvrtc) are left to the GPU run,
   where the self-check guards them.
 """
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
 import mlx.core as mx
 import mlxrunner_qwen3_5.cuda_kernels as ck
 import mlxrunner_qwen3_5.model as qm
 import numpy as np
 import pytest
+
+from mlxrunner.testing.cuda_emulation import emulate_kernel, emulation_available
 
 mx.set_default_device(mx.cpu)
 
@@ -94,89 +91,87 @@ def test_switch_turns_the_kernel_off(monkeypatch):
     assert not ck.applies(**DIMS)
 
 
-HARNESS = r"""
-#include <barrier>
-#include <cmath>
-#include <cstddef>
-#include <thread>
-#include <vector>
-
-struct Dim { int x = 0; };
-static thread_local Dim blockIdx, threadIdx;
-static std::barrier<>* block_barrier;
-static std::vector<std::barrier<>*> warp_barriers;
-static float warp_values[1024];
-
-static void __syncthreads() { block_barrier->arrive_and_wait(); }
-static float __shfl_xor_sync(unsigned, float v, int offset) {
-    int t = threadIdx.x, warp = t / 32, lane = t % 32;
-    warp_values[t] = v;
-    warp_barriers[warp]->arrive_and_wait();
-    float r = warp_values[warp * 32 + (lane ^ offset)];
-    warp_barriers[warp]->arrive_and_wait();
-    return r;
-}
-static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-#define __shared__ static
-
-static void body(const float* proj, const float* conv_tail, const float* state,
-                 const float* conv_weight, const float* A_log, const float* dt_bias,
-                 const float* norm_weight,
-                 float* out, float* new_tail, float* new_state) {
-    using T = float;
-    CONSTANTS
-SOURCE
-}
-
-extern "C" void run(int blocks, int threads, const float** in, float** outs) {
-    for (int bh = 0; bh < blocks; ++bh) {
-        std::barrier<> block(threads);
-        block_barrier = &block;
-        std::vector<std::barrier<>*> warps;
-        for (int w = 0; w < threads / 32; ++w) warps.push_back(new std::barrier<>(32));
-        warp_barriers = warps;
-        std::vector<std::thread> pool;
-        for (int t = 0; t < threads; ++t) {
-            pool.emplace_back([=] {
-                blockIdx.x = bh;
-                threadIdx.x = t;
-                body(in[0], in[1], in[2], in[3], in[4], in[5], in[6],
-                     outs[0], outs[1], outs[2]);
-            });
-        }
-        for (auto& th : pool) th.join();
-        for (auto* w : warps) delete w;
-    }
-}
-"""
-
-
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a host C++ compiler")
-def test_kernel_source_matches_the_pure_mlx_step(tmp_path: Path):
+@pytest.mark.skipif(not emulation_available(), reason="needs a host C++ compiler (g++)")
+def test_kernel_source_matches_the_pure_mlx_step():
     B, threads = 2, 64
     hk, hv, dk, dv = DIMS["hk"], DIMS["hv"], DIMS["dk"], DIMS["dv"]
     C = 2 * hk * dk + hv * dv
-    constants = " ".join(f"constexpr int {k} = {v};" for k, v in dict(
+    template = [("T", mx.float32), *dict(
         Hk=hk, Hv=hv, Dk=dk, Dv=dv, K=KERNEL, C=C, NT=threads, EPS_E9=round(EPS * 1e9),
-        P=C + hv * dv + 2 * hv, OZ=C, OB=C + hv * dv, OA=C + hv * dv + hv).items())
-    source = tmp_path / "step.cpp"
-    source.write_text(HARNESS.replace("CONSTANTS", constants)
-                      .replace("SOURCE", ck.DELTANET_STEP_SOURCE))
-    library = tmp_path / "step.so"
-    result = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
-                             str(source), "-o", str(library)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lib = ctypes.CDLL(str(library))
-
+        P=C + hv * dv + 2 * hv, OZ=C, OB=C + hv * dv, OA=C + hv * dv + hv).items()]
     args = step_inputs(B)
     # the kernel reads qkv, z, b, a in place from the joined in-projection row
     joined = mx.concatenate(args[:4], axis=-1)
-    inputs = [np.ascontiguousarray(np.array(x, dtype=np.float32)) for x in (joined, *args[4:])]
+    names = ("proj", "conv_tail", "state", "conv_weight", "A_log", "dt_bias", "norm_weight")
+    inputs = {n: np.array(x, dtype=np.float32) for n, x in zip(names, (joined, *args[4:]))}
     want = [np.array(x) for x in pure_mlx(args)]
-    outputs = [np.zeros(w.shape, np.float32) for w in want]
-    as_ptr = ctypes.POINTER(ctypes.c_float)
-    in_ptrs = (as_ptr * 7)(*[x.ctypes.data_as(as_ptr) for x in inputs])
-    out_ptrs = (as_ptr * 3)(*[x.ctypes.data_as(as_ptr) for x in outputs])
-    lib.run(B * hv, threads, in_ptrs, out_ptrs)
-    for name, got, expected in zip(("out", "conv tail", "state"), outputs, want):
-        assert np.abs(got - expected).max() < 2e-5, name
+    outputs = {n: (w.shape, np.float32) for n, w in zip(("out", "new_tail", "new_state"), want)}
+    got = emulate_kernel(ck.DELTANET_STEP_SOURCE, inputs, outputs, template,
+                         blocks=B * hv, threads=threads)
+    for (name, value), expected in zip(got.items(), want):
+        assert np.abs(value - expected).max() < 2e-5, name
+
+
+# -- attention: the fused q/k norm and RoPE kernel -----------------------------------------------
+
+
+def _attention(heads: int = 2, kv_heads: int = 1, head_dim: int = 64):
+    cfg = qm.Qwen3_5Config.from_dict({
+        "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": 16,
+        "intermediate_size": 16, "layer_types": ["full_attention"],
+        "linear_num_key_heads": 1, "linear_num_value_heads": 1, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "rope_parameters": {"rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.25}})
+    attn = qm.Attention(cfg)
+    keys = mx.random.split(mx.random.key(3), 2)
+    attn.q_norm.weight = 1 + 0.2 * mx.random.normal((head_dim,), key=keys[0])
+    attn.k_norm.weight = 1 + 0.2 * mx.random.normal((head_dim,), key=keys[1])
+    return attn
+
+
+@pytest.mark.skipif(not emulation_available(), reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("B,L,position", [(1, 1, 0), (1, 1, 517), (2, 3, 40)])
+def test_qk_kernel_source_computes_norm_and_rope_on_the_cpu(B, L, position):
+    """The q/k kernel body under the host emulation (float32) equals MLX's q_norm/k_norm
+    and partial RoPE, for every head of every row, at several positions."""
+    attn = _attention()
+    H, Hk, D, R = attn.heads, attn.kv_heads, attn.head_dim, attn.rotary_dims
+    width = (2 * H + 2 * Hk) * D
+    rows = mx.random.normal((B * L, width), key=mx.random.key(B * 100 + L))
+    pos = mx.array([position], dtype=mx.int32)
+    want_q, want_k = attn._norm_rope(attn._heads(rows, B, L)[0][:, 0::2],
+                                     attn._heads(rows, B, L)[1], pos)
+    got = emulate_kernel(
+        ck.QK_NORM_ROPE_SOURCE,
+        {"rows": np.array(rows), "q_weight": np.array(attn.q_norm.weight),
+         "k_weight": np.array(attn.k_norm.weight),
+         "inv_freq": np.array(qm._inv_freq(R, attn.rope_theta)),
+         "position": np.array(pos)},
+        {"q_out": ((B, H, L, D), np.float32), "k_out": ((B, Hk, L, D), np.float32)},
+        [("T", mx.float32), ("H", H), ("HK", Hk), ("D", D), ("R", R), ("L", L),
+         ("P", width), ("NT", D), ("EPS_E9", 1000)], blocks=B * L * (H + Hk), threads=D)
+    np.testing.assert_allclose(got["q_out"], np.array(want_q), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got["k_out"], np.array(want_k), rtol=1e-4, atol=1e-4)
+
+
+def test_qk_kernel_is_gated_and_falls_back(monkeypatch, capsys):
+    """Off CUDA the MLX operations run; on CUDA a kernel that fails its self-check stays
+    off (one warning) and the forward is unchanged."""
+    attn = _attention()
+    x = mx.random.normal((1, 1, 32), key=mx.random.key(0))
+    want = attn._project(x, 5, 1, 1)
+    monkeypatch.setattr(ck, "cuda_backend", lambda: True)
+    monkeypatch.setattr(ck, "_qk_verdicts", {})
+
+    def broken(*args, **kwargs):
+        raise ValueError("[custom_kernel] refused")
+
+    monkeypatch.setattr(ck, "_qk_launch", broken)
+    for _ in range(2):
+        got = attn._project(x, 5, 1, 1)
+        for a, b in zip(got, want):
+            assert mx.array_equal(a, b)
+    assert capsys.readouterr().err.count("fused q/k norm kernel unavailable") == 1
+    flat = mx.zeros((65, 6 * 64))
+    assert not ck._qk_applies(flat, attn._qk_dims(), 65, 1)  # prompts keep MLX's operations
