@@ -225,3 +225,157 @@ def norm_add(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
     if _usable(x, residual, weight, eps, scalar, second, eps2):
         return _launch(x, residual, weight, eps, scalar, second)
     return reference(x, residual, weight, eps, scalar, second, eps2)
+
+
+# -- attention heads: norms and RoPE in one launch ----------------------------------------------
+
+# One block per (row, head) of a layer's projection rows ``[B * L, P]`` holding HQ query, HK
+# key and HV value heads of D values, in that order. Every head is normalised over D without
+# a weight (rounded to T, as MLX's RMSNorm); query and key heads are then multiplied by their
+# norm weight (in T) and rotated (MLX's non-traditional RoPE over all D dims: pairs
+# (i, i + D/2) at angle (position + l) * inv_freq[i]; a zero frequency leaves the pair as
+# is), value heads are written as they are. KV_FROM_K: the values are the key heads'
+# weightless norms (Gemma's K=V layers). Outputs ``[B, heads, L, D]``.
+HEADS_SOURCE = r"""
+    constexpr int kWarps = NT / 32;
+    constexpr int kHeads = HQ + HK + HV;
+    constexpr int kHalf = D / 2;
+    const float eps = EPS_E9 * 1e-9f;
+    const int block = blockIdx.x;
+    const int head = block % kHeads;
+    const int bl = block / kHeads;  // b * L + l
+    const int b = bl / L;
+    const int l = bl % L;
+    const int t = threadIdx.x;
+    const int lane = t & 31;
+    const int warp = t >> 5;
+    __shared__ float red[kWarps];
+    __shared__ float weighted[D];
+    const T* src = rows + (size_t)bl * P + (size_t)head * D;
+    const float x = t < D ? static_cast<float>(src[t]) : 0.f;
+    float s = x * x;
+    for (int o = 16; o > 0; o >>= 1) {
+        s += __shfl_xor_sync(0xffffffff, s, o);
+    }
+    if (lane == 0) {
+        red[warp] = s;
+    }
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+        total += red[w];
+    }
+    const float plain = static_cast<float>(static_cast<T>(x * rsqrtf(total / D + eps)));
+    const bool rotated = head < HQ + HK;
+    float n = plain;
+    if (rotated && t < D) {
+        const float weight = static_cast<float>(static_cast<T>(
+            static_cast<float>(head < HQ ? q_weight[t] : k_weight[t])));
+        n = static_cast<float>(static_cast<T>(weight * plain));
+        weighted[t] = n;
+    }
+    __syncthreads();
+    if (t < D) {
+        if (head < HQ) {
+            const int i = t < kHalf ? t : t - kHalf;
+            const float angle = static_cast<float>(position[0] + l) * inv_freq[i];
+            const float c = cosf(angle);
+            const float sn = sinf(angle);
+            const float out = t < kHalf ? n * c - weighted[t + kHalf] * sn
+                                        : weighted[t - kHalf] * sn + n * c;
+            q_out[(((size_t)b * HQ + head) * L + l) * D + t] = static_cast<T>(out);
+        } else if (head < HQ + HK) {
+            const int i = t < kHalf ? t : t - kHalf;
+            const float angle = static_cast<float>(position[0] + l) * inv_freq[i];
+            const float c = cosf(angle);
+            const float sn = sinf(angle);
+            const float out = t < kHalf ? n * c - weighted[t + kHalf] * sn
+                                        : weighted[t - kHalf] * sn + n * c;
+            const int kh = head - HQ;
+            k_out[(((size_t)b * HK + kh) * L + l) * D + t] = static_cast<T>(out);
+            if (KV_FROM_K) {
+                v_out[(((size_t)b * HK + kh) * L + l) * D + t] = static_cast<T>(plain);
+            }
+        } else {
+            const int vh = head - HQ - HK;
+            v_out[(((size_t)b * HV + vh) * L + l) * D + t] = static_cast<T>(plain);
+        }
+    }
+"""
+
+_heads_kernel: Any = None
+_heads_verdicts: dict[tuple[Any, ...], bool] = {}
+
+
+def _heads_launch(rows: mx.array, q_weight: mx.array, k_weight: mx.array | None,
+                  inv_freq: mx.array, position: mx.array, counts: tuple[int, int, int, bool],
+                  head_dim: int, eps: float, B: int, L: int) -> tuple[mx.array | None, ...]:
+    global _heads_kernel
+    if _heads_kernel is None:
+        _heads_kernel = mx.fast.cuda_kernel(
+            name="gemma4_heads_norm_rope",
+            input_names=["rows", "q_weight", "k_weight", "inv_freq", "position"],
+            output_names=["q_out", "k_out", "v_out"], source=HEADS_SOURCE)
+    hq, hk, hv, kv_from_k = counts
+    values = hk if kv_from_k else hv
+    threads = 32 * -(-head_dim // 32)
+
+    def shape(heads: int) -> tuple[int, ...]:
+        return (B, heads, L, head_dim) if heads else (1,)
+
+    q, k, v = _heads_kernel(
+        inputs=[rows, q_weight, q_weight if k_weight is None else k_weight, inv_freq,
+                position],
+        template=[("T", rows.dtype), ("HQ", hq), ("HK", hk), ("HV", hv),
+                  ("KV_FROM_K", kv_from_k), ("D", head_dim), ("L", L), ("P", rows.shape[-1]),
+                  ("NT", threads), ("EPS_E9", round(eps * 1e9))],
+        grid=(threads * B * L * (hq + hk + hv), 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[shape(hq), shape(hk), shape(values)],
+        output_dtypes=[rows.dtype] * 3)
+    return q, (k if hk else None), (v if values else None)
+
+
+def heads_usable(rows: mx.array, q_weight: mx.array, k_weight: mx.array | None,
+                 inv_freq: mx.array, counts: tuple[int, int, int, bool], head_dim: int,
+                 eps: float, B: int, L: int, reference: Any) -> bool:
+    """Whether :func:`heads_norm_rope` runs the kernel for arrays like these: it applies
+    (CUDA, up to ``MAX_ROWS`` rows) and passed its self-check against
+    ``reference(rows, position) -> (q, k, v)`` (MLX's operations), run eagerly on the first
+    call per shape, dtypes and layout; call it before tracing."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not cuda_backend():
+        return False
+    hq, hk, hv, _ = counts
+    if (rows.ndim != 2 or rows.shape[0] != B * L or B * L > MAX_ROWS or head_dim % 2
+            or not 0 < head_dim <= 1024 or rows.shape[1] != (hq + hk + hv) * head_dim
+            or rows.dtype not in (mx.float32, mx.float16, mx.bfloat16)):
+        return False
+    key = (rows.shape, rows.dtype, q_weight.dtype, None if k_weight is None else k_weight.dtype,
+           counts, head_dim, eps, B, L)
+    verdict = _heads_verdicts.get(key)
+    if verdict is None:
+        probe = mx.random.normal(rows.shape, key=mx.random.key(77)).astype(rows.dtype)
+        position = mx.array([1234], dtype=mx.int32)
+        try:
+            got = _heads_launch(probe, q_weight, k_weight, inv_freq, position, counts,
+                                head_dim, eps, B, L)
+            mx.eval([a for a in got if a is not None])
+            verdict = _agree(got, reference(probe, position), rows.dtype != mx.float32)
+            if not verdict:
+                print("mlxrunner-gemma4: fused attention-head kernel disagrees with MLX's "
+                      "operations; using them", file=sys.stderr)
+        except Exception as exc:  # a kernel that does not build or run must not stop decoding
+            print(f"mlxrunner-gemma4: fused attention-head kernel unavailable "
+                  f"({type(exc).__name__}: {exc}); using MLX's operations", file=sys.stderr)
+            verdict = False
+        _heads_verdicts[key] = verdict
+    return verdict
+
+
+def heads_norm_rope(rows: mx.array, q_weight: mx.array, k_weight: mx.array | None,
+                    inv_freq: mx.array, position: mx.array,
+                    counts: tuple[int, int, int, bool], head_dim: int, eps: float, B: int,
+                    L: int) -> tuple[mx.array | None, ...]:
+    """q, k, v ``[B, heads, L, D]`` (k and v None where the layer has none) from projection
+    rows ``[B * L, (HQ + HK + HV) * D]`` (only where :func:`heads_usable` said yes)."""
+    return _heads_launch(rows, q_weight, k_weight, inv_freq, position, counts, head_dim, eps,
+                         B, L)

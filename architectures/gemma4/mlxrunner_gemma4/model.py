@@ -44,7 +44,7 @@ import mlx.nn as nn
 import mlxrunner
 from mlxrunner import KVCache, Model, ModelFolderError, RingCache
 
-from .cuda_kernels import norm_add, prepare
+from .cuda_kernels import heads_norm_rope, heads_usable, norm_add, prepare
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -369,7 +369,7 @@ class Attention(nn.Module):
         self.k_eq_v = cfg.k_eq_v[i]
         self.eps = cfg.rms_norm_eps
         bias = cfg.attention_bias
-        hidden = cfg.hidden_size
+        hidden = self.hidden_size = cfg.hidden_size
         self.q_proj = Linear(hidden, self.n_heads * d, bias=bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         if self.has_kv:
@@ -422,15 +422,81 @@ class Attention(nn.Module):
     def _v_norm(self, v: mx.array) -> mx.array:
         return mx.fast.rms_norm(v, None, self.eps)
 
+    def inv_freq(self) -> mx.array:
+        """The rotation's inverse frequencies ``[D / 2]`` (zero where a pair is not rotated:
+        an infinite period), evaluated once (see :meth:`prepare_heads`)."""
+        cached = self.__dict__.get("_inv_freq_value")
+        if cached is None:
+            if self._periods is None:
+                exponents = mx.arange(0, self.head_dim, 2, dtype=mx.float32) / self.head_dim
+                cached = mx.power(mx.array(self._theta, mx.float32), -exponents)
+            else:
+                cached = 1.0 / self._periods
+            mx.eval(cached)
+            self.__dict__["_inv_freq_value"] = cached
+        return cached
+
+    def prepare_heads(self, B: int, L: int, dtype: mx.Dtype) -> None:
+        """Before a forward of ``B x L`` tokens is traced: the frequencies and the fused head
+        kernel's self-check (both evaluate)."""
+        self.inv_freq()
+        self._kernel_heads(mx.zeros((B * L, self.hidden_size), dtype), L, 0)
+
+    def _heads_layout(self) -> tuple[int, int, int, bool]:
+        """(query, key, value heads in the projection rows, values from the keys)."""
+        if self.fused is not None:
+            return (self.n_heads, self.n_kv_heads, 0 if self.k_eq_v else self.n_kv_heads,
+                    self.k_eq_v)
+        return (self.n_heads, 0, 0, False)
+
+    def _kernel_heads(self, x: mx.array, L: int, offset: int | mx.array
+                      ) -> tuple[mx.array, mx.array | None, mx.array | None] | None:
+        """q, k, v through the fused head kernel (CUDA), or None where it does not serve.
+        A layer with its own keys and values reads its stacked projection; one sharing
+        them, its query projection."""
+        if self.has_kv and self.fused is None:
+            return None
+        rows = self.fused.proj(x) if self.fused is not None else self.q_proj(x)
+        B = rows.shape[0] // L
+        weights = (self.q_norm.weight, self.k_norm.weight if self.has_kv else None)
+        layout = self._heads_layout()
+
+        def reference(probe: mx.array, position: mx.array) -> tuple[mx.array | None, ...]:
+            return self._project_rows(probe, L, position)
+
+        if not heads_usable(rows, *weights, self.inv_freq(), layout, self.head_dim,
+                            self.eps, B, L, reference):
+            return None
+        position = offset.reshape(1) if isinstance(offset, mx.array) else \
+            mx.array([offset], dtype=mx.int32)
+        return heads_norm_rope(rows, *weights, self.inv_freq(), position.astype(mx.int32),
+                               layout, self.head_dim, self.eps, B, L)
+
     def project(self, x: mx.array, L: int, offset: int | mx.array
                 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """Queries ``[B, H, L, D]`` of ``x [B * L, hidden]`` and, for a layer with its
         own, keys and values (q/k normed and rotated, v normed without a weight)."""
+        fused = self._kernel_heads(x, L, offset)
+        if fused is not None:
+            return fused
         if self.fused is not None:
             return self._project_fused(x, L, offset)
+        if self.has_kv:
+            return self._project_unfused(x, L, offset)
+        return self._project_rows(self.q_proj(x), L, offset)
+
+    def _project_rows(self, rows: mx.array, L: int, offset: int | mx.array
+                      ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """MLX's operations from projection rows (the stacked ones, or the query ones of a
+        layer sharing its keys and values)."""
+        if self.fused is not None:
+            return self._heads_fused(rows, L, offset)
+        q = self.rope(self._normed_heads(rows, L, self.n_heads, self.q_norm), offset)
+        return q, None, None
+
+    def _project_unfused(self, x: mx.array, L: int, offset: int | mx.array
+                         ) -> tuple[mx.array, mx.array | None, mx.array | None]:
         q = self.rope(self._normed_heads(self.q_proj(x), L, self.n_heads, self.q_norm), offset)
-        if not self.has_kv:
-            return q, None, None
         k_raw = self.k_proj(x)
         # K=V layers: the value is the raw key projection, normed like any value
         v_raw = k_raw if self.k_eq_v else self.v_proj(x)
@@ -440,13 +506,17 @@ class Attention(nn.Module):
 
     def _project_fused(self, x: mx.array, L: int, offset: int | mx.array
                        ) -> tuple[mx.array, mx.array, mx.array]:
+        return self._heads_fused(self.fused.proj(x), L, offset)
+
+    def _heads_fused(self, rows: mx.array, L: int, offset: int | mx.array
+                     ) -> tuple[mx.array, mx.array, mx.array]:
         """``project`` through the stacked weights: heads [q | k | v], all normed
         without a weight in one go, then q and k weighted and rotated together (each
         cut with one split: one graph node instead of a slice per part)."""
         fused = self.fused
         H, qk = self.n_heads, self.n_heads + self.n_kv_heads
         heads = qk if self.k_eq_v else qk + self.n_kv_heads
-        normed = self._normed_heads(fused.proj(x), L, heads, self._v_norm)
+        normed = self._normed_heads(rows, L, heads, self._v_norm)
         if self.k_eq_v:  # the value is the key projection, normed without a weight
             qk_heads, v = normed, normed[:, H:]
         else:
@@ -980,6 +1050,7 @@ class Gemma4Model(Model):
             for i, layer in enumerate(layers):
                 layer.prepare_kernels(like, layers[i + 1].input_layernorm
                                       if i + 1 < len(layers) else None)
+                layer.self_attn.prepare_heads(ids.shape[0], L, like.dtype)
             step = self._steps[key] = mx.compile(self._step_graph(own, taps, L, rings_full,
                                                                   capture))
         state = []

@@ -122,3 +122,72 @@ def test_kernel_source_computes_the_reference_on_the_cpu(scaled, second):
     np.testing.assert_allclose(got["h_out"], np.array(h), rtol=2e-6, atol=2e-6)
     if second:
         np.testing.assert_allclose(got["normed_out"], np.array(normed), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.skipif(not emulation_available(), reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("fixture", ["dense", "e2b"])
+def test_head_kernel_source_computes_norms_and_rope_on_the_cpu(fixture):
+    """Every attention layer of the tiny fixtures (sliding and full layers, plain and
+    proportional RoPE, K=V, KV sharing): the head kernel's body under the host emulation
+    (float32) gives MLX's q, k and v, for 2 sequences of 3 tokens at position 37."""
+    from pathlib import Path
+
+    import mlxrunner
+
+    folder = Path(__file__).parent / "fixtures" / fixture
+    model = mlxrunner.load_model(str(folder))
+    model._fuse()
+    B, L = 2, 3
+    position = mx.array([37], dtype=mx.int32)
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        x = mx.random.normal((B * L, attn.hidden_size), key=mx.random.key(i))
+        rows = attn.fused.proj(x) if attn.fused is not None else attn.q_proj(x)
+        want = attn._project_rows(rows, L, position)
+        hq, hk, hv, kv_from_k = attn._heads_layout()
+        D = attn.head_dim
+        values = hk if kv_from_k else hv
+        outputs = {"q_out": ((B, hq, L, D), np.float32),
+                   "k_out": ((B, hk, L, D) if hk else (1,), np.float32),
+                   "v_out": ((B, values, L, D) if values else (1,), np.float32)}
+        threads = 32 * -(-D // 32)
+        got = emulate_kernel(
+            ck.HEADS_SOURCE,
+            {"rows": np.array(rows), "q_weight": np.array(attn.q_norm.weight),
+             "k_weight": np.array(attn.k_norm.weight if attn.has_kv else attn.q_norm.weight),
+             "inv_freq": np.array(attn.inv_freq()), "position": np.array(position)},
+            outputs,
+            [("T", mx.float32), ("HQ", hq), ("HK", hk), ("HV", hv), ("KV_FROM_K", kv_from_k),
+             ("D", D), ("L", L), ("P", rows.shape[-1]), ("NT", threads), ("EPS_E9", 1000)],
+            blocks=B * L * (hq + hk + hv), threads=threads)
+        for name, w in zip(("q_out", "k_out", "v_out"), want):
+            if w is None:
+                continue
+            np.testing.assert_allclose(got[name], np.array(w), rtol=1e-4, atol=1e-4,
+                                       err_msg=f"layer {i} {name}")
+
+
+def test_head_kernel_is_gated_and_falls_back(monkeypatch, capsys):
+    """On CUDA a head kernel that fails its self-check stays off (one warning per layer
+    layout) and the projections are MLX's, unchanged."""
+    from pathlib import Path
+
+    import mlxrunner
+
+    model = mlxrunner.load_model(str(Path(__file__).parent / "fixtures" / "dense"))
+    model._fuse()
+    attn = model.model.layers[0].self_attn
+    x = mx.random.normal((1, attn.hidden_size), key=mx.random.key(0))
+    want = attn.project(x, 1, 5)
+    monkeypatch.setattr(ck, "cuda_backend", lambda: True)
+    monkeypatch.setattr(ck, "_heads_verdicts", {})
+
+    def broken(*args, **kwargs):
+        raise ValueError("[custom_kernel] refused")
+
+    monkeypatch.setattr(ck, "_heads_launch", broken)
+    for _ in range(2):
+        got = attn.project(x, 1, 5)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or mx.array_equal(a, b)
+    assert capsys.readouterr().err.count("fused attention-head kernel unavailable") == 1
