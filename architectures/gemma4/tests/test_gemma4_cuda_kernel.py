@@ -10,6 +10,15 @@ from mlxrunner_gemma4 import cuda_kernels as ck
 
 from mlxrunner.testing.cuda_emulation import emulate_kernel, emulation_available
 
+
+@pytest.fixture
+def on_gpu():
+    """The GPU as the default device for one test (other test modules here set the CPU)."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(previous)
+
 CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
@@ -85,7 +94,7 @@ def test_a_failing_kernel_falls_back_once(monkeypatch, capsys):
 @pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 1536), (8, 1536), (3, 200)])
-def test_kernel_matches_mlx_operations(dtype, rows, width):
+def test_kernel_matches_mlx_operations(on_gpu, dtype, rows, width):
     x, residual, w, w2 = _arrays(rows, width, dtype)
     scalar = mx.array([0.7], dtype)
     tolerance = 1e-5 if dtype == mx.float32 else 2e-2
@@ -191,3 +200,32 @@ def test_head_kernel_is_gated_and_falls_back(monkeypatch, capsys):
         for a, b in zip(got, want):
             assert (a is None and b is None) or mx.array_equal(a, b)
     assert capsys.readouterr().err.count("fused attention-head kernel unavailable") == 1
+
+
+@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("fixture", ["dense", "e2b"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_head_kernel_matches_mlx_operations(on_gpu, fixture, dtype):
+    from pathlib import Path
+
+    import mlxrunner
+
+    model = mlxrunner.load_model(str(Path(__file__).parent / "fixtures" / fixture))
+    model.set_dtype(dtype)
+    model._fuse()
+    B, L = 1, 8
+    position = mx.array([37], dtype=mx.int32)
+    tolerance = 1e-4 if dtype == mx.float32 else 3e-2
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        x = mx.random.normal((B * L, attn.hidden_size), key=mx.random.key(i)).astype(dtype)
+        rows = attn.fused.proj(x) if attn.fused is not None else attn.q_proj(x)
+        weights = (attn.q_norm.weight, attn.k_norm.weight if attn.has_kv else None)
+        got = ck._heads_launch(rows, *weights, attn.inv_freq(), position,
+                               attn._heads_layout(), attn.head_dim, attn.eps, B, L)
+        for a, b in zip(got, attn._project_rows(rows, L, position)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_allclose(np.array(a.astype(mx.float32)),
+                                           np.array(b.astype(mx.float32)),
+                                           rtol=tolerance, atol=tolerance)

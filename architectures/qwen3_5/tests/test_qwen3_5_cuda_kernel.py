@@ -20,6 +20,16 @@ import pytest
 
 from mlxrunner.testing.cuda_emulation import emulate_kernel, emulation_available
 
+
+@pytest.fixture
+def on_gpu():
+    """The GPU as the default device for one test (other test modules here set the CPU)."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(previous)
+
+
 mx.set_default_device(mx.cpu)
 
 DIMS = dict(hk=2, hv=4, dk=32, dv=32)  # Hk != Hv; the kernel needs Dk % 32 == 0
@@ -175,3 +185,25 @@ def test_qk_kernel_is_gated_and_falls_back(monkeypatch, capsys):
     assert capsys.readouterr().err.count("fused q/k norm kernel unavailable") == 1
     flat = mx.zeros((65, 6 * 64))
     assert not ck._qk_applies(flat, attn._qk_dims(), 65, 1)  # prompts keep MLX's operations
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
+                    reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("B,L", [(1, 1), (1, 8), (4, 1)])
+def test_qk_kernel_matches_mlx_operations(on_gpu, dtype, B, L):
+    attn = _attention(heads=8, kv_heads=2, head_dim=256)
+    attn.set_dtype(dtype)
+    width = (2 * attn.heads + 2 * attn.kv_heads) * attn.head_dim
+    rows = mx.random.normal((B * L, width), key=mx.random.key(L)).astype(dtype)
+    pos = mx.array([300], dtype=mx.int32)
+    got = ck._qk_launch(rows, attn.q_norm.weight, attn.k_norm.weight,
+                        qm._inv_freq(attn.rotary_dims, attn.rope_theta), pos,
+                        attn._qk_dims(), B, L)
+    heads = attn._heads(rows, B, L)
+    want = attn._norm_rope(heads[0][:, 0::2], heads[1], pos)
+    tolerance = 1e-4 if dtype == mx.float32 else 3e-2
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.array(a.astype(mx.float32)),
+                                   np.array(b.astype(mx.float32)),
+                                   rtol=tolerance, atol=tolerance)
