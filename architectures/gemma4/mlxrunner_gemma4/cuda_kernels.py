@@ -31,14 +31,9 @@ ENV_SWITCH = "MLXRUNNER_GEMMA4_CUDA_KERNELS"
 # of the activations. Every value is rounded to T where MLX's composition rounds it (its
 # RMSNorm kernel multiplies the weight, as T, by the normalised value rounded to T; the
 # add and the scaling round to T), so only the order of the sums of squares differs.
-NORM_ADD_SOURCE = r"""
-    constexpr int kWarps = NT / 32;
-    const float eps = EPS_E9 * 1e-9f;
-    const int row = blockIdx.x;
-    const int tid = threadIdx.x;
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    __shared__ float red[kWarps];
+# The sum of one float per thread over the block, for every thread (after the kWarps, red,
+# lane and warp declarations of a kernel).
+_BLOCK_SUM = r"""
     auto block_sum = [&](float s) -> float {
         for (int o = 16; o > 0; o >>= 1) {
             s += __shfl_xor_sync(0xffffffff, s, o);
@@ -54,6 +49,17 @@ NORM_ADD_SOURCE = r"""
         __syncthreads();
         return total;
     };
+"""
+
+NORM_ADD_SOURCE = r"""
+    constexpr int kWarps = NT / 32;
+    const float eps = EPS_E9 * 1e-9f;
+    const int row = blockIdx.x;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    __shared__ float red[kWarps];
+""" + _BLOCK_SUM + r"""
     // as MLX's RMSNorm: the normalised value rounded to T, times the weight (as T), in T
     auto mul = [&](float weight, float normalised) -> T {
         return static_cast<T>(static_cast<float>(static_cast<T>(weight)) *
@@ -251,20 +257,10 @@ HEADS_SOURCE = r"""
     const int warp = t >> 5;
     __shared__ float red[kWarps];
     __shared__ float weighted[D];
+""" + _BLOCK_SUM + r"""
     const T* src = rows + (size_t)bl * P + (size_t)head * D;
     const float x = t < D ? static_cast<float>(src[t]) : 0.f;
-    float s = x * x;
-    for (int o = 16; o > 0; o >>= 1) {
-        s += __shfl_xor_sync(0xffffffff, s, o);
-    }
-    if (lane == 0) {
-        red[warp] = s;
-    }
-    __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < kWarps; ++w) {
-        total += red[w];
-    }
+    const float total = block_sum(x * x);
     const float plain = static_cast<float>(static_cast<T>(x * rsqrtf(total / D + eps)));
     const bool rotated = head < HQ + HK;
     float n = plain;
@@ -276,29 +272,24 @@ HEADS_SOURCE = r"""
     }
     __syncthreads();
     if (t < D) {
-        if (head < HQ) {
+        if (rotated) {
             const int i = t < kHalf ? t : t - kHalf;
             const float angle = static_cast<float>(position[0] + l) * inv_freq[i];
             const float c = cosf(angle);
             const float sn = sinf(angle);
-            const float out = t < kHalf ? n * c - weighted[t + kHalf] * sn
-                                        : weighted[t - kHalf] * sn + n * c;
-            q_out[(((size_t)b * HQ + head) * L + l) * D + t] = static_cast<T>(out);
-        } else if (head < HQ + HK) {
-            const int i = t < kHalf ? t : t - kHalf;
-            const float angle = static_cast<float>(position[0] + l) * inv_freq[i];
-            const float c = cosf(angle);
-            const float sn = sinf(angle);
-            const float out = t < kHalf ? n * c - weighted[t + kHalf] * sn
-                                        : weighted[t - kHalf] * sn + n * c;
-            const int kh = head - HQ;
-            k_out[(((size_t)b * HK + kh) * L + l) * D + t] = static_cast<T>(out);
-            if (KV_FROM_K) {
-                v_out[(((size_t)b * HK + kh) * L + l) * D + t] = static_cast<T>(plain);
+            const T out = static_cast<T>(t < kHalf ? n * c - weighted[t + kHalf] * sn
+                                                   : weighted[t - kHalf] * sn + n * c);
+            if (head < HQ) {
+                q_out[(((size_t)b * HQ + head) * L + l) * D + t] = out;
+            } else {
+                const size_t at = (((size_t)b * HK + (head - HQ)) * L + l) * D + t;
+                k_out[at] = out;
+                if (KV_FROM_K) {
+                    v_out[at] = static_cast<T>(plain);
+                }
             }
         } else {
-            const int vh = head - HQ - HK;
-            v_out[(((size_t)b * HV + vh) * L + l) * D + t] = static_cast<T>(plain);
+            v_out[(((size_t)b * HV + (head - HQ - HK)) * L + l) * D + t] = static_cast<T>(plain);
         }
     }
 """

@@ -4,22 +4,19 @@
   eager forward's logits, taps and caches, and its snapshots restore like the eager ones.
 - The block recurrence (pure MLX) agrees with the chunked form, and the state it rebuilds
   for an interior boundary equals the state after that many tokens.
-- The CUDA block kernel's source, compiled by the host C++ compiler inside the thread-model
-  emulation of test_qwen3_5_cuda_kernel.py, agrees with the pure-MLX block (float32).
+- The CUDA block kernel's source, run on the CPU by ``mlxrunner.testing.cuda_emulation``,
+  agrees with the pure-MLX block (float32).
 """
 
 from __future__ import annotations
-
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import mlx.core as mx
 import mlxrunner_qwen3_5.cuda_kernels as ck
 import mlxrunner_qwen3_5.model as qm
 import numpy as np
 import pytest
+
+from mlxrunner.testing.cuda_emulation import emulate_kernel, emulation_available
 
 mx.set_default_device(mx.cpu)
 
@@ -130,96 +127,28 @@ def test_cpu_block_uses_pure_mlx():
         assert mx.array_equal(x, y)
 
 
-HARNESS = r"""
-#include <barrier>
-#include <cmath>
-#include <cstddef>
-#include <thread>
-#include <vector>
-
-struct Dim { int x = 0; };
-static thread_local Dim blockIdx, threadIdx;
-static std::barrier<>* block_barrier;
-static std::vector<std::barrier<>*> warp_barriers;
-static float warp_values[1024];
-
-static void __syncthreads() { block_barrier->arrive_and_wait(); }
-static float __shfl_xor_sync(unsigned, float v, int offset) {
-    int t = threadIdx.x, warp = t / 32, lane = t % 32;
-    warp_values[t] = v;
-    warp_barriers[warp]->arrive_and_wait();
-    float r = warp_values[warp * 32 + (lane ^ offset)];
-    warp_barriers[warp]->arrive_and_wait();
-    return r;
-}
-static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-#define __shared__ static
-
-static void body(const float* proj, const float* conv_tail, const float* state,
-                 const float* conv_weight, const float* A_log, const float* dt_bias,
-                 const float* norm_weight,
-                 float* out, float* new_tail, float* new_state, float* k_out,
-                 float* delta_out, float* g_out) {
-    using T = float;
-    CONSTANTS
-SOURCE
-}
-
-extern "C" void run(int blocks, int threads, const float** in, float** outs) {
-    for (int bh = 0; bh < blocks; ++bh) {
-        std::barrier<> block(threads);
-        block_barrier = &block;
-        std::vector<std::barrier<>*> warps;
-        for (int w = 0; w < threads / 32; ++w) warps.push_back(new std::barrier<>(32));
-        warp_barriers = warps;
-        std::vector<std::thread> pool;
-        for (int t = 0; t < threads; ++t) {
-            pool.emplace_back([=] {
-                blockIdx.x = bh;
-                threadIdx.x = t;
-                body(in[0], in[1], in[2], in[3], in[4], in[5], in[6],
-                     outs[0], outs[1], outs[2], outs[3], outs[4], outs[5]);
-            });
-        }
-        for (auto& th : pool) th.join();
-        for (auto* w : warps) delete w;
-    }
-}
-"""
-
-
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a host C++ compiler")
+@pytest.mark.skipif(not emulation_available(), reason="needs a host C++ compiler (g++)")
 @pytest.mark.parametrize("L", [1, 2, 6])
-def test_block_kernel_source_matches_the_pure_mlx_block(tmp_path: Path, L: int):
+def test_block_kernel_source_matches_the_pure_mlx_block(L: int):
     B, threads = 2, 64
     hk, hv, dk, dv = DIMS["hk"], DIMS["hv"], DIMS["dk"], DIMS["dv"]
     C = 2 * hk * dk + hv * dv
-    constants = " ".join(f"constexpr int {k} = {v};" for k, v in dict(
+    template = [("T", mx.float32), *dict(
         Hk=hk, Hv=hv, Dk=dk, Dv=dv, K=KERNEL, C=C, L=L, NT=threads,
         EPS_E9=round(EPS * 1e9), P=C + hv * dv + 2 * hv, OZ=C, OB=C + hv * dv,
-        OA=C + hv * dv + hv).items())
-    source = tmp_path / "block.cpp"
-    source.write_text(HARNESS.replace("CONSTANTS", constants)
-                      .replace("SOURCE", ck.DELTANET_BLOCK_SOURCE))
-    library = tmp_path / "block.so"
-    result = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
-                             str(source), "-o", str(library)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lib = ctypes.CDLL(str(library))
-
+        OA=C + hv * dv + hv).items()]
     args = block_inputs(B, L, seed=L)
     # the kernel reads qkv, z, b, a in place from the joined in-projection row
     joined = mx.concatenate(args[:4], axis=-1)
-    inputs = [np.ascontiguousarray(np.array(x, dtype=np.float32)) for x in (joined, *args[4:])]
+    names = ("proj", "conv_tail", "state", "conv_weight", "A_log", "dt_bias", "norm_weight")
+    inputs = {n: np.array(x, dtype=np.float32) for n, x in zip(names, (joined, *args[4:]))}
     want = [np.array(x) for x in pure_block(args)]
-    outputs = [np.zeros(w.shape, np.float32) for w in want]
-    as_ptr = ctypes.POINTER(ctypes.c_float)
-    in_ptrs = (as_ptr * 7)(*[x.ctypes.data_as(as_ptr) for x in inputs])
-    out_ptrs = (as_ptr * 6)(*[x.ctypes.data_as(as_ptr) for x in outputs])
-    lib.run(B * hv, threads, in_ptrs, out_ptrs)
-    for name, got, expected in zip(("out", "conv tail", "state", "k", "delta", "g"),
-                                   outputs, want):
-        assert np.abs(got - expected).max() < 2e-5, name
+    outputs = {n: (w.shape, np.float32) for n, w in zip(
+        ("out", "new_tail", "new_state", "k_out", "delta_out", "g_out"), want)}
+    got = emulate_kernel(ck.DELTANET_BLOCK_SOURCE, inputs, outputs, template,
+                         blocks=B * hv, threads=threads)
+    for (name, value), expected in zip(got.items(), want):
+        assert np.abs(value - expected).max() < 2e-5, name
 
 
 def test_traced_forwards_hand_the_kernels_the_joined_projection(fixture_model, monkeypatch):
