@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import mlx.core as mx
@@ -241,9 +241,11 @@ def norm_add(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
 # norm weight (in T) and rotated (MLX's non-traditional RoPE over all D dims: pairs
 # (i, i + D/2) at angle (position + l) * inv_freq[i]; a zero frequency leaves the pair as
 # is), value heads are written as they are. KV_FROM_K: the values are the key heads'
-# weightless norms (Gemma's K=V layers). Outputs ``[B, heads, L, D]``.
+# weightless norms (Gemma's K=V layers). Outputs ``[B, heads, L, D]``; the block length L is
+# an input (``seq``), not a template constant.
 HEADS_SOURCE = r"""
     constexpr int kWarps = NT / 32;
+    const int L = seq[0];  // an input, so one build serves every block length
     constexpr int kHeads = HQ + HK + HV;
     constexpr int kHalf = D / 2;
     const float eps = EPS_E9 * 1e-9f;
@@ -294,6 +296,14 @@ HEADS_SOURCE = r"""
     }
 """
 
+@cache
+def _length(L: int) -> mx.array:
+    """A block length as the head kernel's ``seq`` input (made once per length)."""
+    length = mx.array([L], dtype=mx.int32)
+    mx.eval(length)
+    return length
+
+
 _heads_kernel: Any = None
 _heads_verdicts: dict[tuple[Any, ...], bool] = {}
 
@@ -305,7 +315,7 @@ def _heads_launch(rows: mx.array, q_weight: mx.array, k_weight: mx.array | None,
     if _heads_kernel is None:
         _heads_kernel = mx.fast.cuda_kernel(
             name="gemma4_heads_norm_rope",
-            input_names=["rows", "q_weight", "k_weight", "inv_freq", "position"],
+            input_names=["rows", "q_weight", "k_weight", "inv_freq", "position", "seq"],
             output_names=["q_out", "k_out", "v_out"], source=HEADS_SOURCE)
     hq, hk, hv, kv_from_k = counts
     values = hk if kv_from_k else hv
@@ -316,9 +326,9 @@ def _heads_launch(rows: mx.array, q_weight: mx.array, k_weight: mx.array | None,
 
     q, k, v = _heads_kernel(
         inputs=[rows, q_weight, q_weight if k_weight is None else k_weight, inv_freq,
-                position],
+                position, _length(L)],
         template=[("T", rows.dtype), ("HQ", hq), ("HK", hk), ("HV", hv),
-                  ("KV_FROM_K", kv_from_k), ("D", head_dim), ("L", L), ("P", rows.shape[-1]),
+                  ("KV_FROM_K", kv_from_k), ("D", head_dim), ("P", rows.shape[-1]),
                   ("NT", threads), ("EPS_E9", round(eps * 1e9))],
         grid=(threads * B * L * (hq + hk + hv), 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[shape(hq), shape(hk), shape(values)],

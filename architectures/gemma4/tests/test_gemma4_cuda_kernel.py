@@ -164,10 +164,11 @@ def test_head_kernel_source_computes_norms_and_rope_on_the_cpu(fixture):
             ck.HEADS_SOURCE,
             {"rows": np.array(rows), "q_weight": np.array(attn.q_norm.weight),
              "k_weight": np.array(attn.k_norm.weight if attn.has_kv else attn.q_norm.weight),
-             "inv_freq": np.array(attn.inv_freq()), "position": np.array(position)},
+             "inv_freq": np.array(attn.inv_freq()), "position": np.array(position),
+             "seq": np.array([L], np.int32)},
             outputs,
             [("T", mx.float32), ("HQ", hq), ("HK", hk), ("HV", hv), ("KV_FROM_K", kv_from_k),
-             ("D", D), ("L", L), ("P", rows.shape[-1]), ("NT", threads), ("EPS_E9", 1000)],
+             ("D", D), ("P", rows.shape[-1]), ("NT", threads), ("EPS_E9", 1000)],
             blocks=B * L * (hq + hk + hv), threads=threads)
         for name, w in zip(("q_out", "k_out", "v_out"), want):
             if w is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -538,9 +539,11 @@ def deltanet_block(args: tuple[mx.array, ...], fallback: Callable[..., tuple[mx.
 # normalised over D (as MLX's RMSNorm: the normalised value and the weight rounded to T, their
 # product in T), then its first R dims rotated (as MLX's non-traditional RoPE: pairs (i, i + R/2)
 # at angle (pos + l) * inv_freq[i]), written to q ``[B, H, L, D]`` or k ``[B, Hk, L, D]``.
-# Template constants: H, HK, D, R, L, P, NT (threads, D rounded up to 32), EPS_E9; type T.
+# Template constants: H, HK, D, R, P, NT (threads, D rounded up to 32), EPS_E9; type T. The
+# block length L is an input (``seq``), so one build serves every length.
 QK_NORM_ROPE_SOURCE = r"""
     constexpr int kWarps = NT / 32;
+    const int L = seq[0];
     const float eps = EPS_E9 * 1e-9f;
     const int block = blockIdx.x;
     const int head = block % (H + HK);
@@ -592,6 +595,14 @@ QK_NORM_ROPE_SOURCE = r"""
     }
 """
 
+@cache
+def _length(L: int) -> mx.array:
+    """A block length as the kernels' ``seq`` input (made once per length)."""
+    length = mx.array([L], dtype=mx.int32)
+    mx.eval(length)
+    return length
+
+
 _qk_kernel: Any = None
 _qk_verdicts: dict[tuple[Any, ...], bool] = {}
 #: decode steps and verify blocks: where launches cost; prompts keep MLX's operations
@@ -605,14 +616,14 @@ def _qk_launch(rows: mx.array, q_weight: mx.array, k_weight: mx.array, inv_freq:
     if _qk_kernel is None:
         _qk_kernel = mx.fast.cuda_kernel(
             name="qwen3_5_qk_norm_rope",
-            input_names=["rows", "q_weight", "k_weight", "inv_freq", "position"],
+            input_names=["rows", "q_weight", "k_weight", "inv_freq", "position", "seq"],
             output_names=["q_out", "k_out"], source=QK_NORM_ROPE_SOURCE)
     heads, kv_heads, head_dim, rotary, eps = dims
     threads = 32 * -(-head_dim // 32)
     q, k = _qk_kernel(
-        inputs=[rows, q_weight, k_weight, inv_freq, position],
+        inputs=[rows, q_weight, k_weight, inv_freq, position, _length(L)],
         template=[("T", rows.dtype), ("H", heads), ("HK", kv_heads), ("D", head_dim),
-                  ("R", rotary), ("L", L), ("P", rows.shape[-1]), ("NT", threads),
+                  ("R", rotary), ("P", rows.shape[-1]), ("NT", threads),
                   ("EPS_E9", round(eps * 1e9))],
         grid=(threads * B * L * (heads + kv_heads), 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B, heads, L, head_dim), (B, kv_heads, L, head_dim)],

@@ -157,9 +157,9 @@ def test_qk_kernel_source_computes_norm_and_rope_on_the_cpu(B, L, position):
         {"rows": np.array(rows), "q_weight": np.array(attn.q_norm.weight),
          "k_weight": np.array(attn.k_norm.weight),
          "inv_freq": np.array(qm._inv_freq(R, attn.rope_theta)),
-         "position": np.array(pos)},
+         "position": np.array(pos), "seq": np.array([L], np.int32)},
         {"q_out": ((B, H, L, D), np.float32), "k_out": ((B, Hk, L, D), np.float32)},
-        [("T", mx.float32), ("H", H), ("HK", Hk), ("D", D), ("R", R), ("L", L),
+        [("T", mx.float32), ("H", H), ("HK", Hk), ("D", D), ("R", R),
          ("P", width), ("NT", D), ("EPS_E9", 1000)], blocks=B * L * (H + Hk), threads=D)
     np.testing.assert_allclose(got["q_out"], np.array(want_q), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got["k_out"], np.array(want_k), rtol=1e-4, atol=1e-4)
