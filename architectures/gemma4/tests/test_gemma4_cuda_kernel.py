@@ -188,6 +188,7 @@ def test_head_kernel_is_gated_and_falls_back(monkeypatch, capsys):
     model._fuse()
     attn = model.model.layers[0].self_attn
     x = mx.random.normal((1, attn.hidden_size), key=mx.random.key(0))
+    monkeypatch.setattr(ck, "cuda_backend", lambda: False)  # MLX's operations
     want = attn.project(x, 1, 5)
     monkeypatch.setattr(ck, "cuda_backend", lambda: True)
     monkeypatch.setattr(ck, "_heads_verdicts", {})

@@ -170,6 +170,7 @@ def test_qk_kernel_is_gated_and_falls_back(monkeypatch, capsys):
     off (one warning) and the forward is unchanged."""
     attn = _attention()
     x = mx.random.normal((1, 1, 32), key=mx.random.key(0))
+    monkeypatch.setattr(ck, "cuda_backend", lambda: False)  # MLX's operations
     want = attn._project(x, 5, 1, 1)
     monkeypatch.setattr(ck, "cuda_backend", lambda: True)
     monkeypatch.setattr(ck, "_qk_verdicts", {})
