@@ -153,6 +153,12 @@ def test_logprobs_come_back_per_token(served):
     ("/v1/completions", {"prompt": 5}, None, "prompt must be a string"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, None, "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, None, "stream"),
+    # streamed requests are checked before the event stream starts
+    ("/v1/completions", {"prompt": "x", "stream": True, "temperature": "hot"}, None,
+     "temperature"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stop": 3}, None, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "stream": True, "max_tokens": 0}, None, "max_tokens"),
 ])
 def test_bad_requests_get_one_clear_line_and_the_server_goes_on(served, route, body, raw,
                                                                 needle):

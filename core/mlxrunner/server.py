@@ -52,6 +52,16 @@ class Reply:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Request:
+    """A checked request: prompt ids and decoding settings."""
+
+    ids: list[int]
+    options: Any
+    max_tokens: int
+    stops: list[str]
+
+
 def _stop_strings(body: Mapping[str, Any]) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -94,32 +104,40 @@ class Service:
         text = renderer.render(messages, tools, think=think, add_generation_prompt=True)
         return text, tools
 
-    def generate(self, prompt_text: str, body: Mapping[str, Any], *, rendered: bool,
+    def request(self, prompt_text: str, body: Mapping[str, Any], *, rendered: bool
+                ) -> Request:
+        """Check a request's options and encode its prompt (``rendered``: a chat prompt
+        whose special tokens are in the text, so none are added). Every problem is raised
+        here, before a streamed reply has sent its first byte."""
+        bundle = self.bundle
+        ids = bundle.tokenizer.encode(prompt_text, add_special_tokens=not rendered)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return Request(ids=ids,
+                       options=bundle.defaults.merged(
+                           {k: body[k] for k in SAMPLER_FIELDS if k in body}),
+                       max_tokens=_max_tokens(body, self.default_max_tokens),
+                       stops=_stop_strings(body))
+
+    def generate(self, request: Request,
                  on_text: Callable[[str], None] | None = None) -> Reply:
-        """Decode after ``prompt_text`` (``rendered``: a chat prompt whose special tokens are
-        in the text, so none are added); ``on_text`` receives the text as it is decided
-        (held back where a stop string may be starting)."""
+        """Decode ``request``; ``on_text`` receives the text as it is decided (held back
+        where a stop string may be starting)."""
         from .generation import generate
         from .streaming import TextStream
 
         bundle = self.bundle
-        options = bundle.defaults.merged({k: body[k] for k in SAMPLER_FIELDS if k in body})
-        max_tokens = _max_tokens(body, self.default_max_tokens)
-        stops = _stop_strings(body)
-        tok = bundle.tokenizer
-        ids = tok.encode(prompt_text, add_special_tokens=not rendered)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        reply = Reply(stats={"prompt_tokens": len(ids)})
-        text = TextStream(tok, self.stop_ids, stops, on_text)
+        reply = Reply(stats={"prompt_tokens": len(request.ids)})
+        text = TextStream(bundle.tokenizer, self.stop_ids, request.stops, on_text)
 
         def on_token(token: int) -> bool:
             reply.tokens.append(token)
             return text.add(token)  # True at a stop string: generation ends, logprobs kept
 
         with self.lock:
-            result = generate(bundle.model, ids, options=options, max_tokens=max_tokens,
-                              eos_ids=self.stop_ids, on_token=on_token, draft=bundle.draft)
+            result = generate(bundle.model, request.ids, options=request.options,
+                              max_tokens=request.max_tokens, eos_ids=self.stop_ids,
+                              on_token=on_token, draft=bundle.draft)
         reply.text = text.finish()
         reply.finish_reason = result.finish_reason
         reply.logprobs = result.logprobs
@@ -248,8 +266,9 @@ class Handler(BaseHTTPRequestHandler):
         prompt, tools = service.chat_prompt(body)
         parser = service.bundle.new_parser()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request = service.request(prompt, body, rendered=True)
         if not stream:
-            reply = service.generate(prompt, body, rendered=True)
+            reply = service.generate(request)
             message: dict[str, Any] = {"role": "assistant", "content": reply.text}
             finish = reply.finish_reason
             if parser is not None:
@@ -301,7 +320,7 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 send_parsed(parser.feed(text))
 
-        reply = service.generate(prompt, body, rendered=True, on_text=on_text)
+        reply = service.generate(request, on_text)
         if parser is not None:
             send_parsed(parser.finish())
         send({}, "tool_calls" if calls else reply.finish_reason)
@@ -311,10 +330,10 @@ class Handler(BaseHTTPRequestHandler):
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise RequestError("prompt must be a string")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        head = self._envelope("text_completion", request_id)
+        request = self.service.request(prompt, body, rendered=False)
+        head = self._envelope("text_completion", f"cmpl-{uuid.uuid4().hex}")
         if not stream:
-            reply = self.service.generate(prompt, body, rendered=False)
+            reply = self.service.generate(request)
             choice: dict[str, Any] = {"index": 0, "text": reply.text,
                                       "finish_reason": reply.finish_reason}
             logprobs = self.service.logprobs_entry(reply)
@@ -329,7 +348,7 @@ class Handler(BaseHTTPRequestHandler):
             self._event({**head, "choices": [{"index": 0, "text": text,
                                               "finish_reason": None}]})
 
-        reply = self.service.generate(prompt, body, rendered=False, on_text=on_text)
+        reply = self.service.generate(request, on_text)
         self._event({**head, "choices": [{"index": 0, "text": "",
                                           "finish_reason": reply.finish_reason}]})
         self._event("[DONE]")
