@@ -285,6 +285,15 @@ def test_command_line_options_reach_the_settings(tmp_path):
         train.expand_corpus([str(tmp_path / "missing.py")])
 
 
+@pytest.mark.parametrize("change", [{"distill_openings": 2.0}, {"distill_mix": -0.1}])
+def test_shares_outside_0_to_1_are_refused_before_any_work(tiny_target, tmp_path, change):
+    folder, train_files, held_files = tiny_target
+    out = tmp_path / "d"
+    with pytest.raises(train.TrainDraftError, match="between 0 and 1"):
+        train.train_draft(_settings(folder, train_files, held_files, out, **change))
+    assert not out.exists()
+
+
 def test_a_checkpoint_holds_weights_optimizer_and_data_state(tiny_target, tmp_path):
     folder, train_files, held_files = tiny_target
     train.train_draft(_settings(folder, train_files, held_files, tmp_path / "d", steps=2,

@@ -924,6 +924,10 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         raise TrainDraftError(f"--labels {settings.labels!r}: choose target or corpus")
     if settings.block_size < 2:
         raise TrainDraftError("--block-size must be at least 2")
+    for flag, share in (("--distill-mix", settings.distill_mix),
+                        ("--distill-openings", settings.distill_openings)):
+        if not 0.0 <= share <= 1.0:
+            raise TrainDraftError(f"{flag} {share}: a share, between 0 and 1")
     if settings.resume and (ckpt_dir / "state.json").exists():
         saved = json.loads((ckpt_dir / "state.json").read_text(encoding="utf-8"))["settings"]
         changed = [k for k in TrainSettings.FIXED if saved.get(k) != getattr(settings, k)]
