@@ -129,14 +129,10 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                        help=OPTION_HELP.get(name))
     p.add_argument("--logprobs", action="store_true", default=None,
                    help=OPTION_HELP["logprobs"] + " (decodes without drafting)")
-    p.add_argument("--renderer", help="chat-format renderer by name")
-    p.add_argument("--parser", help="output parser by name")
-    p.add_argument("--draft", help="draft folder (DFlash/DFlash2) for speculative decoding")
-    p.add_argument("--no-draft", action="store_true", help="decode without the model's draft")
+    _add_model_arguments(p)
     p.add_argument("--think", choices=["on", "off"], help="thinking on or off (template default)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--raw", action="store_true", help="send the prompt as is (no chat format)")
-    p.add_argument("--dtype", help="cast weights: float32, float16, bfloat16")
     p.add_argument("--stats", action="store_true", help="print statistics to stderr")
     p.add_argument("--compare", action="store_true",
                    help="also decode without the draft and print both statistics")
@@ -144,6 +140,23 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true",
                    help="a multi-turn conversation, one message per input line (the default "
                         "at a terminal when no prompt is given)")
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """How `run` and `serve` load a model: its chat format, draft and dtype."""
+    p.add_argument("--renderer", help="chat-format renderer by name")
+    p.add_argument("--parser", help="output parser by name")
+    p.add_argument("--draft", help="draft folder (DFlash/DFlash2) for speculative decoding")
+    p.add_argument("--no-draft", action="store_true", help="decode without the model's draft")
+    p.add_argument("--dtype", help="cast weights: float32, float16, bfloat16")
+
+
+def _load_model_arguments(model: str, args: argparse.Namespace) -> Any:
+    """The bundle of ``model`` as the options of :func:`_add_model_arguments` ask."""
+    from .loading import load
+
+    return load(model, draft=args.draft, renderer=args.renderer, parser=args.parser,
+                dtype=args.dtype, use_draft=not args.no_draft)
 
 
 def _read_piped_line(prompt: str) -> str:
@@ -206,11 +219,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if prompt is None:
         prompt = DEFAULT_PROMPT
     from .generation import generate
-    from .loading import load
     from .streaming import TextStream
 
-    bundle = load(model_arg, draft=args.draft, renderer=args.renderer, parser=args.parser,
-                  dtype=args.dtype, use_draft=not args.no_draft)
+    bundle = _load_model_arguments(model_arg, args)
     options = bundle.defaults.merged(_sampler_overrides(args))
     max_tokens = args.max_tokens or bundle.extra.get("max_tokens") or 256
     think = None if args.think is None else args.think == "on"
@@ -232,7 +243,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    text = TextStream(tok, stop_ids, on_text=write if stream else None)
+    text = TextStream(tok, stop_ids, on_text=write)
 
     if args.compare and bundle.draft is not None:
         # Warm both paths over the whole run first (first calls trace and compile each
@@ -242,9 +253,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
                      eos_ids=stop_ids, draft=warm_draft)
     result = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                      eos_ids=stop_ids, on_token=text.add, draft=bundle.draft)
-    text.finish()
-    if stream:
+                      eos_ids=stop_ids, on_token=text.add if stream else None,
+                      draft=bundle.draft)
+    if stream:  # --json decodes the whole reply once, at the end
+        text.finish()
         write("\n")
     stats = {"run": result.stats.as_dict()}
     if args.compare and bundle.draft is not None:
@@ -366,7 +378,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # -- serve -----------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .loading import load
     from .server import Service, make_server
 
     model_arg = args.model or "default"
@@ -377,8 +388,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise MLXRunnerError(f"cannot listen on {args.host}:{args.port} "
                              f"({exc.strerror or exc})") from None
     try:
-        bundle = load(model_arg, draft=args.draft, renderer=args.renderer, parser=args.parser,
-                      dtype=args.dtype, use_draft=not args.no_draft)
+        bundle = _load_model_arguments(model_arg, args)
     except BaseException:
         server.server_close()
         raise
@@ -411,11 +421,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8080, help="port (0: any free one)")
     p.add_argument("--name", help="the model name the API reports")
-    p.add_argument("--draft")
-    p.add_argument("--no-draft", action="store_true")
-    p.add_argument("--renderer")
-    p.add_argument("--parser")
-    p.add_argument("--dtype")
+    _add_model_arguments(p)
     p.add_argument("--verbose", action="store_true", help="log each request")
 
 
