@@ -440,7 +440,9 @@ class Attention(nn.Module):
         """Before a forward of ``B x L`` tokens is traced: the frequencies and the fused head
         kernel's self-check (both evaluate)."""
         self.inv_freq()
-        self._kernel_heads(mx.zeros((B * L, self.hidden_size), dtype), L, 0)
+        rows = self._rows(mx.zeros((B * L, self.hidden_size), dtype))
+        if rows is not None:
+            self._kernel_heads(rows, L, 0)
 
     def _heads_layout(self) -> tuple[int, int, int, bool]:
         """(query, key, value heads in the projection rows, values from the keys)."""
@@ -449,14 +451,10 @@ class Attention(nn.Module):
                     self.k_eq_v)
         return (self.n_heads, 0, 0, False)
 
-    def _kernel_heads(self, x: mx.array, L: int, offset: int | mx.array
+    def _kernel_heads(self, rows: mx.array, L: int, offset: int | mx.array
                       ) -> tuple[mx.array, mx.array | None, mx.array | None] | None:
-        """q, k, v through the fused head kernel (CUDA), or None where it does not serve.
-        A layer with its own keys and values reads its stacked projection; one sharing
-        them, its query projection."""
-        if self.has_kv and self.fused is None:
-            return None
-        rows = self.fused.proj(x) if self.fused is not None else self.q_proj(x)
+        """q, k, v of projection rows (see :meth:`_rows`) through the fused head kernel
+        (CUDA), or None where it does not serve."""
         B = rows.shape[0] // L
         weights = (self.q_norm.weight, self.k_norm.weight if self.has_kv else None)
         layout = self._heads_layout()
@@ -472,23 +470,27 @@ class Attention(nn.Module):
         return heads_norm_rope(rows, *weights, self.inv_freq(), position.astype(mx.int32),
                                layout, self.head_dim, self.eps, B, L)
 
+    def _rows(self, x: mx.array) -> mx.array | None:
+        """The one projection of ``x`` a layer's heads come from: the stacked q/k/v one, or
+        the query one of a layer sharing its keys and values; None for a layer whose own
+        projections could not be stacked."""
+        if self.fused is not None:
+            return self.fused.proj(x)
+        return None if self.has_kv else self.q_proj(x)
+
     def project(self, x: mx.array, L: int, offset: int | mx.array
                 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """Queries ``[B, H, L, D]`` of ``x [B * L, hidden]`` and, for a layer with its
         own, keys and values (q/k normed and rotated, v normed without a weight)."""
-        fused = self._kernel_heads(x, L, offset)
-        if fused is not None:
-            return fused
-        if self.fused is not None:
-            return self._project_fused(x, L, offset)
-        if self.has_kv:
+        rows = self._rows(x)
+        if rows is None:
             return self._project_unfused(x, L, offset)
-        return self._project_rows(self.q_proj(x), L, offset)
+        heads = self._kernel_heads(rows, L, offset)
+        return heads if heads is not None else self._project_rows(rows, L, offset)
 
     def _project_rows(self, rows: mx.array, L: int, offset: int | mx.array
                       ) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """MLX's operations from projection rows (the stacked ones, or the query ones of a
-        layer sharing its keys and values)."""
+        """MLX's operations from the projection rows of :meth:`_rows`."""
         if self.fused is not None:
             return self._heads_fused(rows, L, offset)
         q = self.rope(self._normed_heads(rows, L, self.n_heads, self.q_norm), offset)
@@ -503,10 +505,6 @@ class Attention(nn.Module):
         k = self.rope(self._normed_heads(k_raw, L, self.n_kv_heads, self.k_norm), offset)
         v = self._normed_heads(v_raw, L, self.n_kv_heads, self._v_norm)
         return q, k, v
-
-    def _project_fused(self, x: mx.array, L: int, offset: int | mx.array
-                       ) -> tuple[mx.array, mx.array, mx.array]:
-        return self._heads_fused(self.fused.proj(x), L, offset)
 
     def _heads_fused(self, rows: mx.array, L: int, offset: int | mx.array
                      ) -> tuple[mx.array, mx.array, mx.array]:
