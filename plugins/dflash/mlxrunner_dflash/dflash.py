@@ -213,9 +213,12 @@ class TracedKV:
     reads the whole buffer under a validity mask."""
 
     def __init__(self, keys: mx.array, values: mx.array, length: mx.array, start: mx.array,
-                 window: int | None) -> None:
+                 window: int | None, masks: dict[Any, mx.array] | None = None) -> None:
         self.keys, self.values = keys, values
         self.length, self.start, self.window = length, start, window
+        # Layers with one window hold the same rows (same length and start), so one mask
+        # serves them all: ``masks`` is shared by the stores of one traced block.
+        self.masks = {} if masks is None else masks
 
     def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Writes rows at ``length`` (a block, or the rows a commit appends)."""
@@ -225,6 +228,12 @@ class TracedKV:
         return self.keys, self.values
 
     def block_mask(self, pos: mx.array, block: int, causal: bool) -> mx.array:
+        key = (self.window, self.keys.shape[2], block, causal)
+        if key not in self.masks:
+            self.masks[key] = self._mask(pos, block, causal)
+        return self.masks[key]
+
+    def _mask(self, pos: mx.array, block: int, causal: bool) -> mx.array:
         row = mx.arange(self.keys.shape[2])[None]  # buffer row j holds position start + j
         query = mx.arange(block)[:, None]
         in_context = row < self.length
@@ -419,7 +428,8 @@ class DFlashDraftModel(mlxrunner.DraftModel):
         windows = [layer.self_attn.window for layer in self.layers]
 
         def graph(anchor: mx.array, pos: mx.array, state: list[mx.array]) -> list[mx.array]:
-            stores = [TracedKV(*state[4 * i:4 * i + 4], window)
+            masks: dict[Any, mx.array] = {}
+            stores = [TracedKV(*state[4 * i:4 * i + 4], window, masks)
                       for i, window in enumerate(windows)]
             hidden = self.block_rows(anchor, pos, n, stores)
             rows = self.greedy_tokens(hidden, anchor) if greedy else hidden
