@@ -12,6 +12,24 @@ from hypothesis import strategies as st
 
 from mlxrunner import topk_indices
 
+CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+@pytest.fixture
+def gpu_default():
+    """The GPU as the default device for one test: test modules collected with this one
+    may have made the CPU the default at import, and the kernel serves only the GPU."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(previous)
+
+
+def needs_cuda(test):
+    """A test of the CUDA kernel itself: skipped off CUDA, run with the GPU as default."""
+    return pytest.mark.skipif(not CUDA, reason="needs CUDA")(
+        pytest.mark.usefixtures("gpu_default")(test))
+
 STRATEGIES = ("cpu", "gpu")
 BIG_KS = (1, 2, 16, 64, 1000, 2048)
 
@@ -202,7 +220,7 @@ def test_gpu_strategy_levels_after_the_cuda_kernel(monkeypatch: pytest.MonkeyPat
         assert (got.reshape(4, k) == reference(x, k)).all(), k
 
 
-@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="needs CUDA")
+@needs_cuda
 @pytest.mark.parametrize("n", [2049, 151936, 262144])
 def test_cuda_kernel_strategy(n: int) -> None:
     from mlxrunner import topk
@@ -418,7 +436,7 @@ def test_check_rows_cover_the_ordering_rules() -> None:
     assert len(np.unique(rows[~np.isnan(rows)])) < rows.size - 1000  # many ties
 
 
-@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="needs CUDA")
+@needs_cuda
 def test_cuda_kernel_is_the_gpu_default() -> None:
     from mlxrunner import topk
 
@@ -428,7 +446,7 @@ def test_cuda_kernel_is_the_gpu_default() -> None:
     assert topk.kernel_status() == "on"
 
 
-@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="needs CUDA")
+@needs_cuda
 @pytest.mark.parametrize("n,k", [(151936, 64), (262144, 20), (262144, 64)])
 def test_cuda_kernel_long_spans_at_batch_64(n: int, k: int) -> None:
     from mlxrunner import topk

@@ -355,10 +355,12 @@ def heads_usable(rows: mx.array, q_weight: mx.array, k_weight: mx.array | None,
     verdict = _heads_verdicts.get(key)
     if verdict is None:
         probe = mx.random.normal(rows.shape, key=mx.random.key(77)).astype(rows.dtype)
-        position = mx.array([1234], dtype=mx.int32)
+        # a 0-d position for MLX's rope: a (1,)-shaped one reads as one offset per batch row
+        # on CUDA (Qwen's q/k check saw rows past the first rotate by garbage at B = 4)
+        position = mx.array(1234, dtype=mx.int32)
         try:
-            got = _heads_launch(probe, q_weight, k_weight, inv_freq, position, counts,
-                                head_dim, eps, B, L)
+            got = _heads_launch(probe, q_weight, k_weight, inv_freq, position.reshape(1),
+                                counts, head_dim, eps, B, L)
             mx.eval([a for a in got if a is not None])
             verdict = _agree(got, reference(probe, position), rows.dtype != mx.float32)
             if not verdict:

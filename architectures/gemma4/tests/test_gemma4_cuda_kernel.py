@@ -215,19 +215,19 @@ def test_head_kernel_matches_mlx_operations(on_gpu, fixture, dtype):
     model = mlxrunner.load_model(str(Path(__file__).parent / "fixtures" / fixture))
     model.set_dtype(dtype)
     model._fuse()
-    B, L = 1, 8
-    position = mx.array([37], dtype=mx.int32)
+    position = mx.array(37, dtype=mx.int32)  # 0-d for MLX's rope (see heads_usable)
     tolerance = 1e-4 if dtype == mx.float32 else 3e-2
-    for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        x = mx.random.normal((B * L, attn.hidden_size), key=mx.random.key(i)).astype(dtype)
-        rows = attn.fused.proj(x) if attn.fused is not None else attn.q_proj(x)
-        weights = (attn.q_norm.weight, attn.k_norm.weight if attn.has_kv else None)
-        got = ck._heads_launch(rows, *weights, attn.inv_freq(), position,
-                               attn._heads_layout(), attn.head_dim, attn.eps, B, L)
-        for a, b in zip(got, attn._project_rows(rows, L, position)):
-            assert (a is None) == (b is None)
-            if a is not None:
-                np.testing.assert_allclose(np.array(a.astype(mx.float32)),
-                                           np.array(b.astype(mx.float32)),
-                                           rtol=tolerance, atol=tolerance)
+    for B, L in ((1, 8), (3, 1)):
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            x = mx.random.normal((B * L, attn.hidden_size), key=mx.random.key(i)).astype(dtype)
+            rows = attn.fused.proj(x) if attn.fused is not None else attn.q_proj(x)
+            weights = (attn.q_norm.weight, attn.k_norm.weight if attn.has_kv else None)
+            got = ck._heads_launch(rows, *weights, attn.inv_freq(), position.reshape(1),
+                                   attn._heads_layout(), attn.head_dim, attn.eps, B, L)
+            for a, b in zip(got, attn._project_rows(rows, L, position)):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    np.testing.assert_allclose(np.array(a.astype(mx.float32)),
+                                               np.array(b.astype(mx.float32)),
+                                               rtol=tolerance, atol=tolerance)

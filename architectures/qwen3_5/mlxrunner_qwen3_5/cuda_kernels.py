@@ -655,9 +655,12 @@ def qk_norm_rope_usable(rows: mx.array, q_weight: mx.array, k_weight: mx.array,
     verdict = _qk_verdicts.get(key)
     if verdict is None:
         probe = mx.random.normal(rows.shape, key=mx.random.key(99)).astype(rows.dtype)
-        position = mx.array([1234], dtype=mx.int32)
+        # a 0-d position for MLX's rope: a (1,)-shaped one reads as one offset per batch row
+        # on CUDA (rows past the first then rotate by garbage; seen at B = 4)
+        position = mx.array(1234, dtype=mx.int32)
         try:
-            got = _qk_launch(probe, q_weight, k_weight, inv_freq, position, dims, B, L)
+            got = _qk_launch(probe, q_weight, k_weight, inv_freq, position.reshape(1), dims,
+                             B, L)
             mx.eval(got)
             verdict = _agree(got, reference(probe, position), rows.dtype != mx.float32)
             if not verdict:

@@ -197,9 +197,9 @@ def test_qk_kernel_matches_mlx_operations(on_gpu, dtype, B, L):
     attn.set_dtype(dtype)
     width = (2 * attn.heads + 2 * attn.kv_heads) * attn.head_dim
     rows = mx.random.normal((B * L, width), key=mx.random.key(L)).astype(dtype)
-    pos = mx.array([300], dtype=mx.int32)
+    pos = mx.array(300, dtype=mx.int32)  # 0-d for MLX's rope (see qk_norm_rope_usable)
     got = ck._qk_launch(rows, attn.q_norm.weight, attn.k_norm.weight,
-                        qm._inv_freq(attn.rotary_dims, attn.rope_theta), pos,
+                        qm._inv_freq(attn.rotary_dims, attn.rope_theta), pos.reshape(1),
                         attn._qk_dims(), B, L)
     heads = attn._heads(rows, B, L)
     want = attn._norm_rope(heads[0][:, 0::2], heads[1], pos)

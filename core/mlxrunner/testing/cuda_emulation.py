@@ -131,15 +131,17 @@ def emulate_kernel(source: str, inputs: Mapping[str, np.ndarray],
     digest = hashlib.sha256(program.encode()).hexdigest()[:16]
     lib = _built.get(digest)
     if lib is None:
-        folder = Path(tempfile.mkdtemp(prefix="mlxrunner-cuda-emulation-"))
-        (folder / "kernel.cpp").write_text(program)
-        result = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
-                                 str(folder / "kernel.cpp"), "-o", str(folder / "kernel.so")],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise AssertionError(f"the kernel source does not compile as C++:\n"
-                                 f"{result.stderr[-3000:]}")
-        lib = _built[digest] = ctypes.CDLL(str(folder / "kernel.so"))
+        # the loaded library stays mapped once its folder is gone (no files left behind)
+        with tempfile.TemporaryDirectory(prefix="mlxrunner-cuda-emulation-") as name:
+            folder = Path(name)
+            (folder / "kernel.cpp").write_text(program)
+            result = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
+                                     str(folder / "kernel.cpp"), "-o", str(folder / "kernel.so")],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                raise AssertionError(f"the kernel source does not compile as C++:\n"
+                                     f"{result.stderr[-3000:]}")
+            lib = _built[digest] = ctypes.CDLL(str(folder / "kernel.so"))
     pointers = (ctypes.c_void_p * len(names))(
         *[(arrays.get(n) if n in arrays else results[n]).ctypes.data for n in names])
     bx, by = (blocks, 1) if isinstance(blocks, int) else blocks
