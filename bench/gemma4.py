@@ -27,6 +27,7 @@ import mlx.core as mx
 from harness import DTYPES, SHARED, text_config
 from mlx.utils import tree_flatten
 from mlxrunner_gemma4 import Gemma4Model
+from mlxrunner_gemma4.cuda_kernels import ENV_SWITCH
 
 DEFAULT_CONFIG = SHARED / "configs" / "gemma-4-E2B-it.config.text-fields-from-ollama-tests.json"
 
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                              "tokens, best of 3")
     parser.add_argument("--no-eager", action="store_true",
                         help="skip the row with eager (uncompiled) decode steps")
+    harness.add_switched_argument(parser, ENV_SWITCH, "0: its fused kernels off")
     harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -161,12 +163,23 @@ def main(argv: list[str] | None = None) -> int:
         harness.record_parity(ours, reference, prompt, results)
 
     rows: dict[str, Any] = {"mlxrunner": ours}
+    switched = f"mlxrunner ({args.switched})" if args.switched else None
+    if switched:
+        rows[switched] = harness.Switched(build_ours(config, dtype, args.seed), ENV_SWITCH,
+                                          args.switched)
     if not args.no_eager:
         rows["mlxrunner (eager)"] = _EagerSteps(ours)
     if reference is not None:
         rows["mlx-lm"] = reference
-    best = harness.measure(rows, prompt, args.new, args.repeats, name_width=18)
+    nodes = {name: harness.decode_graph_nodes(model, prompt) for name, model in rows.items()
+             if name != "mlxrunner (eager)"}
+    results["decode_graph_nodes"] = nodes
+    harness.print_nodes(nodes)
+    best = harness.measure(rows, prompt, args.new, args.repeats,
+                           name_width=max(18, len(switched or "")))
     results["mlxrunner"] = best["mlxrunner"]
+    if switched:
+        results["switched"] = dict(best[switched], switch=f"{ENV_SWITCH}={args.switched}")
     if not args.no_eager:
         results["mlxrunner_eager_steps"] = best["mlxrunner (eager)"]
     if reference is not None:

@@ -48,7 +48,14 @@ case "${1:-}" in
     for name in "${@:-topk qwen3_5 gemma4 speculative}"; do
       for one in $name; do
         echo "== $one"
-        timeout "${BENCH_TIMEOUT:-200}" python3 "bench/$one.py" --json "$out/$one-gpu.json" \
+        # a second instance with the newer fused kernels off: what they save, same run
+        case $one in
+          qwen3_5) extra="--switched deltanet" ;;
+          gemma4) extra="--switched 0 --no-eager" ;;
+          *) extra="" ;;
+        esac
+        # shellcheck disable=SC2086
+        timeout "${BENCH_TIMEOUT:-200}" python3 "bench/$one.py" $extra --json "$out/$one-gpu.json" \
           2>&1 | tee "$out/$one-gpu.txt" | grep -v "^\s*$" | tail -"${TAIL_LINES:-12}"
       done
     done

@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,73 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
               f"decode {result['decode_tok_s']:8.1f} tok/s   (building a step "
               f"{result['decode_build_ms']:.2f} ms)", flush=True)
     return best
+
+
+def decode_graph_nodes(model: Any, prompt: mx.array) -> dict[str, Any]:
+    """Operations in the graph of one decode step (after a short prefill), from MLX's DOT
+    export: ``all``, ``kernels`` (without the views: reshapes, slices, transposes...) and
+    ``by_kernel`` (their count per operation name).
+    Decoding a small model is bound by this count; on the CPU MLX spells fused GPU
+    operations (RMSNorm, RoPE, attention) as several, so compare counts per device."""
+    import re
+    import tempfile
+
+    cache = model.make_cache()
+    model(prompt[None, :8], cache=cache)
+    eval_cache(cache)
+    mx.eval(model(prompt[None, 8:9], cache=cache))  # one-off setup
+    eval_cache(cache)
+    logits = model(prompt[None, 9:10], cache=cache)
+    outputs = [mx.argmax(logits[:, -1], axis=-1)]
+    outputs += [s for c in cache if c is not None for s in c.state if isinstance(s, mx.array)]
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, *outputs)
+        labels = re.findall(r'label ="([^"]+)"', dot.read())
+    views = {"Broadcast", "Reshape", "Slice", "Transpose", "Squeeze", "ExpandDims", "AsStrided",
+             "Flatten", "Unflatten", "StopGradient", "Depends"}
+    mx.eval(outputs)
+    kernels = Counter(label for label in labels if label not in views)
+    return {"all": len(labels), "kernels": sum(kernels.values()),
+            "by_kernel": dict(kernels.most_common())}
+
+
+class Switched:
+    """A second instance of our model whose calls all run with environment variable
+    ``name`` set to ``value`` (a plugin's fused-kernel switch), so its traced steps are
+    built that way: a row that shows what those kernels save, in the same run."""
+
+    def __init__(self, model: Any, name: str, value: str) -> None:
+        self.model, self.name, self.value = model, name, value
+
+    def make_cache(self) -> list[Any]:
+        return self.model.make_cache()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        before = os.environ.get(self.name)
+        os.environ[self.name] = self.value
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            if before is None:
+                del os.environ[self.name]
+            else:
+                os.environ[self.name] = before
+
+
+def add_switched_argument(parser: argparse.ArgumentParser, switch: str, example: str) -> None:
+    parser.add_argument("--switched", metavar="VALUE",
+                        help=f"also time a second instance with {switch}=VALUE (e.g. "
+                             f"{example}): what the fused kernels it turns off save")
+
+
+def print_nodes(nodes: dict[str, dict[str, Any]], top: int = 10) -> None:
+    print("  decode step graph: " + "   ".join(
+        f"{name} {n['all']} ops ({n['kernels']} non-view)" for name, n in nodes.items()),
+        flush=True)
+    for name, n in nodes.items():
+        if name.startswith("mlxrunner"):
+            print(f"    {name}: " + ", ".join(f"{k} {v}" for k, v in
+                                           list(n["by_kernel"].items())[:top]), flush=True)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ import mlx.core as mx
 from harness import DTYPES, SHARED, eval_cache, text_config
 from mlx.utils import tree_flatten
 from mlxrunner_qwen3_5 import Qwen3_5
+from mlxrunner_qwen3_5.cuda_kernels import ENV_SWITCH
 
 DEFAULT_CONFIG = SHARED / "configs" / "Qwen3.5-0.8B-Base.config.json"
 
@@ -79,30 +80,6 @@ def build_mlx_lm(config: dict[str, Any], ours: Qwen3_5) -> Any:
     model.load_weights(weights)
     mx.eval(model.parameters())
     return model
-
-
-def decode_graph_nodes(model: Any, prompt: mx.array) -> dict[str, int]:
-    """Operations in the graph of one decode step (after a short prefill), from MLX's DOT
-    export: ``all`` and ``kernels`` (without the views: reshapes, slices, transposes...).
-    Decoding a small model is bound by this count; on the CPU MLX spells fused GPU
-    operations (RMSNorm, RoPE, attention) as several, so compare counts per device."""
-    import re
-    import tempfile
-
-    cache = model.make_cache()
-    model(prompt[None, :8], cache=cache)
-    eval_cache(cache)
-    mx.eval(model(prompt[None, 8:9], cache=cache), [c.state for c in cache])  # one-off setup
-    logits = model(prompt[None, 9:10], cache=cache)
-    outputs = [mx.argmax(logits[:, -1], axis=-1)]
-    outputs += [s for c in cache for s in c.state if isinstance(s, mx.array)]
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
-        mx.export_to_dot(dot.name, *outputs)
-        labels = re.findall(r'label ="([^"]+)"', dot.read())
-    views = {"Broadcast", "Reshape", "Slice", "Transpose", "Squeeze", "ExpandDims", "AsStrided",
-             "Flatten", "Unflatten", "StopGradient", "Depends"}
-    mx.eval(outputs)
-    return {"all": len(labels), "kernels": sum(label not in views for label in labels)}
 
 
 def _lm_rollback(cache: list[Any], offset: int) -> None:
@@ -254,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-block", type=int, default=8,
                         help="also time one verify forward of this many tokens through the "
                              "prompt's caches against one decode step (0: skip)")
+    harness.add_switched_argument(parser, ENV_SWITCH, "deltanet: the q/k kernel off")
     harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -291,15 +269,22 @@ def main(argv: list[str] | None = None) -> int:
     if reference is not None:
         harness.record_parity(ours, reference, prompt, results)
 
-    models = {"mlxrunner": ours} if reference is None else {"mlxrunner": ours,
-                                                            "mlx-lm": reference}
-    nodes = {name: decode_graph_nodes(model, prompt) for name, model in models.items()}
+    models: dict[str, Any] = {"mlxrunner": ours}
+    switched = f"mlxrunner ({args.switched})" if args.switched else None
+    if switched:
+        second = build_ours(config, dtype, args.seed)
+        second.compile_steps = not args.eager
+        models[switched] = harness.Switched(second, ENV_SWITCH, args.switched)
+    if reference is not None:
+        models["mlx-lm"] = reference
+    nodes = {name: harness.decode_graph_nodes(model, prompt) for name, model in models.items()}
     results["decode_graph_nodes"] = nodes
-    print("  decode step graph: " + "   ".join(
-        f"{name} {n['all']} ops ({n['kernels']} non-view)" for name, n in nodes.items()),
-        flush=True)
-    best = harness.measure(models, prompt, args.new, args.repeats, name_width=10)
+    harness.print_nodes(nodes)
+    best = harness.measure(models, prompt, args.new, args.repeats,
+                           name_width=max(10, len(switched or "")))
     results["mlxrunner"] = best["mlxrunner"]
+    if switched:
+        results["switched"] = dict(best[switched], switch=f"{ENV_SWITCH}={args.switched}")
     if reference is not None:
         ratio = harness.record_reference(results, best["mlx-lm"], reference_version)
         print(f"  ratio      prefill {ratio['prefill']:10.2f}x        "
@@ -307,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.verify_block:
         rows = {}
         for name, model in models.items():
+            if name == switched:
+                continue
             rows[name] = verify_cost(model, prompt, args.verify_block,
                                      10 if args.quick else 30, ours=name == "mlxrunner")
             print(f"  verify {args.verify_block} tokens at context {args.prompt}: {name:10s} "

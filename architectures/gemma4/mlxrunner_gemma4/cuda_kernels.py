@@ -124,6 +124,14 @@ def cuda_backend() -> bool:
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
+def kernel_on(name: str) -> bool:
+    """Whether this plugin's fused kernel ``name`` ('norm_add', 'heads') may run: on
+    the CUDA backend and not switched off by ``ENV_SWITCH`` ("0": none; a comma-separated
+    list of names: only those; unset or "1": all)."""
+    value = os.environ.get(ENV_SWITCH, "1").strip()
+    return cuda_backend() and (value == "1" or name in value.split(","))
+
+
 def _launch(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
             scalar: mx.array | None, second: mx.array | None) -> tuple[mx.array, mx.array | None]:
     global _kernel
@@ -148,7 +156,7 @@ def _launch(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
 def _key(x: mx.array, residual: mx.array, weight: mx.array, scalar: mx.array | None,
          second: mx.array | None, eps: float, eps2: float | None) -> tuple[Any, ...] | None:
     """The case a verdict is kept for, or None where the kernel cannot apply."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not cuda_backend():
+    if not kernel_on("norm_add"):
         return None
     if eps2 is not None and eps2 != eps:
         return None
@@ -343,7 +351,7 @@ def heads_usable(rows: mx.array, q_weight: mx.array, k_weight: mx.array | None,
     (CUDA, up to ``MAX_ROWS`` rows) and passed its self-check against
     ``reference(rows, position) -> (q, k, v)`` (MLX's operations), run eagerly on the first
     call per shape, dtypes and layout; call it before tracing."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not cuda_backend():
+    if not kernel_on("heads"):
         return False
     hq, hk, hv, _ = counts
     if (rows.ndim != 2 or rows.shape[0] != B * L or B * L > MAX_ROWS or head_dim % 2

@@ -231,3 +231,14 @@ def test_head_kernel_matches_mlx_operations(on_gpu, fixture, dtype):
                     np.testing.assert_allclose(np.array(a.astype(mx.float32)),
                                                np.array(b.astype(mx.float32)),
                                                rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("value,on", [(None, {"norm_add", "heads"}), ("0", set()),
+                                      ("heads", {"heads"}), ("norm_add", {"norm_add"})])
+def test_kernel_switch(monkeypatch, value, on):
+    monkeypatch.setattr(ck, "cuda_backend", lambda: True)
+    if value is None:
+        monkeypatch.delenv(ck.ENV_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(ck.ENV_SWITCH, value)
+    assert {name for name in ("norm_add", "heads") if ck.kernel_on(name)} == on

@@ -353,9 +353,17 @@ def cuda_backend() -> bool:
     return (mx.default_device() == mx.gpu and cuda is not None and cuda.is_available())
 
 
+def kernel_on(name: str) -> bool:
+    """Whether this plugin's fused kernel ``name`` ('deltanet', 'qk') may run: on
+    the CUDA backend and not switched off by ``ENV_SWITCH`` ("0": none; a comma-separated
+    list of names: only those; unset or "1": all)."""
+    value = os.environ.get(ENV_SWITCH, "1").strip()
+    return cuda_backend() and (value == "1" or name in value.split(","))
+
+
 def applies(hk: int, hv: int, dk: int, dv: int) -> bool:
     """Whether the fused kernel supports these head sizes on the current device."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not cuda_backend():
+    if not kernel_on("deltanet"):
         return False
     return dk % 32 == 0 and 0 < dk <= 1024 and 0 < dv <= 1024 and hv % hk == 0
 
@@ -634,7 +642,7 @@ def _qk_launch(rows: mx.array, q_weight: mx.array, k_weight: mx.array, inv_freq:
 def _qk_applies(rows: mx.array, dims: tuple[int, int, int, int, float], B: int, L: int
                 ) -> bool:
     heads, kv_heads, head_dim, rotary, _ = dims
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not cuda_backend():
+    if not kernel_on("qk"):
         return False
     return (rows.ndim == 2 and rows.shape[0] == B * L <= QK_MAX_ROWS and 0 < head_dim <= 1024
             and rotary % 2 == 0 and 0 <= rotary <= head_dim
