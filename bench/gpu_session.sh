@@ -13,13 +13,15 @@
 # back from $OUT, so `bench` leaves its JSON and logs in one $OUT/results.tgz.
 # MLX compiles its CUDA kernels on first use (30-100 s on a fresh machine, 95 s for the
 # draft trainer's step). Both modes keep them in .gpu/ptx-cache (MLX_PTX_CACHE_DIR) and
-# return it as $OUT/ptx-cache.tgz.*: untar that into .gpu/ptx-cache here, and the next
+# return it as $OUT/ptx-cache.tgz.*: cat those into .gpu/ptx-cache.tgz here, and the next
 # machine starts with the kernels compiled.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
 export PYTHONUNBUFFERED=1 MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
 export MLX_PTX_CACHE_DIR=$PWD/.gpu/ptx-cache
 mkdir -p "$MLX_PTX_CACHE_DIR"
+# a previous session's kernels, carried as one archive (fewer bytes than the folder)
+[ -f .gpu/ptx-cache.tgz ] && tar xzf .gpu/ptx-cache.tgz -C "$MLX_PTX_CACHE_DIR"
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 # the compiled kernels go back whatever happens below (the sources MLX writes beside them
