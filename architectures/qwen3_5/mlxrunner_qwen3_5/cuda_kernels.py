@@ -354,7 +354,7 @@ def cuda_backend() -> bool:
 
 
 def kernel_on(name: str) -> bool:
-    """Whether this plugin's fused kernel ``name`` ('deltanet', 'qk') may run: on
+    """Whether this plugin's fused kernel ``name`` ('deltanet', 'qk', 'add_norm') may run: on
     the CUDA backend and not switched off by ``ENV_SWITCH`` ("0": none; a comma-separated
     list of names: only those; unset or "1": all)."""
     value = os.environ.get(ENV_SWITCH, "1").strip()
@@ -688,3 +688,118 @@ def qk_norm_rope(rows: mx.array, q_weight: mx.array, k_weight: mx.array, inv_fre
     """q ``[B, H, L, D]`` and k ``[B, Hk, L, D]``, normalised and rotated, from the joined
     projection rows ``[B * L, P]`` (only where :func:`qk_norm_rope_usable` said yes)."""
     return _qk_launch(rows, q_weight, k_weight, inv_freq, position, dims, B, L)
+
+
+# -- a sublayer's residual add and the next RMSNorm in one launch ----------------------------
+
+# One block per row of ``x, residual [N, H]``: ``h = x + residual`` (rounded to T, as MLX's
+# Add) and ``normed = rms_norm(h) * w`` (as MLX's RMSNorm: the normalised value and the
+# weight rounded to T, their product in T), so only the order of the sums of squares
+# differs from the two operations it replaces. Template constants: H, NT (threads),
+# EPS_E9; type T.
+ADD_NORM_SOURCE = r"""
+    constexpr int kWarps = NT / 32;
+    const float eps = EPS_E9 * 1e-9f;
+    const int row = blockIdx.x;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    __shared__ float red[kWarps];
+    const T* xr = x + (size_t)row * H;
+    const T* rr = residual + (size_t)row * H;
+    T* hr = h_out + (size_t)row * H;
+    T* nr = normed_out + (size_t)row * H;
+    float ss = 0.f;
+    for (int i = tid; i < H; i += NT) {
+        const T h = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+        hr[i] = h;
+        const float f = static_cast<float>(h);
+        ss += f * f;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        ss += __shfl_xor_sync(0xffffffff, ss, o);
+    }
+    if (lane == 0) {
+        red[warp] = ss;
+    }
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+        total += red[w];
+    }
+    const float rstd = rsqrtf(total / H + eps);
+    for (int i = tid; i < H; i += NT) {
+        const float weight = static_cast<float>(static_cast<T>(static_cast<float>(w[i])));
+        const float n = static_cast<float>(static_cast<T>(static_cast<float>(hr[i]) * rstd));
+        nr[i] = static_cast<T>(weight * n);
+    }
+"""
+
+_add_norm_kernel: Any = None
+_add_norm_verdicts: dict[tuple[Any, ...], bool] = {}
+ADD_NORM_THREADS = 256
+#: decode steps and verify blocks: where launches cost; prompts keep MLX's operations
+ADD_NORM_MAX_ROWS = 64
+
+
+def _add_norm_launch(x: mx.array, residual: mx.array, weight: mx.array, eps: float
+                     ) -> tuple[mx.array, mx.array]:
+    global _add_norm_kernel
+    if _add_norm_kernel is None:
+        _add_norm_kernel = mx.fast.cuda_kernel(
+            name="qwen3_5_add_norm", input_names=["x", "residual", "w"],
+            output_names=["h_out", "normed_out"], source=ADD_NORM_SOURCE)
+    rows = x.size // x.shape[-1]
+    h, normed = _add_norm_kernel(
+        inputs=[x, residual, weight],
+        template=[("T", x.dtype), ("H", x.shape[-1]), ("NT", ADD_NORM_THREADS),
+                  ("EPS_E9", round(eps * 1e9))],
+        grid=(ADD_NORM_THREADS * rows, 1, 1), threadgroup=(ADD_NORM_THREADS, 1, 1),
+        output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
+    return h, normed
+
+
+def add_norm_reference(x: mx.array, residual: mx.array, weight: mx.array, eps: float
+                       ) -> tuple[mx.array, mx.array]:
+    """MLX's operations the kernel replaces: ``h = x + residual``, ``rms_norm(h) * weight``."""
+    h = x + residual
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
+def add_norm_usable(x: mx.array, residual: mx.array, weight: mx.array, eps: float) -> bool:
+    """Whether :func:`add_norm` runs the kernel for arrays like these: it applies (CUDA, up
+    to ``ADD_NORM_MAX_ROWS`` rows) and passed its self-check against
+    :func:`add_norm_reference`, run eagerly on the first call per shape and dtypes; call it
+    before tracing."""
+    if not kernel_on("add_norm"):
+        return False
+    if (x.shape != residual.shape or x.dtype != residual.dtype or x.ndim < 1
+            or weight.shape != (x.shape[-1],) or x.size // max(x.shape[-1], 1) > ADD_NORM_MAX_ROWS
+            or x.dtype not in (mx.float32, mx.float16, mx.bfloat16)):
+        return False
+    key = (x.shape, x.dtype, weight.dtype, eps)
+    verdict = _add_norm_verdicts.get(key)
+    if verdict is None:
+        keys = mx.random.split(mx.random.key(4321), 2)
+        probe = tuple(mx.random.normal(x.shape, key=k).astype(x.dtype) for k in keys)
+        try:
+            got = _add_norm_launch(*probe, weight, eps)
+            mx.eval(got)
+            verdict = _agree(got, add_norm_reference(*probe, weight, eps),
+                             x.dtype != mx.float32)
+            if not verdict:
+                print("mlxrunner-qwen3-5: fused add and norm kernel disagrees with MLX's "
+                      "operations; using them", file=sys.stderr)
+        except Exception as exc:  # a kernel that does not build or run must not stop decoding
+            print(f"mlxrunner-qwen3-5: fused add and norm kernel unavailable "
+                  f"({type(exc).__name__}: {exc}); using MLX's operations", file=sys.stderr)
+            verdict = False
+        _add_norm_verdicts[key] = verdict
+    return verdict
+
+
+def add_norm(x: mx.array, residual: mx.array, weight: mx.array, eps: float
+             ) -> tuple[mx.array, mx.array]:
+    """``h = x + residual`` and ``rms_norm(h) * weight`` in one launch (only where
+    :func:`add_norm_usable` said yes)."""
+    return _add_norm_launch(x, residual, weight, eps)
