@@ -127,16 +127,6 @@ def test_qwen3_5_qk_norm_rope_kernel_compiles(nvrtc, dtype: str) -> None:
                                 [("q_out", dtype), ("k_out", dtype)], template))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_qwen3_5_add_norm_kernel_compiles(nvrtc, dtype: str) -> None:
-    ck = pytest.importorskip("mlxrunner_qwen3_5.cuda_kernels")
-    inputs = [("x", dtype), ("residual", dtype), ("w", dtype)]
-    _compile(nvrtc, "add_norm", _wrap("add_norm", ck.ADD_NORM_SOURCE, inputs,
-                                      [("h_out", dtype), ("normed_out", dtype)],
-                                      [("T", dtype), ("H", 1024), ("NT", 256),
-                                       ("EPS_E9", 1000)]))
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", [(8, 1, 1, False), (8, 1, 0, True), (8, 0, 0, False)])
 def test_gemma4_head_kernel_compiles(nvrtc, dtype: str, layout) -> None:

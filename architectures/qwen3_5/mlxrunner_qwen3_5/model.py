@@ -668,7 +668,7 @@ class GatedDeltaNet(nn.Module):
         else:
             cuda_kernels.prepare("block", args, _block_step(*self.dims()), *self.dims())
 
-    def traced(self, x: mx.array, residual: mx.array | None, conv_tail: mx.array, state: mx.array,
+    def traced(self, x: mx.array, residual: mx.array, conv_tail: mx.array, state: mx.array,
                capture: bool) -> tuple[mx.array, mx.array, mx.array, list[mx.array]]:
         """Inside a traced forward through a filled cache, on rows ``x, residual [B * L,
         hidden]``: ``residual + mixer(x)``, the new conv tail and state, and (``capture``,
@@ -769,12 +769,11 @@ class Attention(nn.Module):
             flat, self.q_norm.weight, self.k_norm.weight, self._qk_dims(), B, L, reference,
             _inv_freq(self.rotary_dims, self.rope_theta))
 
-    def _finish(self, out: mx.array, gate: mx.array, residual: mx.array | None,
-                lead: tuple[int, ...]) -> mx.array:
-        """``residual + o_proj(out * sigmoid(gate))`` (no add without ``residual``) for
-        ``out, gate [B, H, L, D]``, shaped ``[*lead, hidden]``."""
+    def _finish(self, out: mx.array, gate: mx.array, residual: mx.array) -> mx.array:
+        """``residual + o_proj(out * sigmoid(gate))`` for ``out, gate [B, H, L, D]``, in
+        ``residual``'s shape."""
         out = _sigmoid_gate(out, gate).transpose(0, 2, 1, 3)
-        return self._out(self, out.reshape(*lead, -1), residual)[0]
+        return self._out(self, out.reshape(*residual.shape[:-1], -1), residual)[0]
 
     def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array) -> mx.array:
         """``residual + attention(x)``."""
@@ -785,7 +784,7 @@ class Attention(nn.Module):
             k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
                                                    mask="causal" if L > 1 else None)
-        return self._finish(out, gate, residual, x.shape[:-1])
+        return self._finish(out, gate, residual)
 
     def prepare_traced(self, batch: int, length: int, dtype: mx.Dtype) -> None:
         """Eager setup before a forward of ``batch x length`` tokens is traced: the joined
@@ -795,7 +794,7 @@ class Attention(nn.Module):
         width = (2 * self.heads + 2 * self.kv_heads) * self.head_dim
         self._fused_qk(mx.zeros((batch * length, width), dtype), batch, length)
 
-    def traced(self, x: mx.array, residual: mx.array | None, keys: mx.array, values: mx.array,
+    def traced(self, x: mx.array, residual: mx.array, keys: mx.array, values: mx.array,
                offset: mx.array, start: mx.array, mask: mx.array
                ) -> tuple[mx.array, mx.array, mx.array]:
         """Inside a traced forward, on rows ``x, residual [B * L, hidden]``: write the new
@@ -806,7 +805,7 @@ class Attention(nn.Module):
         keys = mx.slice_update(keys, k, start, (2,))
         values = mx.slice_update(values, v, start, (2,))
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self._finish(out, gate, residual, x.shape[:-1]), keys, values
+        return self._finish(out, gate, residual), keys, values
 
 
 class MLP(nn.Module):
@@ -818,8 +817,8 @@ class MLP(nn.Module):
         self._in = _Projection("gate_proj", "up_proj")
         self._out = _Projection("down_proj")
 
-    def __call__(self, x: mx.array, residual: mx.array | None) -> mx.array:
-        """``residual + mlp(x)`` (``mlp(x)`` without ``residual``)."""
+    def __call__(self, x: mx.array, residual: mx.array) -> mx.array:
+        """``residual + mlp(x)``."""
         gate, up = self._in(self, x)
         return self._out(self, _swiglu(gate, up), residual)[0]
 
@@ -995,8 +994,7 @@ class Qwen3_5(Model):
                 layer.mlp._in.ensure(layer.mlp)
                 layer.mlp._out.ensure(layer.mlp)
             self._head.ensure(self._head_owner())
-            step = self._steps[key] = mx.compile(self._step_graph(
-                taps or (), L, capture, self._fused_norms(B * L, dtype)))
+            step = self._steps[key] = mx.compile(self._step_graph(taps or (), L, capture))
             first_call = True
         else:
             first_call = False
@@ -1064,17 +1062,7 @@ class Qwen3_5(Model):
                 return want
         return logits, tapped
 
-    def _fused_norms(self, rows: int, dtype: mx.Dtype) -> bool:
-        """Whether traced forwards of ``rows`` rows join each residual add and the norm
-        after it in one CUDA kernel (self-checked here, eagerly, for every norm)."""
-        rows_like = mx.zeros((rows, self.hidden_size), dtype)
-        norms = [n for layer in self.layers for n in (layer.input_layernorm,
-                                                      layer.post_attention_layernorm)]
-        return all(cuda_kernels.add_norm_usable(rows_like, rows_like, n.weight, n.eps)
-                   for n in norms + [self.model.norm])
-
-    def _step_graph(self, taps: tuple[int, ...], L: int, capture: bool, fused_norms: bool
-                    ) -> Callable[..., Any]:
+    def _step_graph(self, taps: tuple[int, ...], L: int, capture: bool) -> Callable[..., Any]:
         """A forward of ``L`` tokens as a pure function of (ids, offset, ``[offset]``, cache
         arrays). Activations stay rows ``[B * L, hidden]`` from the embedding to the head:
         2-D matmuls need no flatten, unflatten or weight broadcast around them."""
@@ -1089,42 +1077,22 @@ class Qwen3_5(Model):
             tapped: dict[int, mx.array] = {}
             masks: dict[int, mx.array] = {}
             h = self.model.embed_tokens(ids).reshape(B * L, -1)
-            x = layers[0].input_layernorm(h)
-            # the norm after each sublayer: post-attention, then the next layer's input
-            # norm (the final norm after the last layer)
-            norms = [n for layer in layers for n in (layer.input_layernorm,
-                                                     layer.post_attention_layernorm)][1:]
-            norms.append(self.model.norm)
-
-            def advance(out: mx.array, h: mx.array, norm: nn.RMSNorm
-                        ) -> tuple[mx.array, mx.array]:
-                """The stream after a sublayer, and its next norm. With the fused kernel
-                (CUDA) ``out`` is the sublayer's output alone and the add and the norm are
-                one launch; without it the output projection already added the stream."""
-                if fused_norms:
-                    return cuda_kernels.add_norm(out, h, norm.weight, norm.eps)
-                return out, norm(out)
-
-            def residual(h: mx.array) -> mx.array | None:
-                return None if fused_norms else h
-
             for i, layer in enumerate(layers):
+                x = layer.input_layernorm(h)
                 if layer.is_linear:
-                    out, state[2 * i], state[2 * i + 1], extra = layer.linear_attn.traced(
-                        x, residual(h), state[2 * i], state[2 * i + 1], capture)
+                    h, state[2 * i], state[2 * i + 1], extra = layer.linear_attn.traced(
+                        x, h, state[2 * i], state[2 * i + 1], capture)
                     extras += extra
                 else:
                     size = state[2 * i].shape[2]
                     if size not in masks:  # query row i sits at position offset + i
                         masks[size] = _key_distances(L, size) <= offset
-                    out, state[2 * i], state[2 * i + 1] = layer.self_attn.traced(
-                        x, residual(h), state[2 * i], state[2 * i + 1], offset, start,
-                        masks[size])
-                h, x = advance(out, h, norms[2 * i])
-                h, x = advance(layer.mlp(x, residual(h)), h, norms[2 * i + 1])
+                    h, state[2 * i], state[2 * i + 1] = layer.self_attn.traced(
+                        x, h, state[2 * i], state[2 * i + 1], offset, start, masks[size])
+                h = layer.mlp(layer.post_attention_layernorm(h), h)
                 if i in wanted:
                     tapped[i] = h
-            head = self._head(self._head_owner(), x)[0]
+            head = self._head(self._head_owner(), self.model.norm(h))[0]
             out = [head.reshape(B, L, -1)]
             if taps:
                 out.append(mx.concatenate([tapped[t] for t in taps], axis=-1).reshape(B, L, -1))

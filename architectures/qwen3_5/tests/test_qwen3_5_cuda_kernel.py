@@ -210,55 +210,15 @@ def test_qk_kernel_matches_mlx_operations(on_gpu, dtype, B, L):
                                    rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("value,on", [
-    (None, {"deltanet", "qk", "add_norm"}), ("1", {"deltanet", "qk", "add_norm"}),
-    ("0", set()), ("deltanet", {"deltanet"}), ("qk,deltanet", {"deltanet", "qk"})])
+@pytest.mark.parametrize("value,on", [(None, {"deltanet", "qk"}), ("1", {"deltanet", "qk"}),
+                                      ("0", set()), ("deltanet", {"deltanet"}),
+                                      ("qk,deltanet", {"deltanet", "qk"})])
 def test_kernel_switch(monkeypatch, value, on):
     monkeypatch.setattr(ck, "cuda_backend", lambda: True)
     if value is None:
         monkeypatch.delenv(ck.ENV_SWITCH, raising=False)
     else:
         monkeypatch.setenv(ck.ENV_SWITCH, value)
-    assert {name for name in ("deltanet", "qk", "add_norm") if ck.kernel_on(name)} == on
+    assert {name for name in ("deltanet", "qk") if ck.kernel_on(name)} == on
     monkeypatch.setattr(ck, "cuda_backend", lambda: False)
     assert not ck.kernel_on("deltanet") and not ck.kernel_on("qk")
-
-
-# ---- the residual add and the next RMSNorm in one launch ----------------------------------
-
-
-@pytest.mark.skipif(not emulation_available(), reason="needs a host C++ compiler (g++)")
-@pytest.mark.parametrize("rows,hidden", [(1, 1024), (3, 96), (8, 300)])
-def test_add_norm_kernel_source_on_the_cpu(rows, hidden):
-    """The add-and-norm kernel body under the host emulation (float32) equals MLX's add
-    and RMSNorm, for widths below, at and not a multiple of the block's 256 threads."""
-    keys = mx.random.split(mx.random.key(rows), 3)
-    x, residual = (mx.random.normal((rows, hidden), key=k) for k in keys[:2])
-    weight = mx.random.normal((hidden,), key=keys[2])
-    want_h, want_n = ck.add_norm_reference(x, residual, weight, 1e-6)
-    got = emulate_kernel(
-        ck.ADD_NORM_SOURCE, {"x": np.array(x), "residual": np.array(residual),
-                             "w": np.array(weight)},
-        {"h_out": ((rows, hidden), np.float32), "normed_out": ((rows, hidden), np.float32)},
-        [("T", mx.float32), ("H", hidden), ("NT", ck.ADD_NORM_THREADS), ("EPS_E9", 1000)],
-        blocks=rows, threads=ck.ADD_NORM_THREADS)
-    np.testing.assert_array_equal(got["h_out"], np.array(want_h))
-    np.testing.assert_allclose(got["normed_out"], np.array(want_n), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
-                    reason="needs MLX's CUDA backend")
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("rows", [1, 8, 3])
-def test_add_norm_kernel_matches_mlx_operations(on_gpu, dtype, rows):
-    keys = mx.random.split(mx.random.key(rows), 3)
-    x, residual = (mx.random.normal((rows, 1024), key=k).astype(dtype) for k in keys[:2])
-    weight = mx.random.normal((1024,), key=keys[2]).astype(dtype)
-    got = ck._add_norm_launch(x, residual, weight, 1e-6)
-    want = ck.add_norm_reference(x, residual, weight, 1e-6)
-    assert mx.array_equal(got[0], want[0])  # the add rounds as MLX's
-    tolerance = 1e-5 if dtype == mx.float32 else 2e-2
-    np.testing.assert_allclose(np.array(got[1].astype(mx.float32)),
-                               np.array(want[1].astype(mx.float32)),
-                               rtol=tolerance, atol=tolerance)
-    assert ck.add_norm_usable(x, residual, weight, 1e-6)
