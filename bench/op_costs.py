@@ -1,0 +1,83 @@
+"""Host time per MLX operation on the default device: how long ``mx.async_eval`` takes to
+submit K independent operations of one kind (the host-side encoding of each node), per
+operation, and the synchronous total. Decoding a small model is bound by these costs on
+MLX's CUDA backend (the GPU waits for the host), so they decide which compositions pay.
+
+    python bench/op_costs.py [--hidden 1536] [--count 200] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+
+def costs(hidden: int, count: int) -> dict[str, dict[str, float]]:
+    x = [mx.random.normal((1, hidden)).astype(mx.bfloat16) for _ in range(count)]
+    weight_t = mx.random.normal((2048, hidden)).astype(mx.bfloat16).T
+    residual = mx.random.normal((1, 2048)).astype(mx.bfloat16)
+    norm_weight = mx.ones((hidden,), mx.bfloat16)
+    mx.eval(x, weight_t, residual, norm_weight)
+    swiglu = mx.compile(lambda a, b: a * mx.sigmoid(a) * b)
+    ops = {
+        f"matmul (1x{hidden} @ {hidden}x2048)": lambda a: a @ weight_t,
+        "addmm (same, plus a residual)": lambda a: mx.addmm(residual, a, weight_t),
+        "matmul then add": lambda a: a @ weight_t + residual,
+        "rms_norm": lambda a: mx.fast.rms_norm(a, norm_weight, 1e-6),
+        "add": lambda a: a + a,
+        "compiled swiglu": lambda a: swiglu(a, a),
+        "rope": lambda a: mx.fast.rope(a.reshape(1, 1, 1, hidden), 64, traditional=False,
+                                       base=1e4, scale=1.0, offset=5),
+        "argmax": lambda a: mx.argmax(a, axis=-1),
+    }
+    if hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu:
+        kernel = mx.fast.cuda_kernel(
+            name="op_costs_double", input_names=["inp"], output_names=["out"],
+            source="int i = blockIdx.x * blockDim.x + threadIdx.x;"
+                   " if (i < N) out[i] = inp[i] * (T)2;")
+        ops["custom kernel (trivial)"] = lambda a: kernel(
+            inputs=[a], template=[("T", a.dtype), ("N", a.shape[1])], grid=(a.shape[1], 1, 1),
+            threadgroup=(256, 1, 1), output_shapes=[a.shape], output_dtypes=[a.dtype])[0]
+    results = {}
+    for name, op in ops.items():
+        for _ in range(3):  # the last of three: compiled, allocated
+            outs = [op(a) for a in x]
+            start = time.perf_counter()
+            mx.async_eval(outs)
+            submitted = time.perf_counter()
+            mx.eval(outs)
+            done = time.perf_counter()
+        results[name] = {"submit_us": 1e6 * (submitted - start) / count,
+                         "total_us": 1e6 * (done - start) / count}
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    print(f"op costs: device {mx.default_device()}, mlx {mx.__version__}, "
+          f"{args.count} operations of each kind", flush=True)
+    results = costs(args.hidden, args.count)
+    for name, r in results.items():
+        print(f"  {name:34s} submit {r['submit_us']:7.2f} us/op   total "
+              f"{r['total_us']:7.2f} us/op", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device": str(mx.default_device()),
+                                         "mlx": mx.__version__,
+                                         "platform": platform.platform(),
+                                         "count": args.count, "costs": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
