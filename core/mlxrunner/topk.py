@@ -391,6 +391,15 @@ def _greedy(x: mx.array) -> mx.array:
     return mx.argmin(_order_keys_compiled(x), axis=-1, keepdims=True).astype(mx.int32)
 
 
+def prepare_topk_indices(rows: int, n: int, k: int, dtype: mx.Dtype = mx.float32) -> None:
+    """Settle eagerly what :func:`topk_indices` decides on its first call for ``rows`` rows
+    of ``n`` values and this ``k`` (on CUDA: the fused kernel's one-off check, which
+    evaluates arrays). Call it before tracing (``mx.compile``) a function that calls
+    ``topk_indices``; elsewhere it does nothing."""
+    if 1 < k <= n and mx.default_device() != mx.cpu:
+        _kernel_usable(mx.zeros((rows, n), dtype=dtype), k)
+
+
 def topk_indices(x: mx.array, k: int, *, strategy: str | None = None) -> mx.array:
     """Indices of the k largest values over the last axis: a stable descending sort's first k.
 

@@ -403,6 +403,32 @@ def test_kernel_is_the_default_when_it_checks_out(fresh_kernel_state, monkeypatc
     assert topk.kernel_status() == "on"
 
 
+def test_prepare_settles_the_check_before_a_trace(fresh_kernel_state, monkeypatch) -> None:
+    """prepare_topk_indices runs the first-use check eagerly, so a later call (inside a
+    trace) finds it settled; on the CPU and for k = 1 it does nothing."""
+    import mlxrunner
+
+    topk = fresh_kernel_state
+    calls = []
+
+    def stand_in(x: mx.array, k: int, subchunks: int | None = None) -> mx.array:
+        calls.append(x.shape)
+        return chunk_keys_like_the_cuda_kernel(x, k)
+
+    monkeypatch.setattr(topk, "_cuda_first_k_per_chunk", stand_in)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    mlxrunner.prepare_topk_indices(1, 5000, 1)
+    assert calls == []
+    mlxrunner.prepare_topk_indices(1, 5000, 16)
+    assert calls == [(2, 5000)] and (5000, 16, "mlx.core.float32", 1) in topk._kernel_checked
+    got = mx.compile(lambda x: topk._topk_gpu(x, 16))(mx.array(mixed_rows(1, 5000, seed=2)))
+    assert (np.array(got) == reference(mixed_rows(1, 5000, seed=2), 16)).all()
+    assert calls == [(2, 5000), (1, 5000)]  # no second check
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
+    mlxrunner.prepare_topk_indices(1, 7000, 16)
+    assert calls == [(2, 5000), (1, 5000)]
+
+
 @pytest.mark.parametrize("failure", ["raises", "wrong"])
 def test_kernel_falls_back_with_one_warning(fresh_kernel_state, monkeypatch, failure) -> None:
     topk = fresh_kernel_state

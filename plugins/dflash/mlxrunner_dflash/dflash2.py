@@ -172,9 +172,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         return greedy_path(*self.selector_scores(hidden, anchor))
 
     def prepare_trace(self) -> None:
-        # topk_indices checks its CUDA kernel on first use (an evaluation): not inside a trace
         selector = self.candidate_selector
-        mx.eval(mlxrunner.topk_indices(mx.zeros((1, selector.vocab_size)), selector.top_k))
+        mlxrunner.prepare_topk_indices(1, selector.vocab_size, selector.top_k)
 
     def new_session(self, sampler: Any) -> DFlash2Session:
         return DFlash2Session(self, sampler)
