@@ -385,15 +385,21 @@ def fresh_kernel_state(monkeypatch: pytest.MonkeyPatch):
     return topk
 
 
-def test_kernel_is_the_default_when_it_checks_out(fresh_kernel_state, monkeypatch) -> None:
-    topk = fresh_kernel_state
+@pytest.fixture
+def kernel_calls(fresh_kernel_state, monkeypatch) -> list:
+    """The shapes the (stand-in) kernel is called with; it computes what the kernel does."""
     calls = []
 
     def stand_in(x: mx.array, k: int, subchunks: int | None = None) -> mx.array:
         calls.append(x.shape)
         return chunk_keys_like_the_cuda_kernel(x, k)
 
-    monkeypatch.setattr(topk, "_cuda_first_k_per_chunk", stand_in)
+    monkeypatch.setattr(fresh_kernel_state, "_cuda_first_k_per_chunk", stand_in)
+    return calls
+
+
+def test_kernel_is_the_default_when_it_checks_out(fresh_kernel_state, kernel_calls) -> None:
+    topk, calls = fresh_kernel_state, kernel_calls
     x = mixed_rows(4, 5000, seed=3)
     for _ in range(2):
         got = np.array(topk._topk_gpu(mx.array(x), 20))
@@ -403,19 +409,13 @@ def test_kernel_is_the_default_when_it_checks_out(fresh_kernel_state, monkeypatc
     assert topk.kernel_status() == "on"
 
 
-def test_prepare_settles_the_check_before_a_trace(fresh_kernel_state, monkeypatch) -> None:
+def test_prepare_settles_the_check_before_a_trace(fresh_kernel_state, kernel_calls,
+                                                  monkeypatch) -> None:
     """prepare_topk_indices runs the first-use check eagerly, so a later call (inside a
     trace) finds it settled; on the CPU and for k = 1 it does nothing."""
     import mlxrunner
 
-    topk = fresh_kernel_state
-    calls = []
-
-    def stand_in(x: mx.array, k: int, subchunks: int | None = None) -> mx.array:
-        calls.append(x.shape)
-        return chunk_keys_like_the_cuda_kernel(x, k)
-
-    monkeypatch.setattr(topk, "_cuda_first_k_per_chunk", stand_in)
+    topk, calls = fresh_kernel_state, kernel_calls
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
     mlxrunner.prepare_topk_indices(1, 5000, 1)
     assert calls == []
