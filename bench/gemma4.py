@@ -163,10 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         harness.record_parity(ours, reference, prompt, results)
 
     rows: dict[str, Any] = {"mlxrunner": ours}
-    switched = f"mlxrunner ({args.switched})" if args.switched else None
-    if switched:
-        rows[switched] = harness.Switched(build_ours(config, dtype, args.seed), ENV_SWITCH,
-                                          args.switched)
+    switched = harness.switched_rows(args.switched, ENV_SWITCH,
+                                     lambda: build_ours(config, dtype, args.seed))
+    rows.update(switched)
     if not args.no_eager:
         rows["mlxrunner (eager)"] = _EagerSteps(ours)
     if reference is not None:
@@ -176,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     results["decode_graph_nodes"] = nodes
     harness.print_nodes(nodes)
     best = harness.measure(rows, prompt, args.new, args.repeats,
-                           name_width=max(18, len(switched or "")))
+                           name_width=max([18] + [len(name) for name in switched]))
     results["mlxrunner"] = best["mlxrunner"]
-    if switched:
-        results["switched"] = dict(best[switched], switch=f"{ENV_SWITCH}={args.switched}")
+    results["switched"] = {name: dict(best[name], switch=f"{row.name}={row.value}")
+                           for name, row in switched.items()}
     if not args.no_eager:
         results["mlxrunner_eager_steps"] = best["mlxrunner (eager)"]
     if reference is not None:

@@ -50,10 +50,10 @@ case "${1:-}" in
     for name in "${@:-topk qwen3_5 gemma4 speculative}"; do
       for one in $name; do
         echo "== $one"
-        # a second instance with the newer fused kernels off: what they save, same run
+        # second instances with one thing off each: what it saves, in the same run
         case $one in
-          qwen3_5) extra="--switched deltanet" ;;
-          gemma4) extra="--switched 0 --no-eager" ;;
+          qwen3_5) extra="--switched MLXRUNNER_FOLDED_ATTENTION=0" ;;
+          gemma4) extra="--switched MLXRUNNER_FOLDED_ATTENTION=0 --switched 0 --no-eager" ;;
           *) extra="" ;;
         esac
         # shellcheck disable=SC2086

@@ -160,9 +160,21 @@ class Switched:
 
 
 def add_switched_argument(parser: argparse.ArgumentParser, switch: str, example: str) -> None:
-    parser.add_argument("--switched", metavar="VALUE",
-                        help=f"also time a second instance with {switch}=VALUE (e.g. "
-                             f"{example}): what the fused kernels it turns off save")
+    parser.add_argument("--switched", metavar="VALUE", action="append", default=[],
+                        help=f"also time a second instance of our model with {switch}=VALUE "
+                             f"(e.g. {example}), or with NAME=VALUE for another environment "
+                             "variable (MLXRUNNER_FOLDED_ATTENTION=0: MLX's attention); "
+                             "repeatable, one row each")
+
+
+def switched_rows(values: list[str], switch: str, build: Callable[[], Any]
+                  ) -> dict[str, Switched]:
+    """One row per ``--switched`` value: a new instance (``build()``) run under it."""
+    rows = {}
+    for value in values:
+        name, _, setting = value.rpartition("=") if "=" in value else (switch, "", value)
+        rows[f"mlxrunner ({value})"] = Switched(build(), name, setting)
+    return rows
 
 
 def print_nodes(nodes: dict[str, dict[str, Any]], top: int = 10) -> None:

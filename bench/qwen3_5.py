@@ -270,21 +270,23 @@ def main(argv: list[str] | None = None) -> int:
         harness.record_parity(ours, reference, prompt, results)
 
     models: dict[str, Any] = {"mlxrunner": ours}
-    switched = f"mlxrunner ({args.switched})" if args.switched else None
-    if switched:
+    def another() -> Qwen3_5:
         second = build_ours(config, dtype, args.seed)
         second.compile_steps = not args.eager
-        models[switched] = harness.Switched(second, ENV_SWITCH, args.switched)
+        return second
+
+    switched = harness.switched_rows(args.switched, ENV_SWITCH, another)
+    models.update(switched)
     if reference is not None:
         models["mlx-lm"] = reference
     nodes = {name: harness.decode_graph_nodes(model, prompt) for name, model in models.items()}
     results["decode_graph_nodes"] = nodes
     harness.print_nodes(nodes)
     best = harness.measure(models, prompt, args.new, args.repeats,
-                           name_width=max(10, len(switched or "")))
+                           name_width=max([10] + [len(name) for name in switched]))
     results["mlxrunner"] = best["mlxrunner"]
-    if switched:
-        results["switched"] = dict(best[switched], switch=f"{ENV_SWITCH}={args.switched}")
+    results["switched"] = {name: dict(best[name], switch=f"{row.name}={row.value}")
+                           for name, row in switched.items()}
     if reference is not None:
         ratio = harness.record_reference(results, best["mlx-lm"], reference_version)
         print(f"  ratio      prefill {ratio['prefill']:10.2f}x        "
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verify_block:
         rows = {}
         for name, model in models.items():
-            if name == switched:
+            if name in switched:
                 continue
             rows[name] = verify_cost(model, prompt, args.verify_block,
                                      10 if args.quick else 30, ours=name == "mlxrunner")

@@ -62,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "read_modelfile": "modelfile",
     # sampling
     "topk_indices": "topk",
+    "attend": "attention",
     "prepare_topk_indices": "topk",
     "SamplerOptions": "options",
     "Sampler": "sampler",

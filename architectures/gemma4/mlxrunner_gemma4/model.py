@@ -527,7 +527,7 @@ class Attention(nn.Module):
         """Attention of ``q [B, H, L, D]`` over the keys and values, projected to
         ``[B * L, hidden]``."""
         L = q.shape[2]
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
+        out = mlxrunner.attend(q, keys, values, scale=1.0, mask=mask)
         if L > 1:
             out = out.transpose(0, 2, 1, 3)
         return self.o_proj(out.reshape(-1, self.n_heads * out.shape[-1]))

@@ -46,7 +46,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxrunner import KVCache, Model, ModelFolderError, RecurrentCache
+from mlxrunner import KVCache, Model, ModelFolderError, RecurrentCache, attend
 
 from . import cuda_kernels
 
@@ -782,8 +782,7 @@ class Attention(nn.Module):
         q, k, v, gate = self._project(x, offset, B, L)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
-                                                   mask="causal" if L > 1 else None)
+        out = attend(q, k, v, scale=self.scale, mask="causal" if L > 1 else None)
         return self._finish(out, gate, residual)
 
     def prepare_traced(self, batch: int, length: int, dtype: mx.Dtype) -> None:
@@ -804,7 +803,7 @@ class Attention(nn.Module):
         q, k, v, gate = self._project(x, offset, B, x.shape[0] // B)
         keys = mx.slice_update(keys, k, start, (2,))
         values = mx.slice_update(values, v, start, (2,))
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        out = attend(q, keys, values, scale=self.scale, mask=mask)
         return self._finish(out, gate, residual), keys, values
 
 

@@ -282,7 +282,7 @@ class DraftAttention(nn.Module):
         k, v = self._keys_values(x, pos)
         mask = store.block_mask(pos, L, self.causal)
         keys, values = store.with_block(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        out = mlxrunner.attend(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
