@@ -44,7 +44,8 @@ case "${1:-}" in
     # first the tests that need CUDA (skipped on CI): the fused kernels against MLX
     echo "== CUDA tests"
     timeout "${CUDA_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
-      tests/core/test_topk.py architectures/qwen3_5/tests/test_qwen3_5_cuda_kernel.py \
+      tests/core/test_topk.py tests/core/test_attention.py \
+      architectures/qwen3_5/tests/test_qwen3_5_cuda_kernel.py \
       architectures/gemma4/tests/test_gemma4_cuda_kernel.py 2>&1 | tee "$out/cuda-tests.txt" |
       tail -4
     for name in "${@:-topk qwen3_5 gemma4 speculative}"; do
@@ -52,8 +53,8 @@ case "${1:-}" in
         echo "== $one"
         # second instances with one thing off each: what it saves, in the same run
         case $one in
-          qwen3_5) extra="--switched MLXRUNNER_FOLDED_ATTENTION=0" ;;
-          gemma4) extra="--switched MLXRUNNER_FOLDED_ATTENTION=0 --switched 0 --no-eager" ;;
+          qwen3_5) extra="--switched MLXRUNNER_ATTENTION=folded --switched MLXRUNNER_ATTENTION=mlx" ;;
+          gemma4) extra="--switched MLXRUNNER_ATTENTION=folded --switched MLXRUNNER_ATTENTION=mlx --no-eager" ;;
           *) extra="" ;;
         esac
         # shellcheck disable=SC2086

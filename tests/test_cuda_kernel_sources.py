@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int",
-              "uint64": "unsigned long long"}
+              "uint64": "unsigned long long", "bool": "bool"}
 
 
 def _nvidia_dir(package: str) -> Path | None:
@@ -140,3 +140,17 @@ def test_gemma4_head_kernel_compiles(nvrtc, dtype: str, layout) -> None:
     _compile(nvrtc, "heads", _wrap("heads", ck.HEADS_SOURCE, inputs,
                                    [("q_out", dtype), ("k_out", dtype), ("v_out", dtype)],
                                    template))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("D,mask", [(256, 0), (512, 1), (128, 2)])
+def test_attention_kernel_compiles(nvrtc, dtype: str, D: int, mask: int) -> None:
+    from mlxrunner import attention
+
+    inputs = [("q", dtype), ("keys", dtype), ("values", dtype), ("scale", "float32"),
+              ("mask", "bool"), ("dims", "int32")]
+    _compile(nvrtc, "attend", _wrap("attend", attention.ATTEND_SOURCE, inputs,
+                                    [("out", dtype)],
+                                    [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D),
+                                     ("DV", min(D, 512)), ("NT", attention.ATTEND_THREADS),
+                                     ("MASK", mask)]))

@@ -1,6 +1,8 @@
-"""The folded attention (mlxrunner.attend on CUDA) inside the architectures' traced
-forwards and a draft's traced block: run here on the CPU by declaring the default
-device CUDA-like for attention only, against the eager forwards with MLX's function."""
+"""mlxrunner.attend's CUDA paths inside the architectures' traced forwards and a draft's
+traced block, run here on the CPU by declaring the default device CUDA-like for attention
+only, against the eager forwards with MLX's function: the folded form, and the fused
+kernel's dispatch (checked before tracing, then launched; MLX's operations stand in for
+the kernel, whose arithmetic tests/core/test_attention.py checks under emulation)."""
 
 from __future__ import annotations
 
@@ -33,46 +35,51 @@ def _forwards(model, ids: np.ndarray, traced: bool) -> list[mx.array]:
     return outs
 
 
+def _spy_on(monkeypatch, path: str) -> list:
+    """Calls to ``attention.<path>`` (``folded_attention`` or the kernel's ``_launch``,
+    MLX's operations standing in for the latter), recorded; attend sees CUDA."""
+    calls = []
+    real = attention.folded_attention
+
+    def spy(q, keys, values, *args, **kwargs):
+        calls.append(q.shape)
+        if path == "_launch":
+            scale, mask = args
+            return real(q, keys, values, scale=scale, mask=mask)
+        return real(q, keys, values, *args, **kwargs)
+
+    monkeypatch.setattr(attention, path, spy)
+    monkeypatch.setattr(attention, "_cuda_default", lambda: True)
+    monkeypatch.setattr(attention, "_verdicts", {})
+    return calls
+
+
+@pytest.mark.parametrize("path", ["folded_attention", "_launch"])
 @pytest.mark.parametrize("name", sorted(FIXTURES))
-def test_traced_forwards_with_folded_attention(name, monkeypatch, capsys):
+def test_traced_forwards_with_cuda_attention(name, path, monkeypatch, capsys):
     if not FIXTURES[name].is_dir():
         pytest.skip(f"fixture {FIXTURES[name]} not present")
     mx.set_default_device(mx.cpu)
     model = mlxrunner.load_model(str(FIXTURES[name]))
     ids = np.random.default_rng(1).integers(0, model.vocab_size, (1, 24)).astype(np.int32)
     want = _forwards(model, ids, traced=False)
-    calls = []
-    real = attention.folded_attention
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "folded_attention", spy)
-    monkeypatch.setattr(attention, "_cuda_default", lambda: True)
+    calls = _spy_on(monkeypatch, path)
     got = _forwards(model, ids, traced=True)
-    assert calls, "the folded attention did not run"
+    assert calls, f"attention.{path} did not run"
     assert "disagrees" not in capsys.readouterr().err
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
 
 
-def test_draft_blocks_with_folded_attention(monkeypatch):
-    """Greedy speculative decoding with a DFlash draft whose traced block attends through
-    the folded path gives the target's own greedy tokens."""
+@pytest.mark.parametrize("path", ["folded_attention", "_launch"])
+def test_draft_blocks_with_cuda_attention(path, monkeypatch):
+    """Greedy speculative decoding with DFlash drafts whose traced blocks attend through
+    the CUDA paths gives the target's own greedy tokens."""
     pytest.importorskip("mlxrunner_dflash")
     from mlxrunner.testing import check_speculative_greedy
 
     mx.set_default_device(mx.cpu)
     target = mlxrunner.load_model(str(FIXTURES["qwen3_5"]))
-    calls = []
-    real = attention.folded_attention
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "folded_attention", spy)
-    monkeypatch.setattr(attention, "_cuda_default", lambda: True)
+    calls = _spy_on(monkeypatch, path)
     stats = check_speculative_greedy(target, max_tokens=60)
     assert calls and {s.draft for s in stats} >= {"DFlashDraftModel", "DFlash2DraftModel"}

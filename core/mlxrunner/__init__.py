@@ -63,6 +63,7 @@ _EXPORTS: dict[str, str] = {
     # sampling
     "topk_indices": "topk",
     "attend": "attention",
+    "prepare_attend": "attention",
     "prepare_topk_indices": "topk",
     "SamplerOptions": "options",
     "Sampler": "sampler",

@@ -9,19 +9,29 @@ to operations that broadcast the keys over each group's query heads in a batched
 :func:`attend` instead folds a group's query heads into the rows of one plain batched
 matmul (``[B, Hk, rep * L, D]`` against ``[B, Hk, S, D]``): the same arithmetic (the
 query scaled first, a float32 softmax, the products in the inputs' type) with no
-broadcast batch. Elsewhere, and for longer blocks (prompts), it is MLX's function.
+broadcast batch; or, where it passed its self-check (:func:`prepare_attend`, called
+before tracing), as one fused kernel: a thread block per query row, its warps taking keys
+in turn with an online softmax, merged at the end. Elsewhere, and for longer blocks
+(prompts), it is MLX's function. ``MLXRUNNER_ATTENTION``: ``kernel`` (the default),
+``folded`` (never the kernel) or ``mlx`` (always MLX's function), to compare.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from functools import cache
+from typing import Any
 
 import mlx.core as mx
 
 #: the longest query block :func:`attend` folds (longer ones are prompts)
 FOLD_MAX_QUERIES = 16
-#: ``MLXRUNNER_FOLDED_ATTENTION=0``: always MLX's function (to compare)
-ENV_SWITCH = "MLXRUNNER_FOLDED_ATTENTION"
+ENV_SWITCH = "MLXRUNNER_ATTENTION"
+
+
+def _mode() -> str:
+    return os.environ.get(ENV_SWITCH, "kernel").strip() or "kernel"
 
 
 def _cuda_default() -> bool:
@@ -31,7 +41,7 @@ def _cuda_default() -> bool:
 
 def folds(q: mx.array, keys: mx.array, mask: mx.array | str | None) -> bool:
     """Whether :func:`attend` computes this case as folded matmuls (else MLX's function)."""
-    return (os.environ.get(ENV_SWITCH, "1") != "0" and _cuda_default()
+    return (_mode() != "mlx" and _cuda_default()
             and q.ndim == 4 and q.shape[2] <= FOLD_MAX_QUERIES
             and keys.ndim == 4 and q.shape[1] % keys.shape[1] == 0
             and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
@@ -64,5 +74,198 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, *, scale: float,
     [B, Hk, S, Dv]`` (query head ``h`` reads key/value head ``h // (Hq // Hk)``), as
     ``mx.fast.scaled_dot_product_attention`` with the same arguments; ``[B, Hq, L, Dv]``."""
     if folds(q, keys, mask) and not isinstance(mask, str):
+        if _mode() == "kernel" and _verdicts.get(_case(q, keys, values, mask)):
+            return _launch(q, keys, values, scale, mask)
         return folded_attention(q, keys, values, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+# -- the fused kernel ---------------------------------------------------------------------
+
+# One thread block per query row (b, h, l) of q [B, HQ, L, D]; its warps take the keys of
+# the row's key/value head in turn (warp w: keys w, w + kWarps, ...), each key's score the
+# warp's dot product, kept as an online softmax (running maximum, sum, weighted values);
+# the warps' partial results are merged at the end. Rounded as MLX's operations round
+# (the scaled query and each score to T), except that the probabilities are not rounded to
+# T before they weight the values. Template constants: HQ, HK, D, DV, NT (threads), MASK
+# (0: none, 1: one row [S] for every query, 2: [L, S]); type T. ``dims`` = [L, S].
+ATTEND_SOURCE = r"""
+    constexpr int kWarps = NT / 32;
+    constexpr int QPL = (D + 31) / 32;
+    constexpr int VPL = (DV + 31) / 32;
+    const int L = dims[0];
+    const int S = dims[1];
+    const int row = blockIdx.x;  // (b * HQ + h) * L + l
+    const int l = row % L;
+    const int h = (row / L) % HQ;
+    const int b = row / (L * HQ);
+    const int hk = h / (HQ / HK);
+    const int t = threadIdx.x;
+    const int lane = t & 31;
+    const int warp = t >> 5;
+    __shared__ float part_m[kWarps];
+    __shared__ float part_l[kWarps];
+    __shared__ float part_acc[kWarps * DV];
+    const float sc = static_cast<float>(static_cast<T>(scale[0]));
+    const T* qr = q + (size_t)row * D;
+    float qv[QPL];
+    for (int i = 0; i < QPL; ++i) {
+        const int d = lane + 32 * i;
+        qv[i] = d < D ? static_cast<float>(static_cast<T>(static_cast<float>(qr[d]) * sc))
+                      : 0.f;
+    }
+    const T* kb = keys + ((size_t)b * HK + hk) * S * D;
+    const T* vb = values + ((size_t)b * HK + hk) * S * DV;
+    float m = -3.0e38f;  // below any score: its weight underflows to 0
+    float lsum = 0.f;
+    float acc[VPL];
+    for (int i = 0; i < VPL; ++i) {
+        acc[i] = 0.f;
+    }
+    for (int j = warp; j < S; j += kWarps) {
+        if (MASK == 1 && !mask[j]) {
+            continue;
+        }
+        if (MASK == 2 && !mask[(size_t)l * S + j]) {
+            continue;
+        }
+        const T* kr = kb + (size_t)j * D;
+        float s = 0.f;
+        for (int i = 0; i < QPL; ++i) {
+            const int d = lane + 32 * i;
+            if (d < D) {
+                s += qv[i] * static_cast<float>(kr[d]);
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            s += __shfl_xor_sync(0xffffffff, s, o);
+        }
+        s = static_cast<float>(static_cast<T>(s));
+        const float mn = fmaxf(m, s);
+        const float corr = expf(m - mn);
+        const float p = expf(s - mn);
+        lsum = lsum * corr + p;
+        const T* vr = vb + (size_t)j * DV;
+        for (int i = 0; i < VPL; ++i) {
+            const int d = lane + 32 * i;
+            acc[i] = acc[i] * corr + (d < DV ? p * static_cast<float>(vr[d]) : 0.f);
+        }
+        m = mn;
+    }
+    if (lane == 0) {
+        part_m[warp] = m;
+        part_l[warp] = lsum;
+    }
+    for (int i = 0; i < VPL; ++i) {
+        const int d = lane + 32 * i;
+        if (d < DV) {
+            part_acc[warp * DV + d] = acc[i];
+        }
+    }
+    __syncthreads();
+    float big = -3.0e38f;
+    for (int w = 0; w < kWarps; ++w) {
+        big = fmaxf(big, part_m[w]);
+    }
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+        total += part_l[w] * expf(part_m[w] - big);
+    }
+    for (int d = t; d < DV; d += NT) {
+        float o = 0.f;
+        for (int w = 0; w < kWarps; ++w) {
+            o += part_acc[w * DV + d] * expf(part_m[w] - big);
+        }
+        out[(size_t)row * DV + d] = static_cast<T>(o / total);
+    }
+"""
+
+ATTEND_THREADS = 512
+_kernel: Any = None
+_verdicts: dict[tuple[Any, ...], bool] = {}
+
+
+def _mask_kind(mask: mx.array | None) -> int:
+    return 0 if mask is None else mask.ndim
+
+
+def _case(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None
+          ) -> tuple[Any, ...]:
+    """What a verdict is kept for: head counts and sizes, the dtype, the mask's kind and
+    the block length (any batch and buffer length)."""
+    return (q.shape[1], keys.shape[1], q.shape[3], values.shape[3], q.dtype,
+            _mask_kind(mask), q.shape[2])
+
+
+@cache
+def _small(values: tuple[float | int, ...], dtype: Any) -> mx.array:
+    array = mx.array(values, dtype=dtype)
+    mx.eval(array)
+    return array
+
+
+def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+            mask: mx.array | None) -> mx.array:
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="mlxrunner_attend", input_names=["q", "keys", "values", "scale", "mask",
+                                                  "dims"],
+            output_names=["out"], source=ATTEND_SOURCE)
+    B, Hq, L, D = q.shape
+    Hk, S, Dv = keys.shape[1], keys.shape[2], values.shape[3]
+    if mask is not None and mask.ndim == 2 and mask.shape != (L, S):
+        mask = mx.broadcast_to(mask, (L, S))
+    return _kernel(
+        inputs=[q, keys, values, _small((float(scale),), mx.float32),
+                mask if mask is not None else _small((True,), mx.bool_), _small((L, S), mx.int32)],
+        template=[("T", q.dtype), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
+                  ("NT", ATTEND_THREADS), ("MASK", _mask_kind(mask))],
+        grid=(ATTEND_THREADS * B * Hq * L, 1, 1), threadgroup=(ATTEND_THREADS, 1, 1),
+        output_shapes=[(B, Hq, L, Dv)], output_dtypes=[q.dtype])[0]
+
+
+def _kernel_applies(q: mx.array, keys: mx.array, values: mx.array,
+                    mask: mx.array | None) -> bool:
+    return (folds(q, keys, mask) and _mode() == "kernel"
+            and q.dtype == keys.dtype == values.dtype
+            and q.dtype in (mx.float32, mx.float16, mx.bfloat16)
+            and 0 < q.shape[3] <= 1024 and 0 < values.shape[3] <= 512
+            and keys.shape[3] == q.shape[3] and values.shape[:3] == keys.shape[:3]
+            and (mask is None or mask.shape[-1] == keys.shape[2]))
+
+
+def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, length: int,
+                   dtype: mx.Dtype) -> None:
+    """Settle eagerly whether :func:`attend` uses its fused kernel for query blocks of
+    ``length`` rows with these heads and dtype, for every mask kind (none, one row, one
+    per query): on CUDA each runs once beside :func:`folded_attention` on random inputs;
+    an error or a mismatch keeps the folded form (one warning). Call it before tracing a
+    function that calls :func:`attend`; elsewhere it does nothing."""
+    S = 67  # not a multiple of the warps: some take one key fewer
+    keys_ = mx.random.split(mx.random.key(2024), 4)
+    q = mx.random.normal((1, heads, length, head_dim), key=keys_[0]).astype(dtype)
+    k = mx.random.normal((1, kv_heads, S, head_dim), key=keys_[1]).astype(dtype)
+    v = mx.random.normal((1, kv_heads, S, value_dim), key=keys_[2]).astype(dtype)
+    keep = mx.random.uniform(shape=(length, S), key=keys_[3]) < 0.7
+    keep = keep | (mx.arange(S)[None] == mx.arange(length)[:, None])  # a key for every row
+    for mask in (None, keep[0], keep):
+        if not _kernel_applies(q, k, v, mask):
+            continue
+        case = _case(q, k, v, mask)
+        if case in _verdicts:
+            continue
+        try:
+            got = _launch(q, k, v, head_dim ** -0.5, mask)
+            want = folded_attention(q, k, v, scale=head_dim ** -0.5, mask=mask)
+            tolerance = 2e-3 if dtype == mx.float32 else 5e-2
+            diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+            verdict = bool(diff <= tolerance * (1.0 + mx.abs(want.astype(mx.float32)).max()))
+            if not verdict:
+                print("mlxrunner: fused attention kernel disagrees with MLX's operations; "
+                      "using them", file=sys.stderr)
+        except Exception as exc:  # a kernel that does not build or run must not stop decoding
+            print(f"mlxrunner: fused attention kernel unavailable ({type(exc).__name__}: "
+                  f"{exc}); using MLX's operations", file=sys.stderr)
+            verdict = False
+        _verdicts[case] = verdict

@@ -80,6 +80,104 @@ def test_attend_folds_only_short_blocks_on_cuda(monkeypatch):
     mlxrunner.attend(q, k, v, scale=0.5, mask="causal")  # a string mask: MLX's function
     long_q = mx.zeros((1, 4, attention.FOLD_MAX_QUERIES + 1, 8))
     mlxrunner.attend(long_q, mx.zeros((1, 2, 40, 8)), mx.zeros((1, 2, 40, 8)), scale=0.5)
-    monkeypatch.setenv(attention.ENV_SWITCH, "0")
+    monkeypatch.setenv(attention.ENV_SWITCH, "mlx")
     mlxrunner.attend(q, k, v, scale=0.5, mask=mask)
     assert calls == [(1, 4, 2, 8)]
+
+
+# ---- the fused kernel ------------------------------------------------------------------
+
+
+def _emulated(q, k, v, scale, mask):
+    from mlxrunner.testing.cuda_emulation import emulate_kernel
+
+    B, Hq, L, D = q.shape
+    Hk, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    kind = 0 if mask is None else mask.ndim
+    got = emulate_kernel(
+        attention.ATTEND_SOURCE,
+        {"q": np.array(q), "keys": np.array(k), "values": np.array(v),
+         "scale": np.array([scale], np.float32),
+         "mask": np.array(mask if mask is not None else mx.array([True])),
+         "dims": np.array([L, S], np.int32)},
+        {"out": ((B, Hq, L, Dv), np.float32)},
+        [("T", mx.float32), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
+         ("NT", attention.ATTEND_THREADS), ("MASK", kind)],
+        blocks=B * Hq * L, threads=attention.ATTEND_THREADS)
+    return got["out"]
+
+
+@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
+                    .emulation_available(), reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("Hq,Hk,L,mask", [(2, 1, 1, "none"), (4, 2, 3, "block"),
+                                          (2, 2, 2, "vector"), (4, 1, 2, "ring")])
+def test_kernel_source_on_the_cpu(Hq, Hk, L, mask):
+    """The kernel body under the host emulation (float32) equals the folded attention,
+    with keys fewer and more than the block's warps, D and Dv not multiples of 32."""
+    for S, D, Dv in ((5, 40, 24), (70, 64, 32)):
+        q, k, v = _case(1, Hq, Hk, L, S, D, Dv, mx.float32, seed=S + L)
+        m = _masks(L, S)[mask]
+        want = attention.folded_attention(q, k, v, scale=0.2, mask=m)
+        np.testing.assert_allclose(_emulated(q, k, v, 0.2, m), np.array(want),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_serves_only_after_its_check(monkeypatch, capsys):
+    """attend() runs the kernel only for cases prepare_attend checked and passed; a kernel
+    that fails its check stays off with one warning; MLXRUNNER_ATTENTION=folded keeps
+    the folded form."""
+    monkeypatch.setattr(attention, "_cuda_default", lambda: True)
+    monkeypatch.setattr(attention, "_verdicts", {})
+    launches = []
+
+    def stand_in(q, k, v, scale, mask):  # the kernel's arithmetic, on the CPU
+        launches.append(q.shape)
+        return attention.folded_attention(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(attention, "_launch", stand_in)
+    q, k, v = _case(1, 4, 2, 1, 30, 16, 16, mx.float32)
+    mask = mx.arange(30) < 20
+    attention.attend(q, k, v, scale=0.3, mask=mask)
+    assert launches == []  # not checked yet: folded
+    mlxrunner.prepare_attend(4, 2, 16, 16, 1, mx.float32)
+    assert len(launches) == 3  # one check per mask kind
+    want = attention.folded_attention(q, k, v, scale=0.3, mask=mask)
+    assert mx.array_equal(attention.attend(q, k, v, scale=0.3, mask=mask), want)
+    assert len(launches) == 4
+    monkeypatch.setenv(attention.ENV_SWITCH, "folded")
+    attention.attend(q, k, v, scale=0.3, mask=mask)
+    assert len(launches) == 4
+    monkeypatch.delenv(attention.ENV_SWITCH)
+
+    def broken(*args):
+        raise ValueError("refused")
+
+    monkeypatch.setattr(attention, "_launch", broken)
+    mlxrunner.prepare_attend(8, 2, 16, 16, 1, mx.float32)
+    mlxrunner.prepare_attend(8, 2, 16, 16, 1, mx.float32)
+    assert capsys.readouterr().err.count("fused attention kernel unavailable") == 3
+    q8 = mx.zeros((1, 8, 1, 16))
+    attention.attend(q8, k, v, scale=0.3, mask=mask)  # folded, no error
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
+                    reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("Hq,Hk,D,L", [(8, 2, 256, 1), (8, 1, 512, 1), (8, 1, 256, 8),
+                                       (4, 2, 128, 16)])
+def test_kernel_matches_mlx_operations_on_the_gpu(dtype, Hq, Hk, D, L):
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        q, k, v = _case(2, Hq, Hk, L, 1024, D, D, dtype, seed=D)
+        for name, m in _masks(L, 1024).items():
+            got = attention._launch(q, k, v, D ** -0.5, m)
+            want = attention.folded_attention(q, k, v, scale=D ** -0.5, mask=m)
+            tolerance = 1e-4 if dtype == mx.float32 else 3e-2
+            np.testing.assert_allclose(np.array(got.astype(mx.float32)),
+                                       np.array(want.astype(mx.float32)),
+                                       rtol=tolerance, atol=tolerance, err_msg=name)
+        mlxrunner.prepare_attend(Hq, Hk, D, D, L, dtype)
+        assert attention._verdicts[attention._case(q, k, v, None)]
+    finally:
+        mx.set_default_device(previous)

@@ -438,8 +438,10 @@ class Attention(nn.Module):
 
     def prepare_heads(self, B: int, L: int, dtype: mx.Dtype) -> None:
         """Before a forward of ``B x L`` tokens is traced: the frequencies and the fused head
-        kernel's self-check (both evaluate)."""
+        and attention kernels' self-checks (all evaluate)."""
         self.inv_freq()
+        mlxrunner.prepare_attend(self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim,
+                                 L, dtype)
         rows = self._rows(mx.zeros((B * L, self.hidden_size), dtype))
         if rows is not None:
             self._kernel_heads(rows, L, 0)

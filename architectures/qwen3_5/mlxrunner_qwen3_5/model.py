@@ -46,7 +46,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxrunner import KVCache, Model, ModelFolderError, RecurrentCache, attend
+from mlxrunner import KVCache, Model, ModelFolderError, RecurrentCache, attend, prepare_attend
 
 from . import cuda_kernels
 
@@ -787,11 +787,12 @@ class Attention(nn.Module):
 
     def prepare_traced(self, batch: int, length: int, dtype: mx.Dtype) -> None:
         """Eager setup before a forward of ``batch x length`` tokens is traced: the joined
-        projections and the fused q/k kernel's self-check."""
+        projections and the fused q/k and attention kernels' self-checks."""
         self._in.ensure(self)
         self._out.ensure(self)
         width = (2 * self.heads + 2 * self.kv_heads) * self.head_dim
         self._fused_qk(mx.zeros((batch * length, width), dtype), batch, length)
+        prepare_attend(self.heads, self.kv_heads, self.head_dim, self.head_dim, length, dtype)
 
     def traced(self, x: mx.array, residual: mx.array, keys: mx.array, values: mx.array,
                offset: mx.array, start: mx.array, mask: mx.array

@@ -26,7 +26,8 @@ import numpy as np
 
 _C_TYPES = {np.dtype(np.float32): ("float", ctypes.c_float),
             np.dtype(np.int32): ("int", ctypes.c_int32),
-            np.dtype(np.uint64): ("unsigned long long", ctypes.c_uint64)}
+            np.dtype(np.uint64): ("unsigned long long", ctypes.c_uint64),
+            np.dtype(np.bool_): ("bool", ctypes.c_bool)}
 
 _PRELUDE = r"""
 #include <barrier>

@@ -413,7 +413,10 @@ class DFlashDraftModel(mlxrunner.DraftModel):
         return mx.argmax(self.proposal_logits(hidden), axis=-1).astype(mx.int32)
 
     def prepare_trace(self) -> None:
-        """Runs before a block graph is first traced (e.g. first-use checks that evaluate)."""
+        """Runs before a block graph is first traced: first-use checks that evaluate."""
+        a = self.args
+        mlxrunner.prepare_attend(a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                                 a.head_dim, self.block_size, self.fc.weight.dtype)
 
     def traced(self, key: tuple[Any, ...], build: Any) -> Any:
         """The compiled graph for ``key`` (built by ``build()`` on first use), shared by every

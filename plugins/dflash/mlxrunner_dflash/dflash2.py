@@ -172,6 +172,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         return greedy_path(*self.selector_scores(hidden, anchor))
 
     def prepare_trace(self) -> None:
+        super().prepare_trace()
         selector = self.candidate_selector
         mlxrunner.prepare_topk_indices(1, selector.vocab_size, selector.top_k)
 
