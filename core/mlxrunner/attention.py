@@ -242,6 +242,8 @@ def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, len
     per query): on CUDA each runs once beside :func:`folded_attention` on random inputs;
     an error or a mismatch keeps the folded form (one warning). Call it before tracing a
     function that calls :func:`attend`; elsewhere it does nothing."""
+    if _mode() != "kernel" or not _cuda_default():
+        return
     S = 67  # not a multiple of the warps: some take one key fewer
     keys_ = mx.random.split(mx.random.key(2024), 4)
     q = mx.random.normal((1, heads, length, head_dim), key=keys_[0]).astype(dtype)
