@@ -61,20 +61,26 @@ def run(model: Any, cache: list[Any], prompt: mx.array, new: int) -> dict[str, f
     y = step(prompt[None, -1:])  # the prompt's last token: the first decode step
     mx.async_eval(y)
     y.item()
-    build_s = 0.0
+    build_s = submit_s = wait_s = 0.0
     start = time.perf_counter()
     for _ in range(new):
-        built = time.perf_counter()
+        t0 = time.perf_counter()
         nxt = step(y)
-        build_s += time.perf_counter() - built
+        t1 = time.perf_counter()
         mx.async_eval(nxt)
+        t2 = time.perf_counter()
         y.item()  # read the previous token while the next step runs
+        t3 = time.perf_counter()
+        build_s, submit_s, wait_s = build_s + t1 - t0, submit_s + t2 - t1, wait_s + t3 - t2
         y = nxt
     y.item()
     decode_s = time.perf_counter() - start
+    # where a step's time goes: Python building its graph, MLX submitting it (host work
+    # per operation), and waiting for the previous step (the device behind the host)
     return {"prefill_s": prefill_s, "prefill_tok_s": (prompt.size - 1) / prefill_s,
             "decode_s": decode_s, "decode_tok_s": new / decode_s,
-            "decode_build_ms": 1e3 * build_s / new}
+            "decode_build_ms": 1e3 * build_s / new, "decode_submit_ms": 1e3 * submit_s / new,
+            "decode_wait_ms": 1e3 * wait_s / new}
 
 
 def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
@@ -99,12 +105,14 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
                     kept[f"{key}_s"], kept[f"{key}_tok_s"] = (result[f"{key}_s"],
                                                               result[f"{key}_tok_s"])
                     if key == "decode":
-                        kept["decode_build_ms"] = result["decode_build_ms"]
+                        for part in ("build", "submit", "wait"):
+                            kept[f"decode_{part}_ms"] = result[f"decode_{part}_ms"]
     for name in names:
         result = best[name]
         print(f"  {name:{name_width}s} prefill {result['prefill_tok_s']:10.1f} tok/s   "
-              f"decode {result['decode_tok_s']:8.1f} tok/s   (building a step "
-              f"{result['decode_build_ms']:.2f} ms)", flush=True)
+              f"decode {result['decode_tok_s']:8.1f} tok/s   (a step: build "
+              f"{result['decode_build_ms']:.2f}, submit {result['decode_submit_ms']:.2f}, "
+              f"wait {result['decode_wait_ms']:.2f} ms)", flush=True)
     return best
 
 
