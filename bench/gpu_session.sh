@@ -48,6 +48,9 @@ case "${1:-}" in
       architectures/qwen3_5/tests/test_qwen3_5_cuda_kernel.py \
       architectures/gemma4/tests/test_gemma4_cuda_kernel.py 2>&1 | tee "$out/cuda-tests.txt" |
       tail -4
+    echo "== op costs"
+    timeout 60 python3 bench/op_costs.py --json "$out/op_costs-gpu.json" 2>&1 |
+      tee "$out/op_costs-gpu.txt" | tail -16
     for name in "${@:-topk qwen3_5 gemma4 speculative}"; do
       for one in $name; do
         echo "== $one"
