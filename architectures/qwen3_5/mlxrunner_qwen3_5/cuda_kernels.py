@@ -31,6 +31,31 @@ import mlx.core as mx
 
 ENV_SWITCH = "MLXRUNNER_QWEN3_5_CUDA_KERNELS"
 
+# Three block-wide float sums at once, for every thread (after the kWarps, red [3 * kWarps],
+# lane and warp declarations of a kernel): the step and block kernels' norms.
+_BLOCK_SUM3 = r"""
+    auto block_sum3 = [&](float& s0, float& s1, float& s2) {
+        for (int o = 16; o > 0; o >>= 1) {
+            s0 += __shfl_xor_sync(0xffffffff, s0, o);
+            s1 += __shfl_xor_sync(0xffffffff, s1, o);
+            s2 += __shfl_xor_sync(0xffffffff, s2, o);
+        }
+        if (lane == 0) {
+            red[warp] = s0;
+            red[kWarps + warp] = s1;
+            red[2 * kWarps + warp] = s2;
+        }
+        __syncthreads();
+        s0 = 0.f; s1 = 0.f; s2 = 0.f;
+        for (int w = 0; w < kWarps; ++w) {
+            s0 += red[w];
+            s1 += red[kWarps + w];
+            s2 += red[2 * kWarps + w];
+        }
+        __syncthreads();
+    };
+"""
+
 # Template constants: Hk, Hv, Dk, Dv, K (conv kernel), C (conv channels), NT (threads per
 # block), P (row length of the joined in-projection [qkv | z | b | a], read in place rather
 # than as four copied slices) and OZ, OB, OA (where z, b and a start in a row); types T
@@ -74,26 +99,7 @@ DELTANET_STEP_SOURCE = r"""
         }
         tail_out[(K - 2) * C + c] = x[c];
     };
-    auto block_sum3 = [&](float& s0, float& s1, float& s2) {
-        for (int o = 16; o > 0; o >>= 1) {
-            s0 += __shfl_xor_sync(0xffffffff, s0, o);
-            s1 += __shfl_xor_sync(0xffffffff, s1, o);
-            s2 += __shfl_xor_sync(0xffffffff, s2, o);
-        }
-        if (lane == 0) {
-            red[warp] = s0;
-            red[kWarps + warp] = s1;
-            red[2 * kWarps + warp] = s2;
-        }
-        __syncthreads();
-        s0 = 0.f; s1 = 0.f; s2 = 0.f;
-        for (int w = 0; w < kWarps; ++w) {
-            s0 += red[w];
-            s1 += red[kWarps + w];
-            s2 += red[2 * kWarps + w];
-        }
-        __syncthreads();
-    };
+""" + _BLOCK_SUM3 + r"""
 
     if (tid < Dk) {
         const int cq = hk * Dk + tid;
@@ -217,26 +223,7 @@ DELTANET_BLOCK_SOURCE = r"""
             tail_out[i * C + c] = static_cast<T>(win(L + i, c));
         }
     };
-    auto block_sum3 = [&](float& s0, float& s1, float& s2) {
-        for (int o = 16; o > 0; o >>= 1) {
-            s0 += __shfl_xor_sync(0xffffffff, s0, o);
-            s1 += __shfl_xor_sync(0xffffffff, s1, o);
-            s2 += __shfl_xor_sync(0xffffffff, s2, o);
-        }
-        if (lane == 0) {
-            red[warp] = s0;
-            red[kWarps + warp] = s1;
-            red[2 * kWarps + warp] = s2;
-        }
-        __syncthreads();
-        s0 = 0.f; s1 = 0.f; s2 = 0.f;
-        for (int w = 0; w < kWarps; ++w) {
-            s0 += red[w];
-            s1 += red[kWarps + w];
-            s2 += red[2 * kWarps + w];
-        }
-        __syncthreads();
-    };
+""" + _BLOCK_SUM3 + r"""
 
     const float* S = state + (size_t)bh * Dv * Dk;
     float* S_out = new_state + (size_t)bh * Dv * Dk;
