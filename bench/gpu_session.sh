@@ -48,6 +48,8 @@ case "${1:-}" in
       architectures/qwen3_5/tests/test_qwen3_5_cuda_kernel.py \
       architectures/gemma4/tests/test_gemma4_cuda_kernel.py 2>&1 | tee "$out/cuda-tests.txt" |
       tail -4
+    echo "== attention paths"
+    timeout 60 python3 bench/sdpa_paths.py 2>&1 | tee "$out/sdpa_paths-gpu.txt" | tail -12
     echo "== op costs"
     timeout 60 python3 bench/op_costs.py --json "$out/op_costs-gpu.json" 2>&1 |
       tee "$out/op_costs-gpu.txt" | tail -16
