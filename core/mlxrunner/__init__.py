@@ -64,6 +64,8 @@ _EXPORTS: dict[str, str] = {
     "topk_indices": "topk",
     "attend": "attention",
     "prepare_attend": "attention",
+    "check_kernel": "kernels",
+    "outputs_agree": "kernels",
     "prepare_topk_indices": "topk",
     "SamplerOptions": "options",
     "Sampler": "sampler",

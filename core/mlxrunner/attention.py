@@ -19,11 +19,12 @@ in turn with an online softmax, merged at the end. Elsewhere, and for longer blo
 from __future__ import annotations
 
 import os
-import sys
 from functools import cache
 from typing import Any
 
 import mlx.core as mx
+
+from .kernels import check_kernel
 
 #: the longest query block :func:`attend` folds (longer ones are prompts)
 FOLD_MAX_QUERIES = 16
@@ -245,6 +246,7 @@ def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, len
     if _mode() != "kernel" or not _cuda_default():
         return
     S = 67  # not a multiple of the warps: some take one key fewer
+    scale = head_dim ** -0.5
     keys_ = mx.random.split(mx.random.key(2024), 4)
     q = mx.random.normal((1, heads, length, head_dim), key=keys_[0]).astype(dtype)
     k = mx.random.normal((1, kv_heads, S, head_dim), key=keys_[1]).astype(dtype)
@@ -257,17 +259,8 @@ def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, len
         case = _case(q, k, v, mask)
         if case in _verdicts:
             continue
-        try:
-            got = _launch(q, k, v, head_dim ** -0.5, mask)
-            want = folded_attention(q, k, v, scale=head_dim ** -0.5, mask=mask)
-            tolerance = 2e-3 if dtype == mx.float32 else 5e-2
-            diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
-            verdict = bool(diff <= tolerance * (1.0 + mx.abs(want.astype(mx.float32)).max()))
-            if not verdict:
-                print("mlxrunner: fused attention kernel disagrees with MLX's operations; "
-                      "using them", file=sys.stderr)
-        except Exception as exc:  # a kernel that does not build or run must not stop decoding
-            print(f"mlxrunner: fused attention kernel unavailable ({type(exc).__name__}: "
-                  f"{exc}); using MLX's operations", file=sys.stderr)
-            verdict = False
-        _verdicts[case] = verdict
+        _verdicts[case] = check_kernel(
+            "mlxrunner: fused attention kernel",
+            lambda mask=mask: _launch(q, k, v, scale, mask),
+            lambda mask=mask: folded_attention(q, k, v, scale=scale, mask=mask),
+            tolerance=2e-3 if dtype == mx.float32 else 5e-2)

@@ -18,11 +18,12 @@ forwards call :func:`prepare` first, so no self-check runs inside a trace.
 from __future__ import annotations
 
 import os
-import sys
 from functools import cache, partial
 from typing import Any
 
 import mlx.core as mx
+
+from mlxrunner import check_kernel
 
 ENV_SWITCH = "MLXRUNNER_GEMMA4_CUDA_KERNELS"
 
@@ -175,20 +176,8 @@ def _key(x: mx.array, residual: mx.array, weight: mx.array, scalar: mx.array | N
             None if second is None else second.dtype, scalar is not None, eps)
 
 
-def _agree(got: tuple[mx.array, mx.array | None], want: tuple[mx.array, mx.array | None],
-           half: bool) -> bool:
-    tolerance = 5e-2 if half else 1e-4
-    for a, b in zip(got, want):
-        if (a is None) != (b is None):
-            return False
-        if a is None:
-            continue
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        a, b = a.astype(mx.float32), b.astype(mx.float32)
-        if not float(mx.abs(a - b).max()) <= tolerance * (1.0 + float(mx.abs(b).max())):
-            return False
-    return True
+def _tolerance(dtype: mx.Dtype) -> float:
+    return 1e-4 if dtype == mx.float32 else 5e-2
 
 
 def _self_check(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
@@ -196,19 +185,10 @@ def _self_check(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
     keys = mx.random.split(mx.random.key(4321), 2)
     px = (4 * mx.random.normal(x.shape, key=keys[0])).astype(x.dtype)
     pr = mx.random.normal(x.shape, key=keys[1]).astype(x.dtype)
-    try:
-        got = _launch(px, pr, weight, eps, scalar, second)
-        mx.eval([a for a in got if a is not None])
-    except Exception as exc:  # a kernel that does not build or run must not stop decoding
-        print(f"mlxrunner-gemma4: fused norm kernel unavailable ({type(exc).__name__}: "
-              f"{exc}); using MLX's operations", file=sys.stderr)
-        return False
-    if not _agree(got, reference(px, pr, weight, eps, scalar, second),
-                  x.dtype != mx.float32):
-        print("mlxrunner-gemma4: fused norm kernel disagrees with MLX's operations; using "
-              "them", file=sys.stderr)
-        return False
-    return True
+    return check_kernel("mlxrunner-gemma4: fused norm kernel",
+                        lambda: _launch(px, pr, weight, eps, scalar, second),
+                        lambda: reference(px, pr, weight, eps, scalar, second),
+                        _tolerance(x.dtype))
 
 
 def _usable(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
@@ -366,19 +346,11 @@ def heads_usable(rows: mx.array, q_weight: mx.array, k_weight: mx.array | None,
         # a 0-d position for MLX's rope: a (1,)-shaped one reads as one offset per batch row
         # on CUDA (Qwen's q/k check saw rows past the first rotate by garbage at B = 4)
         position = mx.array(1234, dtype=mx.int32)
-        try:
-            got = _heads_launch(probe, q_weight, k_weight, inv_freq, position.reshape(1),
-                                counts, head_dim, eps, B, L)
-            mx.eval([a for a in got if a is not None])
-            verdict = _agree(got, reference(probe, position), rows.dtype != mx.float32)
-            if not verdict:
-                print("mlxrunner-gemma4: fused attention-head kernel disagrees with MLX's "
-                      "operations; using them", file=sys.stderr)
-        except Exception as exc:  # a kernel that does not build or run must not stop decoding
-            print(f"mlxrunner-gemma4: fused attention-head kernel unavailable "
-                  f"({type(exc).__name__}: {exc}); using MLX's operations", file=sys.stderr)
-            verdict = False
-        _heads_verdicts[key] = verdict
+        verdict = _heads_verdicts[key] = check_kernel(
+            "mlxrunner-gemma4: fused attention-head kernel",
+            lambda: _heads_launch(probe, q_weight, k_weight, inv_freq, position.reshape(1),
+                                  counts, head_dim, eps, B, L),
+            lambda: reference(probe, position), _tolerance(rows.dtype))
     return verdict
 
 

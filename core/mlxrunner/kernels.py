@@ -1,0 +1,62 @@
+"""For plugins that fuse operations into custom (CUDA) kernels: the first-use check that
+decides whether a kernel may serve.
+
+A fused kernel must never decide an output alone. On the first use of each shape and dtype,
+run it beside the MLX operations it replaces on random inputs: :func:`check_kernel` does
+that, and any error (a source that does not compile, a launch the backend refuses) or
+mismatch keeps the operations, with one line on stderr. Call it eagerly, before tracing:
+it evaluates arrays.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+
+Outputs = mx.array | Sequence[mx.array | None]
+
+
+def _as_list(outputs: Outputs) -> list[mx.array | None]:
+    return [outputs] if isinstance(outputs, mx.array) else list(outputs)
+
+
+def outputs_agree(got: Outputs, want: Outputs, tolerance: float) -> bool:
+    """Whether every output matches its reference in shape, dtype and value: ``max |got -
+    want| <= tolerance * (1 + max |want|)`` per output; None only where the reference has
+    None."""
+    got, want = _as_list(got), _as_list(want)
+    if len(got) != len(want):
+        return False
+    for a, b in zip(got, want):
+        if (a is None) != (b is None):
+            return False
+        if a is None or b is None:
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
+        if not float(mx.abs(a - b).max()) <= tolerance * (1.0 + float(mx.abs(b).max())):
+            return False
+    return True
+
+
+def check_kernel(label: str, kernel: Callable[[], Outputs], reference: Callable[[], Outputs],
+                 tolerance: float, against: str = "MLX's operations") -> bool:
+    """Run ``kernel()`` and ``reference()`` (the same inputs; see :func:`outputs_agree`)
+    and say whether the kernel may serve. An exception from the kernel prints ``{label}
+    unavailable (...); using {against}``, a mismatch ``{label} disagrees with {against};
+    using {against}``, each on stderr, and returns False."""
+    try:
+        got = kernel()
+        mx.eval([a for a in _as_list(got) if a is not None])
+    except Exception as exc:  # a kernel that does not build or run must not stop decoding
+        first = (str(exc).strip() or "?").splitlines()[0]
+        print(f"{label} unavailable ({type(exc).__name__}: {first}); using {against}",
+              file=sys.stderr)
+        return False
+    if not outputs_agree(got, reference(), tolerance):
+        print(f"{label} disagrees with {against}; using {against}", file=sys.stderr)
+        return False
+    return True
