@@ -66,6 +66,7 @@ _EXPORTS: dict[str, str] = {
     "prepare_attend": "attention",
     "check_kernel": "kernels",
     "outputs_agree": "kernels",
+    "switch_allows": "kernels",
     "prepare_topk_indices": "topk",
     "SamplerOptions": "options",
     "Sampler": "sampler",

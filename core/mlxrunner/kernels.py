@@ -10,6 +10,7 @@ it evaluates arrays.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -60,3 +61,10 @@ def check_kernel(label: str, kernel: Callable[[], Outputs], reference: Callable[
         print(f"{label} disagrees with {against}; using {against}", file=sys.stderr)
         return False
     return True
+
+
+def switch_allows(variable: str, name: str) -> bool:
+    """Whether environment variable ``variable`` (a plugin's kernel switch) lets kernel
+    ``name`` run: unset or "1", all; "0", none; a comma-separated list, those named."""
+    value = os.environ.get(variable, "1").strip()
+    return value == "1" or name in value.split(",")

@@ -32,3 +32,12 @@ def test_check_kernel_says_why_it_refuses(capsys):
                                       against="the plain step")
     assert capsys.readouterr().err.strip() == (
         "my kernel unavailable (ValueError: [custom_kernel] refused); using the plain step")
+
+
+def test_switch_allows(monkeypatch):
+    variable = "MLXRUNNER_TEST_KERNELS"
+    monkeypatch.delenv(variable, raising=False)
+    assert mlxrunner.switch_allows(variable, "a")
+    for value, allowed in (("1", {"a", "b"}), ("0", set()), ("a", {"a"}), (" a,b ", {"a", "b"})):
+        monkeypatch.setenv(variable, value)
+        assert {n for n in ("a", "b") if mlxrunner.switch_allows(variable, n)} == allowed

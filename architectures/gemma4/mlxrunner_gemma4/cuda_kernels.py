@@ -17,13 +17,12 @@ forwards call :func:`prepare` first, so no self-check runs inside a trace.
 
 from __future__ import annotations
 
-import os
 from functools import cache, partial
 from typing import Any
 
 import mlx.core as mx
 
-from mlxrunner import check_kernel
+from mlxrunner import check_kernel, switch_allows
 
 ENV_SWITCH = "MLXRUNNER_GEMMA4_CUDA_KERNELS"
 
@@ -129,8 +128,7 @@ def kernel_on(name: str) -> bool:
     """Whether this plugin's fused kernel ``name`` ('norm_add', 'heads') may run: on
     the CUDA backend and not switched off by ``ENV_SWITCH`` ("0": none; a comma-separated
     list of names: only those; unset or "1": all)."""
-    value = os.environ.get(ENV_SWITCH, "1").strip()
-    return cuda_backend() and (value == "1" or name in value.split(","))
+    return cuda_backend() and switch_allows(ENV_SWITCH, name)
 
 
 def _launch(x: mx.array, residual: mx.array, weight: mx.array, eps: float,

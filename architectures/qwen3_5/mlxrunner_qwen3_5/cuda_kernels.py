@@ -21,14 +21,13 @@ cache rebuilds the state at any interior boundary (rollback) without a replay.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 import mlx.core as mx
 
-from mlxrunner import check_kernel
+from mlxrunner import check_kernel, switch_allows
 
 ENV_SWITCH = "MLXRUNNER_QWEN3_5_CUDA_KERNELS"
 
@@ -345,8 +344,7 @@ def kernel_on(name: str) -> bool:
     """Whether this plugin's fused kernel ``name`` ('deltanet', 'qk') may run: on
     the CUDA backend and not switched off by ``ENV_SWITCH`` ("0": none; a comma-separated
     list of names: only those; unset or "1": all)."""
-    value = os.environ.get(ENV_SWITCH, "1").strip()
-    return cuda_backend() and (value == "1" or name in value.split(","))
+    return cuda_backend() and switch_allows(ENV_SWITCH, name)
 
 
 def applies(hk: int, hv: int, dk: int, dv: int) -> bool:
