@@ -114,7 +114,10 @@ def _emulated(q, k, v, scale, mask):
 def test_kernel_source_on_the_cpu(Hq, Hk, L, mask):
     """The kernel body under the host emulation (float32) equals the folded attention,
     with keys fewer and more than the block's warps, D and Dv not multiples of 32."""
-    for S, D, Dv in ((5, 40, 24), (70, 64, 32)):
+    shapes = [(5, 40, 24), (70, 64, 32)]
+    if mask == "block":  # once: Gemma's full-attention widths (16 values a lane)
+        shapes.append((300, 512, 512))
+    for S, D, Dv in shapes:
         q, k, v = _case(1, Hq, Hk, L, S, D, Dv, mx.float32, seed=S + L)
         m = _masks(L, S)[mask]
         want = attention.folded_attention(q, k, v, scale=0.2, mask=m)
