@@ -67,6 +67,7 @@ _EXPORTS: dict[str, str] = {
     "check_kernel": "kernels",
     "outputs_agree": "kernels",
     "switch_allows": "kernels",
+    "on_cuda": "kernels",
     "prepare_topk_indices": "topk",
     "SamplerOptions": "options",
     "Sampler": "sampler",

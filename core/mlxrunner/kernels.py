@@ -19,6 +19,13 @@ import mlx.core as mx
 Outputs = mx.array | Sequence[mx.array | None]
 
 
+def on_cuda() -> bool:
+    """Whether operations run on MLX's CUDA backend: the default device is a CUDA GPU
+    (custom CUDA kernels serve only then)."""
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+
+
 def _as_list(outputs: Outputs) -> list[mx.array | None]:
     return [outputs] if isinstance(outputs, mx.array) else list(outputs)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxrunner import check_kernel, switch_allows
+from mlxrunner import check_kernel, on_cuda, switch_allows
 
 ENV_SWITCH = "MLXRUNNER_QWEN3_5_CUDA_KERNELS"
 
@@ -334,10 +334,7 @@ _block_kernel: Any = None
 _verdicts: dict[tuple[Any, ...], bool] = {}
 
 
-def cuda_backend() -> bool:
-    """Whether operations run on MLX's CUDA backend (the default device is a CUDA GPU)."""
-    cuda = getattr(mx, "cuda", None)
-    return (mx.default_device() == mx.gpu and cuda is not None and cuda.is_available())
+cuda_backend = on_cuda  # (tests stand in for it here)
 
 
 def kernel_on(name: str) -> bool:
