@@ -105,6 +105,7 @@ class Preset:
     selector_rank: int
     self_distill: int
     max_files: int = 0  # 0: all
+    draft_block: int = 8  # the draft's block: at most block - 1 drafted tokens a round
 
 
 PRESETS = {
@@ -490,7 +491,7 @@ def train_draft(out: Path, work: Path, train_list: Path, held_list: Path, p: Pre
                "--layers", str(p.draft_layers), "--intermediate-size",
                str(p.draft_intermediate), "--selector-rank", str(p.selector_rank),
                "--self-distill", str(p.self_distill), "--distill-mix", str(DISTILL_MIX),
-               "--block-size", "8",
+               "--block-size", str(p.draft_block),
                "--save-dtype", "bfloat16", "--seed", str(seed), "--log", str(log.path),
                "--eval-prompts", "0", "--save-every", "0"]
     if budget_s:
@@ -638,6 +639,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--self-distill", type=int, default=None,
                     help="greedy target sequences mixed into the draft's training")
     ap.add_argument("--draft-layers", type=int, default=None, help="override the preset's")
+    ap.add_argument("--draft-block", type=int, default=None,
+                    help="the draft's block size (default: the preset's, 8)")
     ap.add_argument("--distill-time-s", type=float, default=None,
                     help=f"self-distillation's time (default: {round(100 * DISTILL_SHARE)}%% of "
                     "the draft's budget)")
@@ -662,6 +665,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         preset = replace(preset, self_distill=args.self_distill)
     if args.draft_layers is not None:
         preset = replace(preset, draft_layers=args.draft_layers)
+    if args.draft_block is not None:
+        preset = replace(preset, draft_block=args.draft_block)
     out: Path = args.out.resolve()
     if args.work is not None:
         work = args.work.resolve()
