@@ -140,3 +140,11 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_missing_draft_folder(tmp_path, example_model_folder):
     one_line_error(cli("run", str(example_model_folder), "hi", "--draft", "./no-draft",
                        cwd=tmp_path), "no-draft", "draft folder not found")
+
+
+def test_unknown_attention_mode(tmp_path):
+    env = dict(os.environ, MLXRUNNER_ATTENTION="fast")
+    env.pop("MLXRUNNER_LOAD_PLUGINS", None)
+    result = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "plugins"], capture_output=True,
+                            text=True, cwd=tmp_path, env=env, timeout=300)
+    one_line_error(result, "MLXRUNNER_ATTENTION='fast'", "kernel, folded, mlx")

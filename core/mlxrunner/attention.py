@@ -24,15 +24,21 @@ from typing import Any
 
 import mlx.core as mx
 
+from .errors import MLXRunnerError
 from .kernels import check_kernel, on_cuda
 
 #: the longest query block :func:`attend` folds (longer ones are prompts)
 FOLD_MAX_QUERIES = 16
 ENV_SWITCH = "MLXRUNNER_ATTENTION"
+MODES = ("kernel", "folded", "mlx")
 
 
-def _mode() -> str:
-    return os.environ.get(ENV_SWITCH, "kernel").strip() or "kernel"
+def mode() -> str:
+    """``MLXRUNNER_ATTENTION``'s value (default ``kernel``); any other value is refused."""
+    value = os.environ.get(ENV_SWITCH, "kernel").strip() or "kernel"
+    if value not in MODES:
+        raise MLXRunnerError(f"{ENV_SWITCH}={value!r}: use one of {', '.join(MODES)}")
+    return value
 
 
 _cuda_default = on_cuda  # (tests stand in for it here)
@@ -40,7 +46,7 @@ _cuda_default = on_cuda  # (tests stand in for it here)
 
 def folds(q: mx.array, keys: mx.array, mask: mx.array | str | None) -> bool:
     """Whether :func:`attend` computes this case as folded matmuls (else MLX's function)."""
-    return (_mode() != "mlx" and _cuda_default()
+    return (mode() != "mlx" and _cuda_default()
             and q.ndim == 4 and q.shape[2] <= FOLD_MAX_QUERIES
             and keys.ndim == 4 and q.shape[1] % keys.shape[1] == 0
             and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
@@ -73,7 +79,7 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, *, scale: float,
     [B, Hk, S, Dv]`` (query head ``h`` reads key/value head ``h // (Hq // Hk)``), as
     ``mx.fast.scaled_dot_product_attention`` with the same arguments; ``[B, Hq, L, Dv]``."""
     if folds(q, keys, mask) and not isinstance(mask, str):
-        if _mode() == "kernel" and _verdicts.get(_case(q, keys, values, mask)):
+        if mode() == "kernel" and _verdicts.get(_case(q, keys, values, mask)):
             return _launch(q, keys, values, scale, mask)
         return folded_attention(q, keys, values, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
@@ -226,7 +232,7 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 def _kernel_applies(q: mx.array, keys: mx.array, values: mx.array,
                     mask: mx.array | None) -> bool:
-    return (folds(q, keys, mask) and _mode() == "kernel"
+    return (folds(q, keys, mask) and mode() == "kernel"
             and q.dtype == keys.dtype == values.dtype
             and q.dtype in (mx.float32, mx.float16, mx.bfloat16)
             and 0 < q.shape[3] <= 1024 and 0 < values.shape[3] <= 512
@@ -241,7 +247,7 @@ def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, len
     per query): on CUDA each runs once beside :func:`folded_attention` on random inputs;
     an error or a mismatch keeps the folded form (one warning). Call it before tracing a
     function that calls :func:`attend`; elsewhere it does nothing."""
-    if _mode() != "kernel" or not _cuda_default():
+    if mode() != "kernel" or not _cuda_default():
         return
     S = 67  # not a multiple of the warps: some take one key fewer
     scale = head_dim ** -0.5

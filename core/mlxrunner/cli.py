@@ -496,6 +496,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser, registry = build_parser()
         plugins.host().call_commands_hook(registry)
         args = parser.parse_args(argv)
+        from .attention import mode
+        mode()  # a bad MLXRUNNER_ATTENTION is refused before any work
         if not args.command:
             parser.print_help()
             return 0

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import mlx.core as mx
+
+from .errors import MLXRunnerError
 
 Outputs = mx.array | Sequence[mx.array | None]
 
@@ -70,8 +72,17 @@ def check_kernel(label: str, kernel: Callable[[], Outputs], reference: Callable[
     return True
 
 
-def switch_allows(variable: str, name: str) -> bool:
-    """Whether environment variable ``variable`` (a plugin's kernel switch) lets kernel
-    ``name`` run: unset or "1", all; "0", none; a comma-separated list, those named."""
+def switch_allows(variable: str, name: str, known: Collection[str]) -> bool:
+    """Whether environment variable ``variable`` (a plugin's kernel switch over the kernels
+    ``known``) lets kernel ``name`` run: unset or "1", all; "0", none; a comma-separated
+    list, those named. A name not in ``known`` is refused (a typo must not turn a kernel
+    off unnoticed)."""
     value = os.environ.get(variable, "1").strip()
-    return value == "1" or name in value.split(",")
+    if value in ("0", "1"):
+        return value == "1"
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise MLXRunnerError(f"{variable}={value!r}: unknown kernel {unknown[0]!r} (use 0, 1 "
+                             f"or a comma-separated list of {', '.join(sorted(known))})")
+    return name in names

@@ -184,3 +184,10 @@ def test_kernel_matches_mlx_operations_on_the_gpu(dtype, Hq, Hk, D, L):
         assert attention._verdicts[attention._case(q, k, v, None)]
     finally:
         mx.set_default_device(previous)
+
+
+def test_an_unknown_mode_is_refused(monkeypatch):
+    monkeypatch.setenv(attention.ENV_SWITCH, "fast")
+    q, k, v = _case(1, 2, 1, 1, 4, 8, 8, mx.float32)
+    with pytest.raises(mlxrunner.MLXRunnerError, match="MLXRUNNER_ATTENTION='fast'"):
+        mlxrunner.attend(q, k, v, scale=1.0)

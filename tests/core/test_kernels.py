@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
 import mlxrunner
 
@@ -35,9 +36,12 @@ def test_check_kernel_says_why_it_refuses(capsys):
 
 
 def test_switch_allows(monkeypatch):
-    variable = "MLXRUNNER_TEST_KERNELS"
+    variable, known = "MLXRUNNER_TEST_KERNELS", ("a", "b")
     monkeypatch.delenv(variable, raising=False)
-    assert mlxrunner.switch_allows(variable, "a")
+    assert mlxrunner.switch_allows(variable, "a", known)
     for value, allowed in (("1", {"a", "b"}), ("0", set()), ("a", {"a"}), (" a,b ", {"a", "b"})):
         monkeypatch.setenv(variable, value)
-        assert {n for n in ("a", "b") if mlxrunner.switch_allows(variable, n)} == allowed
+        assert {n for n in known if mlxrunner.switch_allows(variable, n, known)} == allowed
+    monkeypatch.setenv(variable, "a,c")  # a typo must not turn kernels off unnoticed
+    with pytest.raises(mlxrunner.MLXRunnerError, match="unknown kernel 'c'"):
+        mlxrunner.switch_allows(variable, "a", known)

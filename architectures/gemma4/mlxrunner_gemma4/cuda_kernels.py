@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlxrunner import check_kernel, on_cuda, switch_allows
 
 ENV_SWITCH = "MLXRUNNER_GEMMA4_CUDA_KERNELS"
+KERNELS = ("norm_add", "heads")  # the names ENV_SWITCH takes
 
 # Template constants: H (row width), NT (threads per block), SCALED (multiply h by
 # scalar[0]), SECOND (also write rms_norm(h) * w2), EPS_E9 (the epsilon times 1e9); type T
@@ -126,7 +127,7 @@ def kernel_on(name: str) -> bool:
     """Whether this plugin's fused kernel ``name`` ('norm_add', 'heads') may run: on
     the CUDA backend and not switched off by ``ENV_SWITCH`` ("0": none; a comma-separated
     list of names: only those; unset or "1": all)."""
-    return cuda_backend() and switch_allows(ENV_SWITCH, name)
+    return cuda_backend() and switch_allows(ENV_SWITCH, name, KERNELS)
 
 
 def _launch(x: mx.array, residual: mx.array, weight: mx.array, eps: float,

@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlxrunner import check_kernel, on_cuda, switch_allows
 
 ENV_SWITCH = "MLXRUNNER_QWEN3_5_CUDA_KERNELS"
+KERNELS = ("deltanet", "qk")  # the names ENV_SWITCH takes
 
 # Three block-wide float sums at once, for every thread (after the kWarps, red [3 * kWarps],
 # lane and warp declarations of a kernel): the step and block kernels' norms.
@@ -341,7 +342,7 @@ def kernel_on(name: str) -> bool:
     """Whether this plugin's fused kernel ``name`` ('deltanet', 'qk') may run: on
     the CUDA backend and not switched off by ``ENV_SWITCH`` ("0": none; a comma-separated
     list of names: only those; unset or "1": all)."""
-    return cuda_backend() and switch_allows(ENV_SWITCH, name)
+    return cuda_backend() and switch_allows(ENV_SWITCH, name, KERNELS)
 
 
 def applies(hk: int, hv: int, dk: int, dv: int) -> bool:
