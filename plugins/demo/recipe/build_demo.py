@@ -622,6 +622,18 @@ def card_figures(summary: dict[str, Any]) -> str:
 # -- main -------------------------------------------------------------------------------------
 
 
+def _block_size(text: str) -> int:
+    """A draft block size: 2 (one drafted token a round) to 16 (the longest block the
+    architectures trace)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 2 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: a block size from 2 to 16")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model folder to write")
@@ -639,8 +651,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--self-distill", type=int, default=None,
                     help="greedy target sequences mixed into the draft's training")
     ap.add_argument("--draft-layers", type=int, default=None, help="override the preset's")
-    ap.add_argument("--draft-block", type=int, default=None,
-                    help="the draft's block size (default: the preset's, 8)")
+    ap.add_argument("--draft-block", type=_block_size, default=None,
+                    help="the draft's block size, 2-16 (default: the preset's, 8)")
     ap.add_argument("--distill-time-s", type=float, default=None,
                     help=f"self-distillation's time (default: {round(100 * DISTILL_SHARE)}%% of "
                     "the draft's budget)")
