@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import lru_cache
 
 import mlx.core as mx
 
@@ -229,6 +230,7 @@ H200 runs about 1000 of these blocks at once): batch 1 keeps one chunk per block
 _MAX_SUBCHUNKS = 16
 
 
+@lru_cache(maxsize=256)  # asked on every call (the check, then the launch): a few shapes
 def kernel_launch(rows: int, n: int, k: int, subchunks: int | None = None) -> dict:
     """The kernel's launch geometry for ``rows`` rows of ``n`` values: CUDA-free, testable.
 
