@@ -548,8 +548,8 @@ class _Projection:
             if residual is None:
                 return x @ weight_t
             if cuda_kernels.cuda_backend():
-                # MLX's CUDA AddMM costs ~19 us of host time per call against ~5 for a
-                # Matmul plus ~5 for an Add (H200, bench/op_costs.py), and decode is host-bound
+                # MLX's CUDA AddMM costs 12-19 us of host time per call against 5-10 for a
+                # Matmul and an Add (H200, bench/op_costs.py), and decode is host-bound
                 return x @ weight_t + residual
             return mx.addmm(residual, x, weight_t)
         _, w, scales, biases, group_size, bits, mode = self.fused
