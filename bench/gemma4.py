@@ -27,7 +27,8 @@ import mlx.core as mx
 from harness import DTYPES, SHARED, text_config
 from mlx.utils import tree_flatten
 from mlxrunner_gemma4 import Gemma4Model
-from mlxrunner_gemma4.cuda_kernels import ENV_SWITCH
+
+from mlxrunner.attention import ENV_SWITCH
 
 DEFAULT_CONFIG = SHARED / "configs" / "gemma-4-E2B-it.config.text-fields-from-ollama-tests.json"
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                              "tokens, best of 3")
     parser.add_argument("--no-eager", action="store_true",
                         help="skip the row with eager (uncompiled) decode steps")
-    harness.add_switched_argument(parser, ENV_SWITCH, "0: its fused kernels off")
+    harness.add_switched_argument(parser, ENV_SWITCH, "folded")
     harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:

@@ -88,12 +88,15 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, *, scale: float,
 # -- the fused kernel ---------------------------------------------------------------------
 
 # One thread block per query row (b, h, l) of q [B, HQ, L, D]; its warps take the keys of
-# the row's key/value head in turn (warp w: keys w, w + kWarps, ...), each key's score the
-# warp's dot product, kept as an online softmax (running maximum, sum, weighted values);
-# the warps' partial results are merged at the end. Rounded as MLX's operations round
-# (the scaled query and each score to T), except that the probabilities are not rounded to
-# T before they weight the values. Template constants: HQ, HK, D, DV, NT (threads), MASK
-# (0: none, 1: one row [S] for every query, 2: [L, S]); type T. ``dims`` = [L, S].
+# the row's key/value head in runs of U (warp w: keys w*U .. w*U+U-1, then kWarps*U further
+# on), loading a run's key and value rows together so that U rows are in flight at once
+# (a warp per key, one key at a time, left the loads' latency exposed: few blocks run a
+# decode step, so the GPU time is that latency), each score the warp's dot product, kept as
+# an online softmax (running maximum, sum, weighted values); the warps' partial results
+# are merged at the end. Rounded as MLX's operations round (the scaled query and each score
+# to T), except that the probabilities are not rounded to T before they weight the values.
+# Template constants: HQ, HK, D, DV, NT (threads), U (keys a warp loads at once), MASK (0:
+# none, 1: one row [S] for every query, 2: [L, S]); type T. ``dims`` = [L, S].
 ATTEND_SOURCE = r"""
     constexpr int kWarps = NT / 32;
     constexpr int QPL = (D + 31) / 32;
@@ -127,33 +130,51 @@ ATTEND_SOURCE = r"""
     for (int i = 0; i < VPL; ++i) {
         acc[i] = 0.f;
     }
-    for (int j = warp; j < S; j += kWarps) {
-        if (MASK == 1 && !mask[j]) {
-            continue;
-        }
-        if (MASK == 2 && !mask[(size_t)l * S + j]) {
-            continue;
-        }
-        const T* kr = kb + (size_t)j * D;
-        float s = 0.f;
-        for (int i = 0; i < QPL; ++i) {
-            const int d = lane + 32 * i;
-            if (d < D) {
-                s += qv[i] * static_cast<float>(kr[d]);
+    for (int j0 = warp * U; j0 < S; j0 += kWarps * U) {
+        bool live[U];
+        float kx[U][QPL];
+        float vx[U][VPL];
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u;
+            // the same for every lane of the warp
+            live[u] = j < S && (MASK != 1 || mask[j]) && (MASK != 2 || mask[(size_t)l * S + j]);
+            const T* kr = kb + (size_t)j * D;
+            const T* vr = vb + (size_t)j * DV;
+            for (int i = 0; i < QPL; ++i) {
+                const int d = lane + 32 * i;
+                kx[u][i] = live[u] && d < D ? static_cast<float>(kr[d]) : 0.f;
+            }
+            for (int i = 0; i < VPL; ++i) {
+                const int d = lane + 32 * i;
+                vx[u][i] = live[u] && d < DV ? static_cast<float>(vr[d]) : 0.f;
             }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            s += __shfl_xor_sync(0xffffffff, s, o);
+        float s[U];
+        float mn = m;
+        for (int u = 0; u < U; ++u) {
+            float x = 0.f;
+            for (int i = 0; i < QPL; ++i) {
+                x += qv[i] * kx[u][i];
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                x += __shfl_xor_sync(0xffffffff, x, o);
+            }
+            s[u] = static_cast<float>(static_cast<T>(x));
+            if (live[u]) {
+                mn = fmaxf(mn, s[u]);
+            }
         }
-        s = static_cast<float>(static_cast<T>(s));
-        const float mn = fmaxf(m, s);
         const float corr = expf(m - mn);
-        const float p = expf(s - mn);
-        lsum = lsum * corr + p;
-        const T* vr = vb + (size_t)j * DV;
+        lsum *= corr;
         for (int i = 0; i < VPL; ++i) {
-            const int d = lane + 32 * i;
-            acc[i] = acc[i] * corr + (d < DV ? p * static_cast<float>(vr[d]) : 0.f);
+            acc[i] *= corr;
+        }
+        for (int u = 0; u < U; ++u) {
+            const float p = live[u] ? expf(s[u] - mn) : 0.f;
+            lsum += p;
+            for (int i = 0; i < VPL; ++i) {
+                acc[i] += p * vx[u][i];
+            }
         }
         m = mn;
     }
@@ -186,6 +207,13 @@ ATTEND_SOURCE = r"""
 """
 
 ATTEND_THREADS = 512
+
+
+def keys_at_once(head_dim: int, value_dim: int) -> int:
+    """The kernel's U: keys a warp loads together, as many as keep a lane's loaded rows
+    within 64 floats (registers: 512 threads leave a thread 128)."""
+    per_key = (head_dim + 31) // 32 + (value_dim + 31) // 32
+    return max(1, min(8, 64 // per_key))
 _kernel: Any = None
 _verdicts: dict[tuple[Any, ...], bool] = {}
 
@@ -225,7 +253,8 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         inputs=[q, keys, values, _small((float(scale),), mx.float32),
                 mask if mask is not None else _small((True,), mx.bool_), _small((L, S), mx.int32)],
         template=[("T", q.dtype), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
-                  ("NT", ATTEND_THREADS), ("MASK", _mask_kind(mask))],
+                  ("NT", ATTEND_THREADS), ("U", keys_at_once(D, Dv)),
+                  ("MASK", _mask_kind(mask))],
         grid=(ATTEND_THREADS * B * Hq * L, 1, 1), threadgroup=(ATTEND_THREADS, 1, 1),
         output_shapes=[(B, Hq, L, Dv)], output_dtypes=[q.dtype])[0]
 

@@ -71,6 +71,7 @@ def test_attend_folds_only_short_blocks_on_cuda(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attention, "folded_attention", spy)
+    monkeypatch.setattr(attention, "_cuda_default", lambda: False)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mask)
     assert mx.allclose(mlxrunner.attend(q, k, v, scale=0.5, mask=mask), want)
     assert calls == []  # not CUDA: MLX's function
@@ -102,7 +103,8 @@ def _emulated(q, k, v, scale, mask):
          "dims": np.array([L, S], np.int32)},
         {"out": ((B, Hq, L, Dv), np.float32)},
         [("T", mx.float32), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
-         ("NT", attention.ATTEND_THREADS), ("MASK", kind)],
+         ("NT", attention.ATTEND_THREADS), ("U", attention.keys_at_once(D, Dv)),
+         ("MASK", kind)],
         blocks=B * Hq * L, threads=attention.ATTEND_THREADS)
     return got["out"]
 

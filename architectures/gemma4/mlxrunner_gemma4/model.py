@@ -24,9 +24,7 @@ all of a layer's heads together: fewer kernels per step, the same arithmetic. Th
 layer stack runs on ``[B * L, hidden]`` rows and float weights are read through
 transposed views evaluated once, so its matmuls add no flatten, unflatten or
 transpose nodes to a traced step (whose every node, views included, costs host time
-on each replay). On CUDA the sandwich norms around each sublayer (normalise its output,
-add it to the stream, normalise the stream for the next sublayer) run as one fused,
-self-checked kernel each (``cuda_kernels.norm_add``) in decode steps and verify blocks.
+on each replay).
 """
 
 from __future__ import annotations
@@ -43,8 +41,6 @@ import mlx.nn as nn
 
 import mlxrunner
 from mlxrunner import KVCache, Model, ModelFolderError, RingCache
-
-from .cuda_kernels import heads_norm_rope, heads_usable, norm_add, prepare
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -318,6 +314,23 @@ def _gelu_mul(gate: mx.array, x: mx.array) -> mx.array:
     return g.astype(x.dtype) * x
 
 
+@partial(mx.compile, shapeless=True)
+def _residual_scaled(h: mx.array, x: mx.array, scalar: mx.array) -> mx.array:
+    return (h + x) * scalar
+
+
+def norm_add(x: mx.array, residual: mx.array, weight: mx.array, eps: float,
+             scalar: mx.array | None = None, second: mx.array | None = None,
+             eps2: float | None = None) -> tuple[mx.array, mx.array | None]:
+    """Gemma's sandwich norm: ``h = residual + rms_norm(x) * weight`` (times ``scalar``)
+    and, with a ``second`` weight, ``rms_norm(h) * second`` (the next sublayer's input)."""
+    y = mx.fast.rms_norm(x, weight, eps)
+    h = residual + y if scalar is None else _residual_scaled(residual, y, scalar)
+    normed = None if second is None else mx.fast.rms_norm(
+        h, second, eps if eps2 is None else eps2)
+    return h, normed
+
+
 def _stack_rows(parts: Sequence[nn.Module]) -> nn.Module | None:
     """One linear map giving the parts' outputs side by side: their arrays (weight and
     bias, or packed weight, scales and biases) concatenated along the output rows. The
@@ -369,7 +382,7 @@ class Attention(nn.Module):
         self.k_eq_v = cfg.k_eq_v[i]
         self.eps = cfg.rms_norm_eps
         bias = cfg.attention_bias
-        hidden = self.hidden_size = cfg.hidden_size
+        hidden = cfg.hidden_size
         self.q_proj = Linear(hidden, self.n_heads * d, bias=bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         if self.has_kv:
@@ -422,55 +435,11 @@ class Attention(nn.Module):
     def _v_norm(self, v: mx.array) -> mx.array:
         return mx.fast.rms_norm(v, None, self.eps)
 
-    def inv_freq(self) -> mx.array:
-        """The rotation's inverse frequencies ``[D / 2]`` (zero where a pair is not rotated:
-        an infinite period), evaluated once (see :meth:`prepare_heads`)."""
-        cached = self.__dict__.get("_inv_freq_value")
-        if cached is None:
-            if self._periods is None:
-                exponents = mx.arange(0, self.head_dim, 2, dtype=mx.float32) / self.head_dim
-                cached = mx.power(mx.array(self._theta, mx.float32), -exponents)
-            else:
-                cached = 1.0 / self._periods
-            mx.eval(cached)
-            self.__dict__["_inv_freq_value"] = cached
-        return cached
-
-    def prepare_heads(self, B: int, L: int, dtype: mx.Dtype) -> None:
-        """Before a forward of ``B x L`` tokens is traced: the frequencies and the fused head
-        and attention kernels' self-checks (all evaluate)."""
-        self.inv_freq()
+    def prepare_heads(self, L: int, dtype: mx.Dtype) -> None:
+        """Before a forward of ``L`` tokens a row is traced: the attention kernel's
+        self-check (it evaluates)."""
         mlxrunner.prepare_attend(self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim,
                                  L, dtype)
-        rows = self._rows(mx.zeros((B * L, self.hidden_size), dtype))
-        if rows is not None:
-            self._kernel_heads(rows, L, 0)
-
-    def _heads_layout(self) -> tuple[int, int, int, bool]:
-        """(query, key, value heads in the projection rows, values from the keys)."""
-        if self.fused is not None:
-            return (self.n_heads, self.n_kv_heads, 0 if self.k_eq_v else self.n_kv_heads,
-                    self.k_eq_v)
-        return (self.n_heads, 0, 0, False)
-
-    def _kernel_heads(self, rows: mx.array, L: int, offset: int | mx.array
-                      ) -> tuple[mx.array, mx.array | None, mx.array | None] | None:
-        """q, k, v of projection rows (see :meth:`_rows`) through the fused head kernel
-        (CUDA), or None where it does not serve."""
-        B = rows.shape[0] // L
-        weights = (self.q_norm.weight, self.k_norm.weight if self.has_kv else None)
-        layout = self._heads_layout()
-
-        def reference(probe: mx.array, position: mx.array) -> tuple[mx.array | None, ...]:
-            return self._project_rows(probe, L, position)
-
-        if not heads_usable(rows, *weights, self.inv_freq(), layout, self.head_dim,
-                            self.eps, B, L, reference):
-            return None
-        position = offset.reshape(1) if isinstance(offset, mx.array) else \
-            mx.array([offset], dtype=mx.int32)
-        return heads_norm_rope(rows, *weights, self.inv_freq(), position.astype(mx.int32),
-                               layout, self.head_dim, self.eps, B, L)
 
     def _rows(self, x: mx.array) -> mx.array | None:
         """The one projection of ``x`` a layer's heads come from: the stacked q/k/v one, or
@@ -487,12 +456,11 @@ class Attention(nn.Module):
         rows = self._rows(x)
         if rows is None:
             return self._project_unfused(x, L, offset)
-        heads = self._kernel_heads(rows, L, offset)
-        return heads if heads is not None else self._project_rows(rows, L, offset)
+        return self._project_rows(rows, L, offset)
 
     def _project_rows(self, rows: mx.array, L: int, offset: int | mx.array
                       ) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """MLX's operations from the projection rows of :meth:`_rows`."""
+        """q, k, v from the projection rows of :meth:`_rows`."""
         if self.fused is not None:
             return self._heads_fused(rows, L, offset)
         q = self.rope(self._normed_heads(rows, L, self.n_heads, self.q_norm), offset)
@@ -695,8 +663,7 @@ class DecoderLayer(nn.Module):
         """Everything after attention: residuals, feed-forward, per-layer input, scalar.
         Returns the new residual stream and, given the next layer's input norm, that norm
         of it. Each "normalise a sublayer's output, add it to the stream (scale it), and
-        normalise the stream for the next sublayer" is one :func:`norm_add` (one fused
-        kernel on CUDA)."""
+        normalise the stream for the next sublayer" is one :func:`norm_add`."""
         second = None if next_norm is None else next_norm.weight
         eps2 = None if next_norm is None else next_norm.eps
         post_attn = self.post_attention_layernorm
@@ -719,23 +686,6 @@ class DecoderLayer(nn.Module):
         post_ple = self.post_per_layer_input_norm
         return norm_add(self.per_layer_projection(gate), h, post_ple.weight, post_ple.eps,
                         self.layer_scalar, second, eps2)
-
-    def prepare_kernels(self, h: mx.array, next_norm: RMSNorm | None) -> None:
-        """Settle the fused norm kernels' self-checks for rows like ``h`` (eagerly, before
-        a forward is traced): the same calls :meth:`finish` makes."""
-        scalar, second = self.layer_scalar, None if next_norm is None else next_norm.weight
-        eps2 = None if next_norm is None else next_norm.eps
-        post_attn, post_ff = self.post_attention_layernorm, self.post_feedforward_layernorm
-        if not self.moe:
-            prepare(h, h, post_attn.weight, post_attn.eps,
-                    second=self.pre_feedforward_layernorm.weight,
-                    eps2=self.pre_feedforward_layernorm.eps)
-        if not self.per_layer:
-            prepare(h, h, post_ff.weight, post_ff.eps, scalar, second, eps2)
-            return
-        prepare(h, h, post_ff.weight, post_ff.eps)
-        post_ple = self.post_per_layer_input_norm
-        prepare(h, h, post_ple.weight, post_ple.eps, scalar, second, eps2)
 
 
 class TextModel(nn.Module):
@@ -1044,13 +994,10 @@ class Gemma4Model(Model):
         key = (taps, L, rings_full, capture)
         step = self._steps.get(key)
         if step is None:
-            # the fused norm kernels' self-checks evaluate: settle them before tracing
-            like = mx.zeros((ids.size, self.args.hidden_size), self.embed_tokens(ids[:1, :1]).dtype)
-            layers = self.model.layers
-            for i, layer in enumerate(layers):
-                layer.prepare_kernels(like, layers[i + 1].input_layernorm
-                                      if i + 1 < len(layers) else None)
-                layer.self_attn.prepare_heads(ids.shape[0], L, like.dtype)
+            # the attention kernel's self-check evaluates: settle it before tracing
+            dtype = self.embed_tokens(ids[:1, :1]).dtype
+            for layer in self.model.layers:
+                layer.self_attn.prepare_heads(L, dtype)
             step = self._steps[key] = mx.compile(self._step_graph(own, taps, L, rings_full,
                                                                   capture))
         state = []
