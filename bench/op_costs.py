@@ -53,10 +53,21 @@ def costs(hidden: int, count: int) -> dict[str, dict[str, float]]:
         ops["custom kernel (trivial)"] = lambda a: kernel(
             inputs=[a], template=[("T", a.dtype), ("N", a.shape[1])], grid=(a.shape[1], 1, 1),
             threadgroup=(256, 1, 1), output_shapes=[a.shape], output_dtypes=[a.dtype])[0]
+    inputs = {name: x for name in ops}
+    # Matmuls of a few rows (speculative verify blocks): MLX's CUDA backend has a
+    # matrix-vector kernel for one row only; more rows go to its general GEMM path.
+    for m in (2, 4, 8, 16):
+        name = f"matmul ({m}x{hidden} @ {hidden}x2048)"
+        inputs[name] = [mx.random.normal((m, hidden)).astype(mx.bfloat16) for _ in range(count)]
+        ops[name] = lambda a: a @ weight_t
+    name = "same 8 rows as 8 one-row matmuls"
+    inputs[name] = inputs[f"matmul (8x{hidden} @ {hidden}x2048)"]
+    ops[name] = lambda a: (a[:, None, :] @ weight_t[None])[:, 0]
+    mx.eval(list(inputs.values()))
     results = {}
     for name, op in ops.items():
         for _ in range(3):  # the last of three: compiled, allocated
-            outs = [op(a) for a in x]
+            outs = [op(a) for a in inputs[name]]
             start = time.perf_counter()
             mx.async_eval(outs)
             submitted = time.perf_counter()
