@@ -68,6 +68,8 @@ _EXPORTS: dict[str, str] = {
     "outputs_agree": "kernels",
     "switch_allows": "kernels",
     "on_cuda": "kernels",
+    "constant": "kernels",
+    "arange_constant": "kernels",
     "prepare_topk_indices": "topk",
     "SamplerOptions": "options",
     "Sampler": "sampler",

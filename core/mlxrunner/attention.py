@@ -19,13 +19,12 @@ in turn with an online softmax, merged at the end. Elsewhere, and for longer blo
 from __future__ import annotations
 
 import os
-from functools import cache
 from typing import Any
 
 import mlx.core as mx
 
 from .errors import MLXRunnerError
-from .kernels import check_kernel, on_cuda
+from .kernels import check_kernel, constant, on_cuda
 
 #: the longest query block :func:`attend` folds (longer ones are prompts)
 FOLD_MAX_QUERIES = 16
@@ -230,13 +229,6 @@ def _case(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None
             _mask_kind(mask), q.shape[2])
 
 
-@cache
-def _small(values: tuple[float | int, ...], dtype: Any) -> mx.array:
-    array = mx.array(values, dtype=dtype)
-    mx.eval(array)
-    return array
-
-
 def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
             mask: mx.array | None) -> mx.array:
     global _kernel
@@ -250,8 +242,9 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     if mask is not None and mask.ndim == 2 and mask.shape != (L, S):
         mask = mx.broadcast_to(mask, (L, S))
     return _kernel(
-        inputs=[q, keys, values, _small((float(scale),), mx.float32),
-                mask if mask is not None else _small((True,), mx.bool_), _small((L, S), mx.int32)],
+        inputs=[q, keys, values, constant((float(scale),), mx.float32),
+                mask if mask is not None else constant((True,), mx.bool_),
+                constant((L, S), mx.int32)],
         template=[("T", q.dtype), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
                   ("NT", ATTEND_THREADS), ("U", keys_at_once(D, Dv)),
                   ("MASK", _mask_kind(mask))],

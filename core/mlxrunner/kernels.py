@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Collection, Sequence
+from functools import cache
 
 import mlx.core as mx
 
@@ -26,6 +27,25 @@ def on_cuda() -> bool:
     (custom CUDA kernels serve only then)."""
     cuda = getattr(mx, "cuda", None)
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+
+
+@cache
+def constant(values: tuple[int | float | bool, ...], dtype: mx.Dtype) -> mx.array:
+    """``mx.array(values, dtype)``, made and evaluated once per (values, dtype). A traced
+    (``mx.compile``) function holds it as a constant instead of replaying the operation
+    that makes it on every call, and a kernel input made this way is not copied from the
+    host on every launch."""
+    array = mx.array(values, dtype=dtype)
+    mx.eval(array)
+    return array
+
+
+@cache
+def arange_constant(n: int) -> mx.array:
+    """``mx.arange(n)`` (int32), made and evaluated once per ``n`` (see :func:`constant`)."""
+    array = mx.arange(n, dtype=mx.int32)
+    mx.eval(array)
+    return array
 
 
 def _as_list(outputs: Outputs) -> list[mx.array | None]:

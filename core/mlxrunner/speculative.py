@@ -321,11 +321,13 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
     p = sampler.distributions(logits, histories)
     q = proposal.distribution() if proposal is not None else None
     decision = decide(sampler, p, q, drafts)
-    outputs = [decision.accepted, decision.fix_tokens] + ([drafts] if drafts is not None else [])
-    mx.eval(*outputs)  # the round's one host sync
-    accepted = int(decision.accepted.item())
-    draft_list = [int(t) for t in drafts.tolist()] if drafts is not None else []
-    fix = int(decision.fix_tokens[accepted].item())
+    # the round's one host sync: everything the host needs in one array, read once (each
+    # read of a device array is a synchronisation, which costs a small model a decode step)
+    parts = [decision.accepted.reshape(1), decision.fix_tokens]
+    values = mx.concatenate(parts + ([drafts] if drafts is not None else [])).tolist()
+    accepted = int(values[0])
+    fix = int(values[1 + accepted])
+    draft_list = [int(t) for t in values[2 + n:]] if drafts is not None else []
     return RoundOutcome(draft_list, accepted, fix, tapped)
 
 

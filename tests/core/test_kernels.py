@@ -45,3 +45,31 @@ def test_switch_allows(monkeypatch):
     monkeypatch.setenv(variable, "a,c")  # a typo must not turn kernels off unnoticed
     with pytest.raises(mlxrunner.MLXRunnerError, match="unknown kernel 'c'"):
         mlxrunner.switch_allows(variable, "a", known)
+
+
+def _graph_labels(*outputs: mx.array) -> list[str]:
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, *outputs)
+        return re.findall(r'label ="([^"]+)"', dot.read())
+
+
+def test_constants_are_made_once_and_are_no_operation_in_a_trace():
+    a = mlxrunner.constant((3, 1, 2), mx.int32)
+    assert a is mlxrunner.constant((3, 1, 2), mx.int32)  # made once
+    assert a.tolist() == [3, 1, 2] and a.dtype == mx.int32
+    assert mlxrunner.constant((3, 1, 2), mx.float32).dtype == mx.float32
+    r = mlxrunner.arange_constant(5)
+    assert r is mlxrunner.arange_constant(5) and r.tolist() == [0, 1, 2, 3, 4]
+
+    def positions(offset: mx.array, made_once: bool) -> mx.array:
+        steps = mlxrunner.arange_constant(6) if made_once else mx.arange(6)
+        return offset + steps
+
+    for made_once in (True, False):
+        traced = mx.compile(lambda o, m=made_once: positions(o, m))
+        out = traced(mx.array(4, mx.int32))
+        assert out.tolist() == [4, 5, 6, 7, 8, 9]
+        assert ("Arange" in _graph_labels(traced(mx.array(1, mx.int32)))) != made_once

@@ -33,14 +33,14 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner
-from mlxrunner import KVCache, Model, ModelFolderError, RingCache
+from mlxrunner import KVCache, Model, ModelFolderError, RingCache, arange_constant
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -1035,20 +1035,20 @@ class Gemma4Model(Model):
         def step(ids: mx.array, offset: mx.array, state: list[mx.array]) -> list[mx.array]:
             state = list(state)
             written: list[mx.array] = []
-            queries = offset + _arange(L)  # positions of the new tokens
+            queries = offset + arange_constant(L)  # positions of the new tokens
             masks: dict[Any, mx.array] = {}
 
             def full_mask(size: int) -> mx.array:
                 # a full buffer holds positions 0 .. offset + L - 1 in place
                 if size not in masks:
-                    masks[size] = _arange(size) <= offset + _arange(L)[:, None]
+                    masks[size] = arange_constant(size) <= offset + arange_constant(L)[:, None]
                 return masks[size]
 
             def ring_mask() -> mx.array:
                 # Before the write slot s holds position (offset - 1) - ((offset - 1 - s)
                 # mod window) (negative: never written); the new keys follow the ring.
                 if "ring" not in masks:
-                    slots = _arange(window)
+                    slots = arange_constant(window)
                     held = (offset - 1) - mx.remainder(offset - 1 - slots, window)
                     pos = mx.concatenate([held, queries])
                     q = queries[:, None]
@@ -1069,7 +1069,7 @@ class Gemma4Model(Model):
                     keys = mx.slice_update(keys, k, slot, (2,))
                     values = mx.slice_update(values, v, slot, (2,))
                     state[2 * j], state[2 * j + 1] = keys, values
-                    mask = None if rings_full else _arange(window) <= offset
+                    mask = None if rings_full else arange_constant(window) <= offset
                     return keys, values, mask
                 # A block attends over the old window plus itself, then is stored
                 # (L <= window: its slots are distinct).
@@ -1106,14 +1106,6 @@ def _split_evenly(x: mx.array, parts: int) -> list[mx.array]:
     for chunk in mx.split(x, list(range(group, x.shape[-1], group)), axis=-1):
         pieces += mx.split(chunk, chunk.shape[-1] // width, axis=-1)
     return pieces
-
-
-@lru_cache(maxsize=16)
-def _arange(n: int) -> mx.array:
-    """``mx.arange(n)``, evaluated: traced steps hold it as a constant (no kernel)."""
-    steps = mx.arange(n)
-    mx.eval(steps)
-    return steps
 
 
 def _grow(cache: KVCache, offset: int, n: int, step: int) -> None:

@@ -22,12 +22,11 @@ cache rebuilds the state at any interior boundary (rollback) without a replay.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
 import mlx.core as mx
 
-from mlxrunner import check_kernel, on_cuda, switch_allows
+from mlxrunner import check_kernel, constant, on_cuda, switch_allows
 
 ENV_SWITCH = "MLXRUNNER_QWEN3_5_CUDA_KERNELS"
 KERNELS = ("deltanet", "qk")  # the names ENV_SWITCH takes
@@ -569,14 +568,6 @@ QK_NORM_ROPE_SOURCE = r"""
     }
 """
 
-@cache
-def _length(L: int) -> mx.array:
-    """A block length as the kernels' ``seq`` input (made once per length)."""
-    length = mx.array([L], dtype=mx.int32)
-    mx.eval(length)
-    return length
-
-
 _qk_kernel: Any = None
 _qk_verdicts: dict[tuple[Any, ...], bool] = {}
 #: decode steps and verify blocks: where launches cost; prompts keep MLX's operations
@@ -595,7 +586,7 @@ def _qk_launch(rows: mx.array, q_weight: mx.array, k_weight: mx.array, inv_freq:
     heads, kv_heads, head_dim, rotary, eps = dims
     threads = 32 * -(-head_dim // 32)
     q, k = _qk_kernel(
-        inputs=[rows, q_weight, k_weight, inv_freq, position, _length(L)],
+        inputs=[rows, q_weight, k_weight, inv_freq, position, constant((L,), mx.int32)],
         template=[("T", rows.dtype), ("H", heads), ("HK", kv_heads), ("D", head_dim),
                   ("R", rotary), ("P", rows.shape[-1]), ("NT", threads),
                   ("EPS_E9", round(eps * 1e9))],

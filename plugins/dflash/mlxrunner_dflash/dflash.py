@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner
-from mlxrunner import DraftConfigError, DraftProposal
+from mlxrunner import DraftConfigError, DraftProposal, arange_constant, constant
 
 
 @dataclass(frozen=True)
@@ -190,9 +190,9 @@ class ContextKV:
         in_window = self.window is None or (pos + block - 1) - self.start < self.window
         if in_window and not causal:
             return None
-        query = pos + mx.arange(block)[:, None]
+        query = pos + arange_constant(block)[:, None]
         if ctx:
-            ctx_pos = self.start + mx.arange(ctx)[None]
+            ctx_pos = self.start + arange_constant(ctx)[None]
             if self.window is not None:
                 ctx_ok = (query - ctx_pos) < self.window
             else:
@@ -200,7 +200,7 @@ class ContextKV:
         else:
             ctx_ok = mx.zeros((block, 0), dtype=mx.bool_)
         if causal:
-            blk_ok = mx.arange(block)[None] <= mx.arange(block)[:, None]
+            blk_ok = arange_constant(block)[None] <= arange_constant(block)[:, None]
         else:
             blk_ok = mx.ones((block, block), dtype=mx.bool_)
         return mx.concatenate([mx.broadcast_to(ctx_ok, (block, ctx)), blk_ok], axis=1)
@@ -234,8 +234,8 @@ class TracedKV:
         return self.masks[key]
 
     def _mask(self, pos: mx.array, block: int, causal: bool) -> mx.array:
-        row = mx.arange(self.keys.shape[2])[None]  # buffer row j holds position start + j
-        query = mx.arange(block)[:, None]
+        row = arange_constant(self.keys.shape[2])[None]  # row j: position start + j
+        query = arange_constant(block)[:, None]
         in_context = row < self.length
         if self.window is not None:
             in_context &= (pos + query) - (self.start + row) < self.window
@@ -403,7 +403,7 @@ class DFlashDraftModel(mlxrunner.DraftModel):
                    stores: list[ContextKV] | list[TracedKV]) -> mx.array:
         """Block rows 1..n, final-normed: [n, hidden]. The full trained block always runs
         (in-block attention is bidirectional); only the first n rows are proposals."""
-        masks = mx.full((self.block_size - 1,), self.mask_token_id, dtype=mx.int32)
+        masks = constant((self.mask_token_id,) * (self.block_size - 1), mx.int32)
         ids = mx.concatenate([anchor.astype(mx.int32), masks])[None]
         return self.block_hidden(ids, pos, stores)[0, 1:1 + n]
 

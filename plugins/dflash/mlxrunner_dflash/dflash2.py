@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner
-from mlxrunner import DraftConfigError, DraftProposal
+from mlxrunner import DraftConfigError, DraftProposal, constant
 
 from .dflash import ContextKV, DFlashArgs, DFlashDraftModel, DFlashLayer, DFlashSession, TracedKV
 
@@ -203,7 +203,7 @@ def greedy_path(ids: mx.array, first: mx.array, transitions: mx.array) -> mx.arr
     for p in range(1, n):
         slot = mx.take(best, slot + (p - 1) * k)
         slots.append(slot)
-    chosen = mx.concatenate(slots) + mx.arange(n, dtype=mx.int32) * k
+    chosen = mx.concatenate(slots) + constant(tuple(range(0, n * k, k)), mx.int32)
     return mx.take(ids.reshape(-1), chosen)
 
 
