@@ -74,6 +74,9 @@ case "${1:-}" in
     done
     timeout 90 mlxrunner bench default --prompt "def fibonacci(n):" --max-tokens 128 \
       --repeats 3 --warmup 2 --json "$out/demo-gpu.json"
+    # where the demo pair's round goes: draft, verify and round time per depth
+    timeout 90 python3 bench/speculative.py --model default --json \
+      "$out/speculative-demo-gpu.json" | tail -"${TAIL_LINES:-12}"
     if [ -d /tmp/demo/draft ]; then
       timeout 90 mlxrunner bench /tmp/demo --prompt "def fibonacci(n):" --max-tokens 128 \
         --repeats 3 --warmup 2 --json "$out/demo-built-gpu.json"

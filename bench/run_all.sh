@@ -16,3 +16,5 @@ run python3 bench/speculative.py $quick --json "$out/speculative-$dev.json"
 # the embedded demo pair, greedy, speculative beside plain (best of 3 after 2 warm-ups)
 run mlxrunner bench default --prompt "def fibonacci(n):" --max-tokens 128 --repeats 3 \
   --warmup 2 --json "$out/demo-$dev.json"
+# the same pair's round, part by part per depth
+run python3 bench/speculative.py --model default --json "$out/speculative-demo-$dev.json"

@@ -19,6 +19,7 @@ smoke run.
 
     python bench/speculative.py --quick
     python bench/speculative.py --targets qwen3.5-0.8b gemma4-e2b --context 1024
+    python bench/speculative.py --model default   # a shipped pair (here the demo's)
 """
 
 from __future__ import annotations
@@ -192,8 +193,25 @@ def expected_tokens(acceptance: float, depth: int) -> float:
 
 
 def bench_target(name: str, args: argparse.Namespace, dtype: mx.Dtype) -> dict[str, Any]:
-    model, config = build_target(name, args.quick, dtype)
-    draft = build_draft(model, args.draft, dtype)
+    model, _ = build_target(name, args.quick, dtype)
+    return bench_pair(name, model, build_draft(model, args.draft, dtype), args.draft, args,
+                      dtype)
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A model as users run it (a registered name such as ``default`` or a folder), with the
+    draft it ships, in the dtype its config declares (``--dtype`` overrides)."""
+    import mlxrunner
+
+    bundle = mlxrunner.load(name, dtype=args.dtype)
+    if bundle.draft is None:
+        raise SystemExit(f"{name}: no draft ships with this model (--model needs a pair)")
+    return bench_pair(name, bundle.model, bundle.draft, type(bundle.draft).__name__, args,
+                      getattr(bundle.model, "dtype", None))
+
+
+def bench_pair(name: str, model: Any, draft: Any, draft_name: str, args: argparse.Namespace,
+               dtype: mx.Dtype | None) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.vocab_size, args.context).tolist()
     t_plain = plain_seconds_per_token(model, prompt, args.plain_tokens)
@@ -213,7 +231,7 @@ def bench_target(name: str, args: argparse.Namespace, dtype: mx.Dtype) -> dict[s
     return {
         "target": name, "architecture": type(model).__name__, "layers": model.num_layers,
         "hidden": model.hidden_size, "vocab": model.vocab_size,
-        "draft": args.draft, "draft_layers": len(draft.layers), "block_size": draft.block_size,
+        "draft": draft_name, "draft_layers": len(draft.layers), "block_size": draft.block_size,
         "taps": list(draft.taps), "context": args.context, "dtype": str(dtype).split(".")[-1],
         "plain_ms_per_token": round(1e3 * t_plain, 3),
         "plain_tokens_per_second": round(1.0 / t_plain, 2),
@@ -242,6 +260,8 @@ def print_table(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    p.add_argument("--model", help="instead of the targets: a model as users run it, with "
+                                   "the draft it ships (e.g. default, the demo pair)")
     p.add_argument("--draft", default="DFlash2DraftModel",
                    choices=["DFlash2DraftModel", "DFlashDraftModel"])
     p.add_argument("--context", type=int, default=None, help="prompt tokens before the rounds")
@@ -262,7 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = args.dtype or ("float32" if on_cpu else "bfloat16")
     dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype_name]
     results = []
-    for name in args.targets:
+    if args.model:
+        result = bench_model(args.model, args)
+        print_table(result)
+        results.append(result)
+    for name in [] if args.model else args.targets:
         try:
             result = bench_target(name, args, dtype)
         except Exception as exc:  # a missing plugin skips that target, the others still run
