@@ -6,6 +6,7 @@
 #   call 1 (carry .mlx-cuda-a):                 bash .mlx-cuda-a/stage.sh
 #   call 2 (carry .mlx-cuda-b .whl .gpu), <30 s: bash bench/gpu_session.sh demo
 #   call 3 (same carry), <30 s after call 2:    bash bench/gpu_session.sh bench [NAMES]
+#   or: bash bench/gpu_session.sh graphs   (the demo's round under CUDA graph settings)
 # A `bench` call of qwen3_5 and gemma4 with the probes takes ~9 minutes; within the 10-minute
 # limit per call, split it: `bench qwen3_5`, then `PROBES=0 bash bench/gpu_session.sh bench
 # gemma4`.
@@ -83,6 +84,21 @@ case "${1:-}" in
     fi
     (cd "$out" && tar czf results.tgz --remove-files -- *.json *.txt 2>/dev/null)
     ;;
-  *) echo "usage: bash bench/gpu_session.sh demo | bench [topk qwen3_5 gemma4 speculative]" >&2
+  graphs)
+    # the demo pair's round under MLX's CUDA graph settings, one process each (MLX reads them
+    # once): does a larger graph cache (MLX clears all its graphs past 100) or no graphs at all
+    # take the verify block's extra cost away?
+    for setting in "" MLX_CUDA_GRAPH_CACHE_SIZE=2000 MLX_USE_CUDA_GRAPHS=0; do
+      echo "== [${setting:-defaults}]"
+      env $setting timeout 90 mlxrunner bench default --prompt "def fibonacci(n):" \
+        --max-tokens 128 --repeats 3 --warmup 2 --json "$out/demo-${setting:-defaults}.json" |
+        tail -2
+      env $setting timeout 90 python3 bench/speculative.py --model default --json \
+        "$out/speculative-demo-${setting:-defaults}.json" | tail -9
+    done
+    (cd "$out" && tar czf results.tgz --remove-files -- *.json 2>/dev/null)
+    ;;
+  *) echo "usage: bash bench/gpu_session.sh demo | bench [topk qwen3_5 gemma4 speculative]" \
+       "| graphs" >&2
      exit 2 ;;
 esac
