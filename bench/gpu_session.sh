@@ -49,7 +49,7 @@ case "${1:-}" in
     if [ "${PROBES:-1}" = 1 ]; then
       # first the tests that need CUDA (skipped on CI): the fused kernels against MLX
       echo "== CUDA tests"
-      timeout "${CUDA_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
+      timeout "${CUDA_TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
         tests/core/test_topk.py tests/core/test_attention.py \
         architectures/qwen3_5/tests/test_qwen3_5_cuda_kernel.py 2>&1 |
         tee "$out/cuda-tests.txt" | tail -4
