@@ -116,15 +116,29 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
     return best
 
 
+#: operations that only view their input (no kernel); every node still costs a traced
+#: step host time on each replay
+VIEWS = frozenset({"Broadcast", "Reshape", "Slice", "Transpose", "Squeeze", "ExpandDims",
+                   "AsStrided", "Flatten", "Unflatten", "StopGradient", "Depends"})
+
+
+def graph_labels(*outputs: mx.array) -> list[str]:
+    """The operation names of the (unevaluated) graph behind ``outputs``, from MLX's DOT
+    export, one per node."""
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, *outputs)
+        return re.findall(r'label ="([^"]+)"', dot.read())
+
+
 def decode_graph_nodes(model: Any, prompt: mx.array) -> dict[str, Any]:
     """Operations in the graph of one decode step (after a short prefill), from MLX's DOT
     export: ``all``, ``kernels`` (without the views: reshapes, slices, transposes...) and
     ``by_kernel`` (their count per operation name).
     Decoding a small model is bound by this count; on the CPU MLX spells fused GPU
     operations (RMSNorm, RoPE, attention) as several, so compare counts per device."""
-    import re
-    import tempfile
-
     cache = model.make_cache()
     model(prompt[None, :8], cache=cache)
     eval_cache(cache)
@@ -133,13 +147,9 @@ def decode_graph_nodes(model: Any, prompt: mx.array) -> dict[str, Any]:
     logits = model(prompt[None, 9:10], cache=cache)
     outputs = [mx.argmax(logits[:, -1], axis=-1)]
     outputs += [s for c in cache if c is not None for s in c.state if isinstance(s, mx.array)]
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
-        mx.export_to_dot(dot.name, *outputs)
-        labels = re.findall(r'label ="([^"]+)"', dot.read())
-    views = {"Broadcast", "Reshape", "Slice", "Transpose", "Squeeze", "ExpandDims", "AsStrided",
-             "Flatten", "Unflatten", "StopGradient", "Depends"}
+    labels = graph_labels(*outputs)
     mx.eval(outputs)
-    kernels = Counter(label for label in labels if label not in views)
+    kernels = Counter(label for label in labels if label not in VIEWS)
     return {"all": len(labels), "kernels": sum(kernels.values()),
             "by_kernel": dict(kernels.most_common())}
 

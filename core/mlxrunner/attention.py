@@ -43,10 +43,10 @@ def mode() -> str:
 _cuda_default = on_cuda  # (tests stand in for it here)
 
 
-def folds(q: mx.array, keys: mx.array, mask: mx.array | str | None) -> bool:
-    """Whether :func:`attend` computes this case as folded matmuls (else MLX's function)."""
-    return (mode() != "mlx" and _cuda_default()
-            and q.ndim == 4 and q.shape[2] <= FOLD_MAX_QUERIES
+def _short_block_on_cuda(q: mx.array, keys: mx.array, mask: mx.array | str | None) -> bool:
+    """Whether :func:`attend` may take this case off MLX's function: CUDA, a short query
+    block, whole groups of query heads, no mask or a boolean one of at most two dims."""
+    return (_cuda_default() and q.ndim == 4 and q.shape[2] <= FOLD_MAX_QUERIES
             and keys.ndim == 4 and q.shape[1] % keys.shape[1] == 0
             and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
                                   and mask.ndim <= 2)))
@@ -77,8 +77,9 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, *, scale: float,
     """Attention of queries ``q [B, Hq, L, D]`` over ``keys [B, Hk, S, D]`` and ``values
     [B, Hk, S, Dv]`` (query head ``h`` reads key/value head ``h // (Hq // Hk)``), as
     ``mx.fast.scaled_dot_product_attention`` with the same arguments; ``[B, Hq, L, Dv]``."""
-    if folds(q, keys, mask) and not isinstance(mask, str):
-        if mode() == "kernel" and _verdicts.get(_case(q, keys, values, mask)):
+    chosen = mode()
+    if chosen != "mlx" and _short_block_on_cuda(q, keys, mask):
+        if chosen == "kernel" and _verdicts.get(_case(q, keys, values, mask)):
             return _launch(q, keys, values, scale, mask)
         return folded_attention(q, keys, values, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
@@ -213,6 +214,8 @@ def keys_at_once(head_dim: int, value_dim: int) -> int:
     within 64 floats (registers: 512 threads leave a thread 128)."""
     per_key = (head_dim + 31) // 32 + (value_dim + 31) // 32
     return max(1, min(8, 64 // per_key))
+
+
 _kernel: Any = None
 _verdicts: dict[tuple[Any, ...], bool] = {}
 
@@ -254,7 +257,7 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 def _kernel_applies(q: mx.array, keys: mx.array, values: mx.array,
                     mask: mx.array | None) -> bool:
-    return (folds(q, keys, mask) and mode() == "kernel"
+    return (mode() == "kernel" and _short_block_on_cuda(q, keys, mask)
             and q.dtype == keys.dtype == values.dtype
             and q.dtype in (mx.float32, mx.float16, mx.bfloat16)
             and 0 < q.shape[3] <= 1024 and 0 < values.shape[3] <= 512

@@ -435,7 +435,7 @@ class Attention(nn.Module):
     def _v_norm(self, v: mx.array) -> mx.array:
         return mx.fast.rms_norm(v, None, self.eps)
 
-    def prepare_heads(self, L: int, dtype: mx.Dtype) -> None:
+    def prepare_traced(self, L: int, dtype: mx.Dtype) -> None:
         """Before a forward of ``L`` tokens a row is traced: the attention kernel's
         self-check (it evaluates)."""
         mlxrunner.prepare_attend(self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim,
@@ -997,7 +997,7 @@ class Gemma4Model(Model):
             # the attention kernel's self-check evaluates: settle it before tracing
             dtype = self.embed_tokens(ids[:1, :1]).dtype
             for layer in self.model.layers:
-                layer.self_attn.prepare_heads(L, dtype)
+                layer.self_attn.prepare_traced(L, dtype)
             step = self._steps[key] = mx.compile(self._step_graph(own, taps, L, rings_full,
                                                                   capture))
         state = []
