@@ -416,7 +416,7 @@ class DFlashDraftModel(mlxrunner.DraftModel):
         """Runs before a block graph is first traced: first-use checks that evaluate."""
         a = self.args
         mlxrunner.prepare_attend(a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                                 a.head_dim, self.block_size, self.fc.weight.dtype)
+                                 a.head_dim, self.block_size, self.compute_dtype)
 
     def traced(self, key: tuple[Any, ...], build: Any) -> Any:
         """The compiled graph for ``key`` (built by ``build()`` on first use), shared by every

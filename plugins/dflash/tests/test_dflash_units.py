@@ -379,3 +379,24 @@ def test_greedy_path_follows_the_chain_of_argmaxes():
             slot = int(np.argmax(np.array(transitions)[p - 1, slot]))
             want.append(int(np.array(ids)[p, slot]))
         assert greedy_path(ids, first, transitions).tolist() == want
+
+
+def test_a_quantized_draft_settles_the_attention_check_in_its_compute_dtype(monkeypatch):
+    """The attention kernel's check before a trace is asked for the dtype the block's
+    queries have (the norms'), not that of the first projection's stored weight (packed
+    integers once quantized): else the check never matches and the kernel never serves."""
+    import mlx.nn as nn
+
+    import mlxrunner
+
+    target = ToyTarget({"vocab_size": 48, "hidden_size": 64, "seed": 1})
+    draft = random_draft(target, "DFlashDraftModel", layers=1, block_size=4, heads=2,
+                         kv_heads=1, head_dim=32, seed=3)
+    nn.quantize(draft, group_size=64, bits=4,
+                class_predicate=lambda path, module: path == "fc")
+    assert draft.fc.weight.dtype == mx.uint32
+    asked = []
+    monkeypatch.setattr(mlxrunner, "prepare_attend", lambda *args: asked.append(args))
+    draft.prepare_trace()
+    assert asked == [(2, 1, 32, 32, 4, draft.compute_dtype)]
+    assert draft.compute_dtype == mx.float32
