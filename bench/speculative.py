@@ -203,7 +203,10 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     draft it ships, in the dtype its config declares (``--dtype`` overrides)."""
     import mlxrunner
 
-    bundle = mlxrunner.load(name, dtype=args.dtype)
+    try:
+        bundle = mlxrunner.load(name, dtype=args.dtype)
+    except mlxrunner.MLXRunnerError as exc:  # a bad folder or name: one line, exit 1
+        raise SystemExit(f"speculative bench: {exc}") from None
     if bundle.draft is None:
         raise SystemExit(f"{name}: no draft ships with this model (--model needs a pair)")
     return bench_pair(name, bundle.model, bundle.draft, type(bundle.draft).__name__, args,
