@@ -70,6 +70,7 @@ _EXPORTS: dict[str, str] = {
     "on_cuda": "kernels",
     "constant": "kernels",
     "arange_constant": "kernels",
+    "project": "kernels",
     "prepare_topk_indices": "topk",
     "SamplerOptions": "options",
     "Sampler": "sampler",

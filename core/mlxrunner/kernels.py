@@ -40,6 +40,38 @@ def constant(values: tuple[int | float | bool, ...], dtype: mx.Dtype) -> mx.arra
     return array
 
 
+#: on CUDA, products of 2..this many rows run as one-row products (see :func:`project`)
+ROW_PRODUCT_MAX_ROWS = 16
+#: "0" turns :func:`project`'s one-row products off (for A/B benchmarks); read once
+ROW_PRODUCT_SWITCH = "MLXRUNNER_ROW_PRODUCTS"
+
+
+@cache
+def _row_products_allowed() -> bool:
+    return os.environ.get(ROW_PRODUCT_SWITCH, "1").strip() != "0"
+
+
+def project(x: mx.array, weight_t: mx.array) -> mx.array:
+    """``x @ weight_t``: activation rows ``x [..., K]`` times a weight held as the transposed
+    view of a row-major ``[N, K]`` matrix (``linear.weight.T``), giving ``[..., N]``.
+
+    On CUDA a product of 2 to ``ROW_PRODUCT_MAX_ROWS`` rows (a speculative verify block, a
+    draft block) runs as that many one-row products: one GatherMM over the one weight,
+    which MLX serves with the matrix-vector kernel of a one-token decode step. cuBLAS
+    takes short float32 products (7+ rows, TF32 off) to a kernel several times slower, and
+    each row then rounds exactly as the same row of a one-token step does.
+    """
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    if not (1 < rows <= ROW_PRODUCT_MAX_ROWS and weight_t.ndim == 2
+            and x.shape[-1] % 32 == 0 and x.dtype == weight_t.dtype
+            and _row_products_allowed() and on_cuda()):
+        return x @ weight_t
+    lhs = constant(tuple(range(rows)), mx.uint32)
+    rhs = constant((0,) * rows, mx.uint32)
+    out = mx.gather_mm(x.reshape(rows, 1, x.shape[-1]), weight_t[None], lhs, rhs)
+    return out.reshape(*x.shape[:-1], weight_t.shape[-1])
+
+
 @cache
 def arange_constant(n: int) -> mx.array:
     """``mx.arange(n)`` (int32), made and evaluated once per ``n`` (see :func:`constant`)."""

@@ -306,11 +306,13 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
         cache.schedule_snapshots(offsets)
     logits, tapped = model(ids, caches, taps=taps)
     logits = logits[0]
+    # the device runs the verify forward while the host builds the decision (MLX would
+    # otherwise submit its last operations only at the round's sync)
+    mx.async_eval(logits, tapped)
     options = sampler.options
     if drafts is not None and penalties_active(options):
         # p_i's penalties see d[:i]: the drafts must reach the host first (an extra
         # sync only when penalties are on; the verify forward is already queued).
-        mx.async_eval(logits, tapped)
         draft_list = [int(t) for t in drafts.tolist()]
         keep = options.repeat_last_n
         base = list(history) if keep < 0 else list(history[-keep:]) if keep else []

@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 import mlxrunner
+from mlxrunner import kernels
 
 
 def test_outputs_agree_within_the_tolerance():
@@ -73,3 +74,38 @@ def test_constants_are_made_once_and_are_no_operation_in_a_trace():
         out = traced(mx.array(4, mx.int32))
         assert out.tolist() == [4, 5, 6, 7, 8, 9]
         assert ("Arange" in _graph_labels(traced(mx.array(1, mx.int32)))) != made_once
+
+
+CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+@pytest.mark.parametrize("shape", [(2, 64), (1, 8, 96), (16, 128), (17, 64), (3, 40)])
+def test_project_equals_the_product_on_every_path(monkeypatch, shape):
+    """project(x, W.T) is x @ W.T: the one-row products (forced on here, on the CPU's
+    GatherMM) for 2..16 rows with K a multiple of 32, the plain product otherwise."""
+    monkeypatch.setattr(kernels, "on_cuda", lambda: True)
+    x = mx.random.normal(shape, key=mx.random.key(1))
+    weight = mx.random.normal((48, shape[-1]), key=mx.random.key(2))
+    got = mlxrunner.project(x, weight.T)
+    assert got.shape == (*shape[:-1], 48)
+    assert mx.allclose(got, x @ weight.T, atol=1e-5).item()
+    rows = x.size // shape[-1]
+    row_products = 1 < rows <= kernels.ROW_PRODUCT_MAX_ROWS and shape[-1] % 32 == 0
+    traced = mx.compile(lambda a: mlxrunner.project(a, weight.T))
+    assert ("GatherMM" in _graph_labels(traced(x))) == row_products
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_project_rows_round_as_one_row_products_on_cuda(dtype):
+    """On CUDA each row of a short block equals, bit for bit, the same row projected
+    alone (the one-token decode step's product); for float32 the plain product of 8 rows
+    (cuBLAS) is the path it replaces."""
+    with mx.stream(mx.gpu):
+        x = mx.random.normal((8, 256), key=mx.random.key(3)).astype(dtype)
+        weight = mx.random.normal((1024, 256), key=mx.random.key(4)).astype(dtype)
+        block = mlxrunner.project(x, weight.T)
+        rows = mx.concatenate([mlxrunner.project(x[i:i + 1], weight.T) for i in range(8)])
+        assert mx.array_equal(block, rows).item()
+        assert mx.allclose(block.astype(mx.float32), (x @ weight.T).astype(mx.float32),
+                           rtol=2e-2, atol=2e-2).item()

@@ -286,7 +286,7 @@ class Linear(_HoldsTransposed, nn.Linear):
             return super().__call__(x)
         if "bias" in self:
             return mx.addmm(self["bias"], x, weight_t)
-        return x @ weight_t
+        return mlxrunner.project(x, weight_t)
 
 
 class Embedding(_HoldsTransposed, nn.Embedding):
@@ -295,7 +295,7 @@ class Embedding(_HoldsTransposed, nn.Embedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         weight_t = self._weight_t()
-        return super().as_linear(x) if weight_t is None else x @ weight_t
+        return super().as_linear(x) if weight_t is None else mlxrunner.project(x, weight_t)
 
 
 # Elementwise chains fused into one kernel each, whatever the shapes (prefill and

@@ -46,7 +46,15 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxrunner import KVCache, Model, ModelFolderError, RecurrentCache, attend, prepare_attend
+from mlxrunner import (
+    KVCache,
+    Model,
+    ModelFolderError,
+    RecurrentCache,
+    attend,
+    prepare_attend,
+    project,
+)
 
 from . import cuda_kernels
 
@@ -546,11 +554,11 @@ class _Projection:
         if self.fused[0] == "plain":
             weight_t = self.fused[1]
             if residual is None:
-                return x @ weight_t
+                return project(x, weight_t)
             if cuda_kernels.cuda_backend():
                 # MLX's CUDA AddMM costs 12-19 us of host time per call against 5-10 for a
                 # Matmul and an Add (H200, bench/op_costs.py), and decode is host-bound
-                return x @ weight_t + residual
+                return project(x, weight_t) + residual
             return mx.addmm(residual, x, weight_t)
         _, w, scales, biases, group_size, bits, mode = self.fused
         y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,

@@ -101,6 +101,24 @@ def test_greedy_speculative_output_equals_plain_greedy_output():
     assert "\n" in text and any(word in text for word in ("return", "if ", "self", " = "))
 
 
+@needs_model
+def test_bench_reports_both_modes_taking_turns(tmp_path):
+    """``mlxrunner bench default``: plain and speculative rows, the speedup of the best runs
+    and the median of per-pair speedups, identical output in every timed run."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "bench", "default", "--prompt",
+                          PROMPT, "--max-tokens", "24", "--repeats", "3", "--warmup", "1",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    plain, spec = json.loads(out.read_text())["results"]
+    assert (plain["mode"], spec["mode"]) == ("plain", "speculative")
+    assert plain["generated_tokens"] == spec["generated_tokens"] == 24
+    assert spec["identical_to_plain"] is True and spec["tau"] > 1.0
+    assert spec["speedup"] == round(spec["tokens_per_second"] / plain["tokens_per_second"], 3)
+    assert spec["speedup_median"] > 0
+    assert "speedup_median" in run.stdout
+
+
 # -- the recipe's deterministic parts ------------------------------------------------------------
 
 

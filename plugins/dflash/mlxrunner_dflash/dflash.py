@@ -26,6 +26,16 @@ import mlxrunner
 from mlxrunner import DraftConfigError, DraftProposal, arange_constant, constant
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` through :func:`mlxrunner.project`: on CUDA a draft block's rows run as
+    one-row products (MLX's matrix-vector kernel) instead of a short cuBLAS product."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "bias" in self:
+            return super().__call__(x)
+        return mlxrunner.project(x, self["weight"].T)
+
+
 @dataclass(frozen=True)
 class DFlashArgs:
     """A DFlash / DFlash2 config.json, parsed."""
@@ -255,10 +265,10 @@ class DraftAttention(nn.Module):
         self.window = args.sliding_window if sliding else None
         self.causal = args.causal
         h, d = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = Linear(h, self.n_kv_heads * d, bias=False)
+        self.v_proj = Linear(h, self.n_kv_heads * d, bias=False)
+        self.o_proj = Linear(self.n_heads * d, h, bias=False)
         self.q_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         self.rope = nn.RoPE(d, traditional=False, base=args.rope_theta)
@@ -289,9 +299,9 @@ class DraftAttention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -333,7 +343,7 @@ class DFlashDraftModel(mlxrunner.DraftModel):
         if args.aux_hidden_norms:
             self.aux_hidden_norms = [nn.RMSNorm(target_hidden, eps=args.rms_norm_eps)
                                      for _ in range(n_taps)]
-        self.fc = nn.Linear(n_taps * target_hidden, args.hidden_size, bias=False)
+        self.fc = Linear(n_taps * target_hidden, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -342,7 +352,7 @@ class DFlashDraftModel(mlxrunner.DraftModel):
         if self.own_embedding:
             self["embed_tokens"] = nn.Embedding(target.vocab_size, args.hidden_size)
         if self.own_head:
-            self["lm_head"] = nn.Linear(args.hidden_size, target.vocab_size, bias=False)
+            self["lm_head"] = Linear(args.hidden_size, target.vocab_size, bias=False)
         self._graphs: dict[tuple[Any, ...], Any] = {}  # traced rounds (``traced``)
 
     @classmethod

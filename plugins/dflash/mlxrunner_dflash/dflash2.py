@@ -25,7 +25,15 @@ import mlx.nn as nn
 import mlxrunner
 from mlxrunner import DraftConfigError, DraftProposal, constant
 
-from .dflash import ContextKV, DFlashArgs, DFlashDraftModel, DFlashLayer, DFlashSession, TracedKV
+from .dflash import (
+    ContextKV,
+    DFlashArgs,
+    DFlashDraftModel,
+    DFlashLayer,
+    DFlashSession,
+    Linear,
+    TracedKV,
+)
 
 
 def block_convolve(x: mx.array, base: mx.array, dynamic: mx.array, group_size: int) -> mx.array:
@@ -69,7 +77,7 @@ class BlockConv(nn.Module):
         base = mx.zeros((2, kernel_size, hidden))
         base[:, 0, :] = 1.0
         self.base_kernel = base
-        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
+        self.kernel_projection = Linear(hidden, 2 * kernel_size * self.groups, bias=False)
 
     def kernels(self, x: mx.array) -> mx.array:
         """Dynamic kernels from the normalised sublayer input: [B, L, 2, K, G]."""
@@ -106,7 +114,7 @@ class CandidateSelector(nn.Module):
         self.vocab_size = vocab_size
         self.predecessor_codebook = nn.Embedding(vocab_size, rank)
         self.successor_codebook = nn.Embedding(vocab_size, rank)
-        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        self.hidden_projection = Linear(hidden, rank, bias=False)
 
     def scores(self, hidden: mx.array, logits: mx.array, anchor: mx.array,
                scale: Any) -> tuple[mx.array, mx.array, mx.array]:
