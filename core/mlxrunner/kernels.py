@@ -59,9 +59,10 @@ def project(x: mx.array, weight_t: mx.array) -> mx.array:
     draft block) runs as that many one-row products: one GatherMM over the one weight,
     which MLX serves with the matrix-vector kernel of a one-token decode step. cuBLAS
     takes short float32 products (7+ rows, TF32 off) to a kernel several times slower, and
-    each row then rounds exactly as the same row of a one-token step does.
+    each row then rounds exactly as the same row of a one-token step does. (MLX serves
+    that GatherMM only for a transposed view; ``MLXRUNNER_ROW_PRODUCTS=0`` turns it off.)
     """
-    rows = x.size // x.shape[-1] if x.ndim else 0
+    rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
     if not (1 < rows <= ROW_PRODUCT_MAX_ROWS and weight_t.ndim == 2
             and x.shape[-1] % 32 == 0 and x.dtype == weight_t.dtype
             and _row_products_allowed() and on_cuda()):
