@@ -86,8 +86,8 @@ case "${1:-}" in
     ;;
   graphs)
     # the demo pair's round under MLX's CUDA graph settings, one process each (MLX reads them
-    # once): does a larger graph cache (MLX clears all its graphs past 100) or no graphs at all
-    # take the verify block's extra cost away?
+    # once). Session 6: a larger graph cache changed nothing; without graphs a verify block
+    # is cheaper but plain decoding no faster (bench/results/2026-12-01d-h200/README.md)
     for setting in "" MLX_CUDA_GRAPH_CACHE_SIZE=2000 MLX_USE_CUDA_GRAPHS=0; do
       echo "== [${setting:-defaults}]"
       env $setting timeout 90 mlxrunner bench default --prompt "def fibonacci(n):" \
