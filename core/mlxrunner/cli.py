@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -361,7 +362,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for mode in modes:
         timed = runs[mode][args.warmup:]
         # the best of the timed runs: the least disturbed by the rest of the machine
-        result = max(timed, key=lambda r: r.stats.as_dict()["tokens_per_second"])
+        result = max(timed, key=lambda r: r.stats.tokens_per_second)
         stats = result.stats.as_dict()
         if mode == "plain":
             plain_tokens = result.tokens
@@ -371,10 +372,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if len(rows) == 2 and rows[0]["tokens_per_second"]:
         rows[1]["speedup"] = round(rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"], 3)
         # each timed speculative run over the plain run just before it: the median
-        pairs = sorted(s.stats.tokens_per_second / p.stats.tokens_per_second
-                       for p, s in zip(runs["plain"][args.warmup:],
-                                       runs["speculative"][args.warmup:]))
-        rows[1]["speedup_median"] = round(pairs[len(pairs) // 2], 3)
+        pairs = [s.stats.tokens_per_second / p.stats.tokens_per_second
+                 for p, s in zip(runs["plain"][args.warmup:], runs["speculative"][args.warmup:])]
+        rows[1]["speedup_median"] = round(statistics.median(pairs), 3)
     report = {"model": str(bundle.path), "device": str(mx.default_device()),
               "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens, "results": rows}
     if args.json:

@@ -51,9 +51,10 @@ def _row_products_allowed() -> bool:
     return os.environ.get(ROW_PRODUCT_SWITCH, "1").strip() != "0"
 
 
-def project(x: mx.array, weight_t: mx.array) -> mx.array:
-    """``x @ weight_t``: activation rows ``x [..., K]`` times a weight held as the transposed
-    view of a row-major ``[N, K]`` matrix (``linear.weight.T``), giving ``[..., N]``.
+def project(x: mx.array, weight_t: mx.array, residual: mx.array | None = None) -> mx.array:
+    """``x @ weight_t`` (``+ residual``): activation rows ``x [..., K]`` times a weight held as
+    the transposed view of a row-major ``[N, K]`` matrix (``linear.weight.T``), giving
+    ``[..., N]``.
 
     On CUDA a product of 2 to ``ROW_PRODUCT_MAX_ROWS`` rows (a speculative verify block, a
     draft block) runs as that many one-row products: one GatherMM over the one weight,
@@ -61,11 +62,17 @@ def project(x: mx.array, weight_t: mx.array) -> mx.array:
     takes short float32 products (7+ rows, TF32 off) to a kernel several times slower, and
     each row then rounds exactly as the same row of a one-token step does. (MLX serves
     that GatherMM only for a transposed view; ``MLXRUNNER_ROW_PRODUCTS=0`` turns it off.)
+    A ``residual`` rides in one AddMM off CUDA; on CUDA it is a separate add, since MLX's
+    CUDA AddMM costs 12-19 us of host time against 5-10 for a product and an add (H200,
+    bench/op_costs.py), and a small model's decode step is bound by host time.
     """
+    cuda = on_cuda()
+    if residual is not None:
+        return project(x, weight_t) + residual if cuda else mx.addmm(residual, x, weight_t)
     rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
-    if not (1 < rows <= ROW_PRODUCT_MAX_ROWS and weight_t.ndim == 2
+    if not (cuda and 1 < rows <= ROW_PRODUCT_MAX_ROWS and weight_t.ndim == 2
             and x.shape[-1] % 32 == 0 and x.dtype == weight_t.dtype
-            and _row_products_allowed() and on_cuda()):
+            and _row_products_allowed()):
         return x @ weight_t
     lhs = constant(tuple(range(rows)), mx.uint32)
     rhs = constant((0,) * rows, mx.uint32)

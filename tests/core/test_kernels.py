@@ -89,6 +89,12 @@ def test_project_equals_the_product_on_every_path(monkeypatch, shape):
     got = mlxrunner.project(x, weight.T)
     assert got.shape == (*shape[:-1], 48)
     assert mx.allclose(got, x @ weight.T, atol=1e-5).item()
+    residual = mx.random.normal(got.shape, key=mx.random.key(5))
+    for cuda in (True, False):  # a separate add on CUDA, one AddMM elsewhere
+        monkeypatch.setattr(kernels, "on_cuda", lambda c=cuda: c)
+        with_residual = mlxrunner.project(x, weight.T, residual)
+        assert mx.allclose(with_residual, x @ weight.T + residual, atol=1e-5).item()
+    monkeypatch.setattr(kernels, "on_cuda", lambda: True)
     rows = x.size // shape[-1]
     row_products = 1 < rows <= kernels.ROW_PRODUCT_MAX_ROWS and shape[-1] % 32 == 0
     traced = mx.compile(lambda a: mlxrunner.project(a, weight.T))

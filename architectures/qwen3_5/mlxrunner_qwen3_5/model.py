@@ -482,8 +482,8 @@ class _Projection:
 
     Decoding one token is bound by the number of operations, not by arithmetic, so the
     in-projections of a layer share one matmul (whose output one ``Split`` cuts into the
-    layers' outputs) and a residual add rides in the output projection's ``addmm`` (not on
-    CUDA, where an AddMM costs more host time than a Matmul and an Add together). The
+    layers' outputs) and a residual add rides in the output projection
+    (:func:`mlxrunner.project`: one AddMM, except on CUDA). The
     layers keep their checkpoint names and shapes: on first use their weights are
     concatenated along the output rows and each layer's arrays are replaced by row slices
     (views) of the concatenation, so memory is not doubled. New weights loaded later (other
@@ -552,14 +552,7 @@ class _Projection:
         if self.fused is None:
             return None
         if self.fused[0] == "plain":
-            weight_t = self.fused[1]
-            if residual is None:
-                return project(x, weight_t)
-            if cuda_kernels.cuda_backend():
-                # MLX's CUDA AddMM costs 12-19 us of host time per call against 5-10 for a
-                # Matmul and an Add (H200, bench/op_costs.py), and decode is host-bound
-                return project(x, weight_t) + residual
-            return mx.addmm(residual, x, weight_t)
+            return project(x, self.fused[1], residual)
         _, w, scales, biases, group_size, bits, mode = self.fused
         y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
                                 group_size=group_size, bits=bits, mode=mode)
