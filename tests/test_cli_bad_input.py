@@ -148,3 +148,14 @@ def test_unknown_attention_mode(tmp_path):
     result = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "plugins"], capture_output=True,
                             text=True, cwd=tmp_path, env=env, timeout=300)
     one_line_error(result, "MLXRUNNER_ATTENTION='fast'", "kernel, folded, mlx")
+
+
+def test_counts_out_of_range_are_refused_before_loading(tmp_path):
+    """A run or bench count that cannot mean anything is refused by the argument parser (no
+    model is loaded: the model argument does not even exist here)."""
+    for args, needle in ((("bench", "./none", "--repeats", "0"), "--repeats"),
+                         (("bench", "./none", "--warmup", "-1"), "--warmup"),
+                         (("bench", "./none", "--max-tokens", "0"), "--max-tokens"),
+                         (("bench", "./none", "--prompt-tokens", "x"), "--prompt-tokens"),
+                         (("run", "./none", "hi", "--max-tokens", "-3"), "--max-tokens")):
+        one_line_error(cli(*args, cwd=tmp_path), needle, "whole number")

@@ -233,3 +233,28 @@ def test_a_port_out_of_range_is_refused_by_the_command_line():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines()[-1].endswith("'70000' is not a port (0-65535)")
+
+
+def test_requests_on_new_threads_replay_the_first_requests_traces():
+    """The real ``mlxrunner serve`` situation, in a fresh process so that nothing was traced
+    before: each request arrives on a new thread, and the second (after the first traced the
+    model's and the draft's forwards) must decode too. MLX's streams belong to the thread
+    that made them, so the service runs every generation on its one model thread."""
+    import subprocess
+    import sys
+
+    script = (
+        "import threading, mlxrunner\n"
+        "from mlxrunner.server import Service\n"
+        "service = Service(mlxrunner.load('default'), name='demo')\n"
+        "texts = []\n"
+        "for prompt in ('def fibonacci(n):', 'import os'):\n"
+        "    def ask(p=prompt):\n"
+        "        r = service.request(p, {'max_tokens': 12, 'temperature': 0}, rendered=False)\n"
+        "        texts.append(service.generate(r).stats['generated_tokens'])\n"
+        "    t = threading.Thread(target=ask); t.start(); t.join()\n"
+        "print(texts)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stdout.strip() == "[12, 12]", run.stdout

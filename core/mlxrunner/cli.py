@@ -13,7 +13,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import plugins
 from .errors import MLXRunnerError
@@ -122,7 +122,8 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs="*", metavar="[MODEL] [PROMPT]",
                    help="model folder, Modelfile or registered name (default: the model "
                         "registered as 'default'), then the prompt ('-' reads stdin)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (256)")
+    p.add_argument("--max-tokens", type=_count(1), default=None,
+                   help="tokens to generate (256)")
     from .options import OPTION_HELP
 
     for name, kind in _sampler_flags().items():
@@ -415,6 +416,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {minimum}")
+        return value
+    return parse
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -441,18 +455,27 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft")
     p.add_argument("--no-draft", action="store_true")
     p.add_argument("--prompt", help="prompt text (default: random token ids)")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=_count(1), default=512)
+    p.add_argument("--max-tokens", type=_count(1), default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per mode (best kept)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=_count(1), default=1,
+                   help="timed runs per mode (best kept)")
+    p.add_argument("--warmup", type=_count(0), default=1)
     p.add_argument("--dtype")
     p.add_argument("--json", help="write the results here")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error as one line, like every other bad input (``--help``
+    shows the usage); the subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"mlxrunner: error: {self.prog}: {message}\n")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mlxrunner",
         description="Run language models on MLX; architectures, chat formats and drafts "
                     "come from plugins.")

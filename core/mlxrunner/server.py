@@ -13,10 +13,12 @@ It binds to 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -81,13 +83,39 @@ def _max_tokens(body: Mapping[str, Any], default: int) -> int:
     return value
 
 
+class ModelThread:
+    """Runs every generation on one thread, one at a time: MLX state is not shared, and
+    MLX's streams belong to the thread that made them, so a forward traced (``mx.compile``)
+    on one request's thread cannot be replayed on another's. A daemon thread: with MLX 0.32.4
+    a thread pool's worker that ran traced forwards, joined at exit, aborted the process."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="mlxrunner-model", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            job, future = self.jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(job())
+                except BaseException as exc:  # the request's thread raises it
+                    future.set_exception(exc)
+
+    def run(self, job: Callable[[], Any]) -> Any:
+        """``job()`` on the model thread; its result or its exception here."""
+        future: Future = Future()
+        self.jobs.put((job, future))
+        return future.result()
+
+
 class Service:
     """The model side of the server: requests in, replies (or streamed pieces) out."""
 
     def __init__(self, bundle: Any, name: str | None = None) -> None:
         self.bundle = bundle
         self.name = name or bundle.path.name
-        self.lock = threading.Lock()  # one generation at a time: MLX state is not shared
+        self.worker = ModelThread()
         self.stop_ids = bundle.stop_token_ids()
         self.default_max_tokens = int(bundle.extra.get("max_tokens") or DEFAULT_MAX_TOKENS)
 
@@ -134,10 +162,9 @@ class Service:
             reply.tokens.append(token)
             return text.add(token)  # True at a stop string: generation ends, logprobs kept
 
-        with self.lock:
-            result = generate(bundle.model, request.ids, options=request.options,
-                              max_tokens=request.max_tokens, eos_ids=self.stop_ids,
-                              on_token=on_token, draft=bundle.draft)
+        result = self.worker.run(lambda: generate(
+            bundle.model, request.ids, options=request.options, max_tokens=request.max_tokens,
+            eos_ids=self.stop_ids, on_token=on_token, draft=bundle.draft))
         reply.text = text.finish()
         reply.finish_reason = result.finish_reason
         reply.logprobs = result.logprobs
