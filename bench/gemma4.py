@@ -28,7 +28,7 @@ from harness import DTYPES, SHARED, text_config
 from mlx.utils import tree_flatten
 from mlxrunner_gemma4 import Gemma4Model
 
-from mlxrunner.attention import ENV_SWITCH
+from mlxrunner.nn import ENV_SWITCH
 
 DEFAULT_CONFIG = SHARED / "configs" / "gemma-4-E2B-it.config.text-fields-from-ollama-tests.json"
 

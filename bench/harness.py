@@ -182,7 +182,7 @@ def add_switched_argument(parser: argparse.ArgumentParser, switch: str, example:
                         help=f"also time a second instance of our model with {switch}=VALUE "
                              f"(e.g. {example}), or with NAME=VALUE for another environment "
                              "variable (MLXRUNNER_ATTENTION=folded or =mlx: see "
-                             "mlxrunner.attention); repeatable, one row each")
+                             "mlxrunner.nn.attention); repeatable, one row each")
 
 
 def switched_rows(values: list[str], switch: str, build: Callable[[], Any]

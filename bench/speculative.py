@@ -73,8 +73,8 @@ def quick_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_target(name: str, quick: bool, dtype: mx.Dtype):
-    from mlxrunner import plugins
-    from mlxrunner.loading import text_config
+    from mlxrunner import host as plugins
+    from mlxrunner.model import text_config
 
     path = shared_configs() / TARGETS[name]
     if not path.exists():
@@ -110,8 +110,8 @@ def draft_config(target, arch: str, layers: int = 5, block_size: int = 8) -> dic
 
 
 def build_draft(target, arch: str, dtype: mx.Dtype):
-    from mlxrunner import plugins
-    from mlxrunner.drafts import build_draft as construct
+    from mlxrunner import host as plugins
+    from mlxrunner.model import build_draft as construct
 
     cls = plugins.lookup("drafts", arch).obj
     draft = construct(cls, draft_config(target, arch), target)
@@ -139,7 +139,7 @@ def component_costs(model, draft, prompt: list[int], depth: int, repeats: int
                     ) -> tuple[float, float]:
     """(draft proposal seconds, verify forward seconds) for one round at ``depth``."""
     from mlxrunner import Sampler, SamplerOptions
-    from mlxrunner.generation import prefill
+    from mlxrunner.decode import prefill
 
     sampler = Sampler(SamplerOptions(temperature=0), model.vocab_size)
     caches = model.make_cache()
@@ -174,7 +174,7 @@ def component_costs(model, draft, prompt: list[int], depth: int, repeats: int
 def round_seconds(model, draft, prompt: list[int], depth: int, rounds: int) -> float:
     """Mean round time of the real loop at a fixed depth (greedy)."""
     from mlxrunner import Sampler, SamplerOptions
-    from mlxrunner.speculative import SpeculativeStats, speculative_stream
+    from mlxrunner.decode import SpeculativeStats, speculative_stream
 
     stats = SpeculativeStats()
     sampler = Sampler(SamplerOptions(temperature=0), model.vocab_size)

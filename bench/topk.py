@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxrunner import Sampler, SamplerOptions, topk_indices
-from mlxrunner.topk import _topk_gpu, kernel_status
+from mlxrunner.decode.topk import _topk_gpu, kernel_status
 
 
 def argpartition_then_sort(x: mx.array, k: int) -> mx.array:

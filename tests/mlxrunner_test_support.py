@@ -59,8 +59,8 @@ def write_model_folder(folder: Path, config: dict | None = None, seed: int = 0) 
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxrunner import plugins
-    from mlxrunner.loading import text_config
+    from mlxrunner import host as plugins
+    from mlxrunner.model import text_config
 
     config = dict(config or EXAMPLE_CONFIG)
     folder.mkdir(parents=True, exist_ok=True)

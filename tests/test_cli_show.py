@@ -26,7 +26,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_show_reports_target_and_quantized_draft_precision_apart(tmp_path):
     import mlxrunner
-    from mlxrunner import plugins
+    from mlxrunner import host as plugins
 
     source = Path(plugins.host().registry("models")["default"].obj)
     folder = tmp_path / "pair"

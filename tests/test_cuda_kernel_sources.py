@@ -81,7 +81,7 @@ def _compile(nvrtc: tuple[Any, Path], name: str, source: str) -> None:
 @pytest.mark.parametrize("rows,n,k", [(1, 151936, 64), (64, 151936, 64), (64, 262144, 20)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_topk_chunk_kernel_compiles(nvrtc, rows: int, n: int, k: int, dtype: str) -> None:
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     launch = topk.kernel_launch(rows, n, k)
     _compile(nvrtc, "topk", _wrap("topk", topk._CUDA_CHUNK_TOPK, [("x", dtype)],
@@ -118,13 +118,13 @@ def test_qwen3_5_qk_norm_rope_kernel_compiles(nvrtc, dtype: str) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("D,mask", [(256, 0), (512, 1), (128, 2)])
 def test_attention_kernel_compiles(nvrtc, dtype: str, D: int, mask: int) -> None:
-    from mlxrunner import attention
+    from mlxrunner import nn
 
     inputs = [("q", dtype), ("keys", dtype), ("values", dtype), ("scale", "float32"),
               ("mask", "bool"), ("dims", "int32")]
-    _compile(nvrtc, "attend", _wrap("attend", attention.ATTEND_SOURCE, inputs,
+    _compile(nvrtc, "attend", _wrap("attend", nn.ATTEND_SOURCE, inputs,
                                     [("out", dtype)],
                                     [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D),
-                                     ("DV", min(D, 512)), ("NT", attention.ATTEND_THREADS),
-                                     ("U", attention.keys_at_once(D, min(D, 512))),
+                                     ("DV", min(D, 512)), ("NT", nn.ATTEND_THREADS),
+                                     ("U", nn.keys_at_once(D, min(D, 512))),
                                      ("MASK", mask)]))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mlxrunner
-from mlxrunner import attention
+from mlxrunner.nn import attention
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = {

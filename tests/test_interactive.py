@@ -10,9 +10,9 @@ import sys
 import pytest
 
 import mlxrunner
-from mlxrunner import plugins
-from mlxrunner.generation import generate
-from mlxrunner.interactive import HELP, chat_loop
+from mlxrunner import host as plugins
+from mlxrunner.cli import HELP, chat_loop
+from mlxrunner.decode import generate
 
 pytestmark = pytest.mark.skipif("default" not in plugins.host().registry("models"),
                                 reason="the demo plugin (mlxrunner-demo) is not installed")

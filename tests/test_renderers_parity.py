@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import mlxrunner
 from mlxrunner import ConversationError, RenderContext
-from mlxrunner.jinja_renderer import JinjaRenderer
+from mlxrunner.chat import JinjaRenderer
 
 pytest.importorskip("mlxrunner_renderer_qwen3_5", reason="mlxrunner-renderer-qwen3-5 not installed")
 pytest.importorskip("mlxrunner_renderer_gemma4", reason="mlxrunner-renderer-gemma4 not installed")

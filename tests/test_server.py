@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 import mlxrunner
-from mlxrunner import plugins
-from mlxrunner.generation import generate
-from mlxrunner.server import Service, events, make_server
+from mlxrunner import host as plugins
+from mlxrunner.decode import generate
+from mlxrunner.serve import Service, events, make_server
 
 pytestmark = pytest.mark.skipif("default" not in plugins.host().registry("models"),
                                 reason="the demo plugin (mlxrunner-demo) is not installed")
@@ -245,7 +245,7 @@ def test_requests_on_new_threads_replay_the_first_requests_traces():
 
     script = (
         "import threading, mlxrunner\n"
-        "from mlxrunner.server import Service\n"
+        "from mlxrunner.serve import Service\n"
         "service = Service(mlxrunner.load('default'), name='demo')\n"
         "texts = []\n"
         "for prompt in ('def fibonacci(n):', 'import os'):\n"

@@ -13,7 +13,7 @@ pytest.importorskip("mlxrunner_example_architecture",
                     reason="the example-architecture plugin is not installed")
 pytest.importorskip("mlxrunner_dflash", reason="the dflash plugin is not installed")
 
-from mlxrunner import plugins  # noqa: E402
+from mlxrunner import host as plugins  # noqa: E402
 from mlxrunner.testing.speculative import (  # noqa: E402
     check_speculative_greedy,
     randomize,

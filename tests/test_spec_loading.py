@@ -23,7 +23,7 @@ from mlxrunner import (  # noqa: E402
     SamplerOptions,
     UnknownNameError,
 )
-from mlxrunner.drafts import load_draft  # noqa: E402
+from mlxrunner.model import load_draft  # noqa: E402
 from mlxrunner.testing.speculative import (  # noqa: E402
     ToyTarget,
     plain_tokens,

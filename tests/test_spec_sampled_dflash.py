@@ -17,7 +17,7 @@ mx.set_default_device(mx.cpu)
 pytest.importorskip("mlxrunner_dflash", reason="the dflash plugin is not installed")
 
 from mlxrunner import SamplerOptions  # noqa: E402
-from mlxrunner.sampler import Sampler  # noqa: E402
+from mlxrunner.decode import Sampler  # noqa: E402
 from mlxrunner.testing.speculative import (  # noqa: E402
     ToyTarget,
     check_speculative_sampled,

@@ -1,16 +1,18 @@
 """mlxrunner: run language models on MLX, extended by plugins.
 
-This module is the public API: plugins and users import names from here (and
-from ``mlxrunner.testing``) only. Names resolve lazily so that ``mlxrunner
---help`` starts without importing MLX.
+This module is the user API (``__all__``): load a model folder, generate, sampler
+options, tokenizer, Modelfile, chat formats by name, ``mlxrunner.errors``. Plugin
+authors import from :mod:`mlxrunner.plugin` (and :mod:`mlxrunner.nn`); those names
+resolve here too, as they always have (``from mlxrunner import KVCache`` keeps
+working). Names resolve lazily so that ``mlxrunner --help`` starts without importing
+MLX.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -31,13 +33,30 @@ if sys.platform.startswith("linux"):
 for _name, _value in MLX_DEFAULTS.items():
     os.environ.setdefault(_name, _value)
 
-# public name -> module that defines it
-_EXPORTS: dict[str, str] = {
-    # plugins
-    "hookimpl": "hookspecs",
-    "register": "plugins",
-    "registered": "plugins",
-    # errors
+# The user API: what ``__all__``, ``dir()`` and the docs list.
+_USER_API: dict[str, str] = {
+    "load": "bundle",
+    "Bundle": "bundle",
+    "load_model": "model.loading",
+    "build_model": "model.loading",
+    "read_config": "model.loading",
+    "generate": "decode.generation",
+    "GenerationResult": "decode.plain",
+    "SamplerOptions": "decode.options",
+    "SamplerOptionError": "decode.options",
+    "Tokenizer": "model.tokenizer",
+    "Modelfile": "model.modelfile",
+    "read_modelfile": "model.modelfile",
+    "get_renderer": "chat.formats",
+    "get_parser": "chat.formats",
+}
+
+# Names for plugin authors (:mod:`mlxrunner.plugin`, :mod:`mlxrunner.nn`), resolved here too
+# for plugins written before those modules: name -> module that defines it.
+_PLUGIN_API: dict[str, str] = {
+    "hookimpl": "host.hookspecs",
+    "register": "host.manager",
+    "registered": "host.manager",
     "MLXRunnerError": "errors",
     "ModelFolderError": "errors",
     "UnknownNameError": "errors",
@@ -45,78 +64,53 @@ _EXPORTS: dict[str, str] = {
     "ModelfileError": "errors",
     "ConversationError": "errors",
     "DraftConfigError": "errors",
-    # models and caches
-    "Model": "model",
-    "Cache": "caches",
-    "KVCache": "caches",
-    "RingCache": "caches",
-    "RecurrentCache": "caches",
-    # loading
-    "load_model": "loading",
-    "build_model": "loading",
-    "load": "loading",
-    "Bundle": "loading",
-    "read_config": "loading",
-    "Tokenizer": "tokenizer",
-    "Modelfile": "modelfile",
-    "read_modelfile": "modelfile",
-    # sampling
-    "topk_indices": "topk",
-    "attend": "attention",
-    "prepare_attend": "attention",
-    "check_kernel": "kernels",
-    "outputs_agree": "kernels",
-    "switch_allows": "kernels",
-    "on_cuda": "kernels",
-    "constant": "kernels",
-    "arange_constant": "kernels",
-    "project": "kernels",
-    "prepare_topk_indices": "topk",
-    "SamplerOptions": "options",
-    "Sampler": "sampler",
-    "Distribution": "sampler",
-    "SamplerOptionError": "options",
-    # generation
-    "generate": "generation",
-    "GenerationResult": "generation",
-    # chat formats
-    "RenderContext": "chat",
-    "Renderer": "chat",
-    "Parser": "chat",
-    "ParsedMessage": "chat",
-    "ToolCall": "chat",
-    "validate_conversation": "chat",
-    "get_renderer": "chat",
-    "get_parser": "chat",
-    "MarkerScanner": "parsing",
-    "ParseEvents": "parsing",
-    "TrimmedText": "parsing",
-    "ReplyParser": "parsing",
-    # drafts
-    "DraftModel": "drafts",
-    "DraftSession": "drafts",
-    "DraftProposal": "drafts",
+    "Model": "model.interface",
+    "Cache": "cache",
+    "KVCache": "cache",
+    "RingCache": "cache",
+    "RecurrentCache": "cache",
+    "DraftModel": "model.draft",
+    "DraftSession": "model.draft",
+    "DraftProposal": "model.draft",
+    "Sampler": "decode.sampler",
+    "Distribution": "model.distribution",
+    "topk_indices": "decode.topk",
+    "prepare_topk_indices": "decode.topk",
+    "attend": "nn.attention",
+    "prepare_attend": "nn.attention",
+    "check_kernel": "nn.kernels",
+    "outputs_agree": "nn.kernels",
+    "switch_allows": "nn.kernels",
+    "on_cuda": "nn.kernels",
+    "constant": "nn.kernels",
+    "arange_constant": "nn.kernels",
+    "project": "nn.kernels",
+    "RenderContext": "chat.formats",
+    "Renderer": "chat.formats",
+    "Parser": "chat.formats",
+    "ParsedMessage": "chat.formats",
+    "ToolCall": "chat.formats",
+    "validate_conversation": "chat.formats",
+    "MarkerScanner": "chat.parsing",
+    "ParseEvents": "chat.parsing",
+    "TrimmedText": "chat.parsing",
+    "ReplyParser": "chat.parsing",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {**_USER_API, **_PLUGIN_API}
 
+__all__ = sorted(_USER_API) + ["__version__", "errors"]
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mlxrunner' has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+from . import errors  # noqa: E402  (after the MLX settings; plain Python)
+from .lazy import lazy_exports  # noqa: E402
 
-
-def __dir__() -> list[str]:
-    return __all__
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, listed=__all__)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .caches import Cache, KVCache, RecurrentCache, RingCache  # noqa: F401
-    from .chat import (  # noqa: F401
+    from .bundle import Bundle, load  # noqa: F401
+    from .cache import Cache, KVCache, RecurrentCache, RingCache  # noqa: F401
+    from .chat.formats import (  # noqa: F401
         ParsedMessage,
         Parser,
         RenderContext,
@@ -126,7 +120,12 @@ if TYPE_CHECKING:  # pragma: no cover
         get_renderer,
         validate_conversation,
     )
-    from .drafts import DraftModel, DraftProposal, DraftSession  # noqa: F401
+    from .chat.parsing import MarkerScanner, ParseEvents, ReplyParser, TrimmedText  # noqa: F401
+    from .decode.generation import generate  # noqa: F401
+    from .decode.options import SamplerOptionError, SamplerOptions  # noqa: F401
+    from .decode.plain import GenerationResult  # noqa: F401
+    from .decode.sampler import Sampler  # noqa: F401
+    from .decode.topk import prepare_topk_indices, topk_indices  # noqa: F401
     from .errors import (  # noqa: F401
         ConversationError,
         DraftConfigError,
@@ -136,14 +135,21 @@ if TYPE_CHECKING:  # pragma: no cover
         PluginError,
         UnknownNameError,
     )
-    from .generation import GenerationResult, generate  # noqa: F401
-    from .hookspecs import hookimpl  # noqa: F401
-    from .loading import Bundle, build_model, load, load_model, read_config  # noqa: F401
-    from .model import Model  # noqa: F401
-    from .modelfile import Modelfile, read_modelfile  # noqa: F401
-    from .options import SamplerOptionError, SamplerOptions  # noqa: F401
-    from .parsing import MarkerScanner, ParseEvents, ReplyParser, TrimmedText  # noqa: F401
-    from .plugins import register, registered  # noqa: F401
-    from .sampler import Distribution, Sampler  # noqa: F401
-    from .tokenizer import Tokenizer  # noqa: F401
-    from .topk import topk_indices  # noqa: F401
+    from .host.hookspecs import hookimpl  # noqa: F401
+    from .host.manager import register, registered  # noqa: F401
+    from .model.distribution import Distribution  # noqa: F401
+    from .model.draft import DraftModel, DraftProposal, DraftSession  # noqa: F401
+    from .model.interface import Model  # noqa: F401
+    from .model.loading import build_model, load_model, read_config  # noqa: F401
+    from .model.modelfile import Modelfile, read_modelfile  # noqa: F401
+    from .model.tokenizer import Tokenizer  # noqa: F401
+    from .nn.attention import attend, prepare_attend  # noqa: F401
+    from .nn.kernels import (  # noqa: F401
+        arange_constant,
+        check_kernel,
+        constant,
+        on_cuda,
+        outputs_agree,
+        project,
+        switch_allows,
+    )

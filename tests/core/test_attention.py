@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mlxrunner
-from mlxrunner import attention
+from mlxrunner.nn import attention
 
 
 def _case(B, Hq, Hk, L, S, D, Dv, dtype, seed=0):

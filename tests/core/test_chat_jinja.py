@@ -8,8 +8,8 @@ from datetime import datetime
 import pytest
 
 from mlxrunner import ConversationError, RenderContext
+from mlxrunner.chat import JinjaRenderer
 from mlxrunner.errors import ModelFolderError
-from mlxrunner.jinja_renderer import JinjaRenderer
 
 USER = {"role": "user", "content": "hi"}
 

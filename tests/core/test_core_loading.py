@@ -11,7 +11,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxrunner
-from mlxrunner import KVCache, Model, plugins
+from mlxrunner import KVCache, Model
+from mlxrunner import host as plugins
 from mlxrunner.errors import ModelFolderError
 
 
@@ -54,11 +55,11 @@ CONFIG = {"architectures": ["TinyLMForTest"], "model_type": "tiny_lm_test",
 
 @pytest.fixture(autouse=True)
 def registered():
-    previous = plugins._host
+    previous = plugins.host()
     plugins.reset(plugins.PluginHost(use_entry_points=False))
     mlxrunner.register("TinyLMForTest", TinyLM)
     yield
-    plugins._host = previous
+    plugins.reset(previous)
 
 
 def write(folder, config, weights, shards=1):

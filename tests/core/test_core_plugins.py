@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 
 import mlxrunner
-from mlxrunner import plugins
+from mlxrunner import host as plugins
 from mlxrunner.errors import PluginError, UnknownNameError
 
 
 @pytest.fixture
 def host():
-    previous = plugins._host
+    previous = plugins.host()
     h = plugins.reset(plugins.PluginHost(use_entry_points=False))
     yield h
-    plugins._host = previous
+    plugins.reset(previous)
 
 
 def make_plugin(**hooks):

@@ -85,7 +85,7 @@ def test_logprob_requests_decode_without_the_draft(model):
 def test_chunked_prefill_gives_the_last_rows_logits_and_the_same_caches(model, chunk):
     """Any chunking (the last chunk full, partial or a single token) ends with the prompt's
     last-row logits and caches that continue exactly like a one-shot prefill's."""
-    from mlxrunner.generation import prefill
+    from mlxrunner.decode import prefill
 
     prompt = [3, 9, 4, 1, 5, 2, 8, 6]
     whole_cache, split_cache = model.make_cache(), model.make_cache()

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 import mlxrunner
-from mlxrunner import kernels
+from mlxrunner.nn import kernels
 
 
 def test_outputs_agree_within_the_tolerance():

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import mlxrunner
 from mlxrunner import Modelfile, ModelfileError, read_modelfile
-from mlxrunner import modelfile as modelfile_module
+from mlxrunner.model import PARAMETER_TYPES, parse_modelfile
 
 
 def write(tmp_path: Path, text: str, name: str = "Modelfile") -> Path:
@@ -140,7 +140,7 @@ def test_repeated_parameter_last_wins(tmp_path: Path):
 
 def test_bool_parameters_typed_like_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # none of mlxrunner's parameters is a bool today; the typing follows Go's ParseBool
-    monkeypatch.setitem(modelfile_module.PARAMETER_TYPES, "use_mmap", bool)
+    monkeypatch.setitem(PARAMETER_TYPES, "use_mmap", bool)
     for value, expected in [("true", True), ("T", True), ("1", True), ("FALSE", False)]:
         assert parse(tmp_path, f"PARAMETER use_mmap {value}\n").parameters == {"use_mmap": expected}
     with pytest.raises(ModelfileError, match=r":1: PARAMETER use_mmap needs true or false"):
@@ -228,7 +228,7 @@ finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
 def test_written_modelfile_reads_back(system, temperature, top_k, stops):
     lines = ["FROM ./m", f'SYSTEM """{system}"""', f"PARAMETER temperature {temperature!r}"]
     lines += [f"PARAMETER top_k {top_k}"] + [f'PARAMETER stop """{s}"""' for s in stops]
-    mf = modelfile_module.parse_modelfile("\n".join(lines) + "\n", base_dir="/base")
+    mf = parse_modelfile("\n".join(lines) + "\n", base_dir="/base")
     assert mf.system == system
     assert mf.from_path == Path("/base/m")
     expected = {"temperature": temperature, "top_k": top_k}

@@ -9,8 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxrunner import Sampler, SamplerOptions
-from mlxrunner.sampler import Distribution, SamplerOptionError
+from mlxrunner import Distribution, Sampler, SamplerOptionError, SamplerOptions
 
 # ---- helpers ---------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlxrunner import DraftConfigError, DraftModel, DraftProposal
-from mlxrunner.drafts import build_draft, draft_setting
+from mlxrunner.model import build_draft, draft_setting
 from mlxrunner.testing.speculative import ScriptedDraft, ToyTarget
 
 mx.set_default_device(mx.cpu)

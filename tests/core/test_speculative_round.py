@@ -6,10 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxrunner import DraftProposal, Sampler, SamplerOptions
-from mlxrunner.generation import GenerationResult
-from mlxrunner.sampler import Distribution
-from mlxrunner.speculative import (
+from mlxrunner import Distribution, DraftProposal, GenerationResult, Sampler, SamplerOptions
+from mlxrunner.decode import (
     DepthController,
     SpeculativeStats,
     can_speculate,

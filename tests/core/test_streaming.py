@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import mlxrunner
-from mlxrunner.streaming import TextStream
+from mlxrunner.chat import TextStream
 
 
 @pytest.fixture(scope="module")

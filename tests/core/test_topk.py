@@ -191,17 +191,17 @@ def test_vocabularies_batch_64(n: int, ks: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("n", [2049, 70000])
 def test_gpu_strategy_with_partitioned_chunks(n: int) -> None:
     # the variant that selects each chunk's k by partition instead of a sort
-    from mlxrunner.topk import _topk_gpu
+    from mlxrunner.decode import topk
 
     x = mixed_rows(4, n, seed=n)
     for k in (2, 20, 64, 512):
-        got = np.array(_topk_gpu(mx.array(x), k, select="partition"))
+        got = np.array(topk._topk_gpu(mx.array(x), k, select="partition"))
         assert (got == reference(x, k)).all(), k
 
 
 def chunk_keys_like_the_cuda_kernel(x: mx.array, k: int) -> mx.array:
     """What the CUDA kernel returns, from MLX ops: sorted unsigned keys per chunk."""
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     n = x.shape[-1]
     rows = x.reshape(-1, n)
@@ -211,7 +211,7 @@ def chunk_keys_like_the_cuda_kernel(x: mx.array, k: int) -> mx.array:
 
 
 def test_gpu_strategy_levels_after_the_cuda_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     monkeypatch.setattr(topk, "_cuda_first_k_per_chunk", chunk_keys_like_the_cuda_kernel)
     x = mixed_rows(4, 70000, seed=5)
@@ -223,7 +223,7 @@ def test_gpu_strategy_levels_after_the_cuda_kernel(monkeypatch: pytest.MonkeyPat
 @needs_cuda
 @pytest.mark.parametrize("n", [2049, 151936, 262144])
 def test_cuda_kernel_strategy(n: int) -> None:
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     x = mixed_rows(8, n, seed=n)
     for dtype in (mx.float32, mx.bfloat16):
@@ -240,7 +240,7 @@ def test_cuda_kernel_strategy(n: int) -> None:
 
 def _emulate_network(keys: np.ndarray, p: int) -> None:
     """The kernel's sort-and-halve network over one block's 2048 keys, in place."""
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     ch = topk.CHUNK
     t = np.arange(ch // 2)
@@ -280,7 +280,7 @@ def _emulate_network(keys: np.ndarray, p: int) -> None:
 def emulate_cuda_kernel(x: np.ndarray, k: int, subchunks: int | None = None) -> np.ndarray:
     """The kernel's exact index arithmetic in numpy (every stage's compare-swaps are
     disjoint, so each stage runs as one vectorised step): [rows, spans, k] uint64."""
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     rows_n, n = x.shape
     launch = topk.kernel_launch(rows_n, n, k, subchunks)
@@ -316,7 +316,7 @@ def emulate_cuda_kernel(x: np.ndarray, k: int, subchunks: int | None = None) -> 
 
 @pytest.mark.parametrize("n", [2049, 4096, 5000])
 def test_cuda_kernel_algorithm_emulated(n: int) -> None:
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     x = mixed_rows(3, n, seed=n)
     for k in (2, 3, 20, 40, 100, 512):
@@ -352,7 +352,7 @@ def test_cuda_kernel_spans_of_several_chunks_emulated(n: int, m: int) -> None:
 def test_cuda_kernel_span_choice(rows: int, n: int, k: int, m: int) -> None:
     """Long spans only where the rows keep the GPU busy, and then just long enough to leave
     one block sort of candidates."""
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     launch = topk.kernel_launch(rows, n, k)
     assert dict(launch["template"])["M"] == m
@@ -363,7 +363,7 @@ def test_cuda_kernel_span_choice(rows: int, n: int, k: int, m: int) -> None:
 
 @pytest.mark.parametrize("n,k", [(2049, 2), (2049, 512), (151936, 40), (262144, 64)])
 def test_cuda_kernel_launch_geometry(n: int, k: int) -> None:
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     launch = topk.kernel_launch(8, n, k)
     chunks = launch["chunks"]
@@ -377,7 +377,7 @@ def test_cuda_kernel_launch_geometry(n: int, k: int) -> None:
 
 @pytest.fixture
 def fresh_kernel_state(monkeypatch: pytest.MonkeyPatch):
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     monkeypatch.setattr(topk, "_kernel_failed", None)
     monkeypatch.setattr(topk, "_kernel_checked", set())
@@ -454,7 +454,7 @@ def test_kernel_falls_back_with_one_warning(fresh_kernel_state, monkeypatch, fai
 
 
 def test_check_rows_cover_the_ordering_rules() -> None:
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     rows = np.array(topk.check_rows(2, 2049))
     assert np.isnan(rows).any() and np.isneginf(rows).any() and np.isposinf(rows).any()
@@ -464,7 +464,7 @@ def test_check_rows_cover_the_ordering_rules() -> None:
 
 @needs_cuda
 def test_cuda_kernel_is_the_gpu_default() -> None:
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     x = mixed_rows(8, 151936, seed=1)
     got = np.array(topk_indices(mx.array(x), 40))
@@ -475,7 +475,7 @@ def test_cuda_kernel_is_the_gpu_default() -> None:
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(151936, 64), (262144, 20), (262144, 64)])
 def test_cuda_kernel_long_spans_at_batch_64(n: int, k: int) -> None:
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
 
     assert dict(topk.kernel_launch(64, n, k)["template"])["M"] > 1
     x = mixed_rows(64, n, seed=k)
@@ -489,7 +489,7 @@ def test_cuda_kernel_long_spans_at_batch_64(n: int, k: int) -> None:
 def test_cuda_kernel_source_runs_on_the_cpu(n: int, k: int, m: int) -> None:
     """The kernel source itself (not a re-implementation) under the host emulation of
     CUDA's threads: each span's first k keys, in order, for one and several sub-chunks."""
-    from mlxrunner import topk
+    from mlxrunner.decode import topk
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
     x = mixed_rows(2, n, seed=n + k)

@@ -22,7 +22,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 def _core_loader() -> Callable[..., Any] | None:
     try:
         from mlxrunner import load_model
-    except ImportError:  # core/mlxrunner/loading.py not there yet
+    except ImportError:  # a core without a loader
         return None
     return load_model
 

@@ -206,7 +206,7 @@ def test_load_model_through_registry(tmp_path):
     """The entry point registers every name; load_model picks the class by architecture."""
     from mlxrunner_qwen3_5 import Qwen3_5
 
-    registry = mlxrunner.plugins.host().registry("architectures")
+    registry = mlxrunner.registered("architectures")
     for name in ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "qwen3_5",
                  "qwen3_5_text"):
         assert registry[name].obj is Qwen3_5

@@ -43,8 +43,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..caches import Cache
-from ..model import Model
+from ..cache import Cache
+from ..model.interface import Model
 
 __all__ = [
     "check_cache_rollback",

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..chat import ParsedMessage, Parser, RenderContext, get_parser
+from ..chat.formats import ParsedMessage, Parser, RenderContext, get_parser
 
 __all__ = ["check_chunking_independent", "chunkings", "feed_in_chunks", "fixed_chunks",
            "fresh_parser", "json_values", "noisy_text", "tool_names"]

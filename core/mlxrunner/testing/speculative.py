@@ -41,11 +41,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..caches import Cache
-from ..drafts import DraftModel, DraftProposal, DraftSession, build_draft
-from ..model import Model
-from ..sampler import Sampler, SamplerOptions
-from ..speculative import SpeculativeStats, speculative_stream
+from ..cache import Cache
+from ..decode.generation import generate
+from ..decode.options import SamplerOptions
+from ..decode.sampler import Sampler
+from ..decode.speculative import SpeculativeStats, speculative_stream
+from ..host import manager as plugins
+from ..model.draft import DraftModel, DraftProposal, DraftSession, build_draft
+from ..model.interface import Model
 
 __all__ = [
     "ScriptedDraft",
@@ -72,8 +75,6 @@ def plain_tokens(model: Model, prompt: Sequence[int], max_tokens: int, *,
                  options: SamplerOptions = GREEDY,
                  eos_ids: Iterable[int] = ()) -> list[int]:
     """Plain decoding's tokens (the product's own plain loop)."""
-    from ..generation import generate
-
     return generate(model, list(prompt), options=options, max_tokens=max_tokens,
                     eos_ids=frozenset(eos_ids)).tokens
 
@@ -229,8 +230,6 @@ def randomize(module: nn.Module, seed: int = 0) -> None:
 def random_draft(target: Model, architecture: str = "DFlashDraftModel", *, seed: int = 0,
                  **config: Any) -> DraftModel:
     """A registered draft architecture with random weights, built for ``target``."""
-    from .. import plugins
-
     cls = plugins.lookup("drafts", architecture,
                          suggestion="try `pip install mlxrunner-dflash`").obj
     draft = build_draft(cls, random_draft_config(target, architecture, **config), target)
@@ -240,8 +239,6 @@ def random_draft(target: Model, architecture: str = "DFlashDraftModel", *, seed:
 
 
 def _registered_drafts() -> list[str]:
-    from .. import plugins
-
     return [name for name in ("DFlashDraftModel", "DFlash2DraftModel")
             if name in plugins.host().registry("drafts")]
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import ConversationError
+from ..errors import ConversationError
+from ..host import manager as plugins
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_TYPES = ("text", "image", "image_url", "video", "audio", "input_audio")
@@ -417,15 +418,11 @@ def load_conversation_file(path: str | os.PathLike[str]
 
 def get_renderer(name: str, context: RenderContext | None = None) -> Renderer:
     """The renderer registered as ``name``, built for ``context``."""
-    from . import plugins
-
     factory = plugins.lookup("renderers", name).obj
     return factory(context if context is not None else RenderContext())
 
 
 def get_parser(name: str, context: RenderContext | None = None) -> Parser:
     """The parser registered as ``name``, built for ``context``; call ``reset`` per reply."""
-    from . import plugins
-
     factory = plugins.lookup("parsers", name).obj
     return factory(context if context is not None else RenderContext())

@@ -1,14 +1,13 @@
-"""Loading a Hugging Face model folder into a registered architecture.
+"""Loading a Hugging Face model folder's target into a registered architecture.
 
-``load_model(path)`` gives the target with its weights; ``load(path, ...)``
-the whole bundle: model, tokenizer, renderer, parser, draft and generation
-defaults. Every problem with the folder becomes one ModelFolderError line.
+``load_model(path)`` gives the target with its weights (the whole bundle, with tokenizer,
+renderer, parser and draft, is :func:`mlxrunner.bundle.load`). Every problem with the
+folder becomes one ModelFolderError line.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +15,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import plugins
-from .errors import ModelFolderError, UnknownNameError
-from .model import Model
-from .safetensors_check import check_safetensors
+from ..errors import ModelFolderError, UnknownNameError
+from ..host import manager as plugins
+from .interface import Model
+from .safetensors import check_safetensors
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16,
           "fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
 
 
-def _read_json(path: Path, what: str) -> Any:
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file's value; missing or malformed is one ModelFolderError naming ``what``."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -56,7 +56,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     folder = Path(path)
     if not folder.is_dir():
         raise ModelFolderError(f"{folder}: model folder not found")
-    config = _read_json(folder / "config.json", "config.json")
+    config = read_json(folder / "config.json", "config.json")
     if not isinstance(config, dict):
         raise ModelFolderError(f"{folder / 'config.json'}: expected a JSON object")
     if not config.get("architectures") and not config.get("model_type"):
@@ -82,7 +82,7 @@ def weight_files(folder: Path, prefix: str = "model") -> list[Path]:
     """The safetensors files of a folder: the index's shards, or the single file."""
     index = folder / f"{prefix}.safetensors.index.json"
     if index.exists():
-        data = _read_json(index, "weight index")
+        data = read_json(index, "weight index")
         shards = sorted(set((data.get("weight_map") or {}).values()))
         if not shards:
             raise ModelFolderError(f"{index}: empty weight_map")
@@ -231,178 +231,3 @@ def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
     install_weights(model, config, weights, folder,
                     dtype if dtype is not None else declared_dtype(config))
     return model
-
-
-@dataclass
-class Bundle:
-    """Everything ``mlxrunner run`` needs for one model folder."""
-
-    path: Path
-    config: dict[str, Any]
-    model: Model
-    tokenizer: Any
-    renderer: Any | None = None
-    renderer_name: str | None = None
-    parser: Any | None = None
-    parser_name: str | None = None
-    draft: Any | None = None
-    draft_path: Path | None = None
-    defaults: Any = None
-    modelfile: Any | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def new_parser(self) -> Any | None:
-        """A parser of its own for one reply (a parser holds the state of the reply it is
-        parsing, so concurrent replies must not share one)."""
-        if self.parser_name is None:
-            return None
-        from .chat import get_parser
-
-        return get_parser(self.parser_name, self.extra.get("context"))
-
-    def stop_token_ids(self) -> frozenset[int]:
-        """Ids that end a reply: the tokenizer's EOS ids, the model's own, and the
-        renderer's stop markers (e.g. an end-of-turn token)."""
-        tok = self.tokenizer
-        ids = set(tok.eos_ids) | set(getattr(self.model, "eos_token_ids", ()) or ())
-        for marker in getattr(self.renderer, "stop_markers", ()) or ():
-            marker_id = tok.token_to_id(marker)
-            if marker_id is not None:
-                ids.add(marker_id)
-        return frozenset(ids)
-
-
-def parameter_count(model: nn.Module) -> int:
-    """Parameters as the unquantized model would have them (packed weights unpacked)."""
-    total = 0
-    for _, module in model.named_modules():
-        bits = getattr(module, "bits", None)
-        for name, value in module.parameters().items():
-            if not isinstance(value, mx.array):
-                continue
-            if name in ("scales", "biases") and bits:
-                continue
-            if name == "weight" and bits:
-                total += value.size * 32 // bits
-            else:
-                total += value.size
-    return total
-
-
-def _find_modelfile(path: Path) -> tuple[Path, Path | None]:
-    """(model folder, Modelfile or None) for a folder or a Modelfile path."""
-    if path.is_file():
-        return path.parent, path
-    candidate = path / "Modelfile"
-    return path, (candidate if candidate.is_file() else None)
-
-
-def choose_renderer_name(explicit: str | None, modelfile_choice: str | None,
-                         model: Model, has_template: bool) -> str | None:
-    """Renderer choice, first match wins: argument, Modelfile, architecture default, jinja."""
-    if explicit:
-        return explicit
-    if modelfile_choice:
-        return modelfile_choice
-    preferred = getattr(model, "default_renderer", None)
-    if preferred and preferred in plugins.host().registry("renderers"):
-        return preferred
-    return "jinja" if has_template else None
-
-
-def choose_parser_name(explicit: str | None, modelfile_choice: str | None, model: Model,
-                       renderer_name: str | None) -> str | None:
-    if explicit:
-        return explicit
-    if modelfile_choice:
-        return modelfile_choice
-    registry = plugins.host().registry("parsers")
-    preferred = getattr(model, "default_parser", None)
-    if preferred and preferred in registry:
-        return preferred
-    if renderer_name:
-        family = renderer_name.split("-")[0]
-        for name in (renderer_name, family):
-            if name in registry:
-                return name
-    return None
-
-
-def find_draft(folder: Path, explicit: str | Path | None, modelfile_draft: str | None
-               ) -> Path | None:
-    """Draft choice: argument, Modelfile DRAFT, the folder's ``draft/``, a bundle's tensors."""
-    for chosen in (explicit, modelfile_draft):
-        if chosen:
-            path = Path(chosen).expanduser()
-            if not path.exists() and str(chosen) not in plugins.host().registry("models"):
-                raise ModelFolderError(f"{path}: draft folder not found")
-            return resolve_model_path(chosen)
-    if (folder / "draft" / "config.json").exists():
-        return folder / "draft"
-    return None
-
-
-def load(path: str | Path, draft: str | Path | None = None, renderer: str | None = None, *,
-         parser: str | None = None, dtype: str | mx.Dtype | None = None,
-         use_draft: bool = True) -> Bundle:
-    """Model, tokenizer, renderer, parser, draft and generation defaults of a model folder.
-
-    ``path`` is a model folder, a Modelfile, or a registered model name.
-    """
-    from .chat import RenderContext, get_parser, get_renderer
-    from .modelfile import read_modelfile
-    from .sampler import SamplerOptions
-    from .tokenizer import Tokenizer
-
-    p = Path(path).expanduser()
-    folder, modelfile_path = _find_modelfile(p if p.exists() else resolve_model_path(path))
-    modelfile = read_modelfile(modelfile_path) if modelfile_path else None
-    if modelfile is not None and modelfile.from_ and modelfile_path is not None:
-        target = Path(modelfile.from_)
-        if not target.is_absolute():
-            target = modelfile_path.parent / target
-        if target.resolve() != folder.resolve():
-            folder = resolve_model_path(target if target.exists() else modelfile.from_)
-    config = read_config(folder)
-    model = load_model(folder, dtype=dtype)
-    tokenizer = Tokenizer.from_folder(folder)
-
-    template = tokenizer.chat_template
-    renderer_name = choose_renderer_name(
-        renderer, modelfile.renderer if modelfile else None, model, template is not None)
-    context = RenderContext(
-        model_name=str(config.get("_name_or_path") or folder.name),
-        num_parameters=parameter_count(model),
-        chat_template=template,
-        bos_token=tokenizer.bos_token,
-        eos_token=tokenizer.eos_token,
-        special_tokens=dict(tokenizer.special_tokens),
-    )
-    renderer_obj = get_renderer(renderer_name, context) if renderer_name else None
-    parser_name = choose_parser_name(parser, modelfile.parser if modelfile else None, model,
-                                     renderer_name)
-    parser_obj = get_parser(parser_name, context) if parser_name else None
-
-    gen_config = folder / "generation_config.json"
-    generation = _read_json(gen_config, "generation config") if gen_config.exists() else {}
-    defaults = SamplerOptions.from_mapping(generation if isinstance(generation, dict) else {})
-    params = dict(modelfile.parameters) if modelfile is not None else {}
-    sampler_fields = set(SamplerOptions.__dataclass_fields__)
-    defaults = defaults.merged({k: v for k, v in params.items() if k in sampler_fields})
-
-    draft_obj, draft_path = None, None
-    if use_draft:
-        draft_path = find_draft(folder, draft, modelfile.draft if modelfile else None)
-        from .drafts import load_draft
-
-        if draft_path is not None:
-            draft_obj = load_draft(draft_path, model)
-        else:
-            draft_obj = load_draft(folder, model, bundle=True)  # None when no draft.* tensors
-    return Bundle(path=folder, config=config, model=model, tokenizer=tokenizer,
-                  renderer=renderer_obj, renderer_name=renderer_name, parser=parser_obj,
-                  parser_name=parser_name, draft=draft_obj, draft_path=draft_path,
-                  defaults=defaults, modelfile=modelfile,
-                  extra={"context": context, "max_tokens": params.get("num_predict"),
-                         "stop": params.get("stop"),
-                         "system": modelfile.system if modelfile else None})

@@ -19,13 +19,17 @@ from typing import Any
 
 import pluggy
 
+from ..errors import PluginError, UnknownNameError
 from . import hookspecs
-from .errors import PluginError, UnknownNameError
 
 ENTRY_POINT_GROUP = "mlxrunner"
 KINDS = ("architectures", "drafts", "renderers", "parsers", "models")
 HOOK_OF_KIND = {kind: f"register_{kind}" for kind in KINDS}
 DIRECT = "<mlxrunner.register>"
+#: the core's own features, a plugin module like any other (in the chat package: it
+#: registers the ``jinja`` renderer), loaded by name as entry points are
+BUILTINS_MODULE = "mlxrunner.chat.builtins"
+BUILTINS_PLUGIN = "mlxrunner.builtins"
 
 
 @dataclass
@@ -74,9 +78,8 @@ class PluginHost:
         if self._discovered:
             return
         self._discovered = True
-        from . import builtins
-
-        self.add_plugin(builtins, "mlxrunner.builtins", "mlxrunner", _version("mlxrunner"))
+        self.add_plugin(import_module(BUILTINS_MODULE), BUILTINS_PLUGIN, "mlxrunner",
+                        _version("mlxrunner"))
         if not self.use_entry_points:
             return
         allowed = os.environ.get("MLXRUNNER_LOAD_PLUGINS")
@@ -88,7 +91,7 @@ class PluginHost:
             version = ep.dist.version if ep.dist is not None else None
             if allowed_set is not None and _norm(dist or ep.name) not in allowed_set:
                 continue
-            if ep.value == "mlxrunner.builtins":
+            if ep.value in (BUILTINS_MODULE, BUILTINS_PLUGIN):  # (its old module path)
                 continue
             try:
                 module = ep.load()

@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import MLXRunnerError
+from ..errors import MLXRunnerError
 from .kernels import check_kernel, constant, on_cuda
 
 #: the longest query block :func:`attend` folds (longer ones are prompts)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import plugins
-from .errors import MLXRunnerError
+from ..errors import MLXRunnerError
+from ..host import manager as plugins
+from . import bench
+from .arguments import count, port
 
 DEFAULT_PROMPT = "def fibonacci(n):"
 
@@ -63,7 +64,7 @@ def _list_kind(kind: str, as_json: bool) -> int:
 
 # -- show ------------------------------------------------------------------
 def cmd_show(args: argparse.Namespace) -> int:
-    from .loading import load, parameter_count
+    from ..bundle import load, parameter_count
 
     bundle = load(args.model, draft=args.draft, renderer=args.renderer, dtype=args.dtype)
     model = bundle.model
@@ -108,7 +109,7 @@ def _sampler_flags() -> dict[str, type]:
     """Every sampler option but the boolean ``logprobs``, with the type its flag parses."""
     from dataclasses import fields
 
-    from .options import SamplerOptions
+    from ..decode.options import SamplerOptions
 
     kinds = {}
     for f in fields(SamplerOptions):
@@ -122,9 +123,9 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs="*", metavar="[MODEL] [PROMPT]",
                    help="model folder, Modelfile or registered name (default: the model "
                         "registered as 'default'), then the prompt ('-' reads stdin)")
-    p.add_argument("--max-tokens", type=_count(1), default=None,
+    p.add_argument("--max-tokens", type=count(1), default=None,
                    help="tokens to generate (256)")
-    from .options import OPTION_HELP
+    from ..decode.options import OPTION_HELP
 
     for name, kind in _sampler_flags().items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
@@ -155,7 +156,7 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_model_arguments(model: str, args: argparse.Namespace) -> Any:
     """The bundle of ``model`` as the options of :func:`_add_model_arguments` ask."""
-    from .loading import load
+    from ..bundle import load
 
     return load(model, draft=args.draft, renderer=args.renderer, parser=args.parser,
                 dtype=args.dtype, use_draft=not args.no_draft)
@@ -220,15 +221,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     chat = args.chat or (prompt is None and not args.compare and sys.stdin.isatty())
     if prompt is None:
         prompt = DEFAULT_PROMPT
-    from .generation import generate
-    from .streaming import TextStream
+    from ..chat.streaming import TextStream
+    from ..decode.generation import generate
 
     bundle = _load_model_arguments(model_arg, args)
     options = bundle.defaults.merged(_sampler_overrides(args))
     max_tokens = args.max_tokens or bundle.extra.get("max_tokens") or 256
     think = None if args.think is None else args.think == "on"
     if chat:
-        from .interactive import chat_loop
+        from .chat import chat_loop
 
         system = args.system if args.system is not None else bundle.extra.get("system")
         chat_loop(bundle, options, max_tokens=max_tokens, think=think, system=system,
@@ -296,7 +297,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 # -- render ----------------------------------------------------------------
 def _read_tools_file(path: str) -> list[Any]:
-    from .errors import ConversationError
+    from ..errors import ConversationError
 
     try:
         tools = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -312,7 +313,7 @@ def _read_tools_file(path: str) -> list[Any]:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from .chat import RenderContext, get_renderer, load_conversation_file
+    from ..chat.formats import RenderContext, get_renderer, load_conversation_file
 
     messages, tools = load_conversation_file(args.file)
     if args.tools:
@@ -334,63 +335,9 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- bench -----------------------------------------------------------------
-def cmd_bench(args: argparse.Namespace) -> int:
-    import mlx.core as mx
-
-    from .generation import generate
-    from .loading import load
-
-    bundle = load(args.model, draft=args.draft, dtype=args.dtype, use_draft=not args.no_draft)
-    tok = bundle.tokenizer
-    if args.prompt:
-        prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
-    else:
-        prompt_ids = mx.random.randint(0, bundle.model.vocab_size, (args.prompt_tokens,),
-                                       key=mx.random.key(args.seed)).tolist()
-    options = bundle.defaults.merged({"temperature": args.temperature, "seed": args.seed})
-    modes = ("plain", "speculative") if bundle.draft is not None else ("plain",)
-    # the modes take turns (plain, speculative, plain, ...), so that a machine that speeds
-    # up or slows down during the run moves both alike
-    runs: dict[str, list[Any]] = {mode: [] for mode in modes}
-    for _ in range(args.warmup + args.repeats):
-        for mode in modes:
-            runs[mode].append(generate(
-                bundle.model, prompt_ids, options=options, max_tokens=args.max_tokens,
-                eos_ids=frozenset(), draft=bundle.draft if mode == "speculative" else None))
-    rows = []
-    plain_tokens = None
-    for mode in modes:
-        timed = runs[mode][args.warmup:]
-        # the best of the timed runs: the least disturbed by the rest of the machine
-        result = max(timed, key=lambda r: r.stats.tokens_per_second)
-        stats = result.stats.as_dict()
-        if mode == "plain":
-            plain_tokens = result.tokens
-        else:
-            stats["identical_to_plain"] = all(r.tokens == plain_tokens for r in timed)
-        rows.append({"mode": mode, **stats})
-    if len(rows) == 2 and rows[0]["tokens_per_second"]:
-        rows[1]["speedup"] = round(rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"], 3)
-        # each timed speculative run over the plain run just before it: the median
-        pairs = [s.stats.tokens_per_second / p.stats.tokens_per_second
-                 for p, s in zip(runs["plain"][args.warmup:], runs["speculative"][args.warmup:])]
-        rows[1]["speedup_median"] = round(statistics.median(pairs), 3)
-    report = {"model": str(bundle.path), "device": str(mx.default_device()),
-              "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens, "results": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    keys = ["mode", "tokens_per_second", "prefill_tokens_per_second", "tau", "acceptance_rate",
-            "speedup", "speedup_median", "identical_to_plain"]
-    print("  ".join(f"{k:>16}" for k in keys))
-    for row in rows:
-        print("  ".join(f"{str(row.get(k, '-')):>16}" for k in keys))
-    return 0
-
-
 # -- serve -----------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import Service, make_server
+    from ..serve.server import Service, make_server
 
     model_arg = args.model or "default"
     # Bind first: a taken port is reported before a long model load.
@@ -416,54 +363,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least ``minimum``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {minimum}")
-        return value
-    return parse
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
-    return port
-
-
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="model folder or registered name (default: the "
                                             "embedded demo)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_port, default=8080, help="port (0: any free one)")
+    p.add_argument("--port", type=port, default=8080, help="port (0: any free one)")
     p.add_argument("--name", help="the model name the API reports")
     _add_model_arguments(p)
     p.add_argument("--verbose", action="store_true", help="log each request")
-
-
-def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model")
-    p.add_argument("--draft")
-    p.add_argument("--no-draft", action="store_true")
-    p.add_argument("--prompt", help="prompt text (default: random token ids)")
-    p.add_argument("--prompt-tokens", type=_count(1), default=512)
-    p.add_argument("--max-tokens", type=_count(1), default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=_count(1), default=1,
-                   help="timed runs per mode (best kept)")
-    p.add_argument("--warmup", type=_count(0), default=1)
-    p.add_argument("--dtype")
-    p.add_argument("--json", help="write the results here")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -516,8 +424,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
         p.add_argument("--no-generation-prompt", action="store_true")
 
     simple("render", "print the prompt a conversation becomes", cmd_render, add_render)
-    simple("bench", "measure prefill and decode speed, plain and speculative", cmd_bench,
-           _add_bench_arguments)
+    simple("bench", "measure prefill and decode speed, plain and speculative", bench.run,
+           bench.add_arguments)
     simple("serve", "serve a model over an OpenAI-compatible HTTP API", cmd_serve,
            _add_serve_arguments)
     return parser, registry
@@ -530,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser, registry = build_parser()
         plugins.host().call_commands_hook(registry)
         args = parser.parse_args(argv)
-        from .attention import mode
+        from ..nn.attention import mode
         mode()  # a bad MLXRUNNER_ATTENTION is refused before any work
         if not args.command:
             parser.print_help()

@@ -13,8 +13,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from .chat import ParsedMessage
-from .errors import MLXRunnerError
+from ..chat.formats import ParsedMessage
+from ..chat.streaming import TextStream
+from ..decode.generation import generate
+from ..errors import MLXRunnerError
 
 PROMPT = ">>> "
 HELP = "Type a message; /clear forgets the conversation, /bye leaves."
@@ -62,9 +64,6 @@ def stream_reply(bundle: Any, prompt: str, options: Any, max_tokens: int,
                  stop_ids: frozenset[int], write: Callable[[str], Any],
                  color: bool) -> ParsedMessage:
     """Decode one reply to the rendered ``prompt``, writing it as it comes; returns it parsed."""
-    from .generation import generate
-    from .streaming import TextStream
-
     parser, tok = bundle.parser, bundle.tokenizer
     reply = ParsedMessage()
     in_thinking = False

@@ -17,7 +17,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from .errors import MLXRunnerError
+from ..errors import MLXRunnerError
 
 Outputs = mx.array | Sequence[mx.array | None]
 

@@ -11,7 +11,7 @@ import json
 import struct
 from pathlib import Path
 
-from .errors import ModelFolderError
+from ..errors import ModelFolderError
 
 _MAX_HEADER = 100 * 1024 * 1024
 

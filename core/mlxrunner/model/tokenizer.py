@@ -22,7 +22,7 @@ from typing import Any
 
 import tokenizers
 
-from .errors import ModelFolderError
+from ..errors import ModelFolderError
 
 __all__ = ["Tokenizer", "StreamingDetokenizer"]
 

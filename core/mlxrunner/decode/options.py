@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from .errors import MLXRunnerError
+from ..errors import MLXRunnerError
 
 
 class SamplerOptionError(MLXRunnerError, ValueError):

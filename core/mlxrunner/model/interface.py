@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .caches import Cache
+from ..cache import Cache
 
 
 class Model(nn.Module):

@@ -28,13 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from .sampler import Distribution, Sampler, SamplerOptions
+from ..model.distribution import Distribution
+from .options import SamplerOptions
+from .plain import GenerationResult, prefill
+from .sampler import Sampler
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .caches import Cache
-    from .drafts import DraftModel, DraftSession
-    from .generation import GenerationResult
-    from .model import Model
+    from ..cache import Cache
+    from ..model.draft import DraftModel, DraftSession
+    from ..model.interface import Model
 
 
 def can_speculate(options: SamplerOptions) -> bool:
@@ -340,8 +342,6 @@ def _prefill(model: Model, prompt: Sequence[int], caches: list, session: DraftSe
              taps: Sequence[int]) -> mx.array:
     """Plain decoding's chunked prefill (same chunks, so the same arithmetic), each chunk's
     tapped states handed to the draft as they come; returns the last row's logits."""
-    from .generation import prefill
-
     def to_draft(tapped: mx.array) -> list[mx.array]:
         session.prefill(tapped)
         return list(session.state)
@@ -445,8 +445,6 @@ def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int],
     very tokens). Returns :class:`mlxrunner.GenerationResult` with
     :class:`SpeculativeStats` as ``stats``. ``on_token`` returning True ends generation
     after that token (the rest of its round is dropped), as in :func:`mlxrunner.generate`."""
-    from .generation import GenerationResult
-
     if sampler is None:
         sampler = Sampler(options or SamplerOptions(), model.vocab_size)
     stats = SpeculativeStats(draft=type(draft).__name__)

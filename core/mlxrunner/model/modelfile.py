@@ -29,7 +29,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelfileError
+from ..errors import ModelfileError
 
 __all__ = ["Modelfile", "read_modelfile", "parse_modelfile", "PARAMETER_TYPES"]
 

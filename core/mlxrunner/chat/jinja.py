@@ -30,8 +30,8 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .chat import RenderContext, reasoning_of, validate_conversation
-from .errors import ConversationError, ModelFolderError
+from ..errors import ConversationError, ModelFolderError
+from .formats import RenderContext, reasoning_of, validate_conversation
 
 
 class _TemplateRaised(jinja2.TemplateError):

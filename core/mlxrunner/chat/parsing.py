@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from .chat import ParsedMessage, RenderContext, ToolCall
+from .formats import ParsedMessage, RenderContext, ToolCall
 
 
 class TrimmedText:

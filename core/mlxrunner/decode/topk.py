@@ -34,7 +34,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .kernels import on_cuda
+from ..nn.kernels import on_cuda
 
 CHUNK = 2048
 """Keys per chunk sorted inside one GPU block (MLX's CUDA block sort holds 2048 int64)."""

@@ -9,7 +9,7 @@ own embedding or head), checks it against the target with :meth:`validate`,
 loads its weights strictly, and then only ever talks to it through
 :meth:`DraftModel.new_session` and the :class:`DraftSession` it returns.
 
-The speculative round (``mlxrunner.speculative``) knows nothing else about a
+The speculative round (``mlxrunner.decode.speculative``) knows nothing else about a
 draft: per generation it calls ``prefill`` once with the prompt's tapped target
 states, and per round ``propose(current, pos, n)`` then ``commit`` with the
 tapped states of the tokens the round committed.
@@ -26,12 +26,15 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import DraftConfigError, ModelFolderError
-from .model import compute_dtype_of, weight_precision_of
+from ..errors import DraftConfigError, ModelFolderError
+from ..host import manager as plugins
+from .distribution import Distribution
+from .interface import Model, compute_dtype_of, weight_precision_of
+from .loading import install_weights, read_config, read_json, read_weights, weight_files
+from .safetensors import check_safetensors
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .model import Model
-    from .sampler import Distribution, Sampler
+    from ..decode.sampler import Sampler
 
 BUNDLE_PREFIX = "draft."
 """Tensor-name prefix of a draft stored beside its target in one bundle."""
@@ -61,9 +64,8 @@ class DraftProposal:
         return cls(tokens, mx.ones((tokens.shape[0], 1), dtype=mx.float32), tokens[:, None])
 
     def distribution(self) -> Distribution:
-        """q as the sampler's :class:`~mlxrunner.sampler.Distribution` (rows = drafts)."""
-        from .sampler import Distribution
-
+        """q as the sampler's :class:`~mlxrunner.model.distribution.Distribution` (rows =
+        drafts)."""
         return Distribution(self.probs.astype(mx.float32), self.ids)
 
 
@@ -112,8 +114,6 @@ class DraftSession:
         Dense rows return token ids; with ``ids`` the chosen ``ids`` entries; rows of a
         sparse ``probs`` without ``ids`` return the chosen column (a slot index).
         """
-        from .sampler import Distribution
-
         if probs.ndim == 1:
             probs = probs[None]
         return self.sampler.draw(Distribution(probs.astype(mx.float32), ids))
@@ -322,12 +322,8 @@ def _bundle_draft_config(folder: Path) -> dict[str, Any] | None:
     """A bundle's draft config: ``draft_config.json``, else config.json's ``draft_config``."""
     candidate = folder / "draft_config.json"
     if candidate.exists():
-        from .loading import _read_json
-
-        config = _read_json(candidate, "draft config")
+        config = read_json(candidate, "draft config")
         return config if isinstance(config, dict) else None
-    from .loading import read_config
-
     inner = read_config(folder).get("draft_config")
     return inner if isinstance(inner, dict) else None
 
@@ -344,10 +340,6 @@ def load_draft(path: str | Path, target: Model, *, bundle: bool = False,
     ``architectures[0]``. Errors: :class:`DraftConfigError` when the draft does
     not fit the target, :class:`ModelFolderError` for a broken folder.
     """
-    from . import plugins
-    from .loading import _read_json, install_weights, read_weights, weight_files
-    from .safetensors_check import check_safetensors
-
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ModelFolderError(f"{folder}: draft folder not found")
@@ -368,7 +360,7 @@ def load_draft(path: str | Path, target: Model, *, bundle: bool = False,
                    if k.startswith(BUNDLE_PREFIX)}
         where = folder
     else:
-        config = _read_json(folder / "config.json", "config.json")
+        config = read_json(folder / "config.json", "config.json")
         if not isinstance(config, dict):
             raise ModelFolderError(f"{folder / 'config.json'}: expected a JSON object")
         weights = read_weights(weight_files(folder))

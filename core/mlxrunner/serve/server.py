@@ -24,8 +24,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .chat import ParsedMessage, validate_conversation
-from .errors import MLXRunnerError
+from ..chat.formats import ParsedMessage, validate_conversation
+from ..chat.streaming import TextStream
+from ..decode.generation import generate
+from ..errors import MLXRunnerError
 
 MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_TOKENS = 1024
@@ -151,9 +153,6 @@ class Service:
                  on_text: Callable[[str], None] | None = None) -> Reply:
         """Decode ``request``; ``on_text`` receives the text as it is decided (held back
         where a stop string may be starting)."""
-        from .generation import generate
-        from .streaming import TextStream
-
         bundle = self.bundle
         reply = Reply(stats={"prompt_tokens": len(request.ids)})
         text = TextStream(bundle.tokenizer, self.stop_ids, request.stops, on_text)

@@ -1,0 +1,192 @@
+"""A whole model folder, ready to run: ``load(path)`` gives the :class:`Bundle` of model,
+tokenizer, renderer, parser, draft and generation defaults.
+
+It sits above the model, chat and decoding packages: it picks the chat format and the
+draft (first match wins: the argument, the Modelfile, the architecture's default) and reads
+the sampler defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .chat.formats import RenderContext, get_parser, get_renderer
+from .decode.options import SamplerOptions
+from .errors import ModelFolderError
+from .host import manager as plugins
+from .model.draft import load_draft
+from .model.interface import Model
+from .model.loading import load_model, read_config, read_json, resolve_model_path
+from .model.modelfile import read_modelfile
+from .model.tokenizer import Tokenizer
+
+
+@dataclass
+class Bundle:
+    """Everything ``mlxrunner run`` needs for one model folder."""
+
+    path: Path
+    config: dict[str, Any]
+    model: Model
+    tokenizer: Any
+    renderer: Any | None = None
+    renderer_name: str | None = None
+    parser: Any | None = None
+    parser_name: str | None = None
+    draft: Any | None = None
+    draft_path: Path | None = None
+    defaults: Any = None
+    modelfile: Any | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def new_parser(self) -> Any | None:
+        """A parser of its own for one reply (a parser holds the state of the reply it is
+        parsing, so concurrent replies must not share one)."""
+        if self.parser_name is None:
+            return None
+        return get_parser(self.parser_name, self.extra.get("context"))
+
+    def stop_token_ids(self) -> frozenset[int]:
+        """Ids that end a reply: the tokenizer's EOS ids, the model's own, and the
+        renderer's stop markers (e.g. an end-of-turn token)."""
+        tok = self.tokenizer
+        ids = set(tok.eos_ids) | set(getattr(self.model, "eos_token_ids", ()) or ())
+        for marker in getattr(self.renderer, "stop_markers", ()) or ():
+            marker_id = tok.token_to_id(marker)
+            if marker_id is not None:
+                ids.add(marker_id)
+        return frozenset(ids)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters as the unquantized model would have them (packed weights unpacked)."""
+    total = 0
+    for _, module in model.named_modules():
+        bits = getattr(module, "bits", None)
+        for name, value in module.parameters().items():
+            if not isinstance(value, mx.array):
+                continue
+            if name in ("scales", "biases") and bits:
+                continue
+            if name == "weight" and bits:
+                total += value.size * 32 // bits
+            else:
+                total += value.size
+    return total
+
+
+def _find_modelfile(path: Path) -> tuple[Path, Path | None]:
+    """(model folder, Modelfile or None) for a folder or a Modelfile path."""
+    if path.is_file():
+        return path.parent, path
+    candidate = path / "Modelfile"
+    return path, (candidate if candidate.is_file() else None)
+
+
+def choose_renderer_name(explicit: str | None, modelfile_choice: str | None,
+                         model: Model, has_template: bool) -> str | None:
+    """Renderer choice, first match wins: argument, Modelfile, architecture default, jinja."""
+    if explicit:
+        return explicit
+    if modelfile_choice:
+        return modelfile_choice
+    preferred = getattr(model, "default_renderer", None)
+    if preferred and preferred in plugins.host().registry("renderers"):
+        return preferred
+    return "jinja" if has_template else None
+
+
+def choose_parser_name(explicit: str | None, modelfile_choice: str | None, model: Model,
+                       renderer_name: str | None) -> str | None:
+    if explicit:
+        return explicit
+    if modelfile_choice:
+        return modelfile_choice
+    registry = plugins.host().registry("parsers")
+    preferred = getattr(model, "default_parser", None)
+    if preferred and preferred in registry:
+        return preferred
+    if renderer_name:
+        family = renderer_name.split("-")[0]
+        for name in (renderer_name, family):
+            if name in registry:
+                return name
+    return None
+
+
+def find_draft(folder: Path, explicit: str | Path | None, modelfile_draft: str | None
+               ) -> Path | None:
+    """Draft choice: argument, Modelfile DRAFT, the folder's ``draft/``, a bundle's tensors."""
+    for chosen in (explicit, modelfile_draft):
+        if chosen:
+            path = Path(chosen).expanduser()
+            if not path.exists() and str(chosen) not in plugins.host().registry("models"):
+                raise ModelFolderError(f"{path}: draft folder not found")
+            return resolve_model_path(chosen)
+    if (folder / "draft" / "config.json").exists():
+        return folder / "draft"
+    return None
+
+
+def load(path: str | Path, draft: str | Path | None = None, renderer: str | None = None, *,
+         parser: str | None = None, dtype: str | mx.Dtype | None = None,
+         use_draft: bool = True) -> Bundle:
+    """Model, tokenizer, renderer, parser, draft and generation defaults of a model folder.
+
+    ``path`` is a model folder, a Modelfile, or a registered model name.
+    """
+    p = Path(path).expanduser()
+    folder, modelfile_path = _find_modelfile(p if p.exists() else resolve_model_path(path))
+    modelfile = read_modelfile(modelfile_path) if modelfile_path else None
+    if modelfile is not None and modelfile.from_ and modelfile_path is not None:
+        target = Path(modelfile.from_)
+        if not target.is_absolute():
+            target = modelfile_path.parent / target
+        if target.resolve() != folder.resolve():
+            folder = resolve_model_path(target if target.exists() else modelfile.from_)
+    config = read_config(folder)
+    model = load_model(folder, dtype=dtype)
+    tokenizer = Tokenizer.from_folder(folder)
+
+    template = tokenizer.chat_template
+    renderer_name = choose_renderer_name(
+        renderer, modelfile.renderer if modelfile else None, model, template is not None)
+    context = RenderContext(
+        model_name=str(config.get("_name_or_path") or folder.name),
+        num_parameters=parameter_count(model),
+        chat_template=template,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        special_tokens=dict(tokenizer.special_tokens),
+    )
+    renderer_obj = get_renderer(renderer_name, context) if renderer_name else None
+    parser_name = choose_parser_name(parser, modelfile.parser if modelfile else None, model,
+                                     renderer_name)
+    parser_obj = get_parser(parser_name, context) if parser_name else None
+
+    gen_config = folder / "generation_config.json"
+    generation = read_json(gen_config, "generation config") if gen_config.exists() else {}
+    defaults = SamplerOptions.from_mapping(generation if isinstance(generation, dict) else {})
+    params = dict(modelfile.parameters) if modelfile is not None else {}
+    sampler_fields = set(SamplerOptions.__dataclass_fields__)
+    defaults = defaults.merged({k: v for k, v in params.items() if k in sampler_fields})
+
+    draft_obj, draft_path = None, None
+    if use_draft:
+        draft_path = find_draft(folder, draft, modelfile.draft if modelfile else None)
+        if draft_path is not None:
+            draft_obj = load_draft(draft_path, model)
+        else:
+            draft_obj = load_draft(folder, model, bundle=True)  # None when no draft.* tensors
+    return Bundle(path=folder, config=config, model=model, tokenizer=tokenizer,
+                  renderer=renderer_obj, renderer_name=renderer_name, parser=parser_obj,
+                  parser_name=parser_name, draft=draft_obj, draft_path=draft_path,
+                  defaults=defaults, modelfile=modelfile,
+                  extra={"context": context, "max_tokens": params.get("num_predict"),
+                         "stop": params.get("stop"),
+                         "system": modelfile.system if modelfile else None})

@@ -1,0 +1,22 @@
+"""The ``mlxrunner`` command line (console script ``mlxrunner = "mlxrunner.cli:main"``).
+
+Only ``main`` is imported here; the interactive chat loop resolves lazily (it needs MLX,
+and ``mlxrunner --help`` must not import it).
+"""
+
+from __future__ import annotations
+
+from ..lazy import lazy_exports
+from .main import main
+
+_EXPORTS: dict[str, str] = {
+    "HELP": "chat",
+    "chat_loop": "chat",
+    "stream_reply": "chat",
+    "CommandRegistry": "main",
+    "build_parser": "main",
+    "build_prompt": "main",
+}
+
+__all__ = ["main", *sorted(_EXPORTS)]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, listed=__all__)

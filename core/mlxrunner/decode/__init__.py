@@ -1,0 +1,47 @@
+"""Decoding: sampler options, the sampler pipeline, top-k, plain and speculative loops.
+
+Names resolve lazily (``options`` is plain Python: the CLI builds its flags from it without
+importing MLX).
+"""
+
+from __future__ import annotations
+
+from ..lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    # options (plain Python)
+    "OPTION_HELP": "options",
+    "SamplerOptionError": "options",
+    "SamplerOptions": "options",
+    # the sampler and top-k
+    "Sampler": "sampler",
+    "topk_indices": "topk",
+    "prepare_topk_indices": "topk",
+    "kernel_launch": "topk",
+    "kernel_status": "topk",
+    "check_rows": "topk",
+    "CHUNK": "topk",
+    "KERNEL_MIN_BLOCKS": "topk",
+    # plain decoding
+    "GenerationResult": "plain",
+    "GenerationStats": "plain",
+    "PREFILL_CHUNK": "plain",
+    "prefill": "plain",
+    "stream_plain": "plain",
+    # speculative decoding
+    "DepthController": "speculative",
+    "RoundDecision": "speculative",
+    "RoundOutcome": "speculative",
+    "SpeculativeStats": "speculative",
+    "can_speculate": "speculative",
+    "decide": "speculative",
+    "penalties_active": "speculative",
+    "run_round": "speculative",
+    "speculative_generate": "speculative",
+    "speculative_stream": "speculative",
+    # either
+    "generate": "generation",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

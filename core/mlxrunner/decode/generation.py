@@ -1,0 +1,52 @@
+"""``generate``: one entry point for plain and speculative decoding.
+
+It sits above both loops (:mod:`.plain`, :mod:`.speculative`), so that neither imports the
+other's caller: the speculative loop reuses plain decoding's prefill and result type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..model.interface import Model
+from .options import SamplerOptions
+from .plain import GenerationResult, GenerationStats, stream_plain
+from .sampler import Sampler
+from .speculative import speculative_generate
+
+
+def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | None = None,
+             max_tokens: int = 256, eos_ids: frozenset[int] | set[int] = frozenset(),
+             on_token: Callable[[int], bool | None] | None = None, draft: Any = None,
+             draft_options: dict[str, Any] | None = None) -> GenerationResult:
+    """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids).
+
+    ``on_token`` sees each token as it is decided; returning True ends generation after
+    that token (finish reason "stop": e.g. a stop string has appeared), with the tokens,
+    logprobs and stats so far. With a ``draft`` (and no logprobs requested) the
+    speculative loop runs; its output equals what plain decoding would give, and its
+    stats say how it went.
+    """
+    options = options or SamplerOptions()
+    sampler = Sampler(options, model.vocab_size)
+    want_logprobs = bool(options.logprobs or options.top_logprobs)
+    tokens: list[int] = []
+    logprobs: list[dict[str, Any]] = []
+    if draft is not None and not want_logprobs:
+        result = speculative_generate(model, draft, prompt, sampler=sampler,
+                                      max_tokens=max_tokens, eos_ids=eos_ids,
+                                      on_token=on_token, **(draft_options or {}))
+        return result
+    stats = GenerationStats()
+    stopped = False
+    for token, info in stream_plain(model, prompt, sampler, max_tokens, eos_ids, stats,
+                                    want_logprobs):
+        tokens.append(token)
+        if info is not None:
+            logprobs.append(info)
+        if on_token is not None and on_token(token):
+            stopped = True
+            break
+    finish = "stop" if stopped or (tokens and tokens[-1] in eos_ids) else "length"
+    return GenerationResult(tokens=tokens, finish_reason=finish, stats=stats, logprobs=logprobs)

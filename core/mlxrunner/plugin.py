@@ -1,0 +1,88 @@
+"""The plugin author's API: ``from mlxrunner.plugin import Model, KVCache, hookimpl, ...``.
+
+Hooks and registration, the Model and cache interfaces, the draft interfaces, chat-format
+interfaces and parsing helpers, the error classes, the sampler and top-k (for drafts).
+Layers to build architectures from are in :mod:`mlxrunner.nn`. Every name here also
+resolves as ``mlxrunner.NAME``. Names resolve lazily, so that a plugin module that only
+marks hooks (``mlxrunner --help`` loads it) imports no MLX.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    # hooks and registration
+    "hookimpl": "host.hookspecs",
+    "register": "host.manager",
+    "registered": "host.manager",
+    # target architectures and their caches
+    "Model": "model.interface",
+    "Cache": "cache",
+    "KVCache": "cache",
+    "RingCache": "cache",
+    "RecurrentCache": "cache",
+    # drafts
+    "DraftModel": "model.draft",
+    "DraftSession": "model.draft",
+    "DraftProposal": "model.draft",
+    # chat formats
+    "Renderer": "chat.formats",
+    "Parser": "chat.formats",
+    "RenderContext": "chat.formats",
+    "ParsedMessage": "chat.formats",
+    "ToolCall": "chat.formats",
+    "validate_conversation": "chat.formats",
+    "MarkerScanner": "chat.parsing",
+    "ParseEvents": "chat.parsing",
+    "TrimmedText": "chat.parsing",
+    "ReplyParser": "chat.parsing",
+    # errors
+    "MLXRunnerError": "errors",
+    "ModelFolderError": "errors",
+    "UnknownNameError": "errors",
+    "PluginError": "errors",
+    "ModelfileError": "errors",
+    "ConversationError": "errors",
+    "DraftConfigError": "errors",
+    # sampling (a draft draws with the request's sampler)
+    "SamplerOptions": "decode.options",
+    "Sampler": "decode.sampler",
+    "Distribution": "model.distribution",
+    "topk_indices": "decode.topk",
+    "prepare_topk_indices": "decode.topk",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cache import Cache, KVCache, RecurrentCache, RingCache  # noqa: F401
+    from .chat.formats import (  # noqa: F401
+        ParsedMessage,
+        Parser,
+        RenderContext,
+        Renderer,
+        ToolCall,
+        validate_conversation,
+    )
+    from .chat.parsing import MarkerScanner, ParseEvents, ReplyParser, TrimmedText  # noqa: F401
+    from .decode.options import SamplerOptions  # noqa: F401
+    from .decode.sampler import Sampler  # noqa: F401
+    from .decode.topk import prepare_topk_indices, topk_indices  # noqa: F401
+    from .errors import (  # noqa: F401
+        ConversationError,
+        DraftConfigError,
+        MLXRunnerError,
+        ModelfileError,
+        ModelFolderError,
+        PluginError,
+        UnknownNameError,
+    )
+    from .host.hookspecs import hookimpl  # noqa: F401
+    from .host.manager import register, registered  # noqa: F401
+    from .model.distribution import Distribution  # noqa: F401
+    from .model.draft import DraftModel, DraftProposal, DraftSession  # noqa: F401
+    from .model.interface import Model  # noqa: F401
