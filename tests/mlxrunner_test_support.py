@@ -9,6 +9,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def logged(caplog) -> str:
+    """The messages logged since the last call, one a line (what ``mlxrunner`` prints on
+    stderr), read like ``capsys.readouterr().err``: the records are then forgotten."""
+    text = "".join(f"{record.getMessage()}\n" for record in caplog.records)
+    caplog.clear()
+    return text
+
+
 def shared_data() -> Path | None:
     path = Path(os.environ.get("MLXRUNNER_SHARED_DATA", REPO.parent / "shared" / "data"))
     return path if path.is_dir() else None

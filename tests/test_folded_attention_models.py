@@ -14,6 +14,7 @@ import pytest
 
 import mlxrunner
 from mlxrunner.nn import attention
+from mlxrunner_test_support import logged
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = {
@@ -56,7 +57,7 @@ def _spy_on(monkeypatch, path: str) -> list:
 
 @pytest.mark.parametrize("path", ["folded_attention", "_launch"])
 @pytest.mark.parametrize("name", sorted(FIXTURES))
-def test_traced_forwards_with_cuda_attention(name, path, monkeypatch, capsys):
+def test_traced_forwards_with_cuda_attention(name, path, monkeypatch, caplog):
     if not FIXTURES[name].is_dir():
         pytest.skip(f"fixture {FIXTURES[name]} not present")
     mx.set_default_device(mx.cpu)
@@ -66,7 +67,7 @@ def test_traced_forwards_with_cuda_attention(name, path, monkeypatch, capsys):
     calls = _spy_on(monkeypatch, path)
     got = _forwards(model, ids, traced=True)
     assert calls, f"attention.{path} did not run"
-    assert "disagrees" not in capsys.readouterr().err
+    assert "disagrees" not in logged(caplog)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
 

@@ -8,6 +8,7 @@ import pytest
 
 import mlxrunner
 from mlxrunner.nn import attention
+from mlxrunner_test_support import logged
 
 
 def _case(B, Hq, Hk, L, S, D, Dv, dtype, seed=0):
@@ -127,7 +128,7 @@ def test_kernel_source_on_the_cpu(Hq, Hk, L, mask):
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_serves_only_after_its_check(monkeypatch, capsys):
+def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
     """attend() runs the kernel only for cases prepare_attend checked and passed; a kernel
     that fails its check stays off with one warning; MLXRUNNER_ATTENTION=folded keeps
     the folded form."""
@@ -160,7 +161,7 @@ def test_kernel_serves_only_after_its_check(monkeypatch, capsys):
     monkeypatch.setattr(attention, "_launch", broken)
     mlxrunner.prepare_attend(8, 2, 16, 16, 1, mx.float32)
     mlxrunner.prepare_attend(8, 2, 16, 16, 1, mx.float32)
-    assert capsys.readouterr().err.count("fused attention kernel unavailable") == 3
+    assert logged(caplog).count("fused attention kernel unavailable") == 3
     q8 = mx.zeros((1, 8, 1, 16))
     attention.attend(q8, k, v, scale=0.3, mask=mask)  # folded, no error
 

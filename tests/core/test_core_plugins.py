@@ -14,6 +14,7 @@ import pytest
 import mlxrunner
 from mlxrunner import host as plugins
 from mlxrunner.errors import PluginError, UnknownNameError
+from mlxrunner_test_support import logged
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_two_plugins_one_name_is_an_error_naming_both(host):
         plugins.names("renderers")
 
 
-def test_a_failing_hook_is_skipped_and_the_rest_load(host, capsys):
+def test_a_failing_hook_is_skipped_and_the_rest_load(host, caplog):
     def broken(register):
         register("half", object)
         raise RuntimeError("boom")
@@ -64,7 +65,7 @@ def test_a_failing_hook_is_skipped_and_the_rest_load(host, capsys):
     good = make_plugin(register_architectures=lambda register: register("Good", object))
     host.add_plugin(good, "good")
     assert plugins.names("architectures") == ["Good"]  # nothing half-registered
-    err = capsys.readouterr().err
+    err = logged(caplog)
     assert "'broken'" in err and "boom" in err and len(err.strip().splitlines()) == 1
 
 

@@ -7,6 +7,7 @@ import pytest
 
 import mlxrunner
 from mlxrunner.nn import kernels
+from mlxrunner_test_support import logged
 
 
 def test_outputs_agree_within_the_tolerance():
@@ -19,12 +20,12 @@ def test_outputs_agree_within_the_tolerance():
     assert not mlxrunner.outputs_agree([want[0]], [want[0], want[0]], 1.0)  # count
 
 
-def test_check_kernel_says_why_it_refuses(capsys):
+def test_check_kernel_says_why_it_refuses(caplog):
     x = mx.arange(4, dtype=mx.float32)
     assert mlxrunner.check_kernel("k", lambda: x * 2, lambda: x + x, 1e-6)
-    assert capsys.readouterr().err == ""
+    assert logged(caplog) == ""
     assert not mlxrunner.check_kernel("my kernel", lambda: x * 3, lambda: x + x, 1e-3)
-    assert capsys.readouterr().err.strip() == (
+    assert logged(caplog).strip() == (
         "my kernel disagrees with MLX's operations; using MLX's operations")
 
     def refused():
@@ -32,7 +33,7 @@ def test_check_kernel_says_why_it_refuses(capsys):
 
     assert not mlxrunner.check_kernel("my kernel", refused, lambda: x, 1e-3,
                                       against="the plain step")
-    assert capsys.readouterr().err.strip() == (
+    assert logged(caplog).strip() == (
         "my kernel unavailable (ValueError: [custom_kernel] refused); using the plain step")
 
 

@@ -16,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     "CommandRegistry": "main",
     "build_parser": "main",
     "build_prompt": "main",
+    "log_to_stderr": "main",
 }
 
 __all__ = ["main", *sorted(_EXPORTS)]

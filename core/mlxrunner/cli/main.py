@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -431,9 +432,32 @@ def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
     return parser, registry
 
 
+class _StderrLines(logging.Handler):
+    """The core's warnings on stderr, as the lines it printed before it logged: the plugin
+    host's as ``mlxrunner: warning: ...``, the others (a kernel's fallback) as they are.
+    The stream is looked up per line, so a replaced ``sys.stderr`` gets them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = record.getMessage()
+            if record.name == "mlxrunner.host":
+                line = f"mlxrunner: warning: {line}"
+            print(line, file=sys.stderr)
+        except Exception:  # a logging handler must not raise
+            self.handleError(record)
+
+
+def log_to_stderr() -> None:
+    """Send the core's warnings (loggers ``mlxrunner.*``) to stderr (once per process)."""
+    logger = logging.getLogger("mlxrunner")
+    if not any(isinstance(h, _StderrLines) for h in logger.handlers):
+        logger.addHandler(_StderrLines(logging.WARNING))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    log_to_stderr()
     try:
         parser, registry = build_parser()
         plugins.host().call_commands_hook(registry)

@@ -1,16 +1,16 @@
 """Plugin discovery and the registries plugins fill.
 
 Plugins are found once, lazily, through entry points in the ``mlxrunner`` group.
-A plugin whose import or hook raises is reported in one warning line and
-skipped; the rest load. ``MLXRUNNER_LOAD_PLUGINS`` (comma-separated
-distribution names, empty for none) limits which entry points load; the core's
-own built-ins always load.
+A plugin whose import or hook raises is reported in one warning (logger
+``mlxrunner.host``) and skipped; the rest load. ``MLXRUNNER_LOAD_PLUGINS``
+(comma-separated distribution names, empty for none) limits which entry points
+load; the core's own built-ins always load.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import import_module
@@ -21,6 +21,8 @@ import pluggy
 
 from ..errors import PluginError, UnknownNameError
 from . import hookspecs
+
+log = logging.getLogger("mlxrunner.host")
 
 ENTRY_POINT_GROUP = "mlxrunner"
 KINDS = ("architectures", "drafts", "renderers", "parsers", "models")
@@ -63,7 +65,7 @@ class PluginHost:
     # -- discovery ---------------------------------------------------------
     def _warn(self, message: str) -> None:
         self.warnings.append(message)
-        print(f"mlxrunner: warning: {message}", file=sys.stderr)
+        log.warning(message)
 
     def add_plugin(self, module: Any, name: str, distribution: str | None = None,
                    version: str | None = None) -> None:

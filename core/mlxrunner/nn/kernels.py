@@ -4,20 +4,22 @@ decides whether a kernel may serve.
 A fused kernel must never decide an output alone. On the first use of each shape and dtype,
 run it beside the MLX operations it replaces on random inputs: :func:`check_kernel` does
 that, and any error (a source that does not compile, a launch the backend refuses) or
-mismatch keeps the operations, with one line on stderr. Call it eagerly, before tracing:
-it evaluates arrays.
+mismatch keeps the operations, with one warning (logger ``mlxrunner.nn``; the CLI prints
+it on stderr). Call it eagerly, before tracing: it evaluates arrays.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from collections.abc import Callable, Collection, Sequence
 from functools import cache
 
 import mlx.core as mx
 
 from ..errors import MLXRunnerError
+
+log = logging.getLogger("mlxrunner.nn")
 
 Outputs = mx.array | Sequence[mx.array | None]
 
@@ -115,19 +117,19 @@ def outputs_agree(got: Outputs, want: Outputs, tolerance: float) -> bool:
 def check_kernel(label: str, kernel: Callable[[], Outputs], reference: Callable[[], Outputs],
                  tolerance: float, against: str = "MLX's operations") -> bool:
     """Run ``kernel()`` and ``reference()`` (the same inputs; see :func:`outputs_agree`)
-    and say whether the kernel may serve. An exception from the kernel prints ``{label}
+    and say whether the kernel may serve. An exception from the kernel logs ``{label}
     unavailable (...); using {against}``, a mismatch ``{label} disagrees with {against};
-    using {against}``, each on stderr, and returns False."""
+    using {against}``, each as a warning of logger ``mlxrunner.nn``, and returns False."""
     try:
         got = kernel()
         mx.eval([a for a in _as_list(got) if a is not None])
     except Exception as exc:  # a kernel that does not build or run must not stop decoding
         first = (str(exc).strip() or "?").splitlines()[0]
-        print(f"{label} unavailable ({type(exc).__name__}: {first}); using {against}",
-              file=sys.stderr)
+        log.warning("%s unavailable (%s: %s); using %s", label, type(exc).__name__, first,
+                    against)
         return False
     if not outputs_agree(got, reference(), tolerance):
-        print(f"{label} disagrees with {against}; using {against}", file=sys.stderr)
+        log.warning("%s disagrees with %s; using %s", label, against, against)
         return False
     return True
 
