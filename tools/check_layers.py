@@ -1,4 +1,5 @@
-"""Check how tests and plugins import mlxrunner (run in CI next to `lint-imports`).
+"""Check how tests and plugins import mlxrunner (run in CI next to `lint-imports`, and by
+tests/test_layering.py).
 
 `lint-imports` (pyproject.toml, [tool.importlinter]) checks the core's layers and the
 plugin packages' boundary; this script checks what it cannot see: the tests, and the
