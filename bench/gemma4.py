@@ -28,8 +28,6 @@ from harness import DTYPES, SHARED, text_config
 from mlx.utils import tree_flatten
 from mlxrunner_gemma4 import Gemma4Model
 
-from mlxrunner.nn import ENV_SWITCH
-
 DEFAULT_CONFIG = SHARED / "configs" / "gemma-4-E2B-it.config.text-fields-from-ollama-tests.json"
 
 # E2B's layout (4 sliding + 1 full, KV sharing, per-layer inputs, double-wide MLP)
@@ -99,23 +97,6 @@ def build_mlx_lm(config: dict[str, Any], ours: Gemma4Model) -> Any:
     return model
 
 
-class _EagerSteps:
-    """Our model with one-token steps built eagerly (no trace/replay), for comparison."""
-
-    def __init__(self, model: Gemma4Model) -> None:
-        self.model = model
-
-    def make_cache(self) -> list[Any]:
-        return self.model.make_cache()
-
-    def __call__(self, ids: mx.array, cache: list[Any]) -> mx.array:
-        self.model.compile_decode = False
-        try:
-            return self.model(ids, cache)
-        finally:
-            self.model.compile_decode = True
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
@@ -130,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                              "tokens, best of 3")
     parser.add_argument("--no-eager", action="store_true",
                         help="skip the row with eager (uncompiled) decode steps")
-    harness.add_switched_argument(parser, ENV_SWITCH, "folded")
+    harness.add_switched_argument(parser, "attention=folded")
     harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -149,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new} new tokens, device {device}, mlx {mx.__version__}", flush=True)
     print(f"  MLX settings for every row: {harness.mlx_settings()}", flush=True)
 
-    ours = build_ours(config, dtype, args.seed)
-    prompt = mx.random.randint(0, ours.vocab_size, (args.prompt,), key=mx.random.key(args.seed))
+    model = build_ours(config, dtype, args.seed)
+    ours = harness.Ours(model)
+    prompt = mx.random.randint(0, model.vocab_size, (args.prompt,), key=mx.random.key(args.seed))
 
     reference, reference_version = harness.load_reference(
-        lambda: build_mlx_lm(config, ours), skip=args.no_mlx_lm)
+        lambda: build_mlx_lm(config, model), skip=args.no_mlx_lm)
 
     results: dict[str, Any] = {
         "config": config_name, "dtype": args.dtype, "prompt": args.prompt, "new": args.new,
@@ -164,11 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         harness.record_parity(ours, reference, prompt, results)
 
     rows: dict[str, Any] = {"mlxrunner": ours}
-    switched = harness.switched_rows(args.switched, ENV_SWITCH,
-                                     lambda: build_ours(config, dtype, args.seed))
+    switched = harness.switched_rows(args.switched, lambda: build_ours(config, dtype, args.seed))
     rows.update(switched)
     if not args.no_eager:
-        rows["mlxrunner (eager)"] = _EagerSteps(ours)
+        rows["mlxrunner (eager)"] = harness.Ours(model, compile=False)
     if reference is not None:
         rows["mlx-lm"] = reference
     nodes = {name: harness.decode_graph_nodes(model, prompt) for name, model in rows.items()
@@ -178,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     best = harness.measure(rows, prompt, args.new, args.repeats,
                            name_width=max([18] + [len(name) for name in switched]))
     results["mlxrunner"] = best["mlxrunner"]
-    results["switched"] = {name: dict(best[name], switch=f"{row.name}={row.value}")
+    results["switched"] = {name: dict(best[name], switch={k: str(v) for k, v in
+                                                         row.changes.items()})
                            for name, row in switched.items()}
     if not args.no_eager:
         results["mlxrunner_eager_steps"] = best["mlxrunner (eager)"]

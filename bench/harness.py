@@ -37,8 +37,6 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 def mlx_settings() -> dict[str, str | None]:
     """The MLX environment settings every row of a run shares (mlxrunner sets defaults for
     them at import: ``mlxrunner.MLX_DEFAULTS``)."""
-    import os
-
     return {k: os.environ.get(k) for k in ("MLX_ENABLE_TF32", "MLX_MAX_OPS_PER_BUFFER")}
 
 
@@ -154,44 +152,62 @@ def decode_graph_nodes(model: Any, prompt: mx.array) -> dict[str, Any]:
             "by_kernel": dict(kernels.most_common())}
 
 
-class Switched:
-    """A second instance of our model whose calls all run with environment variable
-    ``name`` set to ``value`` (a plugin's fused-kernel switch), so its traced steps are
-    built that way: a row that shows what those kernels save, in the same run."""
+class Ours:
+    """Our model as the core decodes it: each forward through ``mlxrunner.decode.forward``
+    (the compiled step where it applies), under settings ``changes`` (``--switched``), so
+    a second instance shows what a switch costs or saves in the same run."""
 
-    def __init__(self, model: Any, name: str, value: str) -> None:
-        self.model, self.name, self.value = model, name, value
+    def __init__(self, model: Any, **changes: Any) -> None:
+        self.model, self.changes = model, changes
 
     def make_cache(self) -> list[Any]:
         return self.model.make_cache()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        before = os.environ.get(self.name)
-        os.environ[self.name] = self.value
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            if before is None:
-                del os.environ[self.name]
-            else:
-                os.environ[self.name] = before
+    def __getattr__(self, name: str) -> Any:  # the model's facts (vocab_size, dtype, ...)
+        return getattr(self.model, name)
+
+    def __call__(self, ids: mx.array, cache: Any = None, **kwargs: Any) -> Any:
+        from mlxrunner import settings
+        from mlxrunner.decode import forward
+
+        with settings.overridden(**self.changes):
+            if cache is None:
+                return self.model(ids, **kwargs)
+            return forward(self.model, ids, cache, kwargs.get("taps"))
 
 
-def add_switched_argument(parser: argparse.ArgumentParser, switch: str, example: str) -> None:
-    parser.add_argument("--switched", metavar="VALUE", action="append", default=[],
-                        help=f"also time a second instance of our model with {switch}=VALUE "
-                             f"(e.g. {example}), or with NAME=VALUE for another environment "
-                             "variable (MLXRUNNER_ATTENTION=folded or =mlx: see "
-                             "mlxrunner.nn.attention); repeatable, one row each")
+def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument("--switched", metavar="NAME=VALUE", action="append", default=[],
+                        help="also time a second instance of our model with setting NAME "
+                             f"(mlxrunner.settings) at VALUE, e.g. {example}, compile=0, "
+                             "attention=folded or mlx, kernels=0 or attention,deltanet, "
+                             "row_products=0; repeatable, one row each")
 
 
-def switched_rows(values: list[str], switch: str, build: Callable[[], Any]
-                  ) -> dict[str, Switched]:
-    """One row per ``--switched`` value: a new instance (``build()``) run under it."""
+def _setting(text: str) -> tuple[str, Any]:
+    from mlxrunner import settings
+
+    name, _, value = text.partition("=")
+    fields = {f.name: f for f in __import__("dataclasses").fields(settings.Settings)}
+    if name not in fields or not value:
+        raise SystemExit(f"--switched {text!r}: use NAME=VALUE with NAME one of "
+                         f"{', '.join(sorted(fields))}")
+    if name in ("compile", "row_products"):
+        return name, value == "1"
+    if name == "kernels":
+        return name, frozenset() if value == "0" else (
+            frozenset(settings.KERNELS) if value == "1" else frozenset(value.split(",")))
+    return name, value
+
+
+def switched_rows(values: list[str], build: Callable[[], Any], **base: Any
+                  ) -> dict[str, Ours]:
+    """One row per ``--switched NAME=VALUE``: a new instance (``build()``) run under it
+    (and under ``base``, the settings every row of ours has)."""
     rows = {}
     for value in values:
-        name, _, setting = value.rpartition("=") if "=" in value else (switch, "", value)
-        rows[f"mlxrunner ({value})"] = Switched(build(), name, setting)
+        name, setting = _setting(value)
+        rows[f"mlxrunner ({value})"] = Ours(build(), **{**base, name: setting})
     return rows
 
 

@@ -13,8 +13,9 @@ to skip).
 
 Also reports the cost of one speculative verify forward (8 tokens through the prompt's
 caches, with snapshot scheduling and a restore) relative to one decode step. Our decode
-steps and short forwards are traced (``mx.compile``): the decode graph count then shows
-the traced call's nodes; ``--eager`` counts (and times) the untraced graph.
+steps and short forwards go through the core's compiled step (``mx.compile``): the decode
+graph count then shows the traced call's nodes; ``--eager`` counts (and times) the
+untraced graph.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import mlx.core as mx
 from harness import DTYPES, SHARED, eval_cache, text_config
 from mlx.utils import tree_flatten
 from mlxrunner_qwen3_5 import Qwen3_5
-from mlxrunner_qwen3_5.cuda_kernels import ENV_SWITCH
 
 DEFAULT_CONFIG = SHARED / "configs" / "Qwen3.5-0.8B-Base.config.json"
 
@@ -74,8 +74,11 @@ def build_mlx_lm(config: dict[str, Any], ours: Qwen3_5) -> Any:
         composite = {"model_type": "qwen3_5", "text_config": composite}
     args = mlx_lm_qwen3_5.ModelArgs.from_dict(composite)
     model = mlx_lm_qwen3_5.Model(args)
-    # Same conventions (folded norms, [C, K, 1] conv): only the prefix differs.
-    weights = [("language_model." + name, value)
+    # mlx-lm holds the zero-centred norms' 1 + w (ours hold w); the same [C, K, 1] conv.
+    zero_centred = ("input_layernorm.weight", "post_attention_layernorm.weight",
+                    "q_norm.weight", "k_norm.weight")
+    weights = [("language_model." + name, value + 1.0 if name == "model.norm.weight"
+                or name.endswith(zero_centred) else value)
                for name, value in tree_flatten(ours.parameters())]
     model.load_weights(weights)
     mx.eval(model.parameters())
@@ -231,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-block", type=int, default=8,
                         help="also time one verify forward of this many tokens through the "
                              "prompt's caches against one decode step (0: skip)")
-    harness.add_switched_argument(parser, ENV_SWITCH, "deltanet: the q/k kernel off")
+    harness.add_switched_argument(parser, "kernels=attention (the DeltaNet kernels off)")
     harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -252,12 +255,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new} new tokens, device {device}, mlx {mx.__version__}", flush=True)
     print(f"  MLX settings for every row: {harness.mlx_settings()}", flush=True)
 
-    ours = build_ours(config, dtype, args.seed)
-    ours.compile_steps = not args.eager
+    base = {"compile": False} if args.eager else {}
+    model = build_ours(config, dtype, args.seed)
+    ours = harness.Ours(model, **base)
     prompt = mx.random.randint(0, ours.vocab_size, (args.prompt,), key=mx.random.key(args.seed))
 
     reference, reference_version = harness.load_reference(
-        lambda: build_mlx_lm(config, ours), skip=args.no_mlx_lm)
+        lambda: build_mlx_lm(config, model), skip=args.no_mlx_lm)
 
     results: dict[str, Any] = {
         "config": args.config.name, "layers": args.layers, "vocab": args.vocab,
@@ -270,12 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         harness.record_parity(ours, reference, prompt, results)
 
     models: dict[str, Any] = {"mlxrunner": ours}
-    def another() -> Qwen3_5:
-        second = build_ours(config, dtype, args.seed)
-        second.compile_steps = not args.eager
-        return second
-
-    switched = harness.switched_rows(args.switched, ENV_SWITCH, another)
+    switched = harness.switched_rows(args.switched, lambda: build_ours(config, dtype, args.seed),
+                                     **base)
     models.update(switched)
     if reference is not None:
         models["mlx-lm"] = reference
@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     best = harness.measure(models, prompt, args.new, args.repeats,
                            name_width=max([10] + [len(name) for name in switched]))
     results["mlxrunner"] = best["mlxrunner"]
-    results["switched"] = {name: dict(best[name], switch=f"{row.name}={row.value}")
+    results["switched"] = {name: dict(best[name], switch={k: str(v) for k, v in
+                                                         row.changes.items()})
                            for name, row in switched.items()}
     if reference is not None:
         ratio = harness.record_reference(results, best["mlx-lm"], reference_version)
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         results["verify"] = dict(rows, block=args.verify_block, context=args.prompt)
     if args.profile:
-        results["profile"] = profile(ours, reference, args.prompt, 10 if args.quick else 100)
+        results["profile"] = profile(model, reference, args.prompt, 10 if args.quick else 100)
     harness.write_json(args.json, results)
     return 0
 

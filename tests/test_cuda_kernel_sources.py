@@ -89,8 +89,9 @@ def test_topk_chunk_kernel_compiles(nvrtc, rows: int, n: int, k: int, dtype: str
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_qwen3_5_deltanet_kernels_compile(nvrtc, dtype: str) -> None:
-    ck = pytest.importorskip("mlxrunner_qwen3_5.cuda_kernels")
+def test_deltanet_kernels_compile(nvrtc, dtype: str) -> None:
+    from mlxrunner.nn import cuda_deltanet as ck
+
     inputs = [("proj", dtype), ("conv_tail", dtype), ("state", "float32"),
               ("conv_weight", dtype), ("A_log", dtype), ("dt_bias", dtype),
               ("norm_weight", dtype)]
@@ -104,21 +105,10 @@ def test_qwen3_5_deltanet_kernels_compile(nvrtc, dtype: str) -> None:
                                    shape + [("L", 8), ("NT", 512), ("EPS_E9", 1000)]))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_qwen3_5_qk_norm_rope_kernel_compiles(nvrtc, dtype: str) -> None:
-    ck = pytest.importorskip("mlxrunner_qwen3_5.cuda_kernels")
-    inputs = [("rows", dtype), ("q_weight", dtype), ("k_weight", dtype),
-              ("inv_freq", "float32"), ("position", "int32"), ("seq", "int32")]
-    template = [("T", dtype), ("H", 8), ("HK", 2), ("D", 256), ("R", 64),
-                ("P", 5120), ("NT", 256), ("EPS_E9", 1000)]
-    _compile(nvrtc, "qk", _wrap("qk", ck.QK_NORM_ROPE_SOURCE, inputs,
-                                [("q_out", dtype), ("k_out", dtype)], template))
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("D,mask", [(256, 0), (512, 1), (128, 2)])
 def test_attention_kernel_compiles(nvrtc, dtype: str, D: int, mask: int) -> None:
-    from mlxrunner import nn
+    from mlxrunner.nn import attention as nn
 
     inputs = [("q", dtype), ("keys", dtype), ("values", dtype), ("scale", "float32"),
               ("mask", "bool"), ("dims", "int32")]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mlxrunner
-from mlxrunner.nn import attention
+from mlxrunner.nn import attention, kernels
 from mlxrunner_test_support import logged
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def _spy_on(monkeypatch, path: str) -> list:
 
     monkeypatch.setattr(attention, path, spy)
     monkeypatch.setattr(attention, "_cuda_default", lambda: True)
-    monkeypatch.setattr(attention, "_verdicts", {})
+    monkeypatch.setattr(kernels, "_verdicts", {})
     return calls
 
 

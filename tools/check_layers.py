@@ -36,10 +36,13 @@ PLUGIN_MODULES = ("mlxrunner", "mlxrunner.plugin", "mlxrunner.nn")
 #: launch) import that module itself: test file -> modules
 WHITE_BOX = {
     "tests/core/test_topk.py": {"mlxrunner.decode.topk"},
-    "tests/test_cuda_kernel_sources.py": {"mlxrunner.decode.topk"},
-    "tests/core/test_attention.py": {"mlxrunner.nn.attention"},
-    "tests/test_folded_attention_models.py": {"mlxrunner.nn.attention"},
+    "tests/test_cuda_kernel_sources.py": {"mlxrunner.decode.topk", "mlxrunner.nn.attention",
+                                          "mlxrunner.nn.cuda_deltanet"},
+    "tests/core/test_attention.py": {"mlxrunner.nn.attention", "mlxrunner.nn.kernels"},
+    "tests/test_folded_attention_models.py": {"mlxrunner.nn.attention", "mlxrunner.nn.kernels"},
     "tests/core/test_kernels.py": {"mlxrunner.nn.kernels"},
+    "tests/core/test_nn_deltanet.py": {"mlxrunner.nn.cuda_deltanet", "mlxrunner.nn.deltanet",
+                                       "mlxrunner.nn.kernels"},
 }
 
 
@@ -158,7 +161,7 @@ def is_test_path(path: Path) -> bool:
 
 def test_may_import(module: str) -> bool:
     """Rule 3's modules: the public ones, test helpers, and subpackage packages."""
-    if module in ("mlxrunner", "mlxrunner.errors", "mlxrunner.plugin"):
+    if module in ("mlxrunner", "mlxrunner.errors", "mlxrunner.plugin", "mlxrunner.settings"):
         return True
     if module == "mlxrunner.testing" or module.startswith("mlxrunner.testing."):
         return True

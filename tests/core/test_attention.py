@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import mlxrunner
-from mlxrunner.nn import attention
+from mlxrunner import settings
+from mlxrunner.nn import attention, kernels
 from mlxrunner_test_support import logged
 
 
@@ -82,8 +83,8 @@ def test_attend_folds_only_short_blocks_on_cuda(monkeypatch):
     mlxrunner.attend(q, k, v, scale=0.5, mask="causal")  # a string mask: MLX's function
     long_q = mx.zeros((1, 4, attention.FOLD_MAX_QUERIES + 1, 8))
     mlxrunner.attend(long_q, mx.zeros((1, 2, 40, 8)), mx.zeros((1, 2, 40, 8)), scale=0.5)
-    monkeypatch.setenv(attention.ENV_SWITCH, "mlx")
-    mlxrunner.attend(q, k, v, scale=0.5, mask=mask)
+    with settings.overridden(attention="mlx"):
+        mlxrunner.attend(q, k, v, scale=0.5, mask=mask)
     assert calls == [(1, 4, 2, 8)]
 
 
@@ -129,11 +130,11 @@ def test_kernel_source_on_the_cpu(Hq, Hk, L, mask):
 
 
 def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
-    """attend() runs the kernel only for cases prepare_attend checked and passed; a kernel
-    that fails its check stays off with one warning; MLXRUNNER_ATTENTION=folded keeps
-    the folded form."""
+    """attend() runs the kernel only for cases that passed its check (run the first time a
+    case is asked for, or by prepare_attend); a kernel that fails its check stays off with
+    one warning per case; MLXRUNNER_ATTENTION=folded keeps the folded form."""
     monkeypatch.setattr(attention, "_cuda_default", lambda: True)
-    monkeypatch.setattr(attention, "_verdicts", {})
+    monkeypatch.setattr(kernels, "_verdicts", {})
     launches = []
 
     def stand_in(q, k, v, scale, mask):  # the kernel's arithmetic, on the CPU
@@ -143,17 +144,16 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
     monkeypatch.setattr(attention, "_launch", stand_in)
     q, k, v = _case(1, 4, 2, 1, 30, 16, 16, mx.float32)
     mask = mx.arange(30) < 20
-    attention.attend(q, k, v, scale=0.3, mask=mask)
-    assert launches == []  # not checked yet: folded
-    mlxrunner.prepare_attend(4, 2, 16, 16, 1, mx.float32)
-    assert len(launches) == 3  # one check per mask kind
     want = attention.folded_attention(q, k, v, scale=0.3, mask=mask)
     assert mx.array_equal(attention.attend(q, k, v, scale=0.3, mask=mask), want)
-    assert len(launches) == 4
-    monkeypatch.setenv(attention.ENV_SWITCH, "folded")
-    attention.attend(q, k, v, scale=0.3, mask=mask)
-    assert len(launches) == 4
-    monkeypatch.delenv(attention.ENV_SWITCH)
+    assert len(launches) == 2  # the case's check, then the launch itself
+    mlxrunner.prepare_attend(4, 2, 16, 16, 1, mx.float32)
+    assert len(launches) == 4  # the two other mask kinds' checks
+    assert mx.array_equal(attention.attend(q, k, v, scale=0.3, mask=mask), want)
+    assert len(launches) == 5
+    with settings.overridden(attention="folded"):
+        attention.attend(q, k, v, scale=0.3, mask=mask)
+    assert len(launches) == 5
 
     def broken(*args):
         raise ValueError("refused")
@@ -184,13 +184,11 @@ def test_kernel_matches_mlx_operations_on_the_gpu(dtype, Hq, Hk, D, L):
                                        np.array(want.astype(mx.float32)),
                                        rtol=tolerance, atol=tolerance, err_msg=name)
         mlxrunner.prepare_attend(Hq, Hk, D, D, L, dtype)
-        assert attention._verdicts[attention._case(q, k, v, None)]
+        assert kernels._verdicts[("attention", attention._case(q, k, v, None))]
     finally:
         mx.set_default_device(previous)
 
 
-def test_an_unknown_mode_is_refused(monkeypatch):
-    monkeypatch.setenv(attention.ENV_SWITCH, "fast")
-    q, k, v = _case(1, 2, 1, 1, 4, 8, 8, mx.float32)
+def test_an_unknown_mode_is_refused():
     with pytest.raises(mlxrunner.MLXRunnerError, match="MLXRUNNER_ATTENTION='fast'"):
-        mlxrunner.attend(q, k, v, scale=1.0)
+        settings.Settings.from_environment({"MLXRUNNER_ATTENTION": "fast"})

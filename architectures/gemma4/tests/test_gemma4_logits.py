@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 
 import mlxrunner
-from mlxrunner.testing import check_prefill_decode, check_taps, check_taps_against
+from mlxrunner.testing import (
+    check_compiled_step,
+    check_prefill_decode,
+    check_taps,
+    check_taps_against,
+    compiled_steps,
+    forward,
+)
 
 mx.set_default_device(mx.cpu)
 
@@ -91,69 +98,37 @@ def test_gemma4_tap_contract(models, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
-def test_gemma4_prefill_then_decode_equals_full_forward(models, name, compiled):
+def test_gemma4_prefill_then_decode_equals_full_forward(models, name):
     model, ref = models[name], reference(name)
-    model.compile_decode = compiled
-    try:
-        # prefill 5 (< window), then decode across the window edge and two wraps
-        check_prefill_decode(model, ref["ids_20"][None], prefill_len=5)
-        # prefill 13 (> window: the ring is written in two pieces), decode the rest
-        check_prefill_decode(model, ref["ids_20"][None], prefill_len=13)
-    finally:
-        model.compile_decode = True
-
-
-@pytest.mark.parametrize("name", ["e2b", "moe"])
-def test_gemma4_traced_steps_across_buffer_growth(models, name, monkeypatch):
-    """Full-attention buffers regrown to multiples of 6 (the KV cache's own 256 is not
-    one) and grown again, the steps retraced, every 6 tokens."""
-    import mlxrunner_gemma4.model as gemma4_model
-
-    monkeypatch.setattr(gemma4_model, "DECODE_GROW_CPU", 6)
-    model, ref = models[name], reference(name)
-    ids = mx.array(ref["ids_20"])[None]
-    cache = model.make_cache()
-    rows = [model(ids[:, :3], cache)]
-    for t in range(3, 20):
-        rows.append(model(ids[:, t:t + 1], cache))
-        full = [c for c in cache if c is not None and not hasattr(c, "window")]
-        assert all(c.keys.shape[2] % 6 == 0 and t < c.keys.shape[2] <= t + 6 for c in full)
-    assert max_err(mx.concatenate(rows, axis=1)[0], ref["logits_20"]) < TOLERANCE
+    # prefill 5 (< window), then decode across the window edge and two wraps
+    check_prefill_decode(model, ref["ids_20"][None], prefill_len=5)
+    # prefill 13 (> window: the ring is written in two pieces), decode the rest
+    check_prefill_decode(model, ref["ids_20"][None], prefill_len=13)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_gemma4_decode_matches_transformers_rows(models, name):
-    """Single-token steps through the compiled path reproduce the reference rows."""
+def test_gemma4_decode_through_the_compiled_step_matches_transformers_rows(models, name):
+    """Single-token steps through the core's compiled step reproduce the reference rows
+    (across the ring's wraps), and the steps replayed a trace."""
     model, ref = models[name], reference(name)
     ids = mx.array(ref["ids_20"])[None]
+    steps = compiled_steps(model)
+    steps.clear()
     cache = model.make_cache()
     rows = [model(ids[:, :3], cache)]
-    rows += [model(ids[:, t:t + 1], cache) for t in range(3, 20)]
+    rows += [forward(model, ids[:, t:t + 1], cache) for t in range(3, 20)]
     assert max_err(mx.concatenate(rows, axis=1)[0], ref["logits_20"]) < TOLERANCE
-    assert model._steps, "the one-token steps did not take the traced path"
+    assert steps.enabled and steps.replays() > 0
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_gemma4_traced_verify_block_equals_eager(models, name):
-    """A verify-sized block through the caches: traced (replayed) == eager, taps included,
-    with the rings wrapping inside the block (offset 5 + 6 tokens > window 8)."""
-    model, ref = models[name], reference(name)
-    ids = mx.array(ref["ids_20"])[None]
-    taps = [1, model.num_layers - 1]
-    outs = {}
-    for traced in (True, False):
-        model.compile_decode = traced
-        try:
-            cache = model.make_cache()
-            model(ids[:, :5], cache)
-            outs[traced] = model(ids[:, 5:11], cache, taps=taps)
-            outs[traced] += (model(ids[:, 11:12], cache),)
-        finally:
-            model.compile_decode = True
-    for a, b in zip(outs[True], outs[False]):
-        assert max_err(a, np.array(b)) < 1e-5
-    assert max_err(outs[True][0][0], ref["logits_20"][5:11]) < TOLERANCE
+def test_gemma4_compiled_step_equals_eager(models, name):
+    """Decode steps and verify blocks through the compiled step equal the eager forward,
+    taps and rollback included, with the rings wrapping inside the blocks (window 8)."""
+    model = models[name]
+    prompt = mx.array(reference(name)["ids_20"])[None, :5]
+    check_compiled_step(model, prompt, steps=4, block=6, rounds=4,
+                        taps=[1, model.num_layers - 1])
 
 
 def test_gemma4_embed_tokens_and_raw_logits_compose_the_head(models):

@@ -143,9 +143,13 @@ def test_hub_composite_layout_loads(name, tmp_path, reference, load_folder):
 
 def mlx_converted(model: nn.Module, config: dict, folder: Path) -> Path:
     """Write a model the way mlx-lm's convert does: composite config, language_model.* names,
-    1 + w norm weights, [C, K, 1] conv weights (ours already hold that convention)."""
+    1 + w zero-centred norm weights (ours hold w), [C, K, 1] conv weights (as ours)."""
     folder.mkdir(parents=True)
-    weights = {"language_model." + k: v for k, v in tree_flatten(model.parameters())}
+    zero_centred = ("input_layernorm.weight", "post_attention_layernorm.weight",
+                    "q_norm.weight", "k_norm.weight")
+    weights = {"language_model." + k: (v + 1.0 if k == "model.norm.weight"
+                                       or k.endswith(zero_centred) else v)
+               for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     (folder / "config.json").write_text(json.dumps(config))
     return folder

@@ -11,12 +11,10 @@ the two runs split the tokens into different chunks, so they round differently).
 from __future__ import annotations
 
 import mlx.core as mx
-import mlxrunner_qwen3_5.model as qwen_model
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mlxrunner_qwen3_5 import chunked_gated_delta
 
 import mlxrunner
 from mlxrunner import KVCache, RecurrentCache
@@ -43,19 +41,11 @@ def assert_caches_equal(got: list, want: list, atol: float = 1e-4) -> None:
             assert err < atol, f"layer {i} ({type(a).__name__}): max |error| {err:.3g}"
 
 
-def no_token_by_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the single-token DeltaNet step fail: verify forwards and restores must not use it."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the verify path ran the DeltaNet one token at a time")
-
-    monkeypatch.setattr(qwen_model, "_decode_step", refuse)
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(prompt_len=st.integers(1, 40), draft=st.integers(1, 12), data=st.data(),
        seed=st.integers(0, 2 ** 31 - 1))
-def test_restore_equals_plain_run(prompt_len, draft, data, seed, fixture_model, monkeypatch):
+def test_restore_equals_plain_run(prompt_len, draft, data, seed, fixture_model):
     model = fixture_model(NAME)
     accepted = data.draw(st.integers(0, draft), label="accepted")
     rng = np.random.default_rng(seed)
@@ -71,14 +61,12 @@ def test_restore_equals_plain_run(prompt_len, draft, data, seed, fixture_model, 
     for c in caches:
         c.schedule_snapshots(range(pos + 1, pos + draft + 1))
     block = np.concatenate([prompt[:, -1:], drafts], axis=1)
-    with monkeypatch.context() as patch:
-        no_token_by_token(patch)
-        verify = model(mx.array(block), caches)
-        mx.eval(verify, [c.state for c in caches])
-        keep = pos + 1 + accepted
-        for c in caches:
-            c.restore(keep)
-        mx.eval([c.state for c in caches])
+    verify = model(mx.array(block), caches)
+    mx.eval(verify, [c.state for c in caches])
+    keep = pos + 1 + accepted
+    for c in caches:
+        c.restore(keep)
+    mx.eval([c.state for c in caches])
 
     # plain: the committed tokens only
     committed = np.concatenate([prompt, drafts[:, :accepted]], axis=1)
@@ -168,47 +156,3 @@ def test_caches_are_exported_kinds(fixture_model):
     caches = fixture_model(NAME).make_cache()
     assert [type(c) for c in caches] == [RecurrentCache] * 3 + [KVCache]
     assert all(isinstance(c, mlxrunner.Cache) for c in caches)
-
-
-# -- the chunked kernel against the per-token recurrence (float64 NumPy) ---------------------
-
-
-def recurrence(q, k, v, g, beta, state):
-    """The per-token definition: S = e^g S; d = beta (v - S k); S += d k^T; o = S q."""
-    B, L, Hk, _ = k.shape
-    Hv = v.shape[2]
-    q, k = np.repeat(q, Hv // Hk, axis=2), np.repeat(k, Hv // Hk, axis=2)
-    S = state.copy()
-    outs, states = [], []
-    for t in range(L):
-        S = S * np.exp(g[:, t])[..., None, None]
-        d = beta[:, t][..., None] * (v[:, t] - np.einsum("bhvk,bhk->bhv", S, k[:, t]))
-        S = S + d[..., None] * k[:, t][..., None, :]
-        outs.append(np.einsum("bhvk,bhk->bhv", S, q[:, t]))
-        states.append(S.copy())
-    return np.stack(outs, axis=1), states
-
-
-@pytest.mark.parametrize("L,Hk,Hv,chunk", [(1, 2, 2, 64), (9, 1, 3, 64), (70, 2, 4, 64),
-                                           (130, 2, 2, 32), (33, 2, 4, 8)])
-def test_chunked_kernel_matches_recurrence(L, Hk, Hv, chunk):
-    rng = np.random.default_rng(L)
-    B, Dk, Dv = 2, 16, 8
-
-    def unit(x):
-        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
-
-    q = unit(rng.normal(size=(B, L, Hk, Dk))) / np.sqrt(Dk)
-    k = unit(rng.normal(size=(B, L, Hk, Dk)))
-    k[:, 1::3] = k[:, ::3][:, : k[:, 1::3].shape[1]]  # repeated keys: a hard triangular system
-    v = rng.normal(size=(B, L, Hv, Dv))
-    g = -np.exp(np.linspace(-6, 1, Hv)) * np.log1p(np.exp(rng.normal(size=(B, L, Hv))))
-    beta = 1 / (1 + np.exp(-rng.normal(size=(B, L, Hv))))
-    state = rng.normal(size=(B, Hv, Dv, Dk))
-    want, states = recurrence(q, k, v, g, beta, state)
-    f = [mx.array(x.astype(np.float32)) for x in (q, k, v, g, beta, state)]
-    out, final, state_after = chunked_gated_delta(*f, chunk_size=chunk)
-    assert np.abs(np.array(out) - want).max() < 2e-5
-    assert np.abs(np.array(final) - states[-1]).max() < 2e-5
-    for j in sorted({1, L // 2, L - 1} - {0}):
-        assert np.abs(np.array(state_after(j)) - states[j - 1]).max() < 2e-5

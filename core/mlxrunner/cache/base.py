@@ -10,9 +10,13 @@ exactly the state a plain run over the committed tokens would have left.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .frame import TraceFrame
 
 
 class Cache:
@@ -39,6 +43,47 @@ class Cache:
     def state(self) -> list[mx.array]:
         """Arrays to evaluate together with the outputs."""
         return []
+
+    # -- traced forwards ------------------------------------------------------------------
+    # The core traces short forwards through filled caches (decode steps, verify blocks):
+    # each cache hands its arrays in as inputs, the model runs on a stand-in of the same
+    # class (offset traced, fixed-size buffers) and the cache adopts what comes out.
+
+    def trace_key(self, length: int) -> Hashable | None:
+        """What a traced forward of ``length`` tokens through this cache depends on besides
+        its inputs' shapes, or None when none can run now (the forward runs eagerly). A
+        cache class without an implementation is never traced."""
+        return None
+
+    def trace_inputs(self, length: int) -> list[mx.array]:
+        """The arrays a traced forward of ``length`` tokens takes (made ready eagerly: a
+        buffer may grow); the cache lets go of those the forward may overwrite."""
+        raise NotImplementedError
+
+    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
+        """The cache the model sees inside the traced forward, over the traced ``arrays``."""
+        raise NotImplementedError
+
+    def trace_outputs(self) -> list[mx.array]:
+        """(On a stand-in, after the model ran) the arrays the cache adopts."""
+        raise NotImplementedError
+
+    def trace_record(self) -> object:
+        """(On a stand-in, after the model ran) what :meth:`adopt` needs to know of the
+        trace besides its outputs; kept with the traced forward, which later calls
+        replay without running Python."""
+        return None
+
+    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
+              record: object) -> None:
+        """Take a traced forward's outputs for this cache (``inputs`` are what it took,
+        ``record`` what the stand-in recorded): afterwards the cache is as the eager
+        forward of ``length`` tokens leaves it."""
+        raise NotImplementedError
+
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        """A traced forward did not run: take back the arrays :meth:`trace_inputs` gave."""
+        raise NotImplementedError
 
     def _check_restorable(self, offset: int) -> None:
         if offset != self.offset and offset not in self.scheduled:

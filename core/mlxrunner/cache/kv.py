@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import mlx.core as mx
 
 from .base import Cache
+from .frame import TraceFrame
+
+
+def trace_capacity_step() -> int:
+    """Traced forwards attend over a whole buffer, masked, and are traced once per buffer
+    size: buffers grow in steps of this many positions. A CPU pays for the masked
+    positions more than for the rarer retraces, a GPU the other way round."""
+    return 256 if mx.default_device() == mx.cpu else 1024
 
 
 class KVCache(Cache):
@@ -16,6 +26,11 @@ class KVCache(Cache):
         super().__init__()
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
+
+    def mask(self, n: int) -> str | None:
+        """The attention mask of ``n`` new queries over what ``update_and_fetch`` of ``n``
+        tokens returns: None for one query, else "causal" (aligned to the last key)."""
+        return None if n == 1 else "causal"
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``L`` new positions; return all keys and values up to the new offset."""
@@ -46,3 +61,71 @@ class KVCache(Cache):
     @property
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
+
+    # -- traced forwards ------------------------------------------------------------------
+    def trace_key(self, length: int) -> Hashable | None:
+        if self.keys is None:
+            return None
+        return (self.keys.shape[0], self._traced_size(length))
+
+    def _traced_size(self, length: int) -> int:
+        step = trace_capacity_step()
+        size = self.keys.shape[2]
+        if size >= self.offset + length and size % step == 0:
+            return size
+        return -(-(self.offset + length) // step) * step
+
+    def trace_inputs(self, length: int) -> list[mx.array]:
+        size = self._traced_size(length)
+        if size != self.keys.shape[2]:
+            self._resize(size)
+        arrays = [self.keys, self.values]
+        # let go, so that the traced write may reuse the buffers
+        self.keys = self.values = None
+        return arrays
+
+    def _resize(self, size: int) -> None:
+        B, H, _, Dk = self.keys.shape
+        keys = mx.zeros((B, H, size, Dk), self.keys.dtype)
+        values = mx.zeros((B, self.values.shape[1], size, self.values.shape[3]),
+                          self.values.dtype)
+        n = min(self.offset, self.keys.shape[2])
+        keys[..., :n, :] = self.keys[..., :n, :]
+        values[..., :n, :] = self.values[..., :n, :]
+        self.keys, self.values = keys, values
+
+    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> KVCache:
+        return _TracedKVCache(self, frame, arrays)
+
+    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
+              record: object) -> None:
+        self.keys, self.values = outputs
+        self.offset += length
+
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        self.keys, self.values = inputs
+
+
+class _TracedKVCache(KVCache):
+    """A :class:`KVCache` inside a traced forward: writes go into the fixed-size buffers at
+    the traced offset, reads return the whole buffers (see :class:`TraceFrame`)."""
+
+    def __init__(self, source: KVCache, frame: TraceFrame, arrays: Sequence[mx.array]) -> None:
+        super().__init__()
+        self.frame = frame
+        self.offset = frame.offset  # type: ignore[assignment]
+        self.scheduled = source.scheduled
+        self.keys, self.values = arrays
+
+    def mask(self, n: int) -> mx.array:  # type: ignore[override]
+        causal, _ = self.frame.buffer_masks(self.keys.shape[2])
+        return causal
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys, self.frame.start, (2,))
+        self.values = mx.slice_update(self.values, values, self.frame.start, (2,))
+        self.frame.hand_out(self.keys, *self.frame.buffer_masks(self.keys.shape[2]))
+        return self.keys, self.values
+
+    def trace_outputs(self) -> list[mx.array]:
+        return [self.keys, self.values]

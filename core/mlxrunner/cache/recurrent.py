@@ -15,14 +15,31 @@ the boundary actually restored is ever computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .base import Cache
+from .frame import TraceFrame
 
 #: ``capture(j)`` -> (conv tail, state) after the first ``j`` tokens of the last forward
 Capture = Callable[[int], tuple[mx.array, mx.array]]
+
+
+@dataclass(frozen=True)
+class StateCapture:
+    """A capture as a pure function of arrays: ``rebuild(j, *arrays)`` gives the conv tail
+    and state after the first ``j`` tokens. Unlike a closure over a forward's intermediate
+    arrays, it survives a traced forward: the arrays become the trace's outputs, and only
+    the boundary actually restored is ever computed. (A plain closure still works there:
+    every scheduled boundary is then computed inside the trace.)"""
+
+    rebuild: Callable[..., tuple[mx.array, mx.array]]
+    arrays: tuple[mx.array, ...]
+
+    def __call__(self, j: int) -> tuple[mx.array, mx.array]:
+        return self.rebuild(j, *self.arrays)
 
 
 class RecurrentCache(Cache):
@@ -73,3 +90,70 @@ class RecurrentCache(Cache):
         if self.recurrent_state is None:
             return []
         return [self.conv_tail, self.recurrent_state]
+
+    # -- traced forwards ------------------------------------------------------------------
+    def trace_key(self, length: int) -> Hashable | None:
+        if self.recurrent_state is None:
+            return None
+        return (self.recurrent_state.shape[0], tuple(self.snapshot_positions(length)))
+
+    def trace_inputs(self, length: int) -> list[mx.array]:
+        arrays = [self.conv_tail, self.recurrent_state]
+        self.conv_tail = self.recurrent_state = None
+        return arrays
+
+    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> RecurrentCache:
+        return _TracedRecurrentCache(self, frame, arrays)
+
+    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
+              record: object) -> None:
+        tail, state, *captured = outputs
+        positions = self.snapshot_positions(length)
+        capture: Capture | None = None
+        if positions and callable(record):  # the rebuild of a StateCapture
+            capture = StateCapture(record, tuple(captured))
+        elif positions:  # every scheduled boundary, computed inside the trace
+            states = {j: (captured[2 * i], captured[2 * i + 1]) for i, j in enumerate(positions)}
+            capture = states.__getitem__
+        self.advance(length, tail, state, capture)
+
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        self.conv_tail, self.recurrent_state = inputs
+
+
+class _TracedRecurrentCache(RecurrentCache):
+    """A :class:`RecurrentCache` inside a traced forward: the tail and state are traced
+    inputs, and :meth:`advance` records the outputs (and what a rollback needs)."""
+
+    def __init__(self, source: RecurrentCache, frame: TraceFrame,
+                 arrays: Sequence[mx.array]) -> None:
+        super().__init__()
+        self.offset = frame.offset  # type: ignore[assignment]
+        self.scheduled = source.scheduled
+        self.conv_tail, self.recurrent_state = arrays
+        self.positions = source.snapshot_positions(frame.length)
+        self.outputs: list[mx.array] = []
+        self.rebuild: Callable[..., tuple[mx.array, mx.array]] | None = None
+
+    def snapshot_positions(self, length: int) -> list[int]:
+        return list(self.positions)
+
+    def advance(self, length: int, conv_tail: mx.array, recurrent_state: mx.array,
+                capture: Capture | None = None) -> None:
+        self.outputs = [conv_tail, recurrent_state]
+        if not self.positions:
+            return
+        if capture is None:
+            raise ValueError("a forward over scheduled snapshots must hand advance a capture")
+        if isinstance(capture, StateCapture):
+            self.rebuild = capture.rebuild
+            self.outputs += list(capture.arrays)
+        else:
+            for j in self.positions:
+                self.outputs += list(capture(j))
+
+    def trace_outputs(self) -> list[mx.array]:
+        return list(self.outputs)
+
+    def trace_record(self) -> object:
+        return self.rebuild

@@ -22,9 +22,12 @@ A model that writes the buffers inside its own traced step (same layout) asks
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import mlx.core as mx
 
 from .base import Cache
+from .frame import TraceFrame
 
 
 class RingCache(Cache):
@@ -171,3 +174,81 @@ class RingCache(Cache):
     @property
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
+
+    # -- traced forwards ------------------------------------------------------------------
+    def trace_key(self, length: int) -> Hashable | None:
+        if self.keys is None or length > self.window:
+            return None
+        if length == 1:
+            # once every slot holds a position in the window, one query needs no mask
+            return (self.keys.shape[0], self.window, 1, self.offset >= self.window - 1)
+        return (self.keys.shape[0], self.window, length, self.needs_capture(length))
+
+    def trace_inputs(self, length: int) -> list[mx.array]:
+        arrays = [self.keys, self.values]
+        if not (length > 1 and self.needs_capture(length)):
+            # let go, so that the traced write may reuse the buffers (a ring that
+            # captures keeps its window before the write instead)
+            self.keys = self.values = None
+        return arrays
+
+    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> RingCache:
+        return _TracedRingCache(self, frame, arrays, self.offset >= self.window - 1,
+                                frame.length > 1 and self.needs_capture(frame.length))
+
+    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
+              record: object) -> None:
+        written = (outputs[2], outputs[3]) if len(outputs) == 4 else None
+        if written is not None:
+            self.keys, self.values = inputs
+        self.adopt_write(outputs[0], outputs[1], length, written)
+
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        self.keys, self.values = inputs
+
+
+class _TracedRingCache(RingCache):
+    """A :class:`RingCache` inside a traced forward (see :class:`TraceFrame`). One token is
+    written into its slot and attends over the ring as it stands; a block attends over the
+    ring before its write followed by itself, then is stored at its slots."""
+
+    def __init__(self, source: RingCache, frame: TraceFrame, arrays: Sequence[mx.array],
+                 full: bool, capture: bool) -> None:
+        super().__init__(source.window)
+        self.frame = frame
+        self.offset = frame.offset  # type: ignore[assignment]
+        self.scheduled = source.scheduled
+        self.keys, self.values = arrays
+        self.full = full
+        self.capture = capture
+        self.written: list[mx.array] = []
+
+    def mask(self, n: int) -> mx.array | None:  # type: ignore[override]
+        if n == 1:
+            return self.frame.ring_masks(self.window, self.full)[0]
+        return self.frame.block_ring_mask(self.window)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        frame, window = self.frame, self.window
+        if frame.length == 1:
+            slot = mx.remainder(frame.offset, window).reshape(1)
+            self.keys = mx.slice_update(self.keys, keys, slot, (2,))
+            self.values = mx.slice_update(self.values, values, slot, (2,))
+            mask = self.mask(1)
+            frame.hand_out(self.keys, mask, mask)
+            return self.keys, self.values
+        out_keys = mx.concatenate([self.keys, keys], axis=2)
+        out_values = mx.concatenate([self.values, values], axis=2)
+        slots = mx.remainder(frame.queries(), window)[None, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys,
+                                      axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape),
+                                        values, axis=2)
+        if self.capture:
+            self.written = [keys, values]
+        mask = self.mask(frame.length)
+        frame.hand_out(out_keys, mask, mask)
+        return out_keys, out_values
+
+    def trace_outputs(self) -> list[mx.array]:
+        return [self.keys, self.values, *self.written]

@@ -35,10 +35,15 @@ _EXPORTS: dict[str, str] = {
     "SpeculativeStats": "speculative",
     "can_speculate": "speculative",
     "decide": "speculative",
-    "penalties_active": "speculative",
+    "penalties_active": "sampler",
     "run_round": "speculative",
     "speculative_generate": "speculative",
     "speculative_stream": "speculative",
+    # the compiled step
+    "forward": "step",
+    "compiled_steps": "step",
+    "CompiledSteps": "step",
+    "agree": "step",
     # either
     "generate": "generation",
 }

@@ -1,9 +1,10 @@
 """Plain decoding: prefill in chunks, then one token per target forward.
 
 The sampler is the same pipeline the speculative round uses; greedy is its
-point-mass case. Tokens stream as soon as they are known, while the next
-forward is already queued (MLX evaluates lazily, so the host sync of token t
-overlaps the graph of token t+1).
+point-mass case. Each decode step goes through the core's compiled step
+(:func:`mlxrunner.decode.step.forward`). The step for token t+1 is queued from the
+still-lazy token t before the host reads t, so the device never waits for the host
+between steps (unless repetition penalties need the history on the host first).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 import mlx.core as mx
 
 from ..model.interface import Model
-from .sampler import Sampler
+from .sampler import Sampler, penalties_active
+from .step import forward
 
 PREFILL_CHUNK = 512
 
@@ -117,27 +119,35 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
 
     token, info = pick(logits)
     mx.async_eval(token)
-    first = True
+    # without penalties a step needs no token on the host: queue it from the lazy one
+    pipelined = not penalties_active(sampler.options)
+
+    def step(ids: mx.array) -> tuple[mx.array, Any]:
+        stats.target_forwards += 1
+        following = pick(forward(model, ids, cache)[:, -1, :])
+        mx.async_eval(following[0])
+        return following
+
     t_decode = time.perf_counter()
     try:
         for n in range(max_tokens):
-            next_token = next_info = None
+            more = n + 1 < max_tokens
+            following = step(token.reshape(1, 1).astype(mx.int32)) if pipelined and more \
+                else None
             value = int(token.item())
-            if first:
+            if n == 0:
                 stats.prefill_seconds = time.perf_counter() - t0
                 t_decode = time.perf_counter()
-                first = False
             history.append(value)
-            if n + 1 < max_tokens and value not in eos_ids:
-                logits = model(mx.array([[value]], dtype=mx.int32), cache)[:, -1, :]
-                stats.target_forwards += 1
-                next_token, next_info = pick(logits)
-                mx.async_eval(next_token)
+            if value in eos_ids:
+                more = False
+            elif more and following is None:
+                following = step(mx.array([[value]], dtype=mx.int32))
             stats.generated_tokens += 1
             yield value, _logprob_dict(info)
-            if value in eos_ids or next_token is None:
+            if not more:
                 break
-            token, info = next_token, next_info
+            token, info = following
     finally:  # also when the consumer stops early
         stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
 

@@ -277,3 +277,10 @@ def _padding_copies(changed: mx.array, present: mx.array) -> mx.array:
     """Padding entries (count 0) take the value of the row's first entry, which shares
     their id; a row with no history at all has entry 0 unchanged (not present)."""
     return mx.where(present, changed, changed[:, :1])
+
+
+def penalties_active(options: SamplerOptions) -> bool:
+    """Whether p depends on the history (then drafts must reach the host before p)."""
+    return options.repeat_last_n != 0 and (
+        options.repeat_penalty != 1.0 or options.presence_penalty != 0.0
+        or options.frequency_penalty != 0.0)

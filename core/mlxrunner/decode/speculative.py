@@ -31,7 +31,8 @@ import mlx.core as mx
 from ..model.distribution import Distribution
 from .options import SamplerOptions
 from .plain import GenerationResult, prefill
-from .sampler import Sampler
+from .sampler import Sampler, penalties_active
+from .step import forward
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..cache import Cache
@@ -42,13 +43,6 @@ if TYPE_CHECKING:  # pragma: no cover
 def can_speculate(options: SamplerOptions) -> bool:
     """Whether a request may draft: logprob requests decode without drafting."""
     return not (options.logprobs or options.top_logprobs)
-
-
-def penalties_active(options: SamplerOptions) -> bool:
-    """Whether p depends on the history (then drafts must reach the host before p)."""
-    return options.repeat_last_n != 0 and (
-        options.repeat_penalty != 1.0 or options.presence_penalty != 0.0
-        or options.frequency_penalty != 0.0)
 
 
 # -- statistics ----------------------------------------------------------------------
@@ -306,7 +300,7 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
     offsets = range(pos + 1, pos + n + 1)
     for cache in live:
         cache.schedule_snapshots(offsets)
-    logits, tapped = model(ids, caches, taps=taps)
+    logits, tapped = forward(model, ids, caches, taps)
     logits = logits[0]
     # the device runs the verify forward while the host builds the decision (MLX would
     # otherwise submit its last operations only at the round's sync)

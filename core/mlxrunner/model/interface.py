@@ -32,6 +32,17 @@ class Model(nn.Module):
     def __init__(self, config: dict[str, Any]) -> None:  # noqa: ARG002
         super().__init__()
 
+    # -- weights ------------------------------------------------------------
+    # The core traces this model's decode steps (mlxrunner.decode.step); a trace holds the
+    # weight arrays it read, so new weights drop the traces.
+    def update(self, parameters: dict, strict: bool = True) -> Model:
+        self.__dict__.pop("_mlxrunner_steps", None)
+        return super().update(parameters, strict=strict)
+
+    def update_modules(self, modules: dict, strict: bool = True) -> Model:
+        self.__dict__.pop("_mlxrunner_steps", None)
+        return super().update_modules(modules, strict=strict)
+
     # -- loading -----------------------------------------------------------
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map checkpoint names to this module's names; drop what is not used."""

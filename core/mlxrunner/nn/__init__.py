@@ -1,40 +1,72 @@
-"""What architectures compose their layers from: attention over cache buffers, linear
-products, kernel self-checks and switches, trace constants (``mlxrunner.nn``, public).
+"""The layers architectures compose (``mlxrunner.nn``, public for plugin authors).
 
-Each call picks MLX's operations, fast operations or our kernels for the device it runs on,
-with one self-check and a fallback. Names outside ``__all__`` are internal (the tests' view
-of the CUDA paths).
+Each picks MLX's operations, MLX's fast operations or our fused kernels for the device it
+runs on, with one self-check and fallback for every kernel (:func:`serves`); weights that
+are packed or transposed for speed are derived once and keep their checkpoint names. An
+architecture built from these layers reads as its math; the core traces its decode step
+(as it traces any architecture's).
 """
 
 from __future__ import annotations
 
-from .attention import ATTEND_SOURCE as ATTEND_SOURCE
-from .attention import ATTEND_THREADS as ATTEND_THREADS
-from .attention import ENV_SWITCH as ENV_SWITCH
-from .attention import FOLD_MAX_QUERIES as FOLD_MAX_QUERIES
-from .attention import attend, prepare_attend
-from .attention import folded_attention as folded_attention
-from .attention import keys_at_once as keys_at_once
-from .attention import mode as mode
-from .kernels import ROW_PRODUCT_MAX_ROWS as ROW_PRODUCT_MAX_ROWS
+from ..constants import arange_constant, constant
+from .attention import KV, attend, folded_attention, prepare_attend, store
+from .deltanet import GatedDeltaNet, chunked_gated_delta
+from .derived import derived
+from .embedding import Embedding, QuantizedEmbedding
 from .kernels import (
-    arange_constant,
     check_kernel,
-    constant,
+    kernel_allowed,
     on_cuda,
     outputs_agree,
     project,
+    serves,
     switch_allows,
 )
+from .linear import Linear, QuantizedLinear, apply_linear, joined_linears, linears
+from .mlp import ACTIVATIONS, GatedMLP, gelu_tanh_mul, silu_mul, softcap
+from .moe import ExpertLinear, QuantizedExpertLinear, experts_glu
+from .norm import RMSNorm, gated_rms_norm, rms_norm
+from .rope import RoPE, RopeConfigError
+from .taps import Taps
 
 __all__ = [
+    "ACTIVATIONS",
+    "KV",
+    "Embedding",
+    "ExpertLinear",
+    "GatedDeltaNet",
+    "GatedMLP",
+    "Linear",
+    "QuantizedEmbedding",
+    "QuantizedExpertLinear",
+    "QuantizedLinear",
+    "RMSNorm",
+    "RoPE",
+    "RopeConfigError",
+    "Taps",
+    "apply_linear",
     "arange_constant",
     "attend",
     "check_kernel",
+    "chunked_gated_delta",
     "constant",
+    "derived",
+    "experts_glu",
+    "folded_attention",
+    "gated_rms_norm",
+    "gelu_tanh_mul",
+    "joined_linears",
+    "kernel_allowed",
+    "linears",
     "on_cuda",
     "outputs_agree",
     "prepare_attend",
     "project",
+    "rms_norm",
+    "serves",
+    "silu_mul",
+    "softcap",
+    "store",
     "switch_allows",
 ]

@@ -12,32 +12,68 @@ query scaled first, a float32 softmax, the products in the inputs' type) with no
 broadcast batch; or, where it passed its self-check (:func:`prepare_attend`, called
 before tracing), as one fused kernel: a thread block per query row, its warps taking keys
 in turn with an online softmax, merged at the end. Elsewhere, and for longer blocks
-(prompts), it is MLX's function. ``MLXRUNNER_ATTENTION``: ``kernel`` (the default),
-``folded`` (never the kernel) or ``mlx`` (always MLX's function), to compare.
+(prompts), it is MLX's function. ``MLXRUNNER_ATTENTION`` (:mod:`mlxrunner.settings`):
+``kernel`` (the default), ``folded`` (never the kernel) or ``mlx`` (always MLX's
+function), to compare.
+
+:func:`store` files a layer's new keys and values in its cache and returns what the layer's
+queries attend over, with the mask that goes with it: the one way an architecture reaches
+its cache, whatever the cache kind, and inside a traced forward too.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..errors import MLXRunnerError
-from .kernels import check_kernel, constant, on_cuda
+from .. import settings
+from ..cache import Cache
+from ..constants import arange_constant, constant
+from .kernels import on_cuda, serves
 
+#: MLX's function, as imported (a traced forward stands another in for it while it traces)
+mlx_attention = mx.fast.scaled_dot_product_attention
 #: the longest query block :func:`attend` folds (longer ones are prompts)
 FOLD_MAX_QUERIES = 16
-ENV_SWITCH = "MLXRUNNER_ATTENTION"
-MODES = ("kernel", "folded", "mlx")
 
 
 def mode() -> str:
-    """``MLXRUNNER_ATTENTION``'s value (default ``kernel``); any other value is refused."""
-    value = os.environ.get(ENV_SWITCH, "kernel").strip() or "kernel"
-    if value not in MODES:
-        raise MLXRunnerError(f"{ENV_SWITCH}={value!r}: use one of {', '.join(MODES)}")
-    return value
+    """How short blocks attend on CUDA: ``kernel``, ``folded`` or ``mlx``."""
+    return settings.current().attention
+
+
+class KV(NamedTuple):
+    """What a layer's queries attend over: keys ``[B, Hk, S, D]``, values ``[B, Hk, S, Dv]``
+    and the mask for :func:`attend` (None, "causal" or a boolean ``[L, S]`` array). A layer
+    that shares another layer's keys and values reuses that layer's ``KV``."""
+
+    keys: mx.array
+    values: mx.array
+    mask: mx.array | str | None
+
+
+def store(cache: Cache | None, keys: mx.array, values: mx.array,
+          window: int | None = None) -> KV:
+    """File new keys and values ``[B, Hk, L, D]`` in ``cache`` (a KV cache or a ring) and
+    return all its keys and values with the causal mask of the ``L`` new queries over
+    them. Without a cache the block attends over itself (``window``: a sliding window,
+    which a ring otherwise knows)."""
+    n = keys.shape[2]
+    if cache is None:
+        return KV(keys, values, _causal(n, window))
+    mask = cache.mask(n)  # before the write: a ring's mask depends on what it held
+    keys, values = cache.update_and_fetch(keys, values)
+    return KV(keys, values, mask)
+
+
+def _causal(n: int, window: int | None) -> mx.array | str | None:
+    if n == 1:
+        return None
+    if window is None or n <= window:
+        return "causal"
+    rows = arange_constant(n)
+    return (rows[None] <= rows[:, None]) & (rows[None] > rows[:, None] - window)
 
 
 _cuda_default = on_cuda  # (tests stand in for it here)
@@ -72,17 +108,18 @@ def folded_attention(q: mx.array, keys: mx.array, values: mx.array, *, scale: fl
     return (probs @ values).reshape(B, Hq, L, values.shape[-1])
 
 
-def attend(q: mx.array, keys: mx.array, values: mx.array, *, scale: float,
-           mask: mx.array | str | None = None) -> mx.array:
+def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str | None = None,
+           *, scale: float) -> mx.array:
     """Attention of queries ``q [B, Hq, L, D]`` over ``keys [B, Hk, S, D]`` and ``values
     [B, Hk, S, Dv]`` (query head ``h`` reads key/value head ``h // (Hq // Hk)``), as
-    ``mx.fast.scaled_dot_product_attention`` with the same arguments; ``[B, Hq, L, Dv]``."""
+    ``mx.fast.scaled_dot_product_attention`` with the same arguments; ``[B, Hq, L, Dv]``.
+    ``attend(q, *store(cache, k, v), scale=...)`` attends over a layer's cache."""
     chosen = mode()
     if chosen != "mlx" and _short_block_on_cuda(q, keys, mask):
-        if chosen == "kernel" and _verdicts.get(_case(q, keys, values, mask)):
+        if chosen == "kernel" and _kernel_serves(q, keys, values, mask):
             return _launch(q, keys, values, scale, mask)
         return folded_attention(q, keys, values, scale=scale, mask=mask)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return mlx_attention(q, keys, values, scale=scale, mask=mask)
 
 
 # -- the fused kernel ---------------------------------------------------------------------
@@ -217,7 +254,6 @@ def keys_at_once(head_dim: int, value_dim: int) -> int:
 
 
 _kernel: Any = None
-_verdicts: dict[tuple[Any, ...], bool] = {}
 
 
 def _mask_kind(mask: mx.array | None) -> int:
@@ -265,31 +301,39 @@ def _kernel_applies(q: mx.array, keys: mx.array, values: mx.array,
             and (mask is None or mask.shape[-1] == keys.shape[2]))
 
 
+def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
+                   mask: mx.array | None) -> bool:
+    """Whether the fused kernel serves this case (settled by a self-check on random inputs
+    of its shapes, the first time)."""
+    if not (_kernel_applies(q, keys, values, mask)
+            and settings.current().kernel_allowed("attention")):
+        return False
+    heads, kv_heads, head_dim, value_dim, dtype, kind, length = _case(q, keys, values, mask)
+    scale = head_dim ** -0.5
+
+    def probe() -> tuple[mx.array, ...]:
+        S = 67  # not a multiple of the warps: some take one key fewer
+        parts = mx.random.split(mx.random.key(2024), 4)
+        pq = mx.random.normal((1, heads, length, head_dim), key=parts[0]).astype(dtype)
+        pk = mx.random.normal((1, kv_heads, S, head_dim), key=parts[1]).astype(dtype)
+        pv = mx.random.normal((1, kv_heads, S, value_dim), key=parts[2]).astype(dtype)
+        keep = mx.random.uniform(shape=(length, S), key=parts[3]) < 0.7
+        keep = keep | (mx.arange(S)[None] == mx.arange(length)[:, None])  # a key per row
+        return pq, pk, pv, (None, keep[0], keep)[kind]
+
+    return serves("attention", _case(q, keys, values, mask),
+                  lambda p: _launch(*p[:3], scale, p[3]),
+                  lambda p: folded_attention(*p[:3], scale=scale, mask=p[3]), probe,
+                  2e-3 if dtype == mx.float32 else 5e-2, against="MLX's operations")
+
+
 def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, length: int,
                    dtype: mx.Dtype) -> None:
-    """Settle eagerly whether :func:`attend` uses its fused kernel for query blocks of
-    ``length`` rows with these heads and dtype, for every mask kind (none, one row, one
-    per query): on CUDA each runs once beside :func:`folded_attention` on random inputs;
-    an error or a mismatch keeps the folded form (one warning). Call it before tracing a
-    function that calls :func:`attend`; elsewhere it does nothing."""
-    if mode() != "kernel" or not _cuda_default():
-        return
-    S = 67  # not a multiple of the warps: some take one key fewer
-    scale = head_dim ** -0.5
-    keys_ = mx.random.split(mx.random.key(2024), 4)
-    q = mx.random.normal((1, heads, length, head_dim), key=keys_[0]).astype(dtype)
-    k = mx.random.normal((1, kv_heads, S, head_dim), key=keys_[1]).astype(dtype)
-    v = mx.random.normal((1, kv_heads, S, value_dim), key=keys_[2]).astype(dtype)
-    keep = mx.random.uniform(shape=(length, S), key=keys_[3]) < 0.7
-    keep = keep | (mx.arange(S)[None] == mx.arange(length)[:, None])  # a key for every row
-    for mask in (None, keep[0], keep):
-        if not _kernel_applies(q, k, v, mask):
-            continue
-        case = _case(q, k, v, mask)
-        if case in _verdicts:
-            continue
-        _verdicts[case] = check_kernel(
-            "mlxrunner: fused attention kernel",
-            lambda mask=mask: _launch(q, k, v, scale, mask),
-            lambda mask=mask: folded_attention(q, k, v, scale=scale, mask=mask),
-            tolerance=2e-3 if dtype == mx.float32 else 5e-2)
+    """Settle now whether :func:`attend` uses its fused kernel for query blocks of
+    ``length`` rows with these heads and dtype, for every mask kind (the check otherwise
+    runs at first use, which may be inside a trace: that is fine too)."""
+    q = mx.zeros((1, heads, length, head_dim), dtype)
+    k = mx.zeros((1, kv_heads, 67, head_dim), dtype)
+    v = mx.zeros((1, kv_heads, 67, value_dim), dtype)
+    for mask in (None, mx.zeros((67,), mx.bool_), mx.zeros((length, 67), mx.bool_)):
+        _kernel_serves(q, k, v, mask)

@@ -1,22 +1,26 @@
-"""For plugins that fuse operations into custom (CUDA) kernels: the first-use check that
-decides whether a kernel may serve.
+"""Fused kernels and the one mechanism that decides whether one may serve; the products
+every linear layer runs through.
 
-A fused kernel must never decide an output alone. On the first use of each shape and dtype,
-run it beside the MLX operations it replaces on random inputs: :func:`check_kernel` does
-that, and any error (a source that does not compile, a launch the backend refuses) or
-mismatch keeps the operations, with one warning (logger ``mlxrunner.nn``; the CLI prints
-it on stderr). Call it eagerly, before tracing: it evaluates arrays.
+A fused kernel never decides an output alone. The first time a case (shapes, dtypes,
+sizes) is asked for, :func:`serves` runs it beside the MLX operations it replaces on probe
+inputs of that case; any error (a source that does not compile, a launch the backend
+refuses) or mismatch keeps the operations for that case, with one warning (logger
+``mlxrunner.nn``; the CLI prints it on stderr). The check depends on the probe inputs
+alone, so it may run while a forward is being traced. ``MLXRUNNER_KERNELS`` (see
+:mod:`mlxrunner.settings`) turns kernels off by name.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Collection, Sequence
-from functools import cache
+from collections.abc import Callable, Collection, Hashable, Sequence
+from typing import Any
 
 import mlx.core as mx
 
+from .. import settings
+from ..constants import constant
 from ..errors import MLXRunnerError
 
 log = logging.getLogger("mlxrunner.nn")
@@ -31,28 +35,8 @@ def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
-@cache
-def constant(values: tuple[int | float | bool, ...], dtype: mx.Dtype) -> mx.array:
-    """``mx.array(values, dtype)``, made and evaluated once per (values, dtype). A traced
-    (``mx.compile``) function holds it as a constant instead of replaying the operation
-    that makes it on every call, and a kernel input made this way is not copied from the
-    host on every launch."""
-    array = mx.array(values, dtype=dtype)
-    mx.eval(array)
-    return array
-
-
 #: on CUDA, products of 2..this many rows run as one-row products (see :func:`project`)
 ROW_PRODUCT_MAX_ROWS = 16
-#: "0" turns :func:`project`'s one-row products off (for A/B benchmarks); read once
-ROW_PRODUCT_SWITCH = "MLXRUNNER_ROW_PRODUCTS"
-
-
-@cache
-def _row_products_allowed() -> bool:
-    return os.environ.get(ROW_PRODUCT_SWITCH, "1").strip() != "0"
-
-
 def project(x: mx.array, weight_t: mx.array, residual: mx.array | None = None) -> mx.array:
     """``x @ weight_t`` (``+ residual``): activation rows ``x [..., K]`` times a weight held as
     the transposed view of a row-major ``[N, K]`` matrix (``linear.weight.T``), giving
@@ -74,20 +58,12 @@ def project(x: mx.array, weight_t: mx.array, residual: mx.array | None = None) -
     rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
     if not (cuda and 1 < rows <= ROW_PRODUCT_MAX_ROWS and weight_t.ndim == 2
             and x.shape[-1] % 32 == 0 and x.dtype == weight_t.dtype
-            and _row_products_allowed()):
+            and settings.current().row_products):
         return x @ weight_t
     lhs = constant(tuple(range(rows)), mx.uint32)
     rhs = constant((0,) * rows, mx.uint32)
     out = mx.gather_mm(x.reshape(rows, 1, x.shape[-1]), weight_t[None], lhs, rhs)
     return out.reshape(*x.shape[:-1], weight_t.shape[-1])
-
-
-@cache
-def arange_constant(n: int) -> mx.array:
-    """``mx.arange(n)`` (int32), made and evaluated once per ``n`` (see :func:`constant`)."""
-    array = mx.arange(n, dtype=mx.int32)
-    mx.eval(array)
-    return array
 
 
 def _as_list(outputs: Outputs) -> list[mx.array | None]:
@@ -132,6 +108,32 @@ def check_kernel(label: str, kernel: Callable[[], Outputs], reference: Callable[
         log.warning("%s disagrees with %s; using %s", label, against, against)
         return False
     return True
+
+
+_verdicts: dict[tuple[str, Hashable], bool] = {}
+
+
+def kernel_allowed(name: str) -> bool:
+    """Whether the core's fused kernel ``name`` may run at all: on MLX's CUDA backend and
+    not turned off (``MLXRUNNER_KERNELS``)."""
+    return on_cuda() and settings.current().kernel_allowed(name)
+
+
+def serves(name: str, case: Hashable, kernel: Callable[[Any], Outputs],
+           reference: Callable[[Any], Outputs], probe: Callable[[], Any], tolerance: float,
+           against: str = "MLX's operations") -> bool:
+    """Whether fused kernel ``name`` may serve ``case``: settled once per case, the first
+    time it is asked, by :func:`check_kernel` on ``kernel(probe())`` beside
+    ``reference(probe())`` (the probe: random inputs with the case's shapes and dtypes).
+    The caller checks :func:`kernel_allowed` first."""
+    key = (name, case)
+    verdict = _verdicts.get(key)
+    if verdict is None:
+        inputs = probe()
+        verdict = _verdicts[key] = check_kernel(
+            f"mlxrunner: fused {name} kernel", lambda: kernel(inputs),
+            lambda: reference(inputs), tolerance, against)
+    return verdict
 
 
 def switch_allows(variable: str, name: str, known: Collection[str]) -> bool:

@@ -22,6 +22,9 @@ Checks:
   (transformers' ``output_hidden_states``, entry ``t + 1`` for layer ``t``).
 - :func:`check_cache_rollback`: the speculative round's snapshot / restore leaves every
   cache exactly as a plain run over the committed tokens would.
+- :func:`check_compiled_step`: the core's traced forwards (decode steps, verify blocks with
+  rollback) give what the eager forward gives, and are actually used (``run_conformance``
+  names it only where the model's caches can be traced).
 - :func:`run_conformance`: all of the above on random prompts.
 - ``check_speculative_greedy``: defined in :mod:`mlxrunner.testing.speculative`
   and re-exported here (see "hook-in point" at the end of this module).
@@ -43,11 +46,16 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .. import settings
 from ..cache import Cache
+from ..decode.step import compiled_steps, forward
 from ..model.interface import Model
 
 __all__ = [
+    "compiled_steps",
+    "forward",
     "check_cache_rollback",
+    "check_compiled_step",
     "check_prefill_decode",
     "check_taps",
     "check_taps_against",
@@ -425,6 +433,77 @@ def check_cache_rollback(model: Model, prompt_ids: IdsLike, draft_len: int,
 
 # -- everything ----------------------------------------------------------------
 
+def check_compiled_step(model: Model, prompt_ids: IdsLike, *, steps: int = 5, block: int = 4,
+                        rounds: int = 4, taps: Sequence[int] | None = None,
+                        atol: float = DEFAULT_ATOL, seed: int = 0,
+                        require_replay: bool = True) -> int:
+    """The core's traced forwards equal the eager forward and serve: after a prefill of
+    ``prompt_ids``, ``steps`` one-token steps, ``rounds`` verify blocks of ``block`` tokens
+    (snapshots scheduled, taps requested, rolled back to random accepted counts), then
+    ``steps`` more steps; each forward's logits (and taps) through the compiled step are
+    compared with the same forward run eagerly on caches of their own. Returns how many
+    forwards replayed a trace (with ``require_replay``, AssertionError when none did: tracing
+    did not apply, e.g. a cache class of the plugin's own, or switched itself off)."""
+    ids = _as_ids(prompt_ids)
+    vocab = model.vocab_size
+    rng = np.random.default_rng(seed)
+    use_taps = getattr(model, "supports_taps", True)
+    chosen = (default_taps(model.num_layers) if taps is None else list(taps)) if use_taps \
+        else None
+    script: list[tuple[mx.array, int]] = []  # (ids, tokens to keep) per forward
+    for _ in range(steps):
+        script.append((random_prompt(vocab, ids.shape[0], 1, int(rng.integers(1 << 30))), 1))
+    for _ in range(rounds):
+        keep = int(rng.integers(1, block + 1))
+        script.append((random_prompt(vocab, ids.shape[0], block, int(rng.integers(1 << 30))),
+                       keep))
+    for _ in range(steps):
+        script.append((random_prompt(vocab, ids.shape[0], 1, int(rng.integers(1 << 30))), 1))
+
+    def run(compiled: bool) -> list[Any]:
+        outs = []
+        with settings.overridden(compile=compiled):
+            caches = _fresh_caches(model)
+            _forward(model, ids, caches)
+            offset = ids.shape[1]
+            for step_ids, keep in script:
+                n = step_ids.shape[1]
+                live = [c for _, c in _live(caches)]
+                for c in live:
+                    c.schedule_snapshots(range(offset + 1, offset + n))
+                with_taps = n > 1 and chosen is not None
+                out = forward(model, step_ids, caches, chosen if with_taps else None)
+                arrays = list(out) if with_taps else [out]
+                mx.eval(*arrays, *[a for c in live for a in c.state])
+                outs.append(arrays)
+                if keep < n:
+                    for c in live:
+                        c.restore(offset + keep)
+                for c in live:
+                    c.discard_snapshots()
+                offset += keep
+        return outs
+
+    steps_before = compiled_steps(model)
+    steps_before.clear()
+    steps_before.enabled = True
+    eager, traced = run(False), run(True)
+    for i, (want, got) in enumerate(zip(eager, traced)):
+        for j, (w, g) in enumerate(zip(want, got)):
+            what = ("logits", "taps")[j]
+            _assert_close(g, w, atol, f"compiled step: forward {i} ({script[i][0].shape[1]} "
+                          f"tokens) {what}")
+    states = compiled_steps(model)
+    if not states.enabled:
+        raise AssertionError("compiled step: tracing switched itself off (see the warning "
+                             "logged by mlxrunner.decode)")
+    replays = states.replays()
+    if replays == 0 and require_replay:
+        raise AssertionError("compiled step: no forward replayed a trace (the caches' "
+                             "trace_key said None, or tracing does not apply)")
+    return replays
+
+
 def run_conformance(model: Model, *, seed: int = 0, batch: int = 1, prompt_len: int = 12,
                     draft_len: int = 4, accepted: int | Sequence[int] | None = None,
                     rounds: int = 3, taps: Sequence[int] | None = None,
@@ -458,6 +537,9 @@ def run_conformance(model: Model, *, seed: int = 0, batch: int = 1, prompt_len: 
                     )[:rounds]
     check_cache_rollback(model, prompt, draft_len, accepted, atol, seed=seed)
     ran.append("cache_rollback")
+    if check_compiled_step(model, prompt, block=draft_len + 1, atol=atol, seed=seed,
+                           require_replay=False):
+        ran.append("compiled_step")
     if draft_factory is not None:
         _speculative_check()(model, draft_factory, prompt_ids=prompt, seed=seed)
         ran.append("speculative_greedy")

@@ -443,8 +443,6 @@ def to_hf_weights(model: mlxrunner.Model, dtype: mx.Dtype) -> dict[str, mx.array
         value = value.astype(mx.float32)
         if name.endswith("conv1d.weight") and value.ndim == 3:
             value = value.swapaxes(1, 2)  # MLX [C, K, 1] -> Hugging Face [C, 1, K]
-        if name == "model.norm.weight" or name.endswith(ZERO_CENTRED):
-            value = value - 1.0  # Hugging Face stores w of (1 + w)
         out[name] = value.astype(dtype)
     return out
 

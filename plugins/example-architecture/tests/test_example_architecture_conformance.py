@@ -34,7 +34,7 @@ def model_named(name: str) -> mlxrunner.Model:
 @pytest.mark.parametrize("name", NAMES)
 def test_conformance(name):
     ran = run_conformance(model_named(name), batch=2, prompt_len=10, draft_len=4, rounds=4)
-    assert ran == ["prefill_decode", "taps+layer_index", "cache_rollback"]
+    assert ran == ["prefill_decode", "taps+layer_index", "cache_rollback", "compiled_step"]
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

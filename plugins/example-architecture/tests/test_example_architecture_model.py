@@ -91,10 +91,10 @@ def test_config_reading():
     base = json.loads((fixtures.fixture_path("tiny-example-llama") / "config.json").read_text())
     model = ExampleLlama(base)
     assert (model.num_layers, model.vocab_size, model.hidden_size) == (3, 64, 32)
-    assert model.cfg.rope_theta == 500.0 and model.cfg.num_key_value_heads == 2
+    assert model.layers[0].self_attn.rope.base == 500.0 and model.cfg.num_key_value_heads == 2
     # Configs written before transformers 5 keep rope_theta at the top level.
     old = {k: v for k, v in base.items() if k != "rope_parameters"} | {"rope_theta": 123.0}
-    assert ExampleLlama(old).cfg.rope_theta == 123.0
+    assert ExampleLlama(old).layers[0].self_attn.rope.base == 123.0
     assert len(model.make_cache()) == 3
     assert all(isinstance(c, mlxrunner.KVCache) for c in model.make_cache())
 
@@ -102,8 +102,8 @@ def test_config_reading():
 @pytest.mark.parametrize("change, message", [
     ({"hidden_size": None}, "config.json lacks 'hidden_size'"),
     ({"hidden_act": "gelu"}, "hidden_act 'silu' only, got 'gelu'"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}},
-     "rope_type 'default' only, got 'llama3'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1.0}},
+     "example_llama: unsupported rope_type 'dynamic'"),
 ])
 def test_unsupported_configs_are_one_line_errors(change, message):
     config = json.loads((fixtures.fixture_path("tiny-example-llama") / "config.json").read_text())
@@ -134,7 +134,7 @@ def test_model_type_alone_finds_the_architecture(tmp_path):
 
 def test_taps_outside_the_layers_are_rejected():
     model = mlxrunner.load_model(fixtures.fixture_path("tiny-example-llama-tied"))
-    with pytest.raises(ValueError, match=r"tap layers \[2\] are outside 0..1"):
+    with pytest.raises(ValueError, match=r"tap layers \[2\] out of range 0..1"):
         model(mx.array([[1, 2]]), taps=[0, 2])
 
 

@@ -1,0 +1,99 @@
+"""What the caches of one traced forward share: the offset as a traced value, and the
+attention masks over fixed-size buffers that go with the keys they hand out.
+
+A traced forward (the core's compiled decode step and verify block) runs with every cache
+replaced by a stand-in of the same class: its ``offset`` is a traced int32 scalar, its
+buffers have a fixed size (so one trace serves every offset until a buffer grows), and
+what it hands out from ``update_and_fetch`` is the whole buffer. Attention over a whole
+buffer needs a validity mask; the stand-in registers the keys it handed out with the mask
+that makes them exact, and :meth:`TraceFrame.mask_for` finds it again (the model's own
+``mask`` argument, "causal" or None, described the exact-length keys of an eager forward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..constants import arange_constant
+
+
+class Untraceable(Exception):
+    """This forward cannot be traced (it runs eagerly): what the model did with a cache
+    stand-in has no traced equivalent."""
+
+
+class TraceFrame:
+    """One traced forward of ``length`` tokens starting at the traced ``offset``."""
+
+    def __init__(self, offset: mx.array, length: int) -> None:
+        self.offset = offset
+        self.start = offset.reshape(1)
+        self.length = length
+        self._masks: dict[Any, mx.array] = {}
+        # id(keys) -> (keys, causal mask, all-valid mask): keys a stand-in handed out
+        self._handed: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
+
+    # -- masks -------------------------------------------------------------------------
+    def queries(self) -> mx.array:
+        """Positions of the forward's tokens ``[L]``."""
+        if "queries" not in self._masks:
+            self._masks["queries"] = self.offset + arange_constant(self.length)
+        return self._masks["queries"]
+
+    def buffer_masks(self, size: int) -> tuple[mx.array, mx.array]:
+        """For a buffer whose slot ``j`` holds position ``j``: (causal ``[L, size]``,
+        written ``[1, size]``)."""
+        key = ("buffer", size)
+        if key not in self._masks:
+            slots = arange_constant(size)
+            causal = slots[None] <= self.queries()[:, None]
+            written = slots[None] < self.offset + self.length
+            self._masks[key] = (causal, written)
+        return self._masks[key]
+
+    def ring_masks(self, window: int, full: bool) -> tuple[mx.array | None, mx.array]:
+        """A one-token write into a ring of ``window`` slots, then attention over the ring
+        as it stands: (mask or None once every slot is in the window, same)."""
+        if self.length != 1:
+            raise ValueError("ring_masks is for one-token forwards")
+        if full:
+            return None, None
+        key = ("ring1", window)
+        if key not in self._masks:
+            self._masks[key] = (arange_constant(window) <= self.offset)[None]
+        return self._masks[key], self._masks[key]
+
+    def block_ring_mask(self, window: int) -> mx.array:
+        """A block of L <= window tokens attends over the ring before its write (slot
+        ``s`` holds position ``(offset - 1) - ((offset - 1 - s) mod window)``, negative
+        where never written) followed by the block itself: ``[L, window + L]``."""
+        key = ("ring", window)
+        if key not in self._masks:
+            slots = arange_constant(window)
+            held = (self.offset - 1) - mx.remainder(self.offset - 1 - slots, window)
+            pos = mx.concatenate([held, self.queries()])
+            q = self.queries()[:, None]
+            self._masks[key] = (pos >= 0) & (pos <= q) & (pos > q - window)
+        return self._masks[key]
+
+    # -- keys handed out ------------------------------------------------------------------
+    def hand_out(self, keys: mx.array, causal: mx.array | None,
+                 written: mx.array | None) -> None:
+        self._handed[id(keys)] = (keys, causal, written)
+
+    def mask_for(self, keys: mx.array, mask: Any) -> Any:
+        """The mask that makes attention of this forward's queries over ``keys`` (as handed
+        out by a stand-in) what the eager forward's attention with ``mask`` computes."""
+        entry = self._handed.get(id(keys))
+        if entry is None or entry[0] is not keys:
+            return mask
+        _, causal, written = entry
+        if isinstance(mask, str) and mask == "causal":
+            return causal
+        if mask is None:
+            return written
+        if mask is causal or mask is written:
+            return mask
+        raise Untraceable("an attention mask the model built itself over cached keys")

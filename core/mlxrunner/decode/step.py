@@ -1,0 +1,277 @@
+"""One compiled decode step for every architecture.
+
+A forward of up to ``MAX_TRACED`` tokens through filled caches (a decode step, a
+speculative verify block) is traced once with ``mx.compile`` and replayed: a step then
+costs one call from Python instead of building hundreds of graph nodes, and MLX fuses
+its elementwise chains. The model is not asked to help: it runs unchanged on stand-ins of
+its caches (see ``mlxrunner.cache``: a traced offset, fixed-size buffers, masks that make
+attention over a whole buffer exact), so an architecture written in plain ``mlx.nn``
+gets the compiled step too.
+
+Each traced forward is checked against the eager forward at its first call and at its
+first replay (a Python value the trace baked in shows only then); any error while tracing,
+or any disagreement, turns tracing off for that model with one warning, and the eager
+forward's result is used. ``MLXRUNNER_COMPILE=0`` (:mod:`mlxrunner.settings`) runs every
+forward eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import contextmanager
+from copy import copy
+from typing import Any
+
+import mlx.core as mx
+
+from .. import settings
+from ..cache import TraceFrame
+from ..nn import attend
+from ..nn.attention import mlx_attention
+
+log = logging.getLogger("mlxrunner.decode")
+
+#: forwards of up to this many tokens through filled caches are traced; longer ones (prompts)
+#: run eagerly
+MAX_TRACED = 16
+
+Result = tuple[mx.array, mx.array | None]
+#: where a model keeps its CompiledSteps (outside its parameter tree)
+ATTRIBUTE = "_mlxrunner_steps"
+
+
+def forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
+            taps: Sequence[int] | None = None) -> Any:
+    """``model(ids, caches)`` (``taps=taps``: ``(logits, tapped)``), through a traced forward
+    where one applies (see the module)."""
+    taps = None if taps is None else tuple(int(t) for t in taps)
+    if caches is not None and settings.current().compile:
+        result = compiled_steps(model).forward(ids, caches, taps)
+        if result is not None:
+            return result[0] if taps is None else result
+    return model(ids, caches) if taps is None else model(ids, caches, taps=taps)
+
+
+def compiled_steps(model: Any) -> CompiledSteps:
+    """The model's traced forwards (made on first use, dropped when its weights change)."""
+    steps = model.__dict__.get(ATTRIBUTE)
+    if steps is None:
+        steps = CompiledSteps(model)
+        object.__setattr__(model, ATTRIBUTE, steps)
+    return steps
+
+
+def weights_fingerprint(model: Any) -> tuple[int, ...]:
+    """The identities of the model's parameter arrays: a traced forward holds the arrays it
+    read, so other arrays (new weights) need new traces."""
+    from mlx.utils import tree_flatten
+
+    return tuple(id(v) for _, v in tree_flatten(model.parameters()))
+
+
+class _Traced:
+    """One traced forward: the compiled function, what its caches recorded, how often it
+    ran."""
+
+    def __init__(self, function: Callable[..., list[mx.array]]) -> None:
+        self.function = function
+        self.calls = 0
+        self.records: list[object] | None = None
+        self.counts: list[int] | None = None
+
+
+class CompiledSteps:
+    """A model's traced forwards, by length, taps and cache layout."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.enabled = True
+        self._traced: dict[Hashable, _Traced] = {}
+        self._fingerprint: tuple[int, ...] | None = None
+
+    def clear(self) -> None:
+        self._traced.clear()
+        self._fingerprint = None
+
+    def replays(self) -> int:
+        """How many calls replayed a trace (the first call of each traces it)."""
+        return sum(max(0, t.calls - 1) for t in self._traced.values())
+
+    def check_weights(self) -> None:
+        """Drop the traces if the model's weights are other arrays than when they were
+        traced (called once per generation: it walks the parameter tree)."""
+        if self._fingerprint is not None and weights_fingerprint(self.model) != self._fingerprint:
+            self.clear()
+
+    # -- the entry point ------------------------------------------------------------------
+    def forward(self, ids: mx.array, caches: Sequence[Any], taps: tuple[int, ...] | None
+                ) -> Result | None:
+        """The traced forward's ``(logits, tapped)``, or None where none applies (the
+        caller runs the model eagerly)."""
+        if not self.enabled:
+            return None
+        key = self._key(ids, caches, taps)
+        if key is None:
+            return None
+        traced = self._traced.get(key)
+        if traced is None:
+            if not self._traced:
+                self._fingerprint = weights_fingerprint(self.model)
+            traced = self._traced[key] = _Traced(mx.compile(self._graph(ids.shape[1], taps)))
+        checking = traced.calls < 2
+        live = [(i, c) for i, c in enumerate(caches) if c is not None]
+        shadows = [_detached(c) for _, c in live] if checking else None
+        inputs = [c.trace_inputs(ids.shape[1]) for _, c in live]
+        offset = mx.array(live[0][1].offset, dtype=mx.int32)
+        try:
+            with _tracing(caches, [len(a) for a in inputs], traced):
+                out = traced.function(ids, offset, [a for arrays in inputs for a in arrays])
+        except Exception as exc:
+            for (_, c), arrays in zip(live, inputs):
+                c.give_back(arrays)
+            self._disable(key, f"traced forward unavailable ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else '?'})")
+            return None
+        traced.calls += 1
+        logits, tapped, rest = out[0], (out[1] if taps is not None else None), \
+            out[1 + (taps is not None):]
+        at = 0
+        for (_, c), arrays, record, count in zip(live, inputs, traced.records, traced.counts):
+            c.adopt(arrays, rest[at:at + count], ids.shape[1], record)
+            at += count
+        if shadows is not None:
+            eager = self._eager(ids, caches, live, shadows, taps)
+            if not agree(logits, eager[0]):
+                self._disable(key, "traced forward disagrees with the eager forward")
+                for (_, c), shadow in zip(live, shadows):
+                    c.__dict__.update(shadow.__dict__)
+                return eager
+        return logits, tapped
+
+    def _eager(self, ids: mx.array, caches: Sequence[Any], live: list[tuple[int, Any]],
+               shadows: list[Any], taps: tuple[int, ...] | None) -> Result:
+        stand = list(caches)
+        for (i, _), shadow in zip(live, shadows):
+            stand[i] = shadow
+        out = self.model(ids, stand) if taps is None else self.model(ids, stand, taps=taps)
+        return (out, None) if taps is None else out
+
+    def _disable(self, key: Hashable, why: str) -> None:
+        self.enabled = False
+        self._traced.clear()
+        log.warning("%s: %s; running eagerly", type(self.model).__name__, why)
+
+    # -- what a trace depends on ----------------------------------------------------------
+    def _key(self, ids: mx.array, caches: Sequence[Any], taps: tuple[int, ...] | None
+             ) -> Hashable | None:
+        if ids.ndim != 2 or not 0 < ids.shape[1] <= MAX_TRACED:
+            return None
+        length = ids.shape[1]
+        offsets = set()
+        parts: list[Hashable] = []
+        for c in caches:
+            if c is None:
+                parts.append(None)
+                continue
+            part = c.trace_key(length)
+            if part is None:
+                return None
+            offsets.add(c.offset)
+            parts.append((type(c), part))
+        if len(offsets) != 1:
+            return None
+        s = settings.current()
+        return (ids.shape, str(ids.dtype), taps, tuple(parts),
+                (s.kernels, s.attention, s.row_products))
+
+    # -- the traced function --------------------------------------------------------------
+    def _graph(self, length: int, taps: tuple[int, ...] | None
+               ) -> Callable[[mx.array, mx.array, list[mx.array]], list[mx.array]]:
+        model = self.model
+
+        def graph(ids: mx.array, offset: mx.array, arrays: list[mx.array]) -> list[mx.array]:
+            caches, traced = _current["caches"], _current["traced"]
+            frame = TraceFrame(offset, length)
+            stand: list[Any] = []
+            at = 0
+            counts = iter(_current["in_counts"])
+            for c in caches:
+                if c is None:
+                    stand.append(None)
+                    continue
+                n = next(counts)
+                stand.append(c.stand_in(frame, arrays[at:at + n]))
+                at += n
+            with _attention_over(frame):
+                out = model(ids, stand) if taps is None else model(ids, stand, taps=taps)
+            logits, tapped = (out, None) if taps is None else out
+            live = [s for s in stand if s is not None]
+            outputs = [s.trace_outputs() for s in live]
+            traced.records = [s.trace_record() for s in live]
+            traced.counts = [len(o) for o in outputs]
+            head = [logits] if taps is None else [logits, tapped]
+            return head + [a for o in outputs for a in o]
+
+        return graph
+
+
+_current: dict[str, Any] = {}
+
+
+def _detached(cache: Any) -> Any:
+    """A copy of a cache whose arrays are objects of their own: an eager forward through it
+    (which may write its buffers in place) leaves the original as it is."""
+    twin = copy(cache)
+    for name, value in vars(twin).items():
+        if isinstance(value, mx.array):
+            setattr(twin, name, mx.array(value))
+    return twin
+
+
+@contextmanager
+def _tracing(caches: Sequence[Any], in_counts: list[int], traced: _Traced):
+    # the traced function reads these when MLX traces it (its first call); replays run no
+    # Python
+    _current.update(caches=caches, in_counts=in_counts, traced=traced)
+    try:
+        yield
+    finally:
+        _current.clear()
+
+
+@contextmanager
+def _attention_over(frame: TraceFrame):
+    """While tracing: ``mx.fast.scaled_dot_product_attention`` over keys a cache stand-in
+    handed out gets the mask that makes it exact (see TraceFrame.mask_for)."""
+
+    def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None,
+                  **kwargs: Any) -> mx.array:
+        mask = frame.mask_for(k, mask)
+        if kwargs:
+            return mlx_attention(q, k, v, scale=scale, mask=mask, **kwargs)
+        return attend(q, k, v, scale=scale, mask=mask)
+
+    mx.fast.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = mlx_attention
+
+
+def agree(got: mx.array, want: mx.array) -> bool:
+    """Logits of the traced and the eager forward agree up to their rounding (loose: this
+    catches broken traces). In float32 to a few ulps; in half precision the two round
+    differently and random weights amplify that, so there the check compares directions."""
+    got, want32 = got.astype(mx.float32), want.astype(mx.float32)
+    if got.shape != want.shape:
+        return False
+    if want.dtype == mx.float32:
+        scale = 1.0 + float(mx.abs(want32).max())
+        return float(mx.abs(got - want32).max()) <= 1e-3 * scale
+    g = got.reshape(-1, got.shape[-1])
+    w = want32.reshape(-1, want32.shape[-1])
+    g = g - g.mean(axis=-1, keepdims=True)
+    w = w - w.mean(axis=-1, keepdims=True)
+    cosine = (g * w).sum(-1) / mx.sqrt((g * g).sum(-1) * (w * w).sum(-1) + 1e-12)
+    return float(cosine.min()) >= 0.95

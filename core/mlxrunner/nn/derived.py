@@ -1,0 +1,32 @@
+"""Arrays derived from a module's parameters once (a packed matrix, a transposed view, a
+weight plus one), held beside the module and rebuilt when the parameters change.
+
+Derived arrays are evaluated when made: a traced forward then holds them as constants
+instead of replaying their operations on every call. Making one inside a trace is fine
+(it depends on parameters only, never on the trace's inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+_HELD = "_mlxrunner_derived"
+
+
+def derived(module: nn.Module, name: str, sources: Sequence[mx.array],
+            make: Callable[..., Any]) -> Any:
+    """``make(*sources)``, evaluated and held on ``module`` under ``name`` until one of
+    ``sources`` is another array object (new weights were loaded)."""
+    held: dict[str, tuple[tuple[mx.array, ...], Any]] = module.__dict__.setdefault(_HELD, {})
+    entry = held.get(name)
+    if entry is not None and len(entry[0]) == len(sources) and all(
+            a is b for a, b in zip(entry[0], sources)):
+        return entry[1]
+    value = make(*sources)
+    mx.eval(value)
+    held[name] = (tuple(sources), value)
+    return value

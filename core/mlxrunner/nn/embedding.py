@@ -1,0 +1,41 @@
+"""Token embeddings, optionally scaled, that double as a tied output head."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .linear import apply_linear
+
+
+class Embedding(nn.Embedding):
+    """``mlx.nn.Embedding`` with an optional ``scale`` applied to what it returns (Gemma's
+    ``sqrt(hidden)``, rounded to the weight's dtype as transformers rounds it) and an
+    :meth:`as_linear` through :func:`mlxrunner.nn.project` (the tied head)."""
+
+    def __init__(self, num_embeddings: int, dims: int, scale: float | None = None) -> None:
+        super().__init__(num_embeddings, dims)
+        self.scale = scale
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        h = super().__call__(ids)
+        return h if self.scale is None else h * mx.array(self.scale, h.dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return apply_linear(self, x)
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None,
+                     mode: str = "affine", **_: object) -> nn.Module:
+        quantized = QuantizedEmbedding.from_embedding(self, group_size, bits, mode=mode)
+        quantized.scale = self.scale
+        return quantized
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """``mlx.nn.QuantizedEmbedding`` with :class:`Embedding`'s ``scale``."""
+
+    scale: float | None = None
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        h = super().__call__(ids)
+        return h if self.scale is None else h * mx.array(self.scale, h.dtype)

@@ -1,0 +1,61 @@
+"""Gated feed-forward blocks: ``down(act(gate(x)) * up(x))``."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .linear import Linear, apply_linear, linears
+
+
+@partial(mx.compile, shapeless=True)
+def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` as one fused kernel."""
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``gelu_tanh(gate) * up`` (``gelu_pytorch_tanh``), the GELU in float32 and rounded
+    once, as torch computes it for half-precision inputs; one fused kernel."""
+    g = gate.astype(mx.float32)
+    g = 0.5 * g * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g)))
+    return g.astype(up.dtype) * up
+
+
+@partial(mx.compile, shapeless=True)
+def _softcap(x: mx.array, cap: mx.array) -> mx.array:
+    return mx.tanh(x / cap) * cap
+
+
+def softcap(x: mx.array, cap: float | None) -> mx.array:
+    """``cap * tanh(x / cap)`` as one fused kernel (``x`` itself where ``cap`` is None or 0)."""
+    return _softcap(x, mx.array(cap, x.dtype)) if cap else x
+
+
+ACTIVATIONS = {"silu": silu_mul, "swish": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul,
+               "gelu_tanh": gelu_tanh_mul}
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``; gate and up run as one product.
+    ``activation``: a config's ``hidden_act`` (silu, gelu_pytorch_tanh)."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu",
+                 bias: bool = False) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r} "
+                             f"(known: {', '.join(sorted(ACTIVATIONS))})")
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self._act = ACTIVATIONS[activation]
+
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """``mlp(x)`` (``+ residual``, added in the down projection)."""
+        gate, up = linears(x, self.gate_proj, self.up_proj)
+        return apply_linear(self.down_proj, self._act(gate, up), residual)

@@ -1,0 +1,45 @@
+"""RMS norms: plain, zero-centred (the weight is stored as ``w`` and applied as
+``offset + w``) and gated (``norm(x) * weight * silu(gate)``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .derived import derived
+
+
+class RMSNorm(nn.Module):
+    """``rms_norm(x) * (offset + weight)``: ``offset`` 0 for the usual norm, 1 for the
+    zero-centred norms of Qwen3.5 and Gemma 2/3 checkpoints (``1 + w`` is computed once, in
+    float32 and rounded to the weight's dtype as transformers computes it, and held)."""
+
+    def __init__(self, dims: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = mx.zeros((dims,)) if offset else mx.ones((dims,))
+        self.eps = float(eps)
+        self.offset = float(offset)
+
+    def applied_weight(self) -> mx.array:
+        if not self.offset:
+            return self.weight
+        return derived(self, "applied_weight", (self.weight,), lambda w: (
+            w.astype(mx.float32) + self.offset).astype(w.dtype))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.applied_weight(), self.eps)
+
+
+def rms_norm(x: mx.array, eps: float = 1e-6) -> mx.array:
+    """The weightless RMS norm ``x / rms(x)``."""
+    return mx.fast.rms_norm(x, None, eps)
+
+
+@mx.compile
+def _gated(normed: mx.array, gate: mx.array) -> mx.array:
+    return normed * nn.silu(gate)
+
+
+def gated_rms_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """``rms_norm(x) * weight * silu(gate)`` (Gated DeltaNet's output norm)."""
+    return _gated(mx.fast.rms_norm(x, weight, eps), gate)

@@ -1,0 +1,39 @@
+"""The residual stream after chosen layers: what a forward with ``taps`` returns beside its
+logits (the Model contract), collected in one place for every architecture."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+
+class Taps:
+    """``taps = Taps(requested, num_layers)``, then ``h = taps.after(i, h)`` after layer
+    ``i`` and ``return taps.result(logits)``: the logits alone (``requested`` None), else
+    ``(logits, tapped)`` with ``tapped [B, L, len(requested) * hidden]`` in request order.
+    A layer outside the model or named twice is a ValueError."""
+
+    def __init__(self, requested: Sequence[int] | None, num_layers: int) -> None:
+        self.requested = None if requested is None else tuple(int(t) for t in requested)
+        if self.requested:
+            bad = [t for t in self.requested if not 0 <= t < num_layers]
+            if bad:
+                raise ValueError(f"tap layers {bad} out of range 0..{num_layers - 1}")
+            if len(set(self.requested)) != len(self.requested):
+                raise ValueError(f"tap layers {list(self.requested)} name a layer twice")
+        self._states: dict[int, mx.array] = {}
+        self._wanted = frozenset(self.requested or ())
+
+    def after(self, layer: int, hidden: mx.array) -> mx.array:
+        """Record ``hidden`` as the stream after ``layer`` if it is tapped; returns it."""
+        if layer in self._wanted:
+            self._states[layer] = hidden
+        return hidden
+
+    def result(self, logits: mx.array) -> mx.array | tuple[mx.array, mx.array]:
+        if self.requested is None:
+            return logits
+        if not self.requested:
+            return logits, mx.zeros((*logits.shape[:-1], 0), dtype=logits.dtype)
+        return logits, mx.concatenate([self._states[t] for t in self.requested], axis=-1)

@@ -1,0 +1,120 @@
+"""Every switch mlxrunner reads, in one object, read once.
+
+Switches come from the environment (``MLXRUNNER_*``) the first time :func:`current` is asked,
+or from the command line (``--no-compile``, ...), which :func:`configure` applies before any
+work. Code reads ``current().name``, never ``os.environ``: a switch that changed after start
+is not noticed halfway through a generation, and a bad value is one clear error at start.
+
+- ``MLXRUNNER_COMPILE`` (``1``/``0``, default 1): trace decode steps and verify blocks.
+- ``MLXRUNNER_KERNELS`` (``1``, ``0`` or a comma-separated list of ``KERNELS``): which of
+  the core's fused CUDA kernels may serve (each still only after its self-check).
+- ``MLXRUNNER_ATTENTION`` (``kernel``, ``folded`` or ``mlx``): short-block attention on
+  CUDA through the fused kernel, folded batched products, or MLX's own function.
+- ``MLXRUNNER_ROW_PRODUCTS`` (``1``/``0``): on CUDA, products of 2-16 rows as one-row
+  products (see ``mlxrunner.nn.project``).
+- ``MLXRUNNER_LOAD_PLUGINS``: the plugins that load (comma-separated distribution or entry
+  point names; empty: none; unset: all).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+
+from .errors import MLXRunnerError
+
+#: the fused kernels ``MLXRUNNER_KERNELS`` names
+KERNELS = ("attention", "deltanet", "topk")
+ATTENTION_MODES = ("kernel", "folded", "mlx")
+
+
+class SettingsError(MLXRunnerError):
+    """A switch with a value mlxrunner does not take."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    compile: bool = True
+    kernels: frozenset[str] = frozenset(KERNELS)
+    attention: str = "kernel"
+    row_products: bool = True
+    load_plugins: tuple[str, ...] | None = None
+
+    def kernel_allowed(self, name: str) -> bool:
+        return name in self.kernels
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        plugins = env.get("MLXRUNNER_LOAD_PLUGINS")
+        return cls(
+            compile=_flag(env, "MLXRUNNER_COMPILE", True),
+            kernels=_kernels(env.get("MLXRUNNER_KERNELS", "1")),
+            attention=_choice(env, "MLXRUNNER_ATTENTION", "kernel", ATTENTION_MODES),
+            row_products=_flag(env, "MLXRUNNER_ROW_PRODUCTS", True),
+            load_plugins=None if plugins is None else tuple(
+                p.strip() for p in plugins.split(",") if p.strip()),
+        )
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name, "1" if default else "0").strip()
+    if value not in ("0", "1"):
+        raise SettingsError(f"{name}={value!r}: use 0 or 1")
+    return value == "1"
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, options: tuple[str, ...]) -> str:
+    value = env.get(name, default).strip() or default
+    if value not in options:
+        raise SettingsError(f"{name}={value!r}: use one of {', '.join(options)}")
+    return value
+
+
+def _kernels(value: str) -> frozenset[str]:
+    value = value.strip()
+    if value in ("", "1"):
+        return frozenset(KERNELS)
+    if value == "0":
+        return frozenset()
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in KERNELS]
+    if unknown:
+        raise SettingsError(f"MLXRUNNER_KERNELS={value!r}: unknown kernel {unknown[0]!r} (use "
+                            f"0, 1 or a comma-separated list of {', '.join(KERNELS)})")
+    return frozenset(names)
+
+
+_current: Settings | None = None
+
+
+def current() -> Settings:
+    """The settings in force (the environment's, read at the first call)."""
+    global _current
+    if _current is None:
+        _current = Settings.from_environment()
+    return _current
+
+
+def configure(**changes: object) -> Settings:
+    """Change settings before work starts (the command line's switches)."""
+    global _current
+    names = {f.name for f in fields(Settings)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise TypeError(f"unknown setting {unknown[0]!r}")
+    _current = replace(current(), **changes)  # type: ignore[arg-type]
+    return _current
+
+
+@contextmanager
+def overridden(**changes: object) -> Iterator[Settings]:
+    """Settings changed for a block (tests and benchmarks' A/B rows), then put back."""
+    global _current
+    saved = current()
+    try:
+        yield configure(**changes)
+    finally:
+        _current = saved

@@ -1,0 +1,224 @@
+"""The core's compiled decode step (``mlxrunner.decode.step``) for any architecture.
+
+- A model written in plain ``mlx.nn`` (``mx.fast.scaled_dot_product_attention`` over the
+  keys its ``KVCache``/``RingCache`` hands out, masks "causal"/None or the ring's own) gets
+  traced decode steps and verify blocks that equal its eager forward, rollback included,
+  and so does a Gated DeltaNet target (Qwen3.5's tiny fixture, taps and batch 2).
+- A trace is reused across steps and generations; new weights drop it.
+- A trace that computes something else, or cannot be traced, is dropped at its first call
+  with one warning: that call returns the eager result, and the model runs eagerly on.
+- The check that compares traced and eager logits tolerates half-precision rounding but
+  not garbage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import mlxrunner
+from mlxrunner import KVCache, Model, RingCache, SamplerOptions, settings
+from mlxrunner.decode import agree, compiled_steps, forward, generate
+from mlxrunner.testing import check_compiled_step, random_prompt
+
+mx.set_default_device(mx.cpu)
+
+QWEN = Path(__file__).resolve().parents[2] / "architectures" / "qwen3_5" / "tests" / \
+    "fixtures" / "tiny_hk2_hv4_tied"
+
+
+class PlainAttention(nn.Module):
+    """Attention as a third party writes it in plain mlx.nn."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, window: int | None) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.window = window
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.rope = nn.RoPE(self.head_dim, base=10000.0)
+
+    def __call__(self, x, cache):
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if self.window is not None:
+            mask = cache.mask(L)
+            k, v = cache.update_and_fetch(k, v)
+        else:
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)
+            mask = "causal" if L > 1 else None
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5,
+                                                   mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class PlainLayer(nn.Module):
+    def __init__(self, hidden: int, window: int | None) -> None:
+        super().__init__()
+        self.attn = PlainAttention(hidden, 4, 2, window)
+        self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.up = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down = nn.Linear(2 * hidden, hidden, bias=False)
+
+    def __call__(self, x, cache):
+        h = x + self.attn(self.norm1(x), cache)
+        return h + self.down(nn.gelu(self.up(self.norm2(h))))
+
+
+class PlainModel(Model):
+    """Every other layer a sliding window (a ring) when ``window`` is set."""
+
+    def __init__(self, window: int | None = None, vocab: int = 61, hidden: int = 32,
+                 layers: int = 4) -> None:
+        super().__init__({})
+        self.windows = [window if window and i % 2 == 0 else None for i in range(layers)]
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = [PlainLayer(hidden, w) for w in self.windows]
+        self.norm = nn.RMSNorm(hidden)
+        self._vocab, self._hidden = vocab, hidden
+
+    def make_cache(self):
+        return [RingCache(w) if w else KVCache() for w in self.windows]
+
+    def __call__(self, ids, cache=None, *, taps=None):
+        cache = cache or [None] * len(self.layers)
+        h, tapped = self.embed(ids), []
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h = layer(h, c)
+            if taps and i in taps:
+                tapped.append(h)
+        logits = self.embed.as_linear(self.norm(h))
+        if taps is None:
+            return logits
+        return logits, (mx.concatenate(tapped, axis=-1) if tapped else
+                        mx.zeros((*ids.shape, 0), h.dtype))
+
+    def embed_tokens(self, ids):
+        return self.embed(ids)
+
+    def raw_logits(self, hidden):
+        return self.embed.as_linear(hidden)
+
+    num_layers = property(lambda self: len(self.layers))
+    vocab_size = property(lambda self: self._vocab)
+    hidden_size = property(lambda self: self._hidden)
+
+
+def plain_model(window=None, seed=0):
+    mx.random.seed(seed)
+    model = PlainModel(window)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("window", [None, 3, 6])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_plain_mlx_model_gets_the_compiled_step(window, batch):
+    model = plain_model(window)
+    prompt = random_prompt(model.vocab_size, batch, 9, seed=batch)
+    block = min(4, window) if window else 4
+    assert check_compiled_step(model, prompt, steps=4, block=block, rounds=4) > 0
+
+
+def test_qwen3_5_gets_the_compiled_step():
+    if not (QWEN / "config.json").exists():
+        pytest.skip(f"no tiny Qwen3.5 checkpoint at {QWEN}")
+    model = mlxrunner.load_model(QWEN, dtype="float32")
+    for batch in (1, 2):
+        prompt = random_prompt(model.vocab_size, batch, 9, seed=batch)
+        assert check_compiled_step(model, prompt, taps=[2, 0], seed=batch) > 0
+
+
+def test_traces_are_reused_and_dropped_with_new_weights():
+    model = plain_model()
+    options = SamplerOptions(temperature=0)
+    prompt = [1, 2, 3, 4, 5]
+    first = generate(model, prompt, max_tokens=12, options=options).tokens
+    steps = compiled_steps(model)
+    assert len(steps._traced) == 1 and steps.replays() == 10
+    assert generate(model, prompt, max_tokens=12, options=options).tokens == first
+    assert len(steps._traced) == 1 and steps.replays() == 21  # the same trace again
+    model.update({"norm": {"weight": model.norm.weight * 0 + 2.0}})
+    assert compiled_steps(model) is not steps  # update() dropped the old traces
+    changed = generate(model, prompt, max_tokens=12, options=options).tokens
+    with settings.overridden(compile=False):
+        assert generate(model, prompt, max_tokens=12, options=options).tokens == changed
+
+
+@pytest.mark.parametrize("failure", ["wrong", "raises"])
+def test_a_broken_trace_falls_back_to_eager(failure, monkeypatch, caplog):
+    model = plain_model()
+    ids = random_prompt(model.vocab_size, 1, 14, seed=3)
+    with settings.overridden(compile=False):
+        caches = model.make_cache()
+        model(ids[:, :9], caches)
+        want = [model(ids[:, 9:10], caches), model(ids[:, 10:14], caches)]
+    steps = compiled_steps(model)
+    real = type(steps)._graph
+
+    def broken(self, *args):
+        graph = real(self, *args)
+
+        def wrong(*inputs):
+            if failure == "raises":
+                raise RuntimeError("no trace here")
+            out = graph(*inputs)
+            return [out[0] + 1.0] + out[1:]
+        return wrong
+
+    monkeypatch.setattr(type(steps), "_graph", broken)
+    caches = model.make_cache()
+    model(ids[:, :9], caches)
+    got = forward(model, ids[:, 9:10], caches)
+    assert not steps.enabled and steps.replays() == 0
+    assert "running eagerly" in caplog.text
+    assert float(mx.abs(got - want[0]).max()) < 1e-5
+    assert all(c.offset == 10 for c in caches)
+    # the caches hold the eager result: the next forward continues it
+    assert float(mx.abs(forward(model, ids[:, 10:14], caches) - want[1]).max()) < 1e-5
+
+
+def test_the_trace_check_tolerates_half_precision_rounding_but_not_garbage():
+    mx.random.seed(3)
+    want = (mx.random.normal((2, 8, 512)) * 4).astype(mx.bfloat16)
+    rounding = want + (mx.random.normal(want.shape) * 0.6).astype(mx.bfloat16)  # ~15% noise
+    assert agree(rounding, want)
+    assert not agree(mx.random.normal(want.shape).astype(mx.bfloat16), want)
+    exact32 = want.astype(mx.float32)
+    assert agree(exact32 + 1e-4, exact32) and not agree(exact32 + 0.1, exact32)
+
+
+def test_a_mask_the_model_built_over_cached_keys_keeps_the_eager_forward(monkeypatch):
+    """A model that builds its own array mask over the keys a cache handed out cannot be
+    traced (the mask was made for exact-length keys): it runs eagerly, correctly."""
+
+    def own_mask_attention(self, x, cache):
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        k, v = cache.update_and_fetch(k, v)
+        mask = mx.ones((L, k.shape[2]), dtype=mx.bool_)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    monkeypatch.setattr(PlainAttention, "__call__", own_mask_attention)
+    model = plain_model()
+    ids = random_prompt(model.vocab_size, 1, 8, seed=1)
+    caches, eager_caches = model.make_cache(), model.make_cache()
+    model(ids[:, :7], caches)
+    model(ids[:, :7], eager_caches)
+    got = forward(model, ids[:, 7:8], caches)
+    want = model(ids[:, 7:8], eager_caches)
+    assert float(mx.abs(got - want).max()) < 1e-5
+    assert not compiled_steps(model).enabled
