@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_switched_argument(parser, "attention=folded")
     harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
+    harness.apply_common_arguments(args)
     if args.quick:
         config, config_name = composite(QUICK_TEXT_CONFIG), "quick (E2B layout, scaled down)"
         args.prompt, args.new, args.repeats = 160, 16, 3

@@ -46,13 +46,15 @@ case "${1:-}" in
     # H200, so split them over two calls when the demo build does not run)
     # (PROBES=0: skip the CUDA tests and the two probes below, e.g. in a second call)
     shift
-    if [ "${PROBES:-1}" = 1 ]; then
+    if [ "${TESTS:-1}" = 1 ]; then
       # first the tests that need CUDA (skipped on CI): the fused kernels against MLX
       echo "== CUDA tests"
       timeout "${CUDA_TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
-        tests/core/test_topk.py tests/core/test_attention.py \
-        architectures/qwen3_5/tests/test_qwen3_5_cuda_kernel.py 2>&1 |
+        tests/core/test_topk.py tests/core/test_attention.py tests/core/test_kernels.py \
+        tests/core/test_compiled_step.py 2>&1 |
         tee "$out/cuda-tests.txt" | tail -4
+    fi
+    if [ "${PROBES:-1}" = 1 ]; then
       echo "== attention paths"
       timeout 60 python3 bench/sdpa_paths.py 2>&1 | tee "$out/sdpa_paths-gpu.txt" | tail -12
       echo "== op costs"
@@ -64,20 +66,33 @@ case "${1:-}" in
         echo "== $one"
         # second instances with one thing off each: what it saves, in the same run
         case $one in
-          qwen3_5) extra="--switched MLXRUNNER_ATTENTION=folded --switched MLXRUNNER_ATTENTION=mlx" ;;
-          gemma4) extra="--switched MLXRUNNER_ATTENTION=folded --switched MLXRUNNER_ATTENTION=mlx --no-eager" ;;
+          qwen3_5) extra="--switched attention=folded --switched kernels=attention" ;;
+          gemma4) extra="--switched attention=folded --no-eager" ;;
+          llama) extra="" ;;
+          qwen3_5-8k) one=qwen3_5; extra="--prompt 8192 --new 64 --repeats 2 --prefill-chunk 2048 --verify-block 0" ;;
+          qwen3_5-32k) one=qwen3_5; extra="--prompt 32768 --new 32 --repeats 1 --prefill-chunk 2048 --verify-block 0" ;;
           *) extra="" ;;
         esac
         # shellcheck disable=SC2086
-        timeout "${BENCH_TIMEOUT:-200}" python3 "bench/$one.py" $extra --json "$out/$one-gpu.json" \
-          2>&1 | tee "$out/$one-gpu.txt" | grep -v "^\s*$" | tail -"${TAIL_LINES:-12}"
+        timeout "${BENCH_TIMEOUT:-200}" python3 "bench/$one.py" $extra --json "$out/$name-gpu.json" \
+          2>&1 | tee "$out/$name-gpu.txt" | grep -v "^\s*$" | tail -"${TAIL_LINES:-12}"
       done
     done
+    if [ "${DEMO:-1}" = 1 ]; then
     timeout 90 mlxrunner bench default --prompt "def fibonacci(n):" --max-tokens 128 \
       --repeats 3 --warmup 2 --json "$out/demo-gpu.json"
     # where the demo pair's round goes: draft, verify and round time per depth
     timeout 90 python3 bench/speculative.py --model default --json \
       "$out/speculative-demo-gpu.json" | tail -"${TAIL_LINES:-12}"
+    fi
+    if [ "${STARTUP:-0}" = 1 ]; then
+      echo "== start-up"
+      timeout 240 python3 bench/startup.py --json "$out/startup-gpu.json" 2>&1 | tail -6
+    fi
+    if [ "${PARITY:-0}" = 1 ]; then
+      echo "== float32 GPU vs CPU"
+      timeout 240 python3 bench/gpu_cpu_parity.py --json "$out/parity-gpu.json" 2>&1 | tail -6
+    fi
     if [ -d /tmp/demo/draft ]; then
       timeout 90 mlxrunner bench /tmp/demo --prompt "def fibonacci(n):" --max-tokens 128 \
         --repeats 3 --warmup 2 --json "$out/demo-built-gpu.json"

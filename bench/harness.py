@@ -44,12 +44,19 @@ def eval_cache(cache: list[Any]) -> None:
     mx.eval([c.state for c in cache if c is not None])
 
 
+#: prompts are prefilled in chunks of this many tokens (None: at once); set by the benches'
+#: --prefill-chunk (long contexts: mlx-lm's generate prefills 2048 at a time)
+PREFILL_CHUNK: int | None = None
+
+
 def run(model: Any, cache: list[Any], prompt: mx.array, new: int) -> dict[str, float]:
     """Prefill ``prompt[:-1]``, then ``new`` greedy steps starting from its last token."""
     mx.synchronize()
     start = time.perf_counter()
-    model(prompt[None, :-1], cache=cache)
-    eval_cache(cache)
+    chunk = PREFILL_CHUNK or prompt.size
+    for at in range(0, prompt.size - 1, chunk):
+        model(prompt[None, at:min(at + chunk, prompt.size - 1)], cache=cache)
+        eval_cache(cache)
     prefill_s = time.perf_counter() - start
 
     def step(y: mx.array) -> mx.array:
@@ -226,6 +233,13 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm comparison")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-chunk", type=int,
+                        help="prefill prompts in chunks of this many tokens (long contexts)")
+
+
+def apply_common_arguments(args: argparse.Namespace) -> None:
+    global PREFILL_CHUNK
+    PREFILL_CHUNK = args.prefill_chunk
 
 
 def load_reference(build: Callable[[], Any], skip: bool) -> tuple[Any, str | None]:

@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_switched_argument(parser, "kernels=attention (the DeltaNet kernels off)")
     harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
+    harness.apply_common_arguments(args)
     if args.quick:
         args.prompt, args.new = args.prompt or 128, args.new or 16
         args.layers = args.layers or 4

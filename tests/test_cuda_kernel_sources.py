@@ -112,6 +112,12 @@ def test_attention_kernel_compiles(nvrtc, dtype: str, D: int, mask: int) -> None
 
     inputs = [("q", dtype), ("keys", dtype), ("values", dtype), ("scale", "float32"),
               ("mask", "bool"), ("dims", "int32")]
+    template = [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D), ("DV", min(D, 512)),
+                ("NT", nn.ATTEND_THREADS), ("U", nn.keys_at_once(D, min(D, 512))),
+                ("MASK", mask)]
+    _compile(nvrtc, "attend_split", _wrap("attend_split", nn.ATTEND_SPLIT_SOURCE, inputs,
+                                          [("part_o", "float32"), ("part_max", "float32"),
+                                           ("part_sum", "float32")], template))
     _compile(nvrtc, "attend", _wrap("attend", nn.ATTEND_SOURCE, inputs,
                                     [("out", dtype)],
                                     [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D),

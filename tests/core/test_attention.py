@@ -91,24 +91,33 @@ def test_attend_folds_only_short_blocks_on_cuda(monkeypatch):
 # ---- the fused kernel ------------------------------------------------------------------
 
 
-def _emulated(q, k, v, scale, mask):
+def _emulated(q, k, v, scale, mask, splits=1):
+    """The kernel's body under the host emulation (float32): its output, or with ``splits``
+    > 1 the split form's partials merged by the MLX operations that merge them."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
     B, Hq, L, D = q.shape
     Hk, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    rows = B * Hq * L
     kind = 0 if mask is None else mask.ndim
+    outputs = ({"part_o": ((rows, splits, Dv), np.float32), "part_max": ((rows, splits),
+                np.float32), "part_sum": ((rows, splits), np.float32)} if splits > 1 else
+               {"out": ((B, Hq, L, Dv), np.float32)})
     got = emulate_kernel(
-        attention.ATTEND_SOURCE,
+        attention.ATTEND_SPLIT_SOURCE if splits > 1 else attention.ATTEND_SOURCE,
         {"q": np.array(q), "keys": np.array(k), "values": np.array(v),
          "scale": np.array([scale], np.float32),
          "mask": np.array(mask if mask is not None else mx.array([True])),
-         "dims": np.array([L, S], np.int32)},
-        {"out": ((B, Hq, L, Dv), np.float32)},
+         "dims": np.array([L, S, splits], np.int32)},
+        outputs,
         [("T", mx.float32), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
          ("NT", attention.ATTEND_THREADS), ("U", attention.keys_at_once(D, Dv)),
          ("MASK", kind)],
-        blocks=B * Hq * L, threads=attention.ATTEND_THREADS)
-    return got["out"]
+        blocks=(rows, splits) if splits > 1 else rows, threads=attention.ATTEND_THREADS)
+    if splits == 1:
+        return got["out"]
+    merged = attention._merge(*(mx.array(got[n]) for n in ("part_o", "part_max", "part_sum")))
+    return np.array(merged).reshape(B, Hq, L, Dv)
 
 
 @pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
@@ -129,6 +138,31 @@ def test_kernel_source_on_the_cpu(Hq, Hk, L, mask):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
+                    .emulation_available(), reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("mask", ["none", "vector", "block"])
+def test_split_kernel_source_on_the_cpu(mask):
+    """The split form (each block one run of the keys, the partials merged by MLX
+    operations) equals the folded attention, with a run that holds no live key."""
+    L = 1 if mask != "block" else 3
+    q, k, v = _case(1, 2, 1, L, 70, 64, 32, mx.float32, seed=11)
+    m = _masks(L, 70)[mask]
+    if m is not None:
+        m = m & (mx.arange(70) >= 25) if m.ndim == 1 else m & (mx.arange(70)[None] >= 25)
+    want = attention.folded_attention(q, k, v, scale=0.2, mask=m)
+    for splits in (2, 3, 7):  # 7: runs of 10 keys, the first two fully masked
+        np.testing.assert_allclose(_emulated(q, k, v, 0.2, m, splits), np.array(want),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_long_buffers_split_their_keys():
+    assert attention.key_splits(8, 1024) == 1
+    assert attention.key_splits(8, attention.SPLIT_FROM) > 1
+    assert attention.key_splits(8, 32768) == attention.SPLIT_BLOCKS // 8
+    assert attention.key_splits(8, 8192) * attention.MIN_SPLIT_KEYS <= 8192
+    assert attention.key_splits(512, 32768) == 1  # enough rows already
+
+
 def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
     """attend() runs the kernel only for cases that passed its check (run the first time a
     case is asked for, or by prepare_attend); a kernel that fails its check stays off with
@@ -137,7 +171,7 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_verdicts", {})
     launches = []
 
-    def stand_in(q, k, v, scale, mask):  # the kernel's arithmetic, on the CPU
+    def stand_in(q, k, v, scale, mask, splits=None):  # the kernel's arithmetic, on the CPU
         launches.append(q.shape)
         return attention.folded_attention(q, k, v, scale=scale, mask=mask)
 
@@ -169,14 +203,15 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
 @pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
                     reason="needs MLX's CUDA backend")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("Hq,Hk,D,L", [(8, 2, 256, 1), (8, 1, 512, 1), (8, 1, 256, 8),
-                                       (4, 2, 128, 16)])
-def test_kernel_matches_mlx_operations_on_the_gpu(dtype, Hq, Hk, D, L):
+@pytest.mark.parametrize("Hq,Hk,D,L,S", [(8, 2, 256, 1, 1024), (8, 1, 512, 1, 1024),
+                                         (8, 1, 256, 8, 1024), (4, 2, 128, 16, 1024),
+                                         (8, 2, 256, 1, 8192), (8, 2, 256, 8, 32768)])
+def test_kernel_matches_mlx_operations_on_the_gpu(dtype, Hq, Hk, D, L, S):
     previous = mx.default_device()
     mx.set_default_device(mx.gpu)
     try:
-        q, k, v = _case(2, Hq, Hk, L, 1024, D, D, dtype, seed=D)
-        for name, m in _masks(L, 1024).items():
+        q, k, v = _case(2, Hq, Hk, L, S, D, D, dtype, seed=D)
+        for name, m in _masks(L, S).items():
             got = attention._launch(q, k, v, D ** -0.5, m)
             want = attention.folded_attention(q, k, v, scale=D ** -0.5, mask=m)
             tolerance = 1e-4 if dtype == mx.float32 else 3e-2

@@ -133,14 +133,20 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
 # are merged at the end. Rounded as MLX's operations round (the scaled query and each score
 # to T), except that the probabilities are not rounded to T before they weight the values.
 # Template constants: HQ, HK, D, DV, NT (threads), U (keys a warp loads at once), MASK (0:
-# none, 1: one row [S] for every query, 2: [L, S]); type T. ``dims`` = [L, S].
-ATTEND_SOURCE = r"""
+# none, 1: one row [S] for every query, 2: [L, S]); type T. ``dims`` = [L, S, P] (P: key
+# splits, 1 for this form).
+_ATTEND_BODY = r"""
     constexpr int kWarps = NT / 32;
     constexpr int QPL = (D + 31) / 32;
     constexpr int VPL = (DV + 31) / 32;
     const int L = dims[0];
     const int S = dims[1];
+    const int P = dims[2];
     const int row = blockIdx.x;  // (b * HQ + h) * L + l
+    // this block's keys: all of them, or split P's share of them (see ATTEND_SPLIT_SOURCE)
+    const int chunk = (S + P - 1) / P;
+    const int j_begin = P == 1 ? 0 : blockIdx.y * chunk;
+    const int j_end = P == 1 ? S : min(S, j_begin + chunk);
     const int l = row % L;
     const int h = (row / L) % HQ;
     const int b = row / (L * HQ);
@@ -167,14 +173,15 @@ ATTEND_SOURCE = r"""
     for (int i = 0; i < VPL; ++i) {
         acc[i] = 0.f;
     }
-    for (int j0 = warp * U; j0 < S; j0 += kWarps * U) {
+    for (int j0 = j_begin + warp * U; j0 < j_end; j0 += kWarps * U) {
         bool live[U];
         float kx[U][QPL];
         float vx[U][VPL];
         for (int u = 0; u < U; ++u) {
             const int j = j0 + u;
             // the same for every lane of the warp
-            live[u] = j < S && (MASK != 1 || mask[j]) && (MASK != 2 || mask[(size_t)l * S + j]);
+            live[u] = j < j_end && (MASK != 1 || mask[j]) &&
+                      (MASK != 2 || mask[(size_t)l * S + j]);
             const T* kr = kb + (size_t)j * D;
             const T* vr = vb + (size_t)j * DV;
             for (int i = 0; i < QPL; ++i) {
@@ -225,7 +232,9 @@ ATTEND_SOURCE = r"""
             part_acc[warp * DV + d] = acc[i];
         }
     }
-    __syncthreads();
+"""
+
+ATTEND_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
     float big = -3.0e38f;
     for (int w = 0; w < kWarps; ++w) {
         big = fmaxf(big, part_m[w]);
@@ -243,6 +252,32 @@ ATTEND_SOURCE = r"""
     }
 """
 
+# The split form, for long buffers: block (row, p) takes the p-th of P runs of keys and
+# writes its normalised partial output, maximum and sum (float32); MLX operations merge
+# the P partials (:func:`_merge`). A split without a live key writes a zero sum.
+ATTEND_SPLIT_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
+    float big = -3.0e38f;
+    for (int w = 0; w < kWarps; ++w) {
+        big = fmaxf(big, part_m[w]);
+    }
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+        total += part_l[w] * expf(part_m[w] - big);
+    }
+    const size_t at = (size_t)row * P + blockIdx.y;
+    for (int d = t; d < DV; d += NT) {
+        float o = 0.f;
+        for (int w = 0; w < kWarps; ++w) {
+            o += part_acc[w * DV + d] * expf(part_m[w] - big);
+        }
+        part_o[at * DV + d] = total > 0.f ? o / total : 0.f;
+    }
+    if (t == 0) {
+        part_max[at] = big;
+        part_sum[at] = total;
+    }
+"""
+
 ATTEND_THREADS = 512
 
 
@@ -253,7 +288,22 @@ def keys_at_once(head_dim: int, value_dim: int) -> int:
     return max(1, min(8, 64 // per_key))
 
 
-_kernel: Any = None
+_kernels: dict[bool, Any] = {}
+
+#: buffers shorter than this attend in one block per query row; longer ones split their
+#: keys over more blocks (a decode step has only B * heads * L rows: a handful of blocks on
+#: a GPU with 132 multiprocessors, each walking the whole buffer)
+SPLIT_FROM = 4096
+#: splits aim at about this many blocks in all, each at least MIN_SPLIT_KEYS keys long
+SPLIT_BLOCKS = 256
+MIN_SPLIT_KEYS = 256
+
+
+def key_splits(rows: int, keys: int) -> int:
+    """How many runs of keys each query row's attention splits into (1: no split)."""
+    if keys < SPLIT_FROM:
+        return 1
+    return max(1, min(SPLIT_BLOCKS // max(rows, 1), keys // MIN_SPLIT_KEYS))
 
 
 def _mask_kind(mask: mx.array | None) -> int:
@@ -262,33 +312,49 @@ def _mask_kind(mask: mx.array | None) -> int:
 
 def _case(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None
           ) -> tuple[Any, ...]:
-    """What a verdict is kept for: head counts and sizes, the dtype, the mask's kind and
-    the block length (any batch and buffer length)."""
+    """What a verdict is kept for: head counts and sizes, the dtype, the mask's kind, the
+    block length and whether keys are split (any batch and buffer length)."""
+    rows = q.shape[0] * q.shape[1] * q.shape[2]
     return (q.shape[1], keys.shape[1], q.shape[3], values.shape[3], q.dtype,
-            _mask_kind(mask), q.shape[2])
+            _mask_kind(mask), q.shape[2], key_splits(rows, keys.shape[2]) > 1)
 
 
 def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
-            mask: mx.array | None) -> mx.array:
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="mlxrunner_attend", input_names=["q", "keys", "values", "scale", "mask",
-                                                  "dims"],
-            output_names=["out"], source=ATTEND_SOURCE)
+            mask: mx.array | None, splits: int | None = None) -> mx.array:
     B, Hq, L, D = q.shape
     Hk, S, Dv = keys.shape[1], keys.shape[2], values.shape[3]
+    rows = B * Hq * L
+    P = key_splits(rows, S) if splits is None else splits
+    split = P > 1
+    if split not in _kernels:
+        _kernels[split] = mx.fast.cuda_kernel(
+            name="mlxrunner_attend_split" if split else "mlxrunner_attend",
+            input_names=["q", "keys", "values", "scale", "mask", "dims"],
+            output_names=["part_o", "part_max", "part_sum"] if split else ["out"],
+            source=ATTEND_SPLIT_SOURCE if split else ATTEND_SOURCE)
     if mask is not None and mask.ndim == 2 and mask.shape != (L, S):
         mask = mx.broadcast_to(mask, (L, S))
-    return _kernel(
+    outputs = _kernels[split](
         inputs=[q, keys, values, constant((float(scale),), mx.float32),
                 mask if mask is not None else constant((True,), mx.bool_),
-                constant((L, S), mx.int32)],
+                constant((L, S, P), mx.int32)],
         template=[("T", q.dtype), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
                   ("NT", ATTEND_THREADS), ("U", keys_at_once(D, Dv)),
                   ("MASK", _mask_kind(mask))],
-        grid=(ATTEND_THREADS * B * Hq * L, 1, 1), threadgroup=(ATTEND_THREADS, 1, 1),
-        output_shapes=[(B, Hq, L, Dv)], output_dtypes=[q.dtype])[0]
+        grid=(ATTEND_THREADS * rows, P, 1), threadgroup=(ATTEND_THREADS, 1, 1),
+        output_shapes=[(rows, P, Dv), (rows, P), (rows, P)] if split else [(B, Hq, L, Dv)],
+        output_dtypes=[mx.float32] * 3 if split else [q.dtype])
+    if not split:
+        return outputs[0]
+    return _merge(*outputs).astype(q.dtype).reshape(B, Hq, L, Dv)
+
+
+@mx.compile
+def _merge(part_o: mx.array, part_max: mx.array, part_sum: mx.array) -> mx.array:
+    """One output per row from its splits' normalised partials (float32): the splits'
+    outputs weighted by their share of the softmax's sum."""
+    weight = mx.exp(part_max - part_max.max(axis=-1, keepdims=True)) * part_sum
+    return (weight[..., None] * part_o).sum(axis=1) / weight.sum(axis=-1, keepdims=True)
 
 
 def _kernel_applies(q: mx.array, keys: mx.array, values: mx.array,
@@ -308,7 +374,8 @@ def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
     if not (_kernel_applies(q, keys, values, mask)
             and settings.current().kernel_allowed("attention")):
         return False
-    heads, kv_heads, head_dim, value_dim, dtype, kind, length = _case(q, keys, values, mask)
+    heads, kv_heads, head_dim, value_dim, dtype, kind, length, split = _case(q, keys, values,
+                                                                              mask)
     scale = head_dim ** -0.5
 
     def probe() -> tuple[mx.array, ...]:
@@ -322,7 +389,7 @@ def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
         return pq, pk, pv, (None, keep[0], keep)[kind]
 
     return serves("attention", _case(q, keys, values, mask),
-                  lambda p: _launch(*p[:3], scale, p[3]),
+                  lambda p: _launch(*p[:3], scale, p[3], splits=3 if split else 1),
                   lambda p: folded_attention(*p[:3], scale=scale, mask=p[3]), probe,
                   2e-3 if dtype == mx.float32 else 5e-2, against="MLX's operations")
 

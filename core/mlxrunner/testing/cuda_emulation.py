@@ -30,6 +30,7 @@ _C_TYPES = {np.dtype(np.float32): ("float", ctypes.c_float),
             np.dtype(np.bool_): ("bool", ctypes.c_bool)}
 
 _PRELUDE = r"""
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstddef>
@@ -54,6 +55,8 @@ static float __shfl_xor_sync(unsigned, float v, int offset) {
     return r;
 }
 static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+using std::max;  // CUDA's integer min and max
+using std::min;
 static unsigned int __float_as_uint(float x) {
     unsigned int u;
     std::memcpy(&u, &x, sizeof u);
