@@ -159,3 +159,33 @@ def test_counts_out_of_range_are_refused_before_loading(tmp_path):
                          (("bench", "./none", "--prompt-tokens", "x"), "--prompt-tokens"),
                          (("run", "./none", "hi", "--max-tokens", "-3"), "--max-tokens")):
         one_line_error(cli(*args, cwd=tmp_path), needle, "whole number")
+
+
+def _command_names() -> list[str]:
+    """Every command the CLI has: the built-in ones and those installed plugins register."""
+    from mlxrunner import host
+    from mlxrunner.cli import build_parser
+
+    _, registry = build_parser()
+    host.host().call_commands_hook(registry)
+    return sorted(registry.handlers)
+
+
+def test_every_command_has_a_working_help(capsys):
+    """``--help`` of every command, built-in or from a plugin, prints its usage and exits 0
+    (an argparse help string with a bare ``%`` made ``train-draft --help`` crash)."""
+    from mlxrunner.cli import main
+
+    names = _command_names()
+    assert {"run", "show", "serve", "plugins"} <= set(names)
+    failed = {}
+    for args in ([], *([name] for name in names)):
+        code = None
+        try:
+            code = main([*args, "--help"])
+        except SystemExit as exc:
+            code = exc.code
+        out, err = capsys.readouterr()
+        if code not in (0, None) or "usage:" not in out:
+            failed[" ".join(args) or "(none)"] = (code, err.strip())
+    assert failed == {}

@@ -1252,7 +1252,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a file naming corpus files, one per line")
     parser.add_argument("--heldout", nargs="+", default=[], metavar="FILE",
                         help="held-out files for the acceptance report (default: a seeded "
-                             f"{d.heldout_fraction:.0%} of the corpus documents)")
+                             f"{d.heldout_fraction:.0%}% of the corpus documents)")
     parser.add_argument("--heldout-list", metavar="FILE", help="held-out files, one per line")
     parser.add_argument("--glob", default=d.glob, help="file pattern inside corpus folders")
     parser.add_argument("--out", required=True, help="the draft folder to write")
