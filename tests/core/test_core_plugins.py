@@ -77,6 +77,27 @@ def test_direct_register_feeds_the_same_registry(host):
     assert plugins.architecture_for({"architectures": ["BDirect"]}) is B
 
 
+def test_a_plugin_calling_sys_exit_in_a_hook_is_skipped_and_named(host, caplog):
+    def exits(register):
+        sys.exit(3)
+
+    host.add_plugin(make_plugin(register_renderers=exits), "quitter")
+    host.add_plugin(make_plugin(register_renderers=lambda register: register("ok", object)),
+                    "fine")
+    assert plugins.names("renderers") == ["jinja", "ok"]
+    err = logged(caplog).strip().splitlines()
+    assert len(err) == 1 and "'quitter'" in err[0] and "sys.exit(3)" in err[0], err
+
+
+def test_keyboard_interrupt_in_a_hook_still_stops(host):
+    def interrupted(register):
+        raise KeyboardInterrupt
+
+    host.add_plugin(make_plugin(register_renderers=interrupted), "interrupted")
+    with pytest.raises(KeyboardInterrupt):
+        plugins.names("renderers")
+
+
 def test_unknown_architecture_lists_installed_and_suggests_a_package(host):
     known = make_plugin(register_architectures=lambda register: register("Known", object))
     host.add_plugin(known, "k")
@@ -138,3 +159,41 @@ def test_load_plugins_env_limits_loading(tmp_path):
     only = json.loads(_cli(["plugins"], {**base, "MLXRUNNER_LOAD_PLUGINS": "fake-good"},
                            tmp_path).stdout)
     assert {p["distribution"] for p in only} == {"mlxrunner", "fake-good"}
+
+
+def _site_env(site: Path) -> dict[str, str]:
+    return {"PYTHONPATH": str(site) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+EXITING_HOOK = """
+import sys
+import mlxrunner
+
+@mlxrunner.hookimpl
+def register_renderers(register):
+    sys.exit(4)
+"""
+
+
+def test_a_plugin_calling_sys_exit_is_named_and_skipped_and_others_work(tmp_path):
+    site = tmp_path / "site"
+    _fake_distribution(site, "fake-exit-import", "fake_exit_import", "import sys\nsys.exit()\n")
+    _fake_distribution(site, "fake-exit-hook", "fake_exit_hook", EXITING_HOOK)
+    _fake_distribution(site, "fake-good", "fake_good_plugin", GOOD_PLUGIN)
+    env = _site_env(site)
+    env.pop("MLXRUNNER_LOAD_PLUGINS", None)
+    result = _cli(["renderers", "--json"], env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "fake-good" in {r["name"] for r in json.loads(result.stdout)}
+    for dist, needle in (("fake-exit-import", "failed to import: called sys.exit(None)"),
+                         ("fake-exit-hook", "failed in register_renderers: called sys.exit(4)")):
+        lines = [line for line in result.stderr.splitlines() if dist in line]
+        assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_keyboard_interrupt_at_a_plugins_import_still_stops(tmp_path):
+    site = tmp_path / "site"
+    _fake_distribution(site, "fake-interrupt", "fake_interrupt", "raise KeyboardInterrupt\n")
+    result = _cli(["plugins"], {**_site_env(site), "MLXRUNNER_LOAD_PLUGINS": "fake-interrupt"},
+                  tmp_path)
+    assert result.returncode == 130, (result.returncode, result.stderr)

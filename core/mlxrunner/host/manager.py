@@ -1,10 +1,11 @@
 """Plugin discovery and the registries plugins fill.
 
 Plugins are found once, lazily, through entry points in the ``mlxrunner`` group.
-A plugin whose import or hook raises is reported in one warning (logger
-``mlxrunner.host``) and skipped; the rest load. ``MLXRUNNER_LOAD_PLUGINS``
-(comma-separated distribution names, empty for none) limits which entry points
-load; the core's own built-ins always load.
+A plugin whose import or hook raises (``sys.exit()`` included; ``KeyboardInterrupt``
+still stops everything) is reported in one warning (logger ``mlxrunner.host``) and
+skipped; the rest load. ``MLXRUNNER_LOAD_PLUGINS`` (comma-separated distribution
+names, empty for none) limits which entry points load; the core's own built-ins
+always load.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ DIRECT = "<mlxrunner.register>"
 #: registers the ``jinja`` renderer), loaded by name as entry points are
 BUILTINS_MODULE = "mlxrunner.chat.builtins"
 BUILTINS_PLUGIN = "mlxrunner.builtins"
+#: what a plugin's failure is: every exception but KeyboardInterrupt (and GeneratorExit),
+#: SystemExit included (a plugin calling sys.exit() must not end every command)
+PLUGIN_FAILURES = (Exception, SystemExit)
 
 
 @dataclass
@@ -97,14 +101,15 @@ class PluginHost:
                 continue
             try:
                 module = ep.load()
-            except Exception as exc:  # a broken plugin must not take the others down
+            except PLUGIN_FAILURES as exc:  # a broken plugin must not take the others down
                 self._warn(f"plugin {ep.name!r} ({dist}) failed to import: "
-                           f"{type(exc).__name__}: {exc}; skipped")
+                           f"{_failure(exc)}; skipped")
                 continue
             try:
                 self.add_plugin(module, ep.name, dist, version)
-            except Exception as exc:
-                self._warn(f"plugin {ep.name!r} ({dist}) could not be registered: {exc}; skipped")
+            except PLUGIN_FAILURES as exc:
+                self._warn(f"plugin {ep.name!r} ({dist}) could not be registered: "
+                           f"{_failure(exc)}; skipped")
 
     # -- registries --------------------------------------------------------
     def registry(self, kind: str) -> dict[str, Registration]:
@@ -138,9 +143,9 @@ class PluginHost:
 
                 try:
                     impl.function(register)
-                except Exception as exc:
+                except PLUGIN_FAILURES as exc:
                     self._warn(f"plugin {plugin!r} failed in {HOOK_OF_KIND[kind]}: "
-                               f"{type(exc).__name__}: {exc}; skipped")
+                               f"{_failure(exc)}; skipped")
                     continue
                 for name, reg in found.items():
                     if name in registries[kind]:
@@ -162,9 +167,17 @@ class PluginHost:
         for impl in reversed(self.pm.hook.register_commands.get_hookimpls()):
             try:
                 impl.function(cli)
-            except Exception as exc:
+            except PLUGIN_FAILURES as exc:
                 self._warn(f"plugin {impl.plugin_name!r} failed in register_commands: "
-                           f"{type(exc).__name__}: {exc}; skipped")
+                           f"{_failure(exc)}; skipped")
+
+
+def _failure(exc: BaseException) -> str:
+    """An exception as one line of a warning."""
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _norm(name: str) -> str:
