@@ -13,7 +13,9 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_ROW_PRODUCTS`` (``1``/``0``): on CUDA, products of 2-16 rows as one-row
   products (see ``mlxrunner.nn.project``).
 - ``MLXRUNNER_LOAD_PLUGINS``: the plugins that load (comma-separated distribution or entry
-  point names; empty: none; unset: all).
+  point names, as ``mlxrunner plugins`` lists them, compared as PEP 503 normalises them;
+  empty: none; unset: all; a name no installed plugin has is one warning). The core's
+  built-ins always load.
 """
 
 from __future__ import annotations

@@ -98,6 +98,20 @@ def test_keyboard_interrupt_in_a_hook_still_stops(host):
         plugins.names("renderers")
 
 
+def test_load_plugins_is_read_from_the_settings(monkeypatch):
+    """The switch comes from mlxrunner.settings, not from os.environ at discovery."""
+    from mlxrunner import settings
+
+    previous = plugins.host()
+    monkeypatch.delenv("MLXRUNNER_LOAD_PLUGINS", raising=False)
+    try:
+        with settings.overridden(load_plugins=()):
+            listed = [p.name for p in plugins.reset().plugin_list()]
+        assert listed == ["mlxrunner.builtins"]
+    finally:
+        plugins.reset(previous)
+
+
 def test_unknown_architecture_lists_installed_and_suggests_a_package(host):
     known = make_plugin(register_architectures=lambda register: register("Known", object))
     host.add_plugin(known, "k")
@@ -108,11 +122,12 @@ def test_unknown_architecture_lists_installed_and_suggests_a_package(host):
     assert "pip install mlxrunner-foo-bar" in message
 
 
-def _fake_distribution(site: Path, dist: str, module: str, source: str) -> None:
+def _fake_distribution(site: Path, dist: str, module: str, source: str,
+                       entry_point: str | None = None) -> None:
     info = site / f"{dist.replace('-', '_')}-0.1.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[mlxrunner]\n{dist} = {module}\n")
+    (info / "entry_points.txt").write_text(f"[mlxrunner]\n{entry_point or dist} = {module}\n")
     (site / f"{module}.py").write_text(source)
 
 
@@ -163,6 +178,34 @@ def test_load_plugins_env_limits_loading(tmp_path):
 
 def _site_env(site: Path) -> dict[str, str]:
     return {"PYTHONPATH": str(site) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_load_plugins_takes_entry_point_and_distribution_names(tmp_path):
+    """`mlxrunner plugins` prints entry-point names: MLXRUNNER_LOAD_PLUGINS takes those as
+    well as distribution names (any case, - or _)."""
+    site = tmp_path / "site"
+    _fake_distribution(site, "mlxrunner-fake-good", "fake_good_plugin", GOOD_PLUGIN,
+                       entry_point="fake-short")
+    for value in ("fake-short", "mlxrunner-fake-good", "MLXRunner_Fake_Good", " fake-short ,"):
+        result = _cli(["plugins"], {**_site_env(site), "MLXRUNNER_LOAD_PLUGINS": value},
+                      tmp_path)
+        assert result.returncode == 0, result.stderr
+        listing = json.loads(result.stdout)
+        assert [p["plugin"] for p in listing] == ["mlxrunner.builtins", "fake-short"], value
+        assert result.stderr == "", (value, result.stderr)
+
+
+def test_load_plugins_naming_nothing_installed_warns_once(tmp_path):
+    site = tmp_path / "site"
+    _fake_distribution(site, "mlxrunner-fake-good", "fake_good_plugin", GOOD_PLUGIN,
+                       entry_point="fake-short")
+    result = _cli(["plugins"], {**_site_env(site), "MLXRUNNER_LOAD_PLUGINS": "fake-shrot"},
+                  tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [p["plugin"] for p in json.loads(result.stdout)] == ["mlxrunner.builtins"]
+    warning = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(warning) == 1 and "'fake-shrot'" in warning[0], result.stderr
+    assert "fake-short (mlxrunner-fake-good)" in warning[0]
 
 
 EXITING_HOOK = """

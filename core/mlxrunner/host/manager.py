@@ -3,15 +3,16 @@
 Plugins are found once, lazily, through entry points in the ``mlxrunner`` group.
 A plugin whose import or hook raises (``sys.exit()`` included; ``KeyboardInterrupt``
 still stops everything) is reported in one warning (logger ``mlxrunner.host``) and
-skipped; the rest load. ``MLXRUNNER_LOAD_PLUGINS`` (comma-separated distribution
-names, empty for none) limits which entry points load; the core's own built-ins
-always load.
+skipped; the rest load. ``MLXRUNNER_LOAD_PLUGINS``
+(``mlxrunner.settings.current().load_plugins``: comma-separated distribution or
+entry-point names, as ``mlxrunner plugins`` lists them; empty for none) limits which
+entry points load; the core's own built-ins always load.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import import_module
@@ -21,6 +22,7 @@ from typing import Any
 import pluggy
 
 from ..errors import PluginError, UnknownNameError
+from ..settings import current as current_settings
 from . import hookspecs
 
 log = logging.getLogger("mlxrunner.host")
@@ -88,16 +90,21 @@ class PluginHost:
                         _version("mlxrunner"))
         if not self.use_entry_points:
             return
-        allowed = os.environ.get("MLXRUNNER_LOAD_PLUGINS")
-        allowed_set = None
-        if allowed is not None:
-            allowed_set = {_norm(n) for n in allowed.split(",") if n.strip()}
+        allowed = current_settings().load_plugins
+        # normalised name -> as the user wrote it; a plugin loads when its distribution
+        # name or its entry-point name is listed
+        wanted = None if allowed is None else {_norm(n): n for n in allowed}
+        seen: set[str] = {_norm("mlxrunner"), _norm(BUILTINS_PLUGIN)}  # the built-ins
+        installed: list[str] = []
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             dist = ep.dist.name if ep.dist is not None else None
             version = ep.dist.version if ep.dist is not None else None
-            if allowed_set is not None and _norm(dist or ep.name) not in allowed_set:
-                continue
             if ep.value in (BUILTINS_MODULE, BUILTINS_PLUGIN):  # (its old module path)
+                continue
+            names = {_norm(ep.name)} | ({_norm(dist)} if dist else set())
+            seen |= names
+            installed.append(f"{ep.name} ({dist})" if dist and dist != ep.name else ep.name)
+            if wanted is not None and not names & wanted.keys():
                 continue
             try:
                 module = ep.load()
@@ -110,6 +117,11 @@ class PluginHost:
             except PLUGIN_FAILURES as exc:
                 self._warn(f"plugin {ep.name!r} ({dist}) could not be registered: "
                            f"{_failure(exc)}; skipped")
+        unknown = sorted(name for key, name in (wanted or {}).items() if key not in seen)
+        if unknown:
+            self._warn(f"MLXRUNNER_LOAD_PLUGINS: no installed plugin is named "
+                       f"{' or '.join(map(repr, unknown))} (installed: "
+                       f"{', '.join(installed) or 'none'})")
 
     # -- registries --------------------------------------------------------
     def registry(self, kind: str) -> dict[str, Registration]:
@@ -181,7 +193,8 @@ def _failure(exc: BaseException) -> str:
 
 
 def _norm(name: str) -> str:
-    return name.strip().lower().replace("_", "-")
+    """A distribution or entry-point name, normalised (PEP 503: case, runs of - _ .)."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
 
 
 def _version(dist: str) -> str | None:
