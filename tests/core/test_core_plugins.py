@@ -13,7 +13,7 @@ import pytest
 
 import mlxrunner
 from mlxrunner import host as plugins
-from mlxrunner.errors import PluginError, UnknownNameError
+from mlxrunner.errors import UnknownNameError
 from mlxrunner_test_support import logged
 
 
@@ -47,13 +47,50 @@ def test_registers_through_the_callback(host):
     assert host.plugins["a-plugin"].hooks == ["register_architectures"]
 
 
-def test_two_plugins_one_name_is_an_error_naming_both(host):
-    host.add_plugin(make_plugin(register_renderers=lambda register: register("same", object)),
-                    "first")
-    host.add_plugin(make_plugin(register_renderers=lambda register: register("same", object)),
-                    "second")
-    with pytest.raises(PluginError, match="'first'.*'second'|'second'.*'first'"):
-        plugins.names("renderers")
+def test_a_name_two_plugins_register_stays_with_the_first_and_warns_once(host, caplog):
+    first, second = object(), object()
+    host.add_plugin(make_plugin(register_renderers=lambda register: register("same", first)),
+                    "first", "mlxrunner-first")
+    host.add_plugin(make_plugin(register_renderers=lambda register: (
+        register("same", second), register("own", second))), "second")
+    assert plugins.names("renderers") == ["jinja", "own", "same"]  # every command still works
+    assert plugins.lookup("renderers", "same").obj is first
+    assert plugins.lookup("renderers", "own").plugin == "second"  # the rest of it registered
+    err = logged(caplog).strip().splitlines()
+    assert len(err) == 1, err
+    assert "'same'" in err[0] and "'first' (mlxrunner-first)" in err[0] and "'second'" in err[0]
+    assert err[0].index("'first'") < err[0].index("'second'")
+
+
+def test_a_command_name_taken_is_skipped_with_one_warning_naming_both(host, caplog):
+    from mlxrunner.cli import build_parser
+
+    def commands(*names):
+        def hook(cli):
+            for name in names:
+                cli.command(name, f"{name} help", lambda parser: None, lambda args: 7)
+        return hook
+
+    def broken_arguments(parser):
+        parser.add_argument("--x")
+        raise RuntimeError("bad arguments")
+
+    host.add_plugin(make_plugin(register_commands=commands("hello")), "one")
+    host.add_plugin(make_plugin(register_commands=lambda cli: (
+        cli.command("half", "half help", broken_arguments, lambda args: 0),
+        commands("run", "hello", "mine")(cli))), "two", "mlxrunner-two")
+    parser, registry = build_parser()
+    plugins.host().call_commands_hook(registry)
+    assert registry.owners["hello"] == "'one'" and registry.owners["run"] == "mlxrunner"
+    assert registry.owners["mine"] == "'two' (mlxrunner-two)"  # its other command stays
+    assert "half" not in registry.handlers
+    with pytest.raises(SystemExit):  # the half-built command is gone from the parser too
+        parser.parse_args(["half"])
+    err = logged(caplog).strip().splitlines()
+    assert len(err) == 3, err
+    assert "'half'" in err[0] and "'two'" in err[0] and "bad arguments" in err[0]
+    assert "'run'" in err[1] and "mlxrunner and 'two' (mlxrunner-two)" in err[1]
+    assert "'hello'" in err[2] and "'one' and 'two' (mlxrunner-two)" in err[2]
 
 
 def test_a_failing_hook_is_skipped_and_the_rest_load(host, caplog):

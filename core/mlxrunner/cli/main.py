@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..errors import MLXRunnerError
+from ..errors import MLXRunnerError, PluginError
 from ..host import manager as plugins
 from . import bench
 from .arguments import count, port
@@ -29,15 +29,34 @@ class CommandRegistry:
     def __init__(self, subparsers: Any) -> None:
         self._subparsers = subparsers
         self.handlers: dict[str, Callable[[argparse.Namespace], int | None]] = {}
+        self.owners: dict[str, str] = {}
 
     def command(self, name: str, help: str,
                 add_arguments: Callable[[argparse.ArgumentParser], None],
-                run: Callable[[argparse.Namespace], int | None]) -> None:
+                run: Callable[[argparse.Namespace], int | None], *,
+                plugin: str = "mlxrunner") -> None:
+        """Add command ``name``; ``plugin`` (the plugin host passes it) names who adds it.
+        A name already taken is a PluginError naming both; nothing is added. Should
+        ``add_arguments`` raise, the half-built command is taken out again."""
         if name in self.handlers:
-            raise MLXRunnerError(f"command {name!r} is registered twice")
+            owner = self.owners[name]
+            raise PluginError(f"command {name!r} is registered by both {owner} and {plugin}; "
+                              f"the name stays with {owner} (the later registration is "
+                              "skipped)")
         parser = self._subparsers.add_parser(name, help=help, description=help)
-        add_arguments(parser)
+        try:
+            add_arguments(parser)
+        except BaseException:
+            self._remove_parser(name)
+            raise
         self.handlers[name] = run
+        self.owners[name] = plugin
+
+    def _remove_parser(self, name: str) -> None:
+        """Undo ``add_parser(name)`` (argparse has no public way to)."""
+        self._subparsers._name_parser_map.pop(name, None)
+        self._subparsers._choices_actions[:] = [
+            action for action in self._subparsers._choices_actions if action.dest != name]
 
 
 # -- listing commands --------------------------------------------------------

@@ -11,7 +11,10 @@ is handed a ``register`` callback; call it once per thing the plugin adds::
         register("MyModelForCausalLM", MyModel)
         register("my_model", MyModel)
 
-Names are global: two plugins registering one name is an error naming both.
+Names are global, and the first plugin to register a name keeps it: a later plugin
+registering the same name gets one warning naming both, and that registration is skipped
+(its other names still register). A hook that raises, ``sys.exit()`` included, is one
+warning naming the plugin, and what it registered is skipped.
 """
 
 from __future__ import annotations

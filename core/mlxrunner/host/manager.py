@@ -3,7 +3,9 @@
 Plugins are found once, lazily, through entry points in the ``mlxrunner`` group.
 A plugin whose import or hook raises (``sys.exit()`` included; ``KeyboardInterrupt``
 still stops everything) is reported in one warning (logger ``mlxrunner.host``) and
-skipped; the rest load. ``MLXRUNNER_LOAD_PLUGINS``
+skipped; the rest load. Names are global and the first plugin to register a name keeps
+it: a later plugin registering it again is one warning naming both, and that one
+registration is skipped. ``MLXRUNNER_LOAD_PLUGINS``
 (``mlxrunner.settings.current().load_plugins``: comma-separated distribution or
 entry-point names, as ``mlxrunner plugins`` lists them; empty for none) limits which
 entry points load; the core's own built-ins always load.
@@ -123,6 +125,20 @@ class PluginHost:
                        f"{' or '.join(map(repr, unknown))} (installed: "
                        f"{', '.join(installed) or 'none'})")
 
+    def describe(self, plugin: str) -> str:
+        """A plugin as messages name it: ``'entry-point' (distribution)``."""
+        if plugin == DIRECT:
+            return "mlxrunner.register()"
+        info = self.plugins.get(plugin)
+        if info is not None and info.distribution and info.distribution != plugin:
+            return f"{plugin!r} ({info.distribution})"
+        return repr(plugin)
+
+    def distribution_of(self, plugin: str) -> str:
+        """The distribution a plugin came in (its name when unknown)."""
+        info = self.plugins.get(plugin)
+        return info.distribution if info is not None and info.distribution else plugin
+
     # -- registries --------------------------------------------------------
     def registry(self, kind: str) -> dict[str, Registration]:
         if kind not in KINDS:
@@ -139,10 +155,12 @@ class PluginHost:
         return merged
 
     def _collect(self) -> dict[str, dict[str, Registration]]:
+        """Every plugin's registrations, in load order: the first to register a name keeps
+        it."""
         registries: dict[str, dict[str, Registration]] = {kind: {} for kind in KINDS}
         for kind in KINDS:
             caller = getattr(self.pm.hook, HOOK_OF_KIND[kind])
-            for impl in reversed(caller.get_hookimpls()):
+            for impl in caller.get_hookimpls():
                 plugin = impl.plugin_name
                 found: dict[str, Registration] = {}
 
@@ -160,10 +178,13 @@ class PluginHost:
                                f"{_failure(exc)}; skipped")
                     continue
                 for name, reg in found.items():
-                    if name in registries[kind]:
-                        other = registries[kind][name].plugin
-                        raise PluginError(f"{kind[:-1]} {name!r} is registered by both "
-                                          f"{other!r} and {plugin!r}")
+                    owner = registries[kind].get(name)
+                    if owner is not None:
+                        first = self.describe(owner.plugin)
+                        self._warn(f"{kind[:-1]} {name!r} is registered by both {first} and "
+                                   f"{self.describe(plugin)}; the name stays with {first} "
+                                   "(the later registration is skipped)")
+                        continue
                     registries[kind][name] = reg
         return registries
 
@@ -175,13 +196,39 @@ class PluginHost:
         return list(self.plugins.values())
 
     def call_commands_hook(self, cli: Any) -> None:
+        """Each plugin's ``register_commands(cli)``, in load order. A command whose name is
+        taken (by a built-in or an earlier plugin), or whose arguments fail to build, is one
+        warning and skipped; the plugin's other commands stay."""
         self._discover()
-        for impl in reversed(self.pm.hook.register_commands.get_hookimpls()):
+        for impl in self.pm.hook.register_commands.get_hookimpls():
+            plugin = impl.plugin_name
             try:
-                impl.function(cli)
+                impl.function(_PluginCommands(self, cli, plugin))
             except PLUGIN_FAILURES as exc:
-                self._warn(f"plugin {impl.plugin_name!r} failed in register_commands: "
+                self._warn(f"plugin {plugin!r} failed in register_commands: "
                            f"{_failure(exc)}; skipped")
+
+
+class _PluginCommands:
+    """What one plugin's ``register_commands`` is handed: the CLI's command registry, each
+    command added under the plugin's name so that a clash names both plugins."""
+
+    def __init__(self, host: PluginHost, cli: Any, plugin: str) -> None:
+        self._host, self._cli, self._plugin = host, cli, plugin
+
+    def command(self, name: str, help: str, add_arguments: Callable[[Any], None],
+                run: Callable[[Any], int | None]) -> None:
+        try:
+            self._cli.command(name, help, add_arguments, run,
+                              plugin=self._host.describe(self._plugin))
+        except PluginError as exc:  # the name is taken: the message names both
+            self._host._warn(str(exc))
+        except PLUGIN_FAILURES as exc:
+            self._host._warn(f"plugin {self._plugin!r} failed to add command {name!r}: "
+                             f"{_failure(exc)}; skipped")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cli, name)
 
 
 def _failure(exc: BaseException) -> str:
