@@ -13,7 +13,7 @@ import pytest
 
 import mlxrunner
 from mlxrunner import host as plugins
-from mlxrunner.errors import UnknownNameError
+from mlxrunner.errors import PluginError, UnknownNameError
 from mlxrunner_test_support import logged
 
 
@@ -112,6 +112,44 @@ def test_direct_register_feeds_the_same_registry(host):
 
     mlxrunner.register("BDirect", B)
     assert plugins.architecture_for({"architectures": ["BDirect"]}) is B
+
+
+def test_direct_register_over_a_plugins_name_fails_at_once_naming_it(host):
+    class Mine:
+        pass
+
+    theirs = make_plugin(register_architectures=lambda register: register("Taken", object))
+    host.add_plugin(theirs, "their-plugin", "mlxrunner-theirs")
+    with pytest.raises(PluginError) as info:
+        mlxrunner.register("Taken", Mine)
+    assert "'Taken'" in str(info.value) and "'their-plugin' (mlxrunner-theirs)" in str(info.value)
+    # nothing changed, and later lookups keep working
+    assert plugins.lookup("architectures", "Taken").plugin == "their-plugin"
+    assert plugins.names("architectures") == ["Taken"]
+
+
+def test_direct_register_again_replaces_its_own_earlier_class(host):
+    class Old:
+        pass
+
+    class New:
+        pass
+
+    mlxrunner.register("Cell", Old)
+    mlxrunner.register("Cell", New)  # a notebook cell run twice
+    assert plugins.architecture_for({"architectures": ["Cell"]}) is New
+
+
+def test_a_plugin_added_after_a_direct_register_leaves_the_name_to_it(host, caplog):
+    class Mine:
+        pass
+
+    mlxrunner.register("Early", Mine)
+    host.add_plugin(make_plugin(register_architectures=lambda register: register("Early", 1)),
+                    "late")
+    assert plugins.lookup("architectures", "Early").obj is Mine
+    err = logged(caplog)
+    assert "'Early'" in err and "mlxrunner.register()" in err and "'late'" in err
 
 
 def test_a_plugin_calling_sys_exit_in_a_hook_is_skipped_and_named(host, caplog):

@@ -146,18 +146,13 @@ class PluginHost:
         if self._registries is None:
             self._discover()
             self._registries = self._collect()
-        merged = dict(self._registries[kind])
-        for name, reg in self._direct[kind].items():
-            if name in merged and merged[name].plugin != reg.plugin:
-                raise PluginError(f"{kind[:-1]} {name!r} is registered by both "
-                                  f"{merged[name].plugin!r} and {reg.plugin!r}")
-            merged[name] = reg
-        return merged
+        return dict(self._registries[kind])
 
     def _collect(self) -> dict[str, dict[str, Registration]]:
         """Every plugin's registrations, in load order: the first to register a name keeps
-        it."""
-        registries: dict[str, dict[str, Registration]] = {kind: {} for kind in KINDS}
+        it (``mlxrunner.register`` calls made before come first)."""
+        registries: dict[str, dict[str, Registration]] = {
+            kind: dict(self._direct[kind]) for kind in KINDS}
         for kind in KINDS:
             caller = getattr(self.pm.hook, HOOK_OF_KIND[kind])
             for impl in caller.get_hookimpls():
@@ -186,10 +181,25 @@ class PluginHost:
                                    "(the later registration is skipped)")
                         continue
                     registries[kind][name] = reg
+            for name, reg in self._direct[kind].items():  # registered while hooks ran
+                registries[kind].setdefault(name, reg)
         return registries
 
     def register_direct(self, kind: str, name: str, obj: Any) -> None:
-        self._direct[kind][name] = Registration(name, obj, DIRECT)
+        """``mlxrunner.register``: a name no plugin owns (PluginError at once, naming the
+        plugin that does); registering a name again this way replaces the earlier object."""
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"mlxrunner.register: the name must be a non-empty string, "
+                              f"not {name!r}")
+        owner = self.registry(kind).get(name)  # loads the plugins first
+        if owner is not None and owner.plugin != DIRECT:
+            raise PluginError(f"{kind[:-1]} {name!r} is already registered by plugin "
+                              f"{self.describe(owner.plugin)}: register yours under another "
+                              "name (or leave that plugin out with MLXRUNNER_LOAD_PLUGINS)")
+        reg = Registration(name, obj, DIRECT)
+        self._direct[kind][name] = reg
+        if self._registries is not None:
+            self._registries[kind][name] = reg
 
     def plugin_list(self) -> list[PluginInfo]:
         self._discover()
@@ -272,7 +282,15 @@ def reset(new_host: PluginHost | None = None) -> PluginHost:
 
 
 def register(name: str, model_class: type) -> None:
-    """Register a target architecture from unpackaged code (feeds the same registry)."""
+    """Register a target architecture from unpackaged code (a notebook, a test): it feeds
+    the registry plugins fill.
+
+    A name an installed plugin already registers is refused at once with a
+    :class:`~mlxrunner.errors.PluginError` naming that plugin (as pytest refuses a plugin
+    name taken twice): a plugin's architecture is never replaced behind its back. Calling
+    ``register`` again with a name registered this way replaces the earlier class (re-running
+    a notebook cell works). Plugins are loaded by the first call, so the check sees them.
+    """
     host().register_direct("architectures", name, model_class)
 
 
