@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import types
 import urllib.error
 import urllib.request
 from typing import Any
@@ -258,3 +259,66 @@ def test_requests_on_new_threads_replay_the_first_requests_traces():
                          timeout=300)
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert run.stdout.strip() == "[12, 12]", run.stdout
+
+
+class _FailingRenderer:
+    def render(self, messages, tools=None, *, think=None, add_generation_prompt=True):
+        raise ValueError("renderer bug")
+
+
+class _FailingParser:
+    """Parses nothing: fails on the first piece of a streamed reply."""
+
+    def reset(self, prompt=None, *, start_in_thinking=None, tools=None):
+        pass
+
+    def feed(self, chunk):
+        raise RuntimeError("parser bug")
+
+    def finish(self):
+        return []
+
+    def parse(self, text):
+        raise RuntimeError("parser bug")
+
+
+def test_a_failing_renderer_or_parser_is_a_500_naming_it_and_the_server_goes_on(served):
+    import dataclasses
+
+    bundle, _ = served
+    previous = plugins.host()
+    test_host = plugins.reset()
+    test_host.add_plugin(types.SimpleNamespace(
+        register_renderers=mlxrunner.hookimpl(
+            lambda register: register("failing", lambda context: _FailingRenderer())),
+        register_parsers=mlxrunner.hookimpl(
+            lambda register: register("failing", lambda context: _FailingParser()))),
+        "failing-plugin", "mlxrunner-failing")
+    try:
+        broken = dataclasses.replace(bundle, renderer=_FailingRenderer(),
+                                     renderer_name="failing")
+        parsing = dataclasses.replace(bundle, parser=_FailingParser(), parser_name="failing")
+        for which, failing_bundle, needle in (
+                ("renderer", broken, "ValueError: renderer bug"),
+                ("parser", parsing, "RuntimeError: parser bug")):
+            server = make_server(Service(failing_bundle, name="demo"), port=0)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            host, port = server.server_address[:2]
+            url = f"http://{host}:{port}/v1/chat/completions"
+            body = {"messages": [{"role": "user", "content": "class Test"}], "max_tokens": 4}
+            try:
+                status, reply = post(url, body)
+                assert status == 500, reply
+                message = reply["error"]["message"]
+                assert message == (f"{which} 'failing' (plugin mlxrunner-failing) failed: "
+                                   f"{needle}")
+                if which == "parser":  # mid-stream: the last event says what failed
+                    status, chunks = post(url, {**body, "stream": True})
+                    assert status == 200 and chunks[-1]["error"]["message"] == message
+                status, ok = post(url.replace("chat/", ""), {"prompt": "x", "max_tokens": 2})
+                assert status == 200 and ok["usage"]["completion_tokens"] == 2
+            finally:
+                server.shutdown()
+                server.server_close()
+    finally:
+        plugins.reset(previous)

@@ -22,7 +22,12 @@ class UnknownNameError(MLXRunnerError):
 
 
 class PluginError(MLXRunnerError):
-    """Plugins conflict (two registered one name) or misbehave."""
+    """Plugins conflict (a name already taken) or misbehave."""
+
+
+class PluginFailedError(PluginError):
+    """A plugin's code (a renderer, a parser) raised while it ran: the message names what
+    failed and the plugin behind it; the original exception is its ``__cause__``."""
 
 
 class ModelfileError(MLXRunnerError):

@@ -315,3 +315,127 @@ def test_keyboard_interrupt_at_a_plugins_import_still_stops(tmp_path):
     result = _cli(["plugins"], {**_site_env(site), "MLXRUNNER_LOAD_PLUGINS": "fake-interrupt"},
                   tmp_path)
     assert result.returncode == 130, (result.returncode, result.stderr)
+
+
+BROKEN_RENDERER = """
+import mlxrunner
+
+class Broken:
+    def render(self, messages, tools=None, *, think=None, add_generation_prompt=True):
+        raise ValueError("no template for this")
+
+class Plain:
+    def render(self, messages, tools=None, *, think=None, add_generation_prompt=True):
+        return "".join(m["content"] for m in messages)
+
+@mlxrunner.hookimpl
+def register_renderers(register):
+    register("fake-broken", lambda context: Broken())
+    register("fake-plain", lambda context: Plain())
+"""
+
+
+def test_a_renderer_that_raises_is_one_line_naming_it_and_its_plugin(tmp_path):
+    site = tmp_path / "site"
+    _fake_distribution(site, "mlxrunner-fake-render", "fake_render_plugin", BROKEN_RENDERER,
+                       entry_point="fake-render")
+    conversation = tmp_path / "c.json"
+    conversation.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    env = _site_env(site)
+    env.pop("MLXRUNNER_LOAD_PLUGINS", None)
+    result = _cli(["render", str(conversation), "--renderer", "fake-broken"], env, tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "mlxrunner: error: renderer 'fake-broken' (plugin mlxrunner-fake-render) failed: "
+        "ValueError: no template for this"]
+    debug = _cli(["--debug", "render", str(conversation), "--renderer", "fake-broken"], env,
+                 tmp_path)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr  # --debug shows where
+
+
+def test_a_failing_renderer_or_parser_names_itself_through_the_python_api(host):
+    from mlxrunner.errors import ConversationError, PluginFailedError
+
+    class Renderer:
+        def render(self, messages, tools=None, *, think=None, add_generation_prompt=True):
+            if messages[0]["content"] == "exit":
+                sys.exit(1)
+            raise ConversationError("a conversation problem stays what it is")
+
+    def broken_parser(context):
+        raise KeyError("state")
+
+    host.add_plugin(make_plugin(
+        register_renderers=lambda register: register("r", lambda context: Renderer()),
+        register_parsers=lambda register: register("p", broken_parser)), "chatty",
+        "mlxrunner-chatty")
+    with pytest.raises(PluginFailedError) as info:
+        mlxrunner.get_parser("p")
+    assert str(info.value) == "parser 'p' (plugin mlxrunner-chatty) failed: KeyError: 'state'"
+    assert isinstance(info.value.__cause__, KeyError)
+    renderer = mlxrunner.get_renderer("r")
+    with pytest.raises(PluginFailedError, match=r"renderer 'r' .*sys.exit\(1\)"):
+        with plugins.plugin_code("renderers", "r"):
+            renderer.render([{"role": "user", "content": "exit"}])
+    with pytest.raises(ConversationError, match="stays what it is"):
+        with plugins.plugin_code("renderers", "r"):
+            renderer.render([{"role": "user", "content": "x"}])
+    with pytest.raises(KeyboardInterrupt):
+        with plugins.plugin_code("renderers", "r"):
+            raise KeyboardInterrupt
+
+
+BROKEN_PARSER = """
+import mlxrunner
+
+class Broken:
+    def reset(self, prompt=None, *, start_in_thinking=None, tools=None):
+        pass
+
+    def feed(self, chunk):
+        raise RuntimeError("cannot feed")
+
+    def finish(self):
+        return []
+
+    def parse(self, text):
+        raise RuntimeError("cannot parse")
+
+@mlxrunner.hookimpl
+def register_parsers(register):
+    register("fake-broken", lambda context: Broken())
+"""
+
+
+def test_run_names_a_failing_renderer_or_parser_in_one_line(tmp_path):
+    pytest.importorskip("mlxrunner_example_architecture")
+    from mlxrunner_test_support import write_model_folder
+
+    site = tmp_path / "site"
+    _fake_distribution(site, "mlxrunner-fake-render", "fake_render_plugin", BROKEN_RENDERER)
+    _fake_distribution(site, "mlxrunner-fake-parse", "fake_parse_plugin", BROKEN_PARSER)
+    folder = write_model_folder(tmp_path / "model")
+    env = _site_env(site)
+    env.pop("MLXRUNNER_LOAD_PLUGINS", None)
+    short = ["--max-tokens", "2", "--temperature", "0"]
+    for args, stdin, expected in (
+            (["--json", "--parser", "fake-broken"], None,
+             "parser 'fake-broken' (plugin mlxrunner-fake-parse) failed: RuntimeError: "
+             "cannot parse"),
+            (["--chat", "--parser", "fake-broken", "--renderer", "fake-plain"], "hi\n",
+             "parser 'fake-broken' (plugin mlxrunner-fake-parse) failed: RuntimeError: "
+             "cannot feed"),
+            (["--chat", "--renderer", "fake-broken"], "hi\n",
+             "renderer 'fake-broken' (plugin mlxrunner-fake-render) failed: ValueError: "
+             "no template for this"),
+            (["--renderer", "fake-broken"], None,
+             "renderer 'fake-broken' (plugin mlxrunner-fake-render) failed: ValueError: "
+             "no template for this")):
+        prompt = [] if stdin else ["def add"]
+        result = subprocess.run(
+            [sys.executable, "-m", "mlxrunner.cli", "run", str(folder), *prompt, *short, *args],
+            input=stdin or "", capture_output=True, text=True, env={**os.environ, **env},
+            cwd=tmp_path, timeout=300)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        assert errors == [f"mlxrunner: error: {expected}"], (args, result.stderr)

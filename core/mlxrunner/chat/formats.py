@@ -417,12 +417,17 @@ def load_conversation_file(path: str | os.PathLike[str]
 
 
 def get_renderer(name: str, context: RenderContext | None = None) -> Renderer:
-    """The renderer registered as ``name``, built for ``context``."""
+    """The renderer registered as ``name``, built for ``context``. A factory that fails
+    raises :class:`~mlxrunner.errors.PluginFailedError` naming the renderer and its plugin
+    (its own :class:`~mlxrunner.errors.MLXRunnerError` passes as it is)."""
     factory = plugins.lookup("renderers", name).obj
-    return factory(context if context is not None else RenderContext())
+    with plugins.plugin_code("renderers", name):
+        return factory(context if context is not None else RenderContext())
 
 
 def get_parser(name: str, context: RenderContext | None = None) -> Parser:
-    """The parser registered as ``name``, built for ``context``; call ``reset`` per reply."""
+    """The parser registered as ``name``, built for ``context``; call ``reset`` per reply.
+    A factory that fails raises as :func:`get_renderer`'s does."""
     factory = plugins.lookup("parsers", name).obj
-    return factory(context if context is not None else RenderContext())
+    with plugins.plugin_code("parsers", name):
+        return factory(context if context is not None else RenderContext())

@@ -17,6 +17,7 @@ from ..chat.formats import ParsedMessage
 from ..chat.streaming import TextStream
 from ..decode.generation import generate
 from ..errors import MLXRunnerError
+from ..host import plugin_code
 
 PROMPT = ">>> "
 HELP = "Type a message; /clear forgets the conversation, /bye leaves."
@@ -54,7 +55,8 @@ def chat_loop(bundle: Any, options: Any, *, max_tokens: int, think: bool | None 
         if not text:
             continue
         messages.append({"role": "user", "content": line})
-        prompt = renderer.render(messages, None, think=think, add_generation_prompt=True)
+        with plugin_code("renderers", bundle.renderer_name):
+            prompt = renderer.render(messages, None, think=think, add_generation_prompt=True)
         reply = stream_reply(bundle, prompt, options, max_tokens, stop_ids, write, color)
         messages.append(reply.to_message())
     return messages
@@ -84,18 +86,23 @@ def stream_reply(bundle: Any, prompt: str, options: Any, max_tokens: int,
             in_thinking = thinking
             write(piece.thinking or piece.content)
 
+    def parsed(call: Callable[..., Any], *args: Any) -> Any:
+        with plugin_code("parsers", bundle.parser_name):
+            return call(*args)
+
     def feed(chunk: str) -> None:
-        show(parser.feed(chunk) if parser is not None else [ParsedMessage(content=chunk)])
+        show(parsed(parser.feed, chunk) if parser is not None else
+             [ParsedMessage(content=chunk)])
 
     text = TextStream(tok, stop_ids, on_text=feed)
     if parser is not None:
-        parser.reset(prompt)
+        parsed(parser.reset, prompt)
     ids = tok.encode(prompt, add_special_tokens=False)
     generate(bundle.model, ids, options=options, max_tokens=max_tokens, eos_ids=stop_ids,
              on_token=text.add, draft=bundle.draft)
     text.finish()
     if parser is not None:
-        show(parser.finish())
+        show(parsed(parser.finish))
     if color and in_thinking:
         write(RESET)
     write("\n")

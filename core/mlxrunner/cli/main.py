@@ -220,7 +220,8 @@ def build_prompt(bundle: Any, prompt: str, *, raw: bool, system: str | None,
     if system:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": prompt})
-    text = bundle.renderer.render(messages, None, think=think, add_generation_prompt=True)
+    with plugins.plugin_code("renderers", bundle.renderer_name):
+        text = bundle.renderer.render(messages, None, think=think, add_generation_prompt=True)
     return text, tok.encode(text, add_special_tokens=False)
 
 
@@ -297,8 +298,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                                "tokens": result.tokens, "text": text,
                                "finish_reason": result.finish_reason, "statistics": stats}
         if bundle.parser is not None:
-            bundle.parser.reset(prompt_text)
-            parsed = bundle.parser.parse(text)
+            with plugins.plugin_code("parsers", bundle.parser_name):
+                bundle.parser.reset(prompt_text)
+                parsed = bundle.parser.parse(text)
             out["message"] = {"content": parsed.content, "thinking": parsed.thinking,
                               "tool_calls": [{"name": c.name, "arguments": c.arguments}
                                              for c in parsed.tool_calls]}
@@ -349,8 +351,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         context.model_name = args.model_name
     renderer = get_renderer(args.renderer, context)
     think = None if args.think is None else args.think == "on"
-    text = renderer.render(messages, tools, think=think,
-                           add_generation_prompt=not args.no_generation_prompt)
+    with plugins.plugin_code("renderers", args.renderer):
+        text = renderer.render(messages, tools, think=think,
+                               add_generation_prompt=not args.no_generation_prompt)
     sys.stdout.write(text)
     return 0
 

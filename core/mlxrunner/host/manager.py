@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
@@ -23,7 +24,7 @@ from typing import Any
 
 import pluggy
 
-from ..errors import PluginError, UnknownNameError
+from ..errors import MLXRunnerError, PluginError, PluginFailedError, UnknownNameError
 from ..settings import current as current_settings
 from . import hookspecs
 
@@ -326,6 +327,26 @@ def architecture_for(config: dict[str, Any]) -> type:
     pkg = "mlxrunner-" + str(model_type or wanted).lower().replace("_", "-")
     raise UnknownNameError(f"unknown architecture {wanted!r} (installed: {installed}); "
                            f"try `pip install {pkg}` or a plugin that provides it")
+
+
+@contextmanager
+def plugin_code(kind: str, name: str | None) -> Iterator[None]:
+    """Run the code of what a plugin registered (a renderer's ``render``, a parser's
+    ``feed``) inside ``with plugin_code("renderers", name):``. Any failure but an
+    :class:`~mlxrunner.errors.MLXRunnerError` (the plugin's own one-line error, e.g. a
+    ConversationError) or KeyboardInterrupt becomes one
+    :class:`~mlxrunner.errors.PluginFailedError` line naming the object and its plugin:
+    ``renderer 'gemma4' (plugin mlxrunner-renderer-gemma4) failed: ValueError: ...``."""
+    try:
+        yield
+    except MLXRunnerError:
+        raise
+    except PLUGIN_FAILURES as exc:
+        the_host = host()
+        reg = the_host.registry(kind).get(name) if name is not None else None
+        owner = f" (plugin {the_host.distribution_of(reg.plugin)})" if reg is not None else ""
+        raise PluginFailedError(f"{kind[:-1]} {name!r}{owner} failed: "
+                                f"{_failure(exc)}") from exc
 
 
 def import_object(spec: str) -> Any:

@@ -5,7 +5,9 @@ the reply through its parser: content, ``reasoning_content``, ``tool_calls``),
 ``POST /v1/completions`` (a raw prompt), ``GET /v1/models``, ``GET /health``. Both POST
 routes stream server-sent events with ``"stream": true``. Requests decode one at a time
 (speculatively when the model has a draft, which leaves the output unchanged); a bad
-request gets status 400 and one line naming the problem, and the server keeps serving.
+request gets status 400 and one line naming the problem, and the server keeps serving; a
+renderer or parser (plugin code) that fails gets status 500 naming it and its plugin (logged
+on ``mlxrunner.serve`` too).
 
 It binds to 127.0.0.1 unless told otherwise.
 """
@@ -13,6 +15,7 @@ It binds to 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -27,8 +30,10 @@ from typing import Any
 from ..chat.formats import ParsedMessage, validate_conversation
 from ..chat.streaming import TextStream
 from ..decode.generation import generate
-from ..errors import MLXRunnerError
+from ..errors import MLXRunnerError, PluginFailedError
+from ..host import plugin_code
 
+log = logging.getLogger("mlxrunner.serve")
 MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_TOKENS = 1024
 #: request fields that are sampler options (OpenAI's names, plus Ollama's top_k, min_p, ...)
@@ -131,7 +136,8 @@ class Service:
         think = body.get("think")
         if think is not None and not isinstance(think, bool):
             raise RequestError(f"think must be true or false, got {think!r}")
-        text = renderer.render(messages, tools, think=think, add_generation_prompt=True)
+        with plugin_code("renderers", self.bundle.renderer_name):
+            text = renderer.render(messages, tools, think=think, add_generation_prompt=True)
         return text, tools
 
     def request(self, prompt_text: str, body: Mapping[str, Any], *, rendered: bool
@@ -248,6 +254,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
+        self.events_started = True
 
     def _event(self, payload: Any) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
@@ -270,6 +277,7 @@ class Handler(BaseHTTPRequestHandler):
         if route is None:
             self._send_error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
             return
+        self.events_started = False
         try:
             body = self._read_body()
             stream = body.get("stream", False)
@@ -278,6 +286,12 @@ class Handler(BaseHTTPRequestHandler):
             route(body, stream)
         except RequestError as exc:
             self._send_error(exc.status, str(exc))
+        except PluginFailedError as exc:  # a renderer's or parser's failure, not the request's
+            log.warning("mlxrunner: %s (answered with status 500)", exc)
+            if self.events_started:  # the status went out: the stream's last event says it
+                self._event({"error": {"message": str(exc), "type": "server_error"}})
+            else:
+                self._send_error(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc))
         except (MLXRunnerError, ValueError) as exc:  # a conversation or option problem
             self._send_error(HTTPStatus.BAD_REQUEST, str(exc).splitlines()[0])
         except (BrokenPipeError, ConnectionResetError):
@@ -298,8 +312,9 @@ class Handler(BaseHTTPRequestHandler):
             message: dict[str, Any] = {"role": "assistant", "content": reply.text}
             finish = reply.finish_reason
             if parser is not None:
-                parser.reset(prompt, tools=tools)
-                parsed = parser.parse(reply.text)
+                with plugin_code("parsers", service.bundle.parser_name):
+                    parser.reset(prompt, tools=tools)
+                    parsed = parser.parse(reply.text)
                 message["content"] = parsed.content
                 if parsed.thinking:
                     message["reasoning_content"] = parsed.thinking
@@ -335,8 +350,12 @@ class Handler(BaseHTTPRequestHandler):
                 elif piece.content:
                     send({"content": piece.content})
 
+        def parsing(call: Callable[..., Any], *args: Any) -> Any:
+            with plugin_code("parsers", service.bundle.parser_name):
+                return call(*args)
+
         if parser is not None:
-            parser.reset(prompt, tools=tools)
+            parsing(lambda: parser.reset(prompt, tools=tools))
         self._start_events()
         send({"role": "assistant", "content": ""})
 
@@ -344,11 +363,11 @@ class Handler(BaseHTTPRequestHandler):
             if parser is None:
                 send({"content": text})
             else:
-                send_parsed(parser.feed(text))
+                send_parsed(parsing(parser.feed, text))
 
         reply = service.generate(request, on_text)
         if parser is not None:
-            send_parsed(parser.finish())
+            send_parsed(parsing(parser.finish))
         send({}, "tool_calls" if calls else reply.finish_reason)
         self._event("[DONE]")
 
