@@ -59,3 +59,46 @@ def test_installed_plugin_is_listed_and_generates(installed_site, tmp_path):
     assert len(out["tokens"]) >= 1 and out["statistics"]["run"]["generated_tokens"] == len(
         out["tokens"])
     assert all(0 <= t < 320 for t in out["tokens"])
+
+
+def _requirement_module(requirement: str) -> str:
+    """``"hypothesis>=6"`` -> ``"hypothesis"``; ``"mlx[cpu]>=0.32; ..."`` -> ``"mlx"``."""
+    import re
+
+    name = re.split(r"[\s<>=!~;\[]", requirement.strip(), maxsplit=1)[0]
+    return name.lower().replace("-", "_")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_readme_install_brings_what_the_plugins_tests_import():
+    """After the README's install (the plugin with its `test` extra) its tests run: every
+    module they import is the standard library's, the plugin's, mlxrunner's or one of its
+    dependencies, or named by the `test` extra; and the README says how to run them."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((PLUGIN / "pyproject.toml").read_text())["project"]
+    core = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    provided = {_requirement_module(r) for r in
+                [*project["dependencies"], *project["optional-dependencies"]["test"],
+                 *core["dependencies"]]}
+    provided |= set(sys.stdlib_module_names) | {"mlxrunner", "mlxrunner_example_architecture",
+                                                "__future__"}
+    tests = sorted((PLUGIN / "tests").glob("test_*.py"))
+    assert tests
+    missing = {path.name: sorted(_imported_modules(path) - provided) for path in tests}
+    assert {name: mods for name, mods in missing.items() if mods} == {}
+
+    readme = (PLUGIN / "README.md").read_text()
+    install = readme.split("## Install and try", 1)[1].split("\n## ", 1)[0]
+    assert '"plugins/example-architecture[test]"' in install
+    assert "pytest --import-mode=importlib tests" in install
