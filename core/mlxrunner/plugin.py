@@ -28,6 +28,10 @@ _EXPORTS: dict[str, str] = {
     "DraftModel": "model.draft",
     "DraftSession": "model.draft",
     "DraftProposal": "model.draft",
+    "BlockDraft": "model.block_draft",
+    "BlockDraftSession": "model.block_draft",
+    "ContextCache": "cache.context",
+    "TracedContext": "cache.context",
     # chat formats
     "Renderer": "chat.formats",
     "Parser": "chat.formats",
@@ -60,6 +64,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cache import Cache, KVCache, RecurrentCache, RingCache  # noqa: F401
+    from .cache.context import ContextCache, TracedContext  # noqa: F401
     from .chat.formats import (  # noqa: F401
         ParsedMessage,
         Parser,
@@ -83,6 +88,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .host.hookspecs import hookimpl  # noqa: F401
     from .host.manager import register, registered  # noqa: F401
+    from .model.block_draft import BlockDraft, BlockDraftSession  # noqa: F401
     from .model.distribution import Distribution  # noqa: F401
     from .model.draft import DraftModel, DraftProposal, DraftSession  # noqa: F401
     from .model.interface import Model  # noqa: F401

@@ -2,8 +2,10 @@
 weight plus one), held beside the module and rebuilt when the parameters change.
 
 Derived arrays are evaluated when made: a traced forward then holds them as constants
-instead of replaying their operations on every call. Making one inside a trace is fine
-(it depends on parameters only, never on the trace's inputs).
+instead of replaying their operations on every call. Making one inside a decode trace is
+fine (it depends on parameters only, which that trace holds as constants). Where the
+parameters themselves are traced (a compiled training step, a gradient), what they make
+cannot be evaluated or held: it is returned as the operations, so gradients flow.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def derived(module: nn.Module, name: str, sources: Sequence[mx.array],
             a is b for a, b in zip(entry[0], sources)):
         return entry[1]
     value = make(*sources)
-    mx.eval(value)
+    try:
+        mx.eval(value)
+    except ValueError:  # the sources are traced (see the module): not held
+        return value
     held[name] = (tuple(sources), value)
     return value

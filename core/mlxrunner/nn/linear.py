@@ -89,7 +89,11 @@ class _Pack:
         first = layers[0]
         keys = [k for k in ("weight", "scales", "biases", "bias") if k in first]
         joined = {k: mx.concatenate([layer[k] for layer in layers], axis=0) for k in keys}
-        mx.eval(list(joined.values()))
+        try:
+            mx.eval(list(joined.values()))
+        except ValueError:  # traced weights (a training step, a gradient): one by one
+            self.kind = None
+            return
         start = 0
         for layer in layers:
             rows = layer["weight"].shape[0]
@@ -154,5 +158,6 @@ def joined_linears(x: mx.array, *layers: nn.Module) -> tuple[mx.array | None, li
     pack = first.__dict__.get(_PACK)
     if pack is None or not pack.current(layers):
         pack = _Pack(layers)
-        object.__setattr__(first, _PACK, pack)
+        if pack.joined is not None or _pack_kind(layers) is None:
+            object.__setattr__(first, _PACK, pack)
     return pack(x)

@@ -22,18 +22,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-import mlxrunner
-from mlxrunner import DraftConfigError, DraftProposal, constant
+import mlxrunner.nn as mnn
+from mlxrunner.nn import Linear
+from mlxrunner.plugin import BlockDraftSession, DraftConfigError, DraftProposal, Model, topk_indices
 
-from .dflash import (
-    ContextKV,
-    DFlashArgs,
-    DFlashDraftModel,
-    DFlashLayer,
-    DFlashSession,
-    Linear,
-    TracedKV,
-)
+from .dflash import DFlashArgs, DFlashDraftModel, DFlashLayer, Store
 
 
 def block_convolve(x: mx.array, base: mx.array, dynamic: mx.array, group_size: int) -> mx.array:
@@ -95,8 +88,7 @@ class DFlash2Layer(DFlashLayer):
                                         args.conv_group_size)
         self.mlp_conv = BlockConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
 
-    def __call__(self, h: mx.array, pos: int | mx.array, store: ContextKV | TracedKV
-                 ) -> mx.array:
+    def __call__(self, h: mx.array, pos: int | mx.array, store: Store) -> mx.array:
         x = self.input_layernorm(h)
         dyn = self.attention_conv.kernels(x)
         out = self.self_attn(self.attention_conv(x, 0, dyn), pos, store)
@@ -123,7 +115,7 @@ class CandidateSelector(nn.Module):
 
         ``logits`` are the raw head outputs [n, V]; ``scale`` maps them to unary scores.
         """
-        ids = mlxrunner.topk_indices(logits, self.top_k)
+        ids = topk_indices(logits, self.top_k)
         unary = scale(mx.take_along_axis(logits, ids, axis=-1)).astype(mx.float32)
         proj = self.hidden_projection(hidden).astype(mx.float32)  # [n, R]
         succ = self.successor_codebook(ids).astype(mx.float32)  # [n, K, R]
@@ -143,7 +135,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     adaptive_depth = False
     layer_class = DFlash2Layer
 
-    def __init__(self, config: dict[str, Any], target: mlxrunner.Model) -> None:
+    def __init__(self, config: dict[str, Any], target: Model) -> None:
         args = DFlashArgs.from_config(config)
         name = type(self).__name__
         if args.conv_kernel_size < 1 or args.conv_group_size < 1:
@@ -179,21 +171,10 @@ class DFlash2DraftModel(DFlashDraftModel):
     def greedy_tokens(self, hidden: mx.array, anchor: mx.array) -> mx.array:
         return greedy_path(*self.selector_scores(hidden, anchor))
 
-    def prepare_trace(self) -> None:
-        super().prepare_trace()
-        selector = self.candidate_selector
-        mlxrunner.prepare_topk_indices(1, selector.vocab_size, selector.top_k)
-
-    def new_session(self, sampler: Any) -> DFlash2Session:
-        return DFlash2Session(self, sampler)
-
-
-class DFlash2Session(DFlashSession):
-    draft: DFlash2DraftModel
-
-    def sampled(self, hidden: mx.array, anchor: mx.array) -> DraftProposal:
-        return sampled_path(*self.draft.selector_scores(hidden, anchor), self.temperature,
-                            self.draw)
+    def sampled(self, session: BlockDraftSession, hidden: mx.array, anchor: mx.array
+                ) -> DraftProposal:
+        return sampled_path(*self.selector_scores(hidden, anchor), session.temperature,
+                            session.draw)
 
 
 def greedy_path(ids: mx.array, first: mx.array, transitions: mx.array) -> mx.array:
@@ -211,7 +192,7 @@ def greedy_path(ids: mx.array, first: mx.array, transitions: mx.array) -> mx.arr
     for p in range(1, n):
         slot = mx.take(best, slot + (p - 1) * k)
         slots.append(slot)
-    chosen = mx.concatenate(slots) + constant(tuple(range(0, n * k, k)), mx.int32)
+    chosen = mx.concatenate(slots) + mnn.constant(tuple(range(0, n * k, k)), mx.int32)
     return mx.take(ids.reshape(-1), chosen)
 
 
