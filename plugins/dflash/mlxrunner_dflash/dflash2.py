@@ -16,7 +16,6 @@ and q is that sparse distribution.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -45,19 +44,6 @@ def block_convolve(x: mx.array, base: mx.array, dynamic: mx.array, group_size: i
     return out
 
 
-@cache
-def _fused_convolve(group_size: int) -> Any:
-    # One fused kernel instead of ~5 per kernel tap: worth it where launches cost (GPU); on
-    # the CPU the one-off compile costs more than a short run saves.
-    return mx.compile(lambda x, base, dynamic: block_convolve(x, base, dynamic, group_size))
-
-
-def convolve(x: mx.array, base: mx.array, dynamic: mx.array, group_size: int) -> mx.array:
-    if mx.default_device() == mx.cpu:
-        return block_convolve(x, base, dynamic, group_size)
-    return _fused_convolve(group_size)(x, base, dynamic)
-
-
 class BlockConv(nn.Module):
     """``base_kernel`` [2, K, hidden] and ``kernel_projection``: hidden -> 2 * K * G."""
 
@@ -78,7 +64,7 @@ class BlockConv(nn.Module):
         return self.kernel_projection(x).reshape(B, L, 2, self.kernel_size, self.groups)
 
     def __call__(self, x: mx.array, half: int, dynamic: mx.array) -> mx.array:
-        return convolve(x, self.base_kernel[half], dynamic[:, :, half], self.group_size)
+        return block_convolve(x, self.base_kernel[half], dynamic[:, :, half], self.group_size)
 
 
 class DFlash2Layer(DFlashLayer):
