@@ -16,6 +16,9 @@ is not noticed halfway through a generation, and a bad value is one clear error 
   point names, as ``mlxrunner plugins`` lists them, compared as PEP 503 normalises them;
   empty: none; unset: all; a name no installed plugin has is one warning). The core's
   built-ins always load.
+- ``MLXRUNNER_API_KEY``: the bearer token ``mlxrunner serve`` requires (unset: none).
+- ``MLXRUNNER_ORIGINS``: browser origins ``mlxrunner serve`` accepts beyond this machine's
+  (comma-separated glob patterns, as Ollama's ``OLLAMA_ORIGINS``; ``*``: any).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from .errors import MLXRunnerError
 
@@ -43,6 +46,8 @@ class Settings:
     attention: str = "kernel"
     row_products: bool = True
     load_plugins: tuple[str, ...] | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: not in reprs
+    origins: tuple[str, ...] = ()
 
     def kernel_allowed(self, name: str) -> bool:
         return name in self.kernels
@@ -58,6 +63,9 @@ class Settings:
             row_products=_flag(env, "MLXRUNNER_ROW_PRODUCTS", True),
             load_plugins=None if plugins is None else tuple(
                 p.strip() for p in plugins.split(",") if p.strip()),
+            api_key=env.get("MLXRUNNER_API_KEY") or None,
+            origins=tuple(o.strip() for o in env.get("MLXRUNNER_ORIGINS", "").split(",")
+                          if o.strip()),
         )
 
 

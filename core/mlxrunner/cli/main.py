@@ -359,34 +359,66 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 # -- serve -----------------------------------------------------------------
+def _serve_logging(verbose: bool) -> None:
+    """The server's lines on stderr with their tracebacks; access lines with ``--verbose``."""
+    logger = logging.getLogger("mlxrunner.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False  # the core's line handler would print them twice
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..serve.server import Service, make_server
+    from .. import settings
+    from ..serve import Limits, Listener, ServeConfig, Service, bind, create_app, is_loopback
 
     model_arg = args.model or "default"
     # Bind first: a taken port is reported before a long model load.
     try:
-        server = make_server(None, args.host, args.port, verbose=args.verbose)
+        sock = bind(args.host, args.port)
     except OSError as exc:
         raise MLXRunnerError(f"cannot listen on {args.host}:{args.port} "
                              f"({exc.strerror or exc})") from None
     try:
         bundle = _load_model_arguments(model_arg, args)
     except BaseException:
-        server.server_close()
+        sock.close()
         raise
-    service = server.service = Service(bundle, name=args.name or model_arg)
-    host, port = server.server_address[:2]
+    _serve_logging(args.verbose)
+    current = settings.current()
+    api_key = args.api_key or current.api_key
+    hosts = tuple(h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip())
+    if not is_loopback(args.host) and args.host not in hosts and "*" not in hosts:
+        hosts += (args.host.lower(),)
+    config = ServeConfig(allowed_hosts=hosts, api_key=api_key,
+                         origins=tuple(o.strip() for o in (args.origins or "").split(",")
+                                       if o.strip()) or current.origins)
+    given = {k: v for k, v in (("queue_size", args.max_queue),
+                               ("request_timeout", args.request_timeout)) if v is not None}
+    limits = Limits() if args.max_tokens_limit is None else Limits(
+        max_tokens_limit=args.max_tokens_limit)
+    service = Service(bundle, name=args.name or model_arg, limits=limits, **given)
+    listener = Listener(create_app(service, config), sock, **(
+        {} if args.keep_alive_timeout is None
+        else {"keep_alive_timeout": args.keep_alive_timeout}))
+    if not is_loopback(args.host) and api_key is None:
+        print(f"mlxrunner: warning: listening on {args.host} beyond this machine without an "
+              "API key: anyone who reaches it can use the model (--api-key or "
+              "MLXRUNNER_API_KEY)", file=sys.stderr)
     draft = f", draft {type(bundle.draft).__name__}" if bundle.draft is not None else ""
-    print(f"mlxrunner: serving {service.name}{draft} on http://{host}:{port}/v1 "
-          "(Ctrl-C stops)", file=sys.stderr, flush=True)
+    print(f"mlxrunner: serving {service.name}{draft} on {listener.url} (OpenAI /v1, Ollama "
+          "/api, Anthropic /v1/messages; Ctrl-C stops)", file=sys.stderr, flush=True)
     try:
-        server.serve_forever()
+        listener.serve()
     finally:
-        server.server_close()
+        sock.close()
     return 0
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    # Defaults (None here) are the server's own: importing it would slow every --help.
     p.add_argument("model", nargs="?", help="model folder or registered name (default: the "
                                             "embedded demo)")
     p.add_argument("--host", default="127.0.0.1",
@@ -394,7 +426,24 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port, default=8080, help="port (0: any free one)")
     p.add_argument("--name", help="the model name the API reports")
     _add_model_arguments(p)
-    p.add_argument("--verbose", action="store_true", help="log each request")
+    p.add_argument("--api-key", help="require this bearer token (default: MLXRUNNER_API_KEY; "
+                                     "unset: none)")
+    p.add_argument("--allowed-hosts", default="localhost,127.0.0.1,::1",
+                   help="Host header names accepted, comma-separated (*: any; the --host "
+                        "address is added); refuses DNS rebinding")
+    p.add_argument("--origins", help="browser origins accepted beyond this machine's, "
+                                     "comma-separated globs (default: MLXRUNNER_ORIGINS)")
+    p.add_argument("--max-queue", type=count(1),
+                   help="requests waiting beyond the one decoding; more get status 503 "
+                        "(default 64)")
+    p.add_argument("--max-tokens-limit", type=count(1),
+                   help="the most tokens one request may generate (default 32768; the "
+                        "context caps it too)")
+    p.add_argument("--request-timeout", type=count(1),
+                   help="seconds one request may generate before it is ended (default 600)")
+    p.add_argument("--keep-alive-timeout", type=count(1),
+                   help="seconds an idle connection stays open (default 5)")
+    p.add_argument("--verbose", action="store_true", help="log each request (one line)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -449,7 +498,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
     simple("render", "print the prompt a conversation becomes", cmd_render, add_render)
     simple("bench", "measure prefill and decode speed, plain and speculative", bench.run,
            bench.add_arguments)
-    simple("serve", "serve a model over an OpenAI-compatible HTTP API", cmd_serve,
+    simple("serve", "serve a model over OpenAI's, Ollama's and Anthropic's HTTP APIs", cmd_serve,
            _add_serve_arguments)
     return parser, registry
 

@@ -1,17 +1,11 @@
-"""The HTTP server: an OpenAI-compatible API over one loaded bundle."""
+"""The HTTP server: OpenAI's, Ollama's and Anthropic's APIs over one loaded bundle, an ASGI
+app (``create_app``) that ``mlxrunner serve`` runs on uvicorn."""
 
 from __future__ import annotations
 
-from .server import (
-           DEFAULT_MAX_TOKENS,
-           MAX_BODY_BYTES,
-           Handler,
-           RequestError,
-           Server,
-           Service,
-           events,
-           make_server,
-)
+from .app import MAX_BODY_BYTES, ServeConfig, create_app
+from .engine import DEFAULT_MAX_TOKENS, Engine, Limits, RequestError, Service
+from .server import Listener, bind, is_loopback
 
-__all__ = ["DEFAULT_MAX_TOKENS", "MAX_BODY_BYTES", "Handler", "RequestError", "Server",
-           "Service", "events", "make_server"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_BODY_BYTES", "Engine", "Limits", "Listener",
+           "RequestError", "ServeConfig", "Service", "bind", "create_app", "is_loopback"]

@@ -1,0 +1,67 @@
+"""One renderer/parser path for every API: a conversation (the renderer's message shape) in,
+the prompt out; the reply's text in, content, thinking and tool calls out."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..chat.formats import ParsedMessage, ToolCall, validate_conversation
+from ..errors import ConversationError
+from ..host import plugin_code
+from .engine import RequestError, Service
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ChatTurn:
+    """One assistant turn: the rendered prompt and a parser of its own for the reply."""
+
+    def __init__(self, service: Service, messages: list[dict[str, Any]],
+                 tools: list[Any] | None = None, think: bool | None = None) -> None:
+        bundle = service.bundle
+        if bundle.renderer is None:
+            raise RequestError(f"model {service.name} has no chat format: send a raw prompt "
+                               "(/v1/completions, /api/generate with raw)")
+        try:
+            self.messages, self.tools = validate_conversation(messages, tools)
+            with plugin_code("renderers", bundle.renderer_name):
+                self.prompt = bundle.renderer.render(self.messages, self.tools, think=think,
+                                                     add_generation_prompt=True)
+        except ConversationError as exc:
+            raise RequestError(str(exc).splitlines()[0], param="messages") from None
+        self._parser_name = bundle.parser_name
+        self.parser = bundle.new_parser()
+        if self.parser is not None:
+            self._parsing(lambda: self.parser.reset(self.prompt, tools=self.tools))
+
+    def _parsing(self, call: Callable[[], Any]) -> Any:
+        with plugin_code("parsers", self._parser_name):
+            return call()
+
+    def parse(self, text: str) -> ParsedMessage:
+        """The whole reply split (no parser: all of it is content)."""
+        if self.parser is None:
+            return ParsedMessage(content=text)
+        parser = self.parser
+        return self._parsing(lambda: parser.parse(text))
+
+    def feed(self, text: str) -> list[ParsedMessage]:
+        if self.parser is None:
+            return [ParsedMessage(content=text)] if text else []
+        parser = self.parser
+        return self._parsing(lambda: parser.feed(text))
+
+    def finish(self) -> list[ParsedMessage]:
+        if self.parser is None:
+            return []
+        parser = self.parser
+        return self._parsing(parser.finish)
+
+
+def arguments_json(call: ToolCall) -> str:
+    return json.dumps(call.arguments, ensure_ascii=False)

@@ -1,0 +1,76 @@
+"""What the three APIs' routes share: the service, client disconnects, streamed bodies."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..errors import MLXRunnerError, PluginFailedError
+from .engine import Generation, Reply, Service
+from .errors import GENERIC_500
+
+log = logging.getLogger("mlxrunner.serve")
+#: answered to a client that has gone (only the access log sees it)
+CLIENT_GONE = 499
+
+
+def service_of(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+def dumps(payload: Any) -> str:
+    return json.dumps(payload, ensure_ascii=False)
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def complete(request: Request, generation: Generation) -> Reply | None:
+    """The whole reply, or None when the client went away first (generation cancelled)."""
+    reply = await service_of(request).engine.complete(
+        generation, lambda: until_disconnected(request))
+    if reply is not None:
+        request.state.tokens = len(reply.tokens)
+    return reply
+
+
+def failure_message(exc: BaseException) -> str:
+    """What a stream's last event says about a failure after its status went out."""
+    if isinstance(exc, PluginFailedError):
+        log.warning("mlxrunner: %s (reported in the stream)", exc)
+        return str(exc)
+    if isinstance(exc, MLXRunnerError):
+        log.error("mlxrunner: %s (reported in the stream)", exc)
+        return str(exc).splitlines()[0]
+    log.error("mlxrunner: a streamed reply failed", exc_info=exc)
+    return GENERIC_500
+
+
+def streamed(request: Request, lines: AsyncIterator[str], media_type: str,
+             on_failure: Callable[[str], str]) -> Response:
+    """A streamed body of ``lines``; a failure midway ends it with ``on_failure(message)``."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for line in lines:
+                yield line
+        except Exception as exc:  # the status is out: the stream's last line says it
+            yield on_failure(failure_message(exc))
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(body(), media_type=media_type, headers=headers)
+
+
+def no_reply() -> Response:
+    return Response(status_code=CLIENT_GONE)

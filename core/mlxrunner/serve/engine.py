@@ -1,0 +1,311 @@
+"""The model side of the server: checked requests in, replies (or streamed text) out.
+
+Generation is blocking MLX work. It runs on one worker thread, one request at a time, fed by a
+bounded queue: MLX's streams belong to the thread that made them, so a forward traced on one
+thread cannot be replayed on another. The event loop only waits for it (``asyncio`` futures),
+and a request whose client has gone is cancelled between two tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from ..bundle import Bundle
+from ..chat.streaming import TextStream
+from ..decode.generation import generate
+from ..decode.options import SamplerOptionError, SamplerOptions
+from ..errors import MLXRunnerError
+
+log = logging.getLogger("mlxrunner.serve")
+
+DEFAULT_MAX_TOKENS = 1024
+#: the most tokens one request may generate, whatever it asks (``--max-tokens-limit``)
+MAX_TOKENS_LIMIT = 32768
+DEFAULT_QUEUE_SIZE = 64
+#: seconds one request may generate before it is ended (``--request-timeout``)
+DEFAULT_REQUEST_TIMEOUT = 600.0
+
+
+class RequestError(MLXRunnerError):
+    """A request the server cannot take: ``status`` (400 unless given) and the field at fault
+    (``param``), reported in the API's own error shape."""
+
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST,
+                 param: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = int(status)
+        self.param = param
+        self.headers = dict(headers or {})
+
+
+class BusyError(RequestError):
+    """The queue is full: 503 with ``Retry-After``."""
+
+    def __init__(self, waiting: int) -> None:
+        super().__init__(f"the server is busy ({waiting} requests waiting); retry later",
+                         HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "1"})
+
+
+@dataclass
+class Generation:
+    """A checked request: prompt ids and how to decode them."""
+
+    ids: list[int]
+    options: SamplerOptions
+    max_tokens: int
+    stops: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Reply:
+    """What one request produced. ``finish_reason``: "stop", "length" or "cancelled";
+    ``stop_string``: the stop string that ended it, if one did."""
+
+    text: str = ""
+    stop_string: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    prompt_tokens: int = 0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    queued_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+
+class _Job:
+    def __init__(self, generation: Generation, on_text: Callable[[str], None] | None,
+                 deadline: float) -> None:
+        self.generation = generation
+        self.on_text = on_text
+        self.deadline = deadline
+        self.cancel = threading.Event()
+        self.future: Future[Reply] = Future()
+        self.submitted = time.monotonic()
+
+
+class Engine:
+    """One worker thread and its bounded queue of jobs; one engine per loaded model (its
+    traced forwards replay only on the thread that traced them). A daemon thread: with MLX
+    0.32.4 a joined worker that ran traced forwards aborted the process at exit."""
+
+    def __init__(self, bundle: Bundle, *, queue_size: int = DEFAULT_QUEUE_SIZE,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> None:
+        self.bundle = bundle
+        self.stop_ids = bundle.stop_token_ids()
+        self.request_timeout = request_timeout
+        self.queue_size = queue_size
+        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._lock = threading.Lock()
+        self.running = 0  # 1 while a job decodes (for /api/ps and tests)
+        threading.Thread(target=self._serve, name="mlxrunner-model", daemon=True).start()
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    def submit(self, generation: Generation,
+               on_text: Callable[[str], None] | None = None) -> _Job:
+        """Queue ``generation``; :class:`BusyError` when the queue is full. ``on_text`` is
+        called on the worker thread with each decided piece of text."""
+        job = _Job(generation, on_text, time.monotonic() + self.request_timeout)
+        with self._lock:
+            if self._jobs.qsize() >= self.queue_size:
+                raise BusyError(self._jobs.qsize())
+            self._jobs.put_nowait(job)
+        return job
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job.cancel.is_set() or not job.future.set_running_or_notify_cancel():
+                continue
+            self.running = 1
+            try:
+                job.future.set_result(self._run(job))
+            except BaseException as exc:  # the request's side raises it
+                job.future.set_exception(exc)
+            finally:
+                self.running = 0
+
+    def _run(self, job: _Job) -> Reply:
+        bundle, request = self.bundle, job.generation
+        started = time.monotonic()
+        reply = Reply(prompt_tokens=len(request.ids), queued_seconds=started - job.submitted)
+        text = TextStream(bundle.tokenizer, self.stop_ids, request.stops, job.on_text)
+        ended_early = False
+
+        def on_token(token: int) -> bool:
+            nonlocal ended_early
+            reply.tokens.append(token)
+            if job.cancel.is_set() or time.monotonic() > job.deadline:
+                ended_early = True
+                return True
+            return text.add(token)  # True at a stop string: generation ends, logprobs kept
+
+        result = generate(bundle.model, request.ids, options=request.options,
+                          max_tokens=request.max_tokens, eos_ids=self.stop_ids,
+                          on_token=on_token, draft=bundle.draft)
+        reply.text = text.finish()
+        reply.finish_reason = result.finish_reason
+        if text.stopped:
+            reply.stop_string = _first_stop(bundle.tokenizer.decode(reply.tokens),
+                                            request.stops)
+        if ended_early:
+            reply.finish_reason = "cancelled" if job.cancel.is_set() else "length"
+            log.info("mlxrunner: generation %s after %d tokens", "cancelled (the client "
+                     "went away)" if job.cancel.is_set() else "timed out", len(reply.tokens))
+        reply.logprobs = result.logprobs[:len(reply.tokens)]
+        reply.stats = result.stats.as_dict()
+        reply.prefill_seconds = float(getattr(result.stats, "prefill_seconds", 0.0))
+        reply.decode_seconds = float(getattr(result.stats, "decode_seconds", 0.0))
+        reply.total_seconds = time.monotonic() - job.submitted
+        return reply
+
+    # -- the event loop's side ---------------------------------------------------------
+    async def complete(self, generation: Generation,
+                       disconnected: Callable[[], Awaitable[Any]] | None = None
+                       ) -> Reply | None:
+        """The whole reply, or None when the awaitable ``disconnected()`` finishes first (the
+        client has gone): the generation is cancelled then."""
+        job = self.submit(generation)
+        waiting = asyncio.wrap_future(job.future)
+        watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+        try:
+            if watcher is None:
+                return await waiting
+            done, _ = await asyncio.wait({waiting, watcher},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            return waiting.result() if waiting in done else None
+        finally:
+            job.cancel.set()  # a no-op once it is done
+            if watcher is not None:
+                watcher.cancel()
+
+    def stream(self, generation: Generation) -> AsyncIterator[str | Reply]:
+        """Queue ``generation`` now (:class:`BusyError` before any byte is sent) and give
+        its text pieces as they are decided, then the :class:`Reply`. Closing the iterator
+        (the client has gone) cancels the generation."""
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+
+        def on_text(piece: str) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+
+        job = self.submit(generation, on_text)
+        job.future.add_done_callback(
+            lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
+
+        async def items() -> AsyncIterator[str | Reply]:
+            try:
+                while (piece := await pieces.get()) is not None:
+                    yield piece
+                yield job.future.result()
+            finally:
+                job.cancel.set()
+
+        return items()
+
+
+def _first_stop(text: str, stops: list[str]) -> str | None:
+    found = [(text.find(s), s) for s in stops if s in text]
+    return min(found)[1] if found else None
+
+
+def context_length(bundle: Bundle) -> int | None:
+    """The model's context (positions it was made for), where its config says."""
+    configs = [bundle.config, bundle.config.get("text_config") or {}]
+    for config in configs:
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions",
+                    "seq_length"):
+            value = config.get(key) if isinstance(config, Mapping) else None
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+@dataclass
+class Limits:
+    """Server-wide bounds on what one request may ask for."""
+
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+class Service:
+    """One loaded model: its name, its engine, and the checks every API shares."""
+
+    def __init__(self, bundle: Bundle, name: str | None = None, *,
+                 limits: Limits | None = None, queue_size: int = DEFAULT_QUEUE_SIZE,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+                 engine: Engine | None = None) -> None:
+        """``engine``: one already running for this bundle's model (another service over the
+        same model must share it)."""
+        self.bundle = bundle
+        self.name = name or bundle.path.name
+        self.limits = limits or Limits()
+        self.context = context_length(bundle)
+        self.default_max_tokens = int(bundle.extra.get("max_tokens")
+                                      or self.limits.default_max_tokens)
+        self.engine = engine or Engine(bundle, queue_size=queue_size,
+                                       request_timeout=request_timeout)
+        self.loaded_at = time.time()
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model name this server does not hold (absent or empty: the loaded one)."""
+        if model and model != self.name and model.removesuffix(":latest") != self.name:
+            raise RequestError(f"model {model!r} not found (this server serves {self.name!r})",
+                               HTTPStatus.NOT_FOUND, param="model")
+
+    def encode(self, prompt_text: str, *, rendered: bool) -> list[int]:
+        """Prompt ids (``rendered``: a chat prompt whose special tokens are in the text)."""
+        try:
+            prompt_text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("the prompt holds a lone surrogate (not valid Unicode text)"
+                               ) from None
+        ids = self.bundle.tokenizer.encode(prompt_text, add_special_tokens=not rendered)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if self.context is not None and len(ids) >= self.context:
+            raise RequestError(f"the prompt is {len(ids)} tokens; the model's context is "
+                               f"{self.context}", param="messages")
+        return ids
+
+    def generation(self, ids: list[int], sampler: Mapping[str, Any], *,
+                   max_tokens: int | None, stops: list[str] | None = None) -> Generation:
+        """A checked :class:`Generation`: ``sampler`` (the request's options by our names)
+        over the model's defaults, ``max_tokens`` capped by the context and the server's
+        limit."""
+        try:
+            options = self.bundle.defaults.merged(
+                {k: v for k, v in sampler.items() if v is not None})
+        except SamplerOptionError as exc:
+            name = next((k for k in sampler if f" {k} " in f" {exc} "), None)
+            raise RequestError(str(exc), param=name) from None
+        wanted = self.default_max_tokens if max_tokens is None else max_tokens
+        room = self.limits.max_tokens_limit
+        if self.context is not None:
+            room = min(room, self.context - len(ids))
+        return Generation(ids=ids, options=options, max_tokens=max(1, min(wanted, room)),
+                          stops=list(stops or []))
+
+    def logprobs_content(self, reply: Reply) -> list[dict[str, Any]] | None:
+        """OpenAI's per-token logprobs, or None when none were asked for."""
+        if not reply.logprobs:
+            return None
+        tok = self.bundle.tokenizer
+        return [{"token": tok.decode([token]), "logprob": info["logprob"],
+                 "top_logprobs": [{"token": tok.decode([i]), "logprob": lp}
+                                  for i, lp in info["top_logprobs"]]}
+                for token, info in zip(reply.tokens, reply.logprobs)]

@@ -1,0 +1,386 @@
+"""Ollama's API: ``/api/chat``, ``/api/generate`` (NDJSON streams by default), ``/api/tags``,
+``/api/show``, ``/api/ps``, ``/api/version`` and ``GET``/``HEAD /``.
+
+One model is loaded for the server's life: ``keep_alive`` is accepted and does not unload it,
+and ``/api/ps`` lists it as loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
+from importlib import metadata
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from ..bundle import parameter_count
+from ..chat.formats import ParsedMessage
+from .chat import ChatTurn
+from .common import complete, dumps, no_reply, service_of, streamed
+from .engine import Reply, RequestError, Service
+
+router = APIRouter()
+
+try:
+    VERSION = metadata.version("mlxrunner")
+except metadata.PackageNotFoundError:  # run from a source tree
+    VERSION = "0.0.0"
+
+#: Ollama's options with no meaning here (the runtime's own choices); accepted and unused
+IGNORED_OPTIONS = ("num_keep", "typical_p", "tfs_z", "mirostat", "mirostat_tau",
+                   "mirostat_eta", "penalize_newline", "numa", "num_batch", "num_gpu",
+                   "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mmap",
+                   "use_mlock", "num_thread", "num_ctx")
+
+
+class Options(BaseModel):
+    """Ollama's ``options``: the sampler fields by Ollama's names."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_predict: int | None = Field(default=None, description="-1: until the context ends")
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    seed: int | None = None
+    repeat_penalty: Annotated[float, Field(gt=0)] | None = None
+    repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: list[str] | None = None
+    num_keep: int | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    penalize_newline: bool | None = None
+    numa: bool | None = None
+    num_batch: int | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    low_vram: bool | None = None
+    f16_kv: bool | None = None
+    logits_all: bool | None = None
+    vocab_only: bool | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool | None = None
+    num_thread: int | None = None
+    num_ctx: Annotated[int, Field(ge=1)] | None = None
+
+    def sampler(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"num_predict", "stop", *IGNORED_OPTIONS},
+                               exclude_none=True)
+
+    def max_tokens(self) -> int | None:
+        if self.num_predict is None:
+            return None
+        return 1 << 30 if self.num_predict < 0 else max(1, self.num_predict)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    stream: StrictBool = True
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    keep_alive: str | int | float | None = None
+    think: StrictBool | str | None = None
+
+    def check(self, service: Service) -> None:
+        service.check_model(self.model)
+        if self.format not in (None, ""):
+            raise RequestError("format (structured output) is not supported", param="format")
+
+    def thinking(self) -> bool | None:
+        if isinstance(self.think, str):  # "low" / "medium" / "high": thinking on
+            return self.think.lower() not in ("false", "none", "off")
+        return self.think
+
+
+class ChatRequest(_Request):
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(_Request):
+    prompt: str | None = None
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: StrictBool = False
+    images: list[str] | None = None
+
+
+class ModelRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    name: str | None = None
+    verbose: bool | None = None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def counters(reply: Reply) -> dict[str, Any]:
+    """The final chunk's counters, as Ollama reports them (nanoseconds)."""
+    return {"total_duration": _ns(reply.total_seconds), "load_duration": 0,
+            "prompt_eval_count": reply.prompt_tokens,
+            "prompt_eval_duration": _ns(reply.prefill_seconds),
+            "eval_count": len(reply.tokens), "eval_duration": _ns(reply.decode_seconds),
+            "statistics": reply.stats}
+
+
+def _done_reason(reply: Reply) -> str:
+    return "stop" if reply.finish_reason == "stop" else "length"
+
+
+def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ollama's messages in the renderers' shape (``tool_name`` names a tool's result;
+    ``images`` become image parts)."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        if "tool_name" in message:
+            message["name"] = message.pop("tool_name")
+        images = message.pop("images", None)
+        if images:
+            text = message.get("content") or ""
+            message["content"] = [*({"type": "image"} for _ in images),
+                                  {"type": "text", "text": text}]
+        out.append(message)
+    return out
+
+
+def _ollama_message(parsed: ParsedMessage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.thinking:
+        message["thinking"] = parsed.thinking
+    if parsed.tool_calls:
+        message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in parsed.tool_calls]
+    return message
+
+
+def _line(payload: Any) -> str:
+    return dumps(payload) + "\n"
+
+
+def _line_error(message: str) -> str:
+    return _line({"error": message})
+
+
+def _digest(service: Service) -> str:
+    return hashlib.sha256(str(service.bundle.path).encode()).hexdigest()
+
+
+def _details(service: Service) -> dict[str, Any]:
+    config = service.bundle.config
+    return {"parent_model": "", "format": "safetensors",
+            "family": str(config.get("model_type", "")),
+            "families": [str(config.get("model_type", ""))],
+            "parameter_size": _parameter_size(service),
+            "quantization_level": "Q4" if config.get("quantization") else
+            str(config.get("dtype", config.get("torch_dtype", "")))}
+
+
+def _parameter_size(service: Service) -> str:
+    count = parameter_count(service.bundle.model)
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f}{unit}"
+    return str(count)
+
+
+def _size(service: Service) -> int:
+    return sum(f.stat().st_size for f in service.bundle.path.glob("*.safetensors"))
+
+
+def _model_entry(service: Service) -> dict[str, Any]:
+    modified = datetime.fromtimestamp(service.loaded_at, timezone.utc).isoformat()
+    return {"name": service.name, "model": service.name, "modified_at": modified,
+            "size": _size(service), "digest": _digest(service), "details": _details(service)}
+
+
+@router.get("/", tags=["ollama"], response_class=PlainTextResponse)
+@router.head("/", tags=["ollama"], response_class=PlainTextResponse)
+async def root() -> str:
+    return "mlxrunner is running"
+
+
+@router.get("/api/version", tags=["ollama"])
+async def version() -> dict[str, str]:
+    return {"version": VERSION}
+
+
+@router.get("/api/tags", tags=["ollama"])
+async def tags(request: Request) -> dict[str, Any]:
+    return {"models": [_model_entry(service_of(request))]}
+
+
+@router.get("/api/ps", tags=["ollama"])
+async def ps(request: Request) -> dict[str, Any]:
+    service = service_of(request)
+    expires = datetime.now(timezone.utc) + timedelta(days=365 * 100)  # never unloaded
+    entry = {**_model_entry(service), "expires_at": expires.isoformat(),
+             "size_vram": _size(service)}
+    if service.context is not None:
+        entry["context_length"] = service.context
+    return {"models": [entry]}
+
+
+@router.post("/api/show", tags=["ollama"])
+async def show(body: ModelRequest, request: Request) -> dict[str, Any]:
+    service = service_of(request)
+    name = body.model or body.name
+    if not name:
+        raise RequestError("model is required", param="model")
+    service.check_model(name)
+    bundle = service.bundle
+    info: dict[str, Any] = {"general.architecture": bundle.config.get("model_type", ""),
+                            "general.parameter_count": parameter_count(bundle.model)}
+    if service.context is not None:
+        info["context_length"] = service.context
+    capabilities = ["completion"]
+    if bundle.renderer is not None and bundle.parser_name is not None:
+        capabilities += ["tools", "thinking"]
+    defaults = bundle.defaults
+    parameters = "\n".join(f"{k} {getattr(defaults, k)}" for k in
+                           ("temperature", "top_k", "top_p", "min_p", "repeat_penalty"))
+    return {"modelfile": "", "parameters": parameters, "template": "",
+            "details": _details(service), "model_info": info, "capabilities": capabilities,
+            "renderer": bundle.renderer_name or "", "parser": bundle.parser_name or "",
+            "modified_at": _model_entry(service)["modified_at"]}
+
+
+@router.post("/api/chat", tags=["ollama"])
+async def chat(body: ChatRequest, request: Request) -> Response:
+    service = service_of(request)
+    body.check(service)
+    options = body.options or Options()
+    if not body.messages:  # Ollama's way to load a model
+        return Response(_line({"model": service.name, "created_at": _now(),
+                               "message": {"role": "assistant", "content": ""},
+                               "done_reason": "load", "done": True}),
+                        media_type="application/json")
+    turn = ChatTurn(service, _messages(body.messages), body.tools, body.thinking())
+    ids = service.encode(turn.prompt, rendered=True)
+    generation = service.generation(ids, options.sampler(), max_tokens=options.max_tokens(),
+                                    stops=options.stop)
+    if body.stream:
+        items = service.engine.stream(generation)  # queued now: a full queue is a 503
+        return streamed(request, _chat_lines(request, service, turn, items),
+                        "application/x-ndjson", _line_error)
+    reply = await complete(request, generation)
+    if reply is None:
+        return no_reply()
+    return Response(dumps({"model": service.name, "created_at": _now(),
+                           "message": _ollama_message(turn.parse(reply.text)),
+                           "done_reason": _done_reason(reply), "done": True,
+                           **counters(reply)}), media_type="application/json")
+
+
+async def _chat_lines(request: Request, service: Service, turn: ChatTurn,
+                      items: AsyncIterator[str | Reply]) -> AsyncIterator[str]:
+    def lines(pieces: list[ParsedMessage]) -> list[str]:
+        return [_line({"model": service.name, "created_at": _now(),
+                       "message": _ollama_message(piece), "done": False})
+                for piece in pieces if piece.content or piece.thinking or piece.tool_calls]
+
+    reply = Reply()
+    async for item in items:
+        if isinstance(item, Reply):
+            reply = item
+        else:
+            for line in lines(turn.feed(item)):
+                yield line
+    for line in lines(turn.finish()):
+        yield line
+    request.state.tokens = len(reply.tokens)
+    yield _line({"model": service.name, "created_at": _now(),
+                 "message": {"role": "assistant", "content": ""},
+                 "done_reason": _done_reason(reply), "done": True, **counters(reply)})
+
+
+@router.post("/api/generate", tags=["ollama"])
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    service = service_of(request)
+    body.check(service)
+    if body.images:
+        raise RequestError("images are not supported", param="images")
+    if body.template or body.suffix or body.context:
+        raise RequestError("template, suffix and context are not supported",
+                           param="template" if body.template else
+                           "suffix" if body.suffix else "context")
+    options = body.options or Options()
+    if not body.prompt:  # Ollama's way to load a model
+        return Response(_line({"model": service.name, "created_at": _now(), "response": "",
+                               "done_reason": "load", "done": True}),
+                        media_type="application/json")
+    turn: ChatTurn | None = None
+    if body.raw or service.bundle.renderer is None:
+        ids = service.encode(body.prompt, rendered=False)
+    else:
+        system = body.system if body.system is not None else service.bundle.extra.get("system")
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": body.prompt}]
+        turn = ChatTurn(service, messages, None, body.thinking())
+        ids = service.encode(turn.prompt, rendered=True)
+    generation = service.generation(ids, options.sampler(), max_tokens=options.max_tokens(),
+                                    stops=options.stop)
+    if body.stream:
+        items = service.engine.stream(generation)  # queued now: a full queue is a 503
+        return streamed(request, _generate_lines(request, service, turn, items),
+                        "application/x-ndjson", _line_error)
+    reply = await complete(request, generation)
+    if reply is None:
+        return no_reply()
+    parsed = turn.parse(reply.text) if turn is not None else ParsedMessage(content=reply.text)
+    payload: dict[str, Any] = {"model": service.name, "created_at": _now(),
+                               "response": parsed.content}
+    if parsed.thinking:
+        payload["thinking"] = parsed.thinking
+    return Response(dumps({**payload, "done_reason": _done_reason(reply), "done": True,
+                           **counters(reply)}), media_type="application/json")
+
+
+async def _generate_lines(request: Request, service: Service, turn: ChatTurn | None,
+                          items: AsyncIterator[str | Reply]) -> AsyncIterator[str]:
+    def lines(pieces: list[ParsedMessage]) -> list[str]:
+        out = []
+        for piece in pieces:
+            chunk: dict[str, Any] = {"model": service.name, "created_at": _now(),
+                                     "response": piece.content, "done": False}
+            if piece.thinking:
+                chunk["thinking"] = piece.thinking
+            if piece.content or piece.thinking:
+                out.append(_line(chunk))
+        return out
+
+    reply = Reply()
+    async for item in items:
+        if isinstance(item, Reply):
+            reply = item
+        else:
+            for line in lines(turn.feed(item) if turn is not None
+                              else [ParsedMessage(content=item)]):
+                yield line
+    if turn is not None:
+        for line in lines(turn.finish()):
+            yield line
+    request.state.tokens = len(reply.tokens)
+    yield _line({"model": service.name, "created_at": _now(), "response": "",
+                 "done_reason": _done_reason(reply), "done": True, **counters(reply)})

@@ -1,0 +1,57 @@
+"""``mlxrunner serve`` from the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+
+def test_a_taken_port_is_one_clear_error(served: Any, capsys: Any) -> None:
+    from mlxrunner.cli import main
+
+    port = served.url.rsplit(":", 1)[1]
+    assert main(["serve", "--port", port]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mlxrunner: error: cannot listen on 127.0.0.1:")
+
+
+def test_a_port_out_of_range_is_refused_by_the_command_line() -> None:
+    run = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "serve", "--port", "70000"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].endswith("'70000' is not a port (0-65535)")
+
+
+def test_serving_beyond_this_machine_without_a_key_warns_and_answers(demo_bundle: Any
+                                                                     ) -> None:
+    """A fresh process, as a user starts it: each request arrives on a new connection, and
+    the second replays what the first traced (generation stays on the model's thread)."""
+    httpx = pytest.importorskip("httpx")
+    process = subprocess.Popen([sys.executable, "-m", "mlxrunner.cli", "serve", "--host",
+                                "0.0.0.0", "--port", "0", "--verbose"],
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        lines = []
+        while not (line := process.stderr.readline()).startswith("mlxrunner: serving"):
+            assert line, "".join(lines)
+            lines.append(line)
+        assert any("without an API key" in line for line in lines), lines
+        port = line.split("http://0.0.0.0:")[1].split()[0]
+        for prompt in ("def fibonacci(n):", "import os"):
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                               json={"prompt": prompt, "max_tokens": 12, "temperature": 0},
+                               timeout=120)
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] \
+                == 12
+        refused = httpx.get(f"http://127.0.0.1:{port}/v1/models",
+                            headers={"Host": "rebound.example"})
+        assert refused.status_code == 403
+        access = process.stderr.readline()
+        assert "POST /v1/completions 200" in access
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

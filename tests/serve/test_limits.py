@@ -1,0 +1,300 @@
+"""Errors, limits and safety: every error is JSON in the API's shape, our own failures are
+never the client's fault, and the guard refuses what a browser or a stranger should not do."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import types
+from typing import Any
+
+import pytest
+
+import mlxrunner
+from mlxrunner import host as plugins
+
+httpx = pytest.importorskip("httpx")
+
+CHAT = {"messages": [{"role": "user", "content": "class Test"}], "max_tokens": 2}
+
+
+def raw_exchange(url: str, data: bytes) -> bytes:
+    """Send ``data`` as it is on a fresh connection; everything the server answers."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("method, path, api_shape", [
+    ("POST", "/v1/embeddings", "openai"),
+    ("PUT", "/v1/chat/completions", "openai"),
+    ("POST", "/api/embed", "ollama"),
+    ("DELETE", "/v1/messages", "anthropic"),
+])
+def test_unknown_routes_and_methods_are_json_in_the_apis_shape(served: Any, method: str,
+                                                               path: str, api_shape: str
+                                                               ) -> None:
+    reply = httpx.request(method, served.url + path, json={"x": 1})
+    assert reply.status_code in (404, 405)
+    body = reply.json()
+    if api_shape == "ollama":
+        assert path in body["error"] or method in body["error"]
+    elif api_shape == "anthropic":
+        assert body["type"] == "error" and body["error"]["type"] in ("not_found_error",
+                                                                      "invalid_request_error")
+    else:
+        assert path in body["error"]["message"]
+
+
+@pytest.mark.parametrize("data, needle", [
+    (b"{not json", "not valid JSON"),
+    (b"[]", "dictionary"),
+    (b"[" * 100000 + b"]" * 100000, ""),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "surrogate"),
+])
+def test_malformed_bodies_are_400s_and_the_server_goes_on(served: Any, data: bytes,
+                                                          needle: str) -> None:
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        reply = client.post("/v1/chat/completions", content=data,
+                            headers={"Content-Type": "application/json"})
+        assert reply.status_code == 400 and needle in reply.json()["error"]["message"]
+        again = client.post("/v1/chat/completions", json=CHAT)  # the same connection
+        assert again.status_code == 200
+
+
+def test_a_request_http_cannot_parse_is_a_json_400(served: Any) -> None:
+    answer = raw_exchange(served.url, b"GARBAGE\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert b"invalid HTTP request" in body
+    answer = raw_exchange(served.url, b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Big: " +
+                          b"a" * 70000 + b"\r\n\r\n")
+    assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431"))
+    assert b"application/json" in answer
+
+
+def test_a_body_over_the_limit_is_a_413(serve_with: Any) -> None:
+    from mlxrunner.serve import ServeConfig
+
+    server = serve_with(config=ServeConfig(max_body_bytes=1000))
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 2000}]}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=big)
+    assert reply.status_code == 413 and "1000 bytes" in reply.json()["error"]["message"]
+
+    def chunked() -> Any:  # no Content-Length: counted as it is read
+        yield b'{"messages": [{"role": "user", "content": "'
+        yield b"x" * 2000
+        yield b'"}]}'
+
+    reply = httpx.post(server.url + "/v1/chat/completions", content=chunked())
+    assert reply.status_code == 413 and "too large" in reply.json()["error"]["message"]
+
+
+def test_foreign_hosts_and_origins_are_refused(served: Any) -> None:
+    url = served.url + "/v1/models"
+    refused = httpx.get(url, headers={"Host": "evil.example"})
+    assert refused.status_code == 403 and "evil.example" in refused.json()["error"]["message"]
+    refused = httpx.post(served.url + "/v1/chat/completions", content=b"{}",
+                         headers={"Origin": "https://evil.example",
+                                  "Content-Type": "text/plain"})
+    assert refused.status_code == 403 and "origin" in refused.json()["error"]["message"]
+    local = httpx.get(url, headers={"Origin": "http://localhost:3000"})
+    assert local.status_code == 200
+    assert local.headers["access-control-allow-origin"] == "http://localhost:3000"
+    preflight = httpx.options(url, headers={"Origin": "http://127.0.0.1:5173",
+                                            "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 204 and "POST" in \
+        preflight.headers["access-control-allow-methods"]
+
+
+def test_origins_and_hosts_can_be_allowed(serve_with: Any) -> None:
+    from mlxrunner.serve import ServeConfig
+
+    server = serve_with(config=ServeConfig(allowed_hosts=("models.lan",),
+                                           origins=("https://*.example.org",)))
+    reply = httpx.get(server.url + "/v1/models",
+                      headers={"Host": "models.lan:8080", "Origin": "https://app.example.org"})
+    assert reply.status_code == 200
+    assert httpx.get(server.url + "/v1/models").status_code == 403  # 127.0.0.1 not listed
+
+
+def test_an_api_key_is_required_when_set(serve_with: Any) -> None:
+    openai = pytest.importorskip("openai")
+    from mlxrunner.serve import ServeConfig
+
+    server = serve_with(config=ServeConfig(api_key="sesame"))
+    assert httpx.get(server.url + "/health").status_code == 200  # health checks stay open
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong",
+                      max_retries=0).models.list()
+    models = openai.OpenAI(base_url=server.url + "/v1", api_key="sesame",
+                           max_retries=0).models.list()
+    assert [m.id for m in models] == ["demo"]
+    assert httpx.get(server.url + "/api/tags", headers={"x-api-key": "sesame"}).status_code \
+        == 200
+
+
+def test_a_full_queue_is_a_503_with_retry_after(served: Any, demo_service: Any) -> None:
+    engine = demo_service.engine
+    release = threading.Event()
+    ids = demo_service.encode("import", rendered=False)
+    blocker = engine.submit(demo_service.generation(ids, {"temperature": 0}, max_tokens=2),
+                            on_text=lambda _: release.wait(60))
+    saved, engine.queue_size = engine.queue_size, 0
+    try:
+        reply = httpx.post(served.url + "/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+        assert "busy" in reply.json()["error"]["message"]
+    finally:
+        engine.queue_size = saved
+        release.set()
+    assert blocker.future.result(timeout=60).tokens
+
+
+class _FailingRenderer:
+    def render(self, messages, tools=None, *, think=None, add_generation_prompt=True):
+        raise ValueError("renderer bug")
+
+
+class _FailingParser:
+    """Fails on the first piece of a streamed reply and on a whole one."""
+
+    def reset(self, prompt=None, *, start_in_thinking=None, tools=None):
+        pass
+
+    def feed(self, chunk):
+        raise RuntimeError("parser bug")
+
+    def finish(self):
+        return []
+
+    def parse(self, text):
+        raise RuntimeError("parser bug")
+
+
+@pytest.fixture
+def failing_plugin() -> Any:
+    previous = plugins.host()
+    test_host = plugins.reset()
+    test_host.add_plugin(types.SimpleNamespace(
+        register_renderers=mlxrunner.hookimpl(
+            lambda register: register("failing", lambda context: _FailingRenderer())),
+        register_parsers=mlxrunner.hookimpl(
+            lambda register: register("failing", lambda context: _FailingParser()))),
+        "failing-plugin", "mlxrunner-failing")
+    yield
+    plugins.reset(previous)
+
+
+@pytest.mark.parametrize("which, needle", [("renderer", "ValueError: renderer bug"),
+                                           ("parser", "RuntimeError: parser bug")])
+def test_a_failing_renderer_or_parser_is_a_500_naming_its_plugin(
+        failing_plugin: Any, serve_with: Any, demo_bundle: Any, demo_service: Any,
+        which: str, needle: str) -> None:
+    from mlxrunner.serve import Service
+
+    if which == "renderer":
+        bundle = dataclasses.replace(demo_bundle, renderer=_FailingRenderer(),
+                                     renderer_name="failing")
+    else:
+        bundle = dataclasses.replace(demo_bundle, parser=_FailingParser(),
+                                     parser_name="failing")
+    server = serve_with(Service(bundle, name="demo", engine=demo_service.engine))
+    message = f"{which} 'failing' (plugin mlxrunner-failing) failed: {needle}"
+    reply = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=60)
+    assert reply.status_code == 500 and reply.json()["error"]["message"] == message
+    if which == "parser":  # mid-stream: the last event says what failed
+        lines = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                           timeout=60).text.strip().splitlines()
+        assert message in lines[-1] and "[DONE]" not in lines[-1]
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}
+                      ).status_code == 200
+
+
+def test_a_bug_of_ours_is_a_500_not_the_clients_fault(serve_with: Any, demo_bundle: Any,
+                                                      demo_service: Any, caplog: Any) -> None:
+    from mlxrunner.serve import Service
+
+    class Tokenizer:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(demo_bundle.tokenizer, name)
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            raise ValueError("an internal bug")
+
+    bundle = dataclasses.replace(demo_bundle, tokenizer=Tokenizer())
+    server = serve_with(Service(bundle, name="demo", engine=demo_service.engine))
+    with caplog.at_level(logging.ERROR, logger="mlxrunner.serve"):
+        for path, body, api_message in (
+                ("/v1/completions", {"prompt": "x", "max_tokens": 2},
+                 lambda b: b["error"]["message"]),
+                ("/api/generate", {"model": "demo", "prompt": "x", "raw": True,
+                                   "stream": False}, lambda b: b["error"])):
+            reply = httpx.post(server.url + path, json=body)
+            assert reply.status_code == 500
+            assert "internal bug" not in api_message(reply.json())
+    assert "ValueError: an internal bug" in caplog.text  # the traceback is logged
+
+
+def test_a_client_that_goes_away_cancels_its_generation(served: Any, demo_service: Any,
+                                                        caplog: Any) -> None:
+    engine = demo_service.engine
+    started = threading.Event()
+    for stream in (False, True):
+        caplog.clear()
+        body = ('{"prompt": "def f():", "max_tokens": 100000, "temperature": 0.9, '
+                f'"stream": {str(stream).lower()}}}').encode()
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        with caplog.at_level(logging.INFO, logger="mlxrunner.serve"):
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: " +
+                         str(len(body)).encode() + b"\r\n\r\n" + body)
+            while not engine.running:
+                started.wait(0.01)
+            sock.close()
+            while engine.running:
+                started.wait(0.01)
+        assert "generation cancelled (the client went away)" in caplog.text
+    reply = httpx.post(served.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert reply.status_code == 200
+
+
+def test_each_request_is_one_access_log_line(served: Any, caplog: Any) -> None:
+    with caplog.at_level(logging.INFO, logger="mlxrunner.serve.access"):
+        httpx.post(served.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        httpx.get(served.url + "/nowhere")
+    lines = [r.getMessage() for r in caplog.records if r.name == "mlxrunner.serve.access"]
+    assert len(lines) == 2
+    assert lines[0].startswith("POST /v1/completions 200 ") and lines[0].endswith(" 3 tokens")
+    assert lines[1].startswith("GET /nowhere 404 ")
+
+
+def test_concurrent_streams_each_get_the_same_reply_as_alone(served: Any) -> None:
+    body = {"messages": [{"role": "user", "content": "class Test"}], "max_tokens": 12,
+            "temperature": 0}
+    alone = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=120).json()
+    want = alone["choices"][0]["message"]["content"]
+    results: list[Any] = [None] * 8
+
+    def ask(i: int) -> None:
+        lines = httpx.post(served.url + "/v1/chat/completions", json={**body, "stream": True},
+                           timeout=300).text.splitlines()
+        import json
+        chunks = [json.loads(line[6:]) for line in lines
+                  if line.startswith("data: {")]
+        results[i] = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                             if c["choices"])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [want] * len(results)
