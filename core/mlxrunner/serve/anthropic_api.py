@@ -27,7 +27,9 @@ class Thinking(BaseModel):
 
 
 class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Agents send fields of newer API versions (cache_control, context_management, ...)
+    # that change nothing here: taken and unused, where the other APIs refuse them.
+    model_config = ConfigDict(extra="ignore")
 
     model: str
     messages: list[dict[str, Any]]

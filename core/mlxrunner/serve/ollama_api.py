@@ -92,6 +92,13 @@ class _Request(BaseModel):
     options: Options | None = None
     keep_alive: str | int | float | None = None
     think: StrictBool | str | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def sampler(self) -> dict[str, Any]:
+        options = self.options or Options()
+        return {**options.sampler(), "logprobs": self.logprobs,
+                "top_logprobs": self.top_logprobs}
 
     def check(self, service: Service) -> None:
         service.check_model(self.model)
@@ -142,6 +149,11 @@ def counters(reply: Reply) -> dict[str, Any]:
             "prompt_eval_duration": _ns(reply.prefill_seconds),
             "eval_count": len(reply.tokens), "eval_duration": _ns(reply.decode_seconds),
             "statistics": reply.stats}
+
+
+def _logprobs(service: Service, reply: Reply) -> dict[str, Any]:
+    content = service.logprobs_content(reply)
+    return {} if content is None else {"logprobs": content}
 
 
 def _done_reason(reply: Reply) -> str:
@@ -278,7 +290,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
                         media_type="application/json")
     turn = ChatTurn(service, _messages(body.messages), body.tools, body.thinking())
     ids = service.encode(turn.prompt, rendered=True)
-    generation = service.generation(ids, options.sampler(), max_tokens=options.max_tokens(),
+    generation = service.generation(ids, body.sampler(), max_tokens=options.max_tokens(),
                                     stops=options.stop)
     if body.stream:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503
@@ -290,7 +302,8 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     return Response(dumps({"model": service.name, "created_at": _now(),
                            "message": _ollama_message(turn.parse(reply.text)),
                            "done_reason": _done_reason(reply), "done": True,
-                           **counters(reply)}), media_type="application/json")
+                           **_logprobs(service, reply), **counters(reply)}),
+                    media_type="application/json")
 
 
 async def _chat_lines(request: Request, service: Service, turn: ChatTurn,
@@ -339,7 +352,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             {"role": "user", "content": body.prompt}]
         turn = ChatTurn(service, messages, None, body.thinking())
         ids = service.encode(turn.prompt, rendered=True)
-    generation = service.generation(ids, options.sampler(), max_tokens=options.max_tokens(),
+    generation = service.generation(ids, body.sampler(), max_tokens=options.max_tokens(),
                                     stops=options.stop)
     if body.stream:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503
@@ -354,7 +367,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     if parsed.thinking:
         payload["thinking"] = parsed.thinking
     return Response(dumps({**payload, "done_reason": _done_reason(reply), "done": True,
-                           **counters(reply)}), media_type="application/json")
+                           **_logprobs(service, reply), **counters(reply)}),
+                    media_type="application/json")
 
 
 async def _generate_lines(request: Request, service: Service, turn: ChatTurn | None,
