@@ -64,7 +64,8 @@ def test_errors_are_the_clients_exceptions(client: Any) -> None:
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-x", max_tokens=4, messages=MESSAGES)
     with pytest.raises(anthropic.BadRequestError) as caught:
-        client.messages.create(model="demo", max_tokens=4, messages=MESSAGES, extra_body={"temperature": 1.5})
+        client.messages.create(model="demo", max_tokens=4, messages=MESSAGES,
+                               extra_body={"temperature": 1.5})
     assert "temperature" in caught.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="demo", max_tokens=0, messages=MESSAGES)

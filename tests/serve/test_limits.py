@@ -298,3 +298,36 @@ def test_concurrent_streams_each_get_the_same_reply_as_alone(served: Any) -> Non
     for t in threads:
         t.join()
     assert results == [want] * len(results)
+
+
+def test_a_generation_past_the_request_timeout_is_ended(served: Any, demo_service: Any,
+                                                        caplog: Any) -> None:
+    engine = demo_service.engine
+    saved, engine.request_timeout = engine.request_timeout, 0.0
+    try:
+        with caplog.at_level(logging.INFO, logger="mlxrunner.serve"):
+            reply = httpx.post(served.url + "/v1/completions",
+                               json={"prompt": "def f():", "max_tokens": 500}, timeout=120)
+    finally:
+        engine.request_timeout = saved
+    choice = reply.json()["choices"][0]
+    assert reply.status_code == 200 and choice["finish_reason"] == "length"
+    assert reply.json()["usage"]["completion_tokens"] < 500
+    assert "generation timed out" in caplog.text
+
+
+def test_an_idle_connection_is_closed_by_the_server(demo_service: Any) -> None:
+    from mlxrunner.serve import Listener, bind, create_app
+
+    listener = Listener(create_app(demo_service), bind("127.0.0.1", 0),
+                        keep_alive_timeout=1).start()
+    try:
+        host, port = listener.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            received = b""
+            while chunk := sock.recv(65536):  # ends when the server closes the connection
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and received.endswith(b'{"status":"ok"}')
+    finally:
+        listener.stop()

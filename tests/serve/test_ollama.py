@@ -22,7 +22,8 @@ def test_the_model_is_listed_shown_and_loaded(client: Any, served: Any, demo_bun
                                               ) -> None:
     assert [m.model for m in client.list().models] == ["demo"]
     shown = client.show("demo")
-    assert shown.details.family == demo_bundle.config["model_type"] and "completion" in shown.capabilities
+    assert shown.details.family == demo_bundle.config["model_type"]
+    assert "completion" in shown.capabilities
     assert [m.model for m in client.ps().models] == ["demo"]
     assert httpx.get(served.url + "/api/version").json()["version"]
     assert httpx.get(served.url + "/").text == "mlxrunner is running"

@@ -35,9 +35,9 @@ class ChatTurn:
         except ConversationError as exc:
             raise RequestError(str(exc).splitlines()[0], param="messages") from None
         self._parser_name = bundle.parser_name
-        self.parser = bundle.new_parser()
-        if self.parser is not None:
-            self._parsing(lambda: self.parser.reset(self.prompt, tools=self.tools))
+        self.parser = parser = bundle.new_parser()
+        if parser is not None:
+            self._parsing(lambda: parser.reset(self.prompt, tools=self.tools))
 
     def _parsing(self, call: Callable[[], Any]) -> Any:
         with plugin_code("parsers", self._parser_name):

@@ -29,7 +29,7 @@ class JSONErrorsH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         body = error_bytes(OPENAI, 400, f"invalid HTTP request ({msg})")
         event = h11.Response(status_code=400, reason=b"Bad Request", headers=[
-            (b"content-type", b"application/json"), (b"content-length", str(len(body))),
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"connection", b"close")])
         for part in (event, h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(part) or b"")
