@@ -152,3 +152,38 @@ def test_the_openapi_schema_is_served(served: Any) -> None:
     for path in ("/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate",
                  "/v1/messages"):
         assert path in schema["paths"]
+
+
+def test_a_response_streamed_or_not_is_the_chat_reply(client: Any) -> None:
+    chat = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=12,
+                                          temperature=0)
+    want = chat.choices[0].message.content
+    whole = client.responses.create(model="demo", instructions="import os\n",
+                                    input="class Test", max_output_tokens=12, temperature=0)
+    assert whole.output_text == want and whole.status == "incomplete"
+    assert whole.usage.output_tokens == 12
+    events = list(client.responses.create(
+        model="demo", instructions="import os\n", stream=True, max_output_tokens=12,
+        input=[{"role": "user", "content": "class Test"}], temperature=0))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == want
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    assert events[-1].type == "response.incomplete"  # as OpenAI ends at max_output_tokens
+    assert events[-1].response.output_text == want
+
+
+def test_a_response_takes_function_calls_and_outputs_and_refuses_stored_state(client: Any
+                                                                             ) -> None:
+    tools = [{"type": "function", "name": "get_weather", "description": "the weather",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    reply = client.responses.create(model="demo", tools=tools, max_output_tokens=2, input=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    alone = client.responses.create(model="demo", input="weather in Paris?",
+                                    max_output_tokens=2)
+    assert reply.usage.input_tokens > alone.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="demo", input="x", previous_response_id="resp_1")
+    assert caught.value.body["param"] == "previous_response_id"

@@ -251,7 +251,7 @@ async def _on_our_error(request: Request, exc: Exception) -> Response:
 
 def create_app(service: Service, config: ServeConfig | None = None) -> FastAPI:
     """The server's ASGI application over ``service`` (mount it, or run it with uvicorn)."""
-    from . import anthropic_api, ollama_api, openai_api
+    from . import anthropic_api, ollama_api, openai_api, responses_api
 
     config = config or ServeConfig()
     app = FastAPI(title="mlxrunner", version=ollama_api.VERSION,
@@ -264,6 +264,7 @@ def create_app(service: Service, config: ServeConfig | None = None) -> FastAPI:
     app.add_exception_handler(PluginFailedError, _on_plugin_failure)
     app.add_exception_handler(MLXRunnerError, _on_our_error)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(ollama_api.router)
     app.include_router(anthropic_api.router)
     app.add_middleware(Guard, config=config)
