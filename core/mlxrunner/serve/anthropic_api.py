@@ -46,6 +46,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
+    seed: int | None = Field(default=None, description="mlxrunner: reproducible sampling")
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
 
@@ -170,7 +171,8 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     service = service_of(request)
     turn = _turn(service, body)
     ids = service.encode(turn.prompt, rendered=True)
-    sampler = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
+    sampler = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+               "seed": body.seed}
     stops = list(body.stop_sequences or [])
     generation = service.generation(ids, sampler, max_tokens=body.max_tokens, stops=stops)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"

@@ -35,6 +35,7 @@ class ResponsesRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    seed: int | None = Field(default=None, description="mlxrunner: reproducible sampling")
     stream: StrictBool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -194,7 +195,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     turn = ChatTurn(service, _messages(body), _tools(body), think_of(None, effort))
     ids = service.encode(turn.prompt, rendered=True)
     sampler = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-               "min_p": body.min_p}
+               "min_p": body.min_p, "seed": body.seed}
     generation = service.generation(ids, sampler, max_tokens=body.max_output_tokens)
     response_id, created = _ident("resp"), int(time.time())
     if body.stream:
