@@ -69,6 +69,7 @@ case "${1:-}" in
           qwen3_5) extra="--switched attention=folded --switched kernels=attention" ;;
           gemma4) extra="--switched attention=folded --no-eager" ;;
           llama) extra="" ;;
+          llama-narrow) one=llama; extra="--narrow --no-plain" ;;
           qwen3_5-8k) one=qwen3_5; extra="--prompt 8192 --new 64 --repeats 2 --prefill-chunk 2048 --verify-block 0" ;;
           qwen3_5-32k) one=qwen3_5; extra="--prompt 32768 --new 32 --repeats 1 --prefill-chunk 2048 --verify-block 0" ;;
           *) extra="" ;;
@@ -87,11 +88,12 @@ case "${1:-}" in
     fi
     if [ "${STARTUP:-0}" = 1 ]; then
       echo "== start-up"
-      timeout 240 python3 bench/startup.py --json "$out/startup-gpu.json" 2>&1 | tail -6
+      timeout 240 python3 bench/startup.py --profile 30 --json "$out/startup-gpu.json" 2>&1 | tail -40
     fi
     if [ "${PARITY:-0}" = 1 ]; then
       echo "== float32 GPU vs CPU"
-      timeout 240 python3 bench/gpu_cpu_parity.py --json "$out/parity-gpu.json" 2>&1 | tail -6
+      timeout "${PARITY_TIMEOUT:-240}" python3 bench/gpu_cpu_parity.py --json "$out/parity-gpu.json" 2>&1 |
+        tee "$out/parity-gpu.txt" | tail -20
     fi
     if [ -d /tmp/demo/draft ]; then
       timeout 90 mlxrunner bench /tmp/demo --prompt "def fibonacci(n):" --max-tokens 128 \

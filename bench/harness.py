@@ -94,8 +94,11 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
     with names padded to ``name_width``. The rows take turns in every repeat, each repeat
     starting one row further on, so that a change of machine load or the allocator state
     a row inherits from the one before hits them alike."""
+    # warm-up (trace, JIT, allocate) on the first prefill chunk: a long prompt's full
+    # prefill would double a slow row's time for nothing
+    warm = prompt[:PREFILL_CHUNK + 1] if PREFILL_CHUNK else prompt
     for model in rows.values():
-        run(model, model.make_cache(), prompt, min(new, 4))  # warm-up: trace, JIT, allocate
+        run(model, model.make_cache(), warm, min(new, 4))
     best: dict[str, dict[str, float]] = {}
     names = list(rows)
     for repeat in range(repeats):

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (best kept)")
     parser.add_argument("--quick", action="store_true",
                         help="CPU-sized run: 4 layers, vocabulary 16384, prompt 128, 16 new")
+    parser.add_argument("--narrow", action="store_true",
+                        help="the same layers and operations at a width (hidden 256, "
+                        "vocabulary 2048) that leaves the GPU idle: a step's host time alone")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain mlx.nn row")
     harness.add_switched_argument(parser, "compile=0")
     harness.add_common_arguments(parser)
@@ -75,9 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         config.update(num_hidden_layers=4, vocab_size=16384)
         args.prompt, args.new = 128, 16
+    if args.narrow:
+        config.update(hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                      num_key_value_heads=1, vocab_size=2048)
     dtype = DTYPES[args.dtype]
     device = str(mx.default_device())
-    print(f"Llama bench: Llama-3.2-1B shape (layers {config['num_hidden_layers']}, vocab "
+    shape = "Llama-3.2-1B shape" + (" (narrow)" if args.narrow else "")
+    print(f"Llama bench: {shape} (layers {config['num_hidden_layers']}, vocab "
           f"{config['vocab_size']}), {args.dtype}, prompt {args.prompt}, {args.new} new "
           f"tokens, device {device}, mlx {mx.__version__}", flush=True)
     print(f"  MLX settings for every row: {harness.mlx_settings()}", flush=True)
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     reference, reference_version = harness.load_reference(
         lambda: build_mlx_lm(config, weights), skip=args.no_mlx_lm)
     results: dict[str, Any] = {
-        "config": "Llama-3.2-1B shape", "layers": config["num_hidden_layers"],
+        "config": shape, "layers": config["num_hidden_layers"],
         "vocab": config["vocab_size"], "dtype": args.dtype, "prompt": args.prompt,
         "new": args.new, "device": device, "mlx": mx.__version__,
         "platform": platform.platform(), "mlx_settings": harness.mlx_settings(),

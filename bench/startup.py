@@ -59,9 +59,11 @@ def write_folder(folder: Path, config_path: Path, seed: int) -> None:
             shutil.copy(DEMO / name, folder / name)
 
 
-def one_run(folder: Path, prompt: str, env: dict[str, str]) -> dict[str, Any]:
+def one_run(folder: Path, prompt: str, env: dict[str, str],
+            profile: Path | None = None) -> dict[str, Any]:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "run", str(folder), prompt,
+    python = [sys.executable] + (["-m", "cProfile", "-o", str(profile)] if profile else [])
+    done = subprocess.run([*python, "-m", "mlxrunner.cli", "run", str(folder), prompt,
                            "--max-tokens", "1", "--temperature", "0", "--json"],
                           capture_output=True, text=True, env=env, timeout=600)
     wall = time.perf_counter() - start
@@ -79,6 +81,19 @@ def one_run(folder: Path, prompt: str, env: dict[str, str]) -> dict[str, Any]:
     return result
 
 
+def compile_times(cache: Path, started: float) -> dict[str, Any]:
+    """The kernels a run wrote to MLX's kernel cache, in order, each with the time since
+    the one before (the first: since the run started): an upper bound of its compile
+    time."""
+    files = sorted((f.stat().st_mtime, f.stem) for f in cache.iterdir() if f.suffix == ".ptx")
+    gaps, before = [], started
+    for written, name in files:
+        gaps.append((name, round(written - before, 3)))
+        before = written
+    return {"count": len(files), "longest": sorted(gaps, key=lambda g: -g[1])[:30],
+            "last_written_s": round(before - started, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=CONFIG)
@@ -86,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                         "written to a temporary folder)")
     parser.add_argument("--prompt", default="Write a haiku about rain.")
     parser.add_argument("--runs", type=int, default=3, help="runs with the kernel cache warm")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="one more warm run under cProfile; print its N largest "
+                        "cumulative times")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="mlxrunner-startup-"))
@@ -94,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         write_folder(folder, args.config, 0)
     cache = work / "ptx-cache"
     cache.mkdir()
-    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(cache))
+    # the CUDA driver's cache of kernels built from PTX too: a fresh machine has neither
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(cache), CUDA_CACHE_PATH=str(work / "nv"))
+    started = time.time()
     runs = [dict(one_run(folder, args.prompt, env), kernel_cache="empty")]
+    compiled = compile_times(cache, started)
     runs += [dict(one_run(folder, args.prompt, env), kernel_cache="warm")
              for _ in range(args.runs)]
     for r in runs:
@@ -104,8 +125,24 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; {r['warnings']}" if r.get("warnings") else "")
               + (f"\n{r['stderr']}" if r.get("stderr") else ""), flush=True)
     warm = sorted(r["wall_s"] for r in runs[1:]) or [float("nan")]
+    profiled = {}
+    if args.profile:
+        # one more warm run under cProfile: where a warm start's time goes
+        import pstats
+
+        one_run(folder, args.prompt, env, profile=work / "run.prof")
+        stats = pstats.Stats(str(work / "run.prof"))
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])  # type: ignore[attr-defined]
+        for (file, line, function), (_, _, _, cumulative, _) in rows[:args.profile]:
+            profiled[f"{Path(file).name}:{line}({function})"] = round(cumulative, 3)
+            print(f"  {cumulative:7.3f} s  {Path(file).name}:{line}({function})")
     results = {"folder": str(folder), "runs": runs, "fresh_s": runs[0]["wall_s"],
-               "warm_median_s": warm[len(warm) // 2]}
+               "warm_median_s": warm[len(warm) // 2], "profile_cumulative_s": profiled,
+               "kernels_compiled": compiled}
+    print(f"  the fresh run compiled {compiled['count']} kernels; the longest gaps before "
+          "one was written (its compile time, or other work):")
+    for name, gap in compiled["longest"][:12]:
+        print(f"    {gap:6.2f} s  {name[:90]}")
     print(f"  first token: fresh {results['fresh_s']:.2f} s, warm (median of "
           f"{len(warm)}) {results['warm_median_s']:.2f} s", flush=True)
     if args.json:

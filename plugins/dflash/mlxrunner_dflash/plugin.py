@@ -1,6 +1,9 @@
-"""Hook implementations: registers the DFlash and DFlash2 draft architectures."""
+"""Hook implementations: registers the DFlash and DFlash2 draft architectures and the
+``train-draft`` command."""
 
 from __future__ import annotations
+
+import argparse
 
 import mlxrunner
 
@@ -14,10 +17,16 @@ def register_drafts(register):
     register("DFlash2DraftModel", DFlash2DraftModel)
 
 
+def _train_draft(args: argparse.Namespace) -> int:
+    # the trainer (numpy, optimizers) loads only when the command runs: every other
+    # command's start-up builds this one's parser too
+    from .train import run
+
+    return run(args)
+
+
 @mlxrunner.hookimpl
 def register_commands(cli):
-    # The trainer module is imported when the CLI builds its parser; it pulls in nothing
-    # heavier than this package itself.
-    from . import train
+    from .train_options import HELP, add_arguments
 
-    cli.command("train-draft", train.HELP, train.add_arguments, train.run)
+    cli.command("train-draft", HELP, add_arguments, _train_draft)
