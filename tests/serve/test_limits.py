@@ -276,30 +276,6 @@ def test_each_request_is_one_access_log_line(served: Any, caplog: Any) -> None:
     assert lines[1].startswith("GET /nowhere 404 ")
 
 
-def test_concurrent_streams_each_get_the_same_reply_as_alone(served: Any) -> None:
-    body = {"messages": [{"role": "user", "content": "class Test"}], "max_tokens": 12,
-            "temperature": 0}
-    alone = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=120).json()
-    want = alone["choices"][0]["message"]["content"]
-    results: list[Any] = [None] * 8
-
-    def ask(i: int) -> None:
-        lines = httpx.post(served.url + "/v1/chat/completions", json={**body, "stream": True},
-                           timeout=300).text.splitlines()
-        import json
-        chunks = [json.loads(line[6:]) for line in lines
-                  if line.startswith("data: {")]
-        results[i] = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
-                             if c["choices"])
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(results))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == [want] * len(results)
-
-
 def test_a_generation_past_the_request_timeout_is_ended(served: Any, demo_service: Any,
                                                         caplog: Any) -> None:
     engine = demo_service.engine

@@ -107,7 +107,10 @@ class Engine:
         self.queue_size = queue_size
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._lock = threading.Lock()
-        self.running = 0  # 1 while a job decodes (for /api/ps and tests)
+        self.running = 0  # 1 while a job decodes
+        #: jobs so far: submitted, done, cancelled (their client left midway), skipped (it
+        #: left before they began), failed
+        self.counts = dict.fromkeys(("submitted", "done", "cancelled", "skipped", "failed"), 0)
         threading.Thread(target=self._serve, name="mlxrunner-model", daemon=True).start()
 
     @property
@@ -123,17 +126,22 @@ class Engine:
             if self._jobs.qsize() >= self.queue_size:
                 raise BusyError(self._jobs.qsize())
             self._jobs.put_nowait(job)
+            self.counts["submitted"] += 1
         return job
 
     def _serve(self) -> None:
         while True:
             job = self._jobs.get()
             if job.cancel.is_set() or not job.future.set_running_or_notify_cancel():
+                self.counts["skipped"] += 1
                 continue
             self.running = 1
             try:
-                job.future.set_result(self._run(job))
+                reply = self._run(job)
+                self.counts["cancelled" if reply.finish_reason == "cancelled" else "done"] += 1
+                job.future.set_result(reply)
             except BaseException as exc:  # the request's side raises it
+                self.counts["failed"] += 1
                 job.future.set_exception(exc)
             finally:
                 self.running = 0
