@@ -33,7 +33,7 @@ def test_generated_requests_get_no_server_error_and_json_errors(serve_with: Any,
             kind = reply.headers.get("content-type", [""])
             kind = kind[0] if isinstance(kind, list) else kind
             if reply.status_code >= 500 or (reply.status_code >= 400 and "json" not in kind):
-                problems.append((operation.label, reply.status_code, reply.text[:200]))
+                problems.append((case.operation.label, reply.status_code, reply.text[:200]))
 
         call()
     assert problems == []
