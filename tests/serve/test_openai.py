@@ -82,6 +82,12 @@ def test_logprobs_come_back_per_token(client: Any) -> None:
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy
+    streamed = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=5,
+                                              temperature=0, logprobs=True, top_logprobs=3,
+                                              stream=True)
+    joined = [entry for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for entry in chunk.choices[0].logprobs.content]
+    assert joined == content
     legacy = client.completions.create(model="demo", prompt="import", max_tokens=4,
                                        temperature=0, logprobs=2)
     assert len(legacy.choices[0].logprobs.token_logprobs) == 4

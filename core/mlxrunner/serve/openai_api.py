@@ -219,8 +219,9 @@ async def _chat_events(request: Request, service: Service, turn: ChatTurn,
     head = _envelope(service, "chat.completion.chunk", request_id)
     calls = 0
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        return _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+    def chunk(delta: dict[str, Any], finish: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> str:
+        return _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                           "finish_reason": finish}]})
 
     def pieces(parsed: list[ParsedMessage]) -> list[str]:
@@ -248,7 +249,10 @@ async def _chat_events(request: Request, service: Service, turn: ChatTurn,
     for line in pieces(turn.finish()):
         yield line
     request.state.tokens = len(reply.tokens)
-    yield chunk({}, _finish(reply, calls))
+    # Every token's logprobs come with the last chunk: the decoding loop reports them when
+    # it ends (a client that joins the chunks' lists gets the whole list).
+    content = service.logprobs_content(reply)
+    yield chunk({}, _finish(reply, calls), None if content is None else {"content": content})
     if include_usage:
         yield _sse({**head, "choices": [], "usage": usage(reply)})
     yield _sse("[DONE]")
@@ -293,7 +297,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     head = _envelope(service, "text_completion", f"cmpl-{uuid.uuid4().hex}")
     if body.stream:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503
-        return streamed(request, _completion_events(request, items, head,
+        return streamed(request, _completion_events(request, service, items, head,
                                                     body.include_usage()),
                         "text/event-stream", _sse_error)
     reply = await complete(request, generation)
@@ -305,9 +309,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                            "statistics": reply.stats}), media_type="application/json")
 
 
-async def _completion_events(request: Request, items: AsyncIterator[str | Reply],
-                             head: dict[str, Any], include_usage: bool
-                             ) -> AsyncIterator[str]:
+async def _completion_events(request: Request, service: Service,
+                             items: AsyncIterator[str | Reply], head: dict[str, Any],
+                             include_usage: bool) -> AsyncIterator[str]:
     reply = Reply()
     async for item in items:
         if isinstance(item, Reply):
@@ -316,7 +320,8 @@ async def _completion_events(request: Request, items: AsyncIterator[str | Reply]
             yield _sse({**head, "choices": [{"index": 0, "text": item, "logprobs": None,
                                              "finish_reason": None}]})
     request.state.tokens = len(reply.tokens)
-    yield _sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None,
+    yield _sse({**head, "choices": [{"index": 0, "text": "",
+                                     "logprobs": _legacy_logprobs(service, reply),
                                      "finish_reason": _finish(reply, 0)}]})
     if include_usage:
         yield _sse({**head, "choices": [], "usage": usage(reply)})
