@@ -55,3 +55,11 @@ def test_serving_beyond_this_machine_without_a_key_warns_and_answers(demo_bundle
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def test_a_bad_keep_alive_is_one_clear_error_before_any_work(capsys: Any) -> None:
+    from mlxrunner.cli import main
+
+    assert main(["serve", "--port", "0", "--keep-alive", "soon"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mlxrunner: error: keep_alive 'soon' is not a duration (e.g. '5m', 30, -1)"]

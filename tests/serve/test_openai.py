@@ -21,7 +21,8 @@ def client(served: Any) -> Any:
 
 
 def test_models_are_listed_and_retrieved(client: Any) -> None:
-    assert [m.id for m in client.models.list()] == ["demo"]
+    # the model served, then the registered ones it would load by name
+    assert [m.id for m in client.models.list()] == ["demo", "default"]
     assert client.models.retrieve("demo").id == "demo"
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("no-such-model")

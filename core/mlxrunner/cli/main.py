@@ -373,8 +373,10 @@ def _serve_logging(verbose: bool) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .. import settings
     from ..serve import Limits, Listener, ServeConfig, Service, bind, create_app, is_loopback
+    from ..serve.models import Models, keep_alive_seconds
 
     model_arg = args.model or "default"
+    keep_alive = keep_alive_seconds(args.keep_alive, 300.0)  # a bad value: before any work
     # Bind first: a taken port is reported before a long model load.
     try:
         sock = bind(args.host, args.port)
@@ -400,7 +402,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = Limits() if args.max_tokens_limit is None else Limits(
         max_tokens_limit=args.max_tokens_limit)
     service = Service(bundle, name=args.name or model_arg, limits=limits, **given)
-    listener = Listener(create_app(service, config), sock, **(
+    models = Models(service, models_dir=args.models_dir, max_loaded=args.max_loaded,
+                    keep_alive=keep_alive,
+                    make_service=lambda loaded, name: Service(loaded, name, limits=limits,
+                                                              **given))
+    listener = Listener(create_app(service, config, models), sock, **(
         {} if args.keep_alive_timeout is None
         else {"keep_alive_timeout": args.keep_alive_timeout}))
     if not is_loopback(args.host) and api_key is None:
@@ -443,6 +449,14 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds one request may generate before it is ended (default 600)")
     p.add_argument("--keep-alive-timeout", type=count(1),
                    help="seconds an idle connection stays open (default 5)")
+    p.add_argument("--models-dir", help="a folder of model folders, each served by its name "
+                                        "on demand (registered models are too)")
+    p.add_argument("--max-loaded", type=count(0), default=1,
+                   help="models loaded on demand that stay loaded at once (default 1; the "
+                        "served model always stays)")
+    p.add_argument("--keep-alive", default="5m",
+                   help="how long a model loaded on demand stays after its last request "
+                        "(Ollama's keep_alive: 5m, 30s, -1 for ever; default 5m)")
     p.add_argument("--verbose", action="store_true", help="log each request (one line)")
 
 

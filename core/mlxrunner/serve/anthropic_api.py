@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..chat.formats import ParsedMessage
 from .chat import ChatTurn, call_id
-from .common import complete, dumps, no_reply, service_of, streamed
+from .common import complete, dumps, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 
 router = APIRouter()
@@ -134,7 +134,6 @@ def _think(body: CountTokensRequest) -> bool | None:
 
 
 def _turn(service: Service, body: CountTokensRequest) -> ChatTurn:
-    service.check_model(body.model)
     return ChatTurn(service, _messages(body), _tools(body), _think(body))
 
 
@@ -161,14 +160,14 @@ def _stop_reason(reply: Reply, tool_calls: int) -> tuple[str, str | None]:
 
 @router.post("/v1/messages/count_tokens", tags=["anthropic"])
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
-    service = service_of(request)
+    service = await service_for(request, body.model)
     turn = _turn(service, body)
     return {"input_tokens": len(service.encode(turn.prompt, rendered=True))}
 
 
 @router.post("/v1/messages", tags=["anthropic"])
 async def messages(body: MessagesRequest, request: Request) -> Response:
-    service = service_of(request)
+    service = await service_for(request, body.model)
     turn = _turn(service, body)
     ids = service.encode(turn.prompt, rendered=True)
     sampler = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
@@ -180,7 +179,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503
         return streamed(request, _events(request, service, turn, items, message_id,
                                          len(ids)), "text/event-stream", _event_error)
-    reply = await complete(request, generation)
+    reply = await complete(request, service, generation)
     if reply is None:
         return no_reply()
     parsed = turn.parse(reply.text)

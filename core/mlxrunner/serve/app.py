@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import MLXRunnerError, PluginFailedError
 from .engine import RequestError, Service
 from .errors import GENERIC_500, api_of, error_body, error_bytes
+from .models import Models
 
 log = logging.getLogger("mlxrunner.serve")
 access_log = logging.getLogger("mlxrunner.serve.access")
@@ -249,14 +250,16 @@ async def _on_our_error(request: Request, exc: Exception) -> Response:
     return _json_error(request, 500, str(exc).splitlines()[0])
 
 
-def create_app(service: Service, config: ServeConfig | None = None) -> FastAPI:
-    """The server's ASGI application over ``service`` (mount it, or run it with uvicorn)."""
+def create_app(service: Service, config: ServeConfig | None = None,
+               models: Models | None = None) -> FastAPI:
+    """The server's ASGI application over ``service`` (mount it, or run it with uvicorn);
+    ``models``: the other models it may load by name (default: the registered ones)."""
     from . import anthropic_api, ollama_api, openai_api, responses_api
 
     config = config or ServeConfig()
     app = FastAPI(title="mlxrunner", version=ollama_api.VERSION,
                   description="OpenAI, Ollama and Anthropic APIs over one MLX model")
-    app.state.service = service
+    app.state.models = models or Models(service)
     app.state.config = config
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

@@ -13,15 +13,21 @@ from fastapi.responses import Response, StreamingResponse
 from ..errors import MLXRunnerError, PluginFailedError
 from .engine import Generation, Reply, Service
 from .errors import GENERIC_500
+from .models import Models
 
 log = logging.getLogger("mlxrunner.serve")
 #: answered to a client that has gone (only the access log sees it)
 CLIENT_GONE = 499
 
 
-def service_of(request: Request) -> Service:
-    service: Service = request.app.state.service
-    return service
+def models_of(request: Request) -> Models:
+    models: Models = request.app.state.models
+    return models
+
+
+async def service_for(request: Request, name: str | None, keep_alive: Any = None) -> Service:
+    """The service of model ``name`` (loaded on demand; a 404 for a name not served)."""
+    return await models_of(request).get(name, keep_alive)
 
 
 def dumps(payload: Any) -> str:
@@ -36,9 +42,10 @@ async def until_disconnected(request: Request) -> None:
             return
 
 
-async def complete(request: Request, generation: Generation) -> Reply | None:
+async def complete(request: Request, service: Service, generation: Generation
+                   ) -> Reply | None:
     """The whole reply, or None when the client went away first (generation cancelled)."""
-    reply = await service_of(request).engine.complete(
+    reply = await service.engine.complete(
         generation, lambda: until_disconnected(request))
     if reply is not None:
         request.state.tokens = len(reply.tokens)

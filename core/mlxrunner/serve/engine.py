@@ -105,7 +105,7 @@ class Engine:
         self.stop_ids = bundle.stop_token_ids()
         self.request_timeout = request_timeout
         self.queue_size = queue_size
-        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self.running = 0  # 1 while a job decodes
         #: jobs so far: submitted, done, cancelled (their client left midway), skipped (it
@@ -132,6 +132,8 @@ class Engine:
     def _serve(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is None:  # closed
+                return
             if job.cancel.is_set() or not job.future.set_running_or_notify_cancel():
                 self.counts["skipped"] += 1
                 continue
@@ -145,6 +147,10 @@ class Engine:
                 job.future.set_exception(exc)
             finally:
                 self.running = 0
+
+    def close(self) -> None:
+        """End the worker thread once the jobs queued before have run."""
+        self._jobs.put(None)
 
     def _run(self, job: _Job) -> Reply:
         bundle, request = self.bundle, job.generation
@@ -268,12 +274,6 @@ class Service:
         self.engine = engine or Engine(bundle, queue_size=queue_size,
                                        request_timeout=request_timeout)
         self.loaded_at = time.time()
-
-    def check_model(self, model: str | None) -> None:
-        """404 for a model name this server does not hold (absent or empty: the loaded one)."""
-        if model and model != self.name and model.removesuffix(":latest") != self.name:
-            raise RequestError(f"model {model!r} not found (this server serves {self.name!r})",
-                               HTTPStatus.NOT_FOUND, param="model")
 
     def encode(self, prompt_text: str, *, rendered: bool) -> list[int]:
         """Prompt ids (``rendered``: a chat prompt whose special tokens are in the text)."""

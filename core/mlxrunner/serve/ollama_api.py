@@ -8,6 +8,7 @@ and ``/api/ps`` lists it as loaded.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 from importlib import metadata
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from ..bundle import parameter_count
 from ..chat.formats import ParsedMessage
 from .chat import ChatTurn
-from .common import complete, dumps, no_reply, service_of, streamed
+from .common import complete, dumps, models_of, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 
 router = APIRouter()
@@ -100,10 +101,18 @@ class _Request(BaseModel):
         return {**options.sampler(), "logprobs": self.logprobs,
                 "top_logprobs": self.top_logprobs}
 
-    def check(self, service: Service) -> None:
-        service.check_model(self.model)
+    async def service(self, request: Request) -> Service:
+        """The model asked for, loaded (after the checks that need none)."""
         if self.format not in (None, ""):
             raise RequestError("format (structured output) is not supported", param="format")
+        return await service_for(request, self.model, self.keep_alive)
+
+    def unloads(self, request: Request) -> bool:
+        """A request with nothing to generate and ``keep_alive`` 0: Ollama's unload."""
+        if self.keep_alive in (0, "0", "0s", "0m"):
+            models = models_of(request)
+            return models.unload(models.known(self.model))
+        return False
 
     def thinking(self) -> bool | None:
         if isinstance(self.think, str):  # "low" / "medium" / "high": thinking on
@@ -240,27 +249,36 @@ async def version() -> dict[str, str]:
 
 @router.get("/api/tags", tags=["ollama"])
 async def tags(request: Request) -> dict[str, Any]:
-    return {"models": [_model_entry(service_of(request))]}
+    models = models_of(request)
+    entries = []
+    for name in models.names():
+        service = models.find(name)
+        entries.append(_model_entry(service) if service is not None else
+                       {"name": name, "model": name, "modified_at": _now(), "size": 0,
+                        "digest": hashlib.sha256(name.encode()).hexdigest(), "details": {}})
+    return {"models": entries}
 
 
 @router.get("/api/ps", tags=["ollama"])
 async def ps(request: Request) -> dict[str, Any]:
-    service = service_of(request)
-    expires = datetime.now(timezone.utc) + timedelta(days=365 * 100)  # never unloaded
-    entry = {**_model_entry(service), "expires_at": expires.isoformat(),
-             "size_vram": _size(service)}
-    if service.context is not None:
-        entry["context_length"] = service.context
-    return {"models": [entry]}
+    entries = []
+    for service, expires in models_of(request).loaded():
+        left = min(expires - time.monotonic(), 100 * 365 * 86400.0)  # inf: never unloaded
+        entry = {**_model_entry(service), "size_vram": _size(service),
+                 "expires_at": (datetime.now(timezone.utc) + timedelta(seconds=left)
+                                ).isoformat()}
+        if service.context is not None:
+            entry["context_length"] = service.context
+        entries.append(entry)
+    return {"models": entries}
 
 
 @router.post("/api/show", tags=["ollama"])
 async def show(body: ModelRequest, request: Request) -> dict[str, Any]:
-    service = service_of(request)
     name = body.model or body.name
     if not name:
         raise RequestError("model is required", param="model")
-    service.check_model(name)
+    service = await service_for(request, name)
     bundle = service.bundle
     info: dict[str, Any] = {"general.architecture": bundle.config.get("model_type", ""),
                             "general.parameter_count": parameter_count(bundle.model)}
@@ -280,9 +298,13 @@ async def show(body: ModelRequest, request: Request) -> dict[str, Any]:
 
 @router.post("/api/chat", tags=["ollama"])
 async def chat(body: ChatRequest, request: Request) -> Response:
-    service = service_of(request)
-    body.check(service)
     options = body.options or Options()
+    if not body.messages and body.unloads(request):
+        return Response(_line({"model": body.model, "created_at": _now(),
+                               "message": {"role": "assistant", "content": ""},
+                               "done_reason": "unload", "done": True}),
+                        media_type="application/json")
+    service = await body.service(request)
     if not body.messages:  # Ollama's way to load a model
         return Response(_line({"model": service.name, "created_at": _now(),
                                "message": {"role": "assistant", "content": ""},
@@ -296,7 +318,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503
         return streamed(request, _chat_lines(request, service, turn, items),
                         "application/x-ndjson", _line_error)
-    reply = await complete(request, generation)
+    reply = await complete(request, service, generation)
     if reply is None:
         return no_reply()
     return Response(dumps({"model": service.name, "created_at": _now(),
@@ -330,8 +352,6 @@ async def _chat_lines(request: Request, service: Service, turn: ChatTurn,
 
 @router.post("/api/generate", tags=["ollama"])
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    service = service_of(request)
-    body.check(service)
     if body.images:
         raise RequestError("images are not supported", param="images")
     if body.template or body.suffix or body.context:
@@ -339,6 +359,11 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
                            param="template" if body.template else
                            "suffix" if body.suffix else "context")
     options = body.options or Options()
+    if not body.prompt and body.unloads(request):
+        return Response(_line({"model": body.model, "created_at": _now(), "response": "",
+                               "done_reason": "unload", "done": True}),
+                        media_type="application/json")
+    service = await body.service(request)
     if not body.prompt:  # Ollama's way to load a model
         return Response(_line({"model": service.name, "created_at": _now(), "response": "",
                                "done_reason": "load", "done": True}),
@@ -358,7 +383,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503
         return streamed(request, _generate_lines(request, service, turn, items),
                         "application/x-ndjson", _line_error)
-    reply = await complete(request, generation)
+    reply = await complete(request, service, generation)
     if reply is None:
         return no_reply()
     parsed = turn.parse(reply.text) if turn is not None else ParsedMessage(content=reply.text)

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from ..chat.formats import ParsedMessage
 from .chat import ChatTurn, arguments_json, call_id
-from .common import complete, dumps, no_reply, service_of, streamed
+from .common import complete, dumps, models_of, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 
 router = APIRouter()
@@ -156,29 +156,28 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-def _model_entry(service: Service) -> dict[str, Any]:
-    return {"id": service.name, "object": "model", "created": int(service.loaded_at),
-            "owned_by": "mlxrunner"}
+def _model_entry(request: Request, name: str) -> dict[str, Any]:
+    service = models_of(request).find(name)
+    created = int(service.loaded_at) if service is not None else 0
+    return {"id": name, "object": "model", "created": created, "owned_by": "mlxrunner"}
 
 
 @router.get("/v1/models", tags=["openai"])
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_entry(service_of(request))]}
+    return {"object": "list",
+            "data": [_model_entry(request, name) for name in models_of(request).names()]}
 
 
 @router.get("/v1/models/{model_id:path}", tags=["openai"])
 async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
-    service = service_of(request)
-    service.check_model(model_id)
-    return _model_entry(service)
+    return _model_entry(request, models_of(request).known(model_id))
 
 
 @router.post("/v1/chat/completions", tags=["openai"])
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    service = service_of(request)
-    service.check_model(body.model)
     body.check_supported()
     check_format(body.response_format)
+    service = await service_for(request, body.model)
     turn = ChatTurn(service, body.messages, tools_for(body.tools, body.tool_choice),
                     think_of(body.think, body.reasoning_effort))
     ids = service.encode(turn.prompt, rendered=True)
@@ -192,7 +191,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         return streamed(request, _chat_events(request, service, turn, items, request_id,
                                               body.include_usage()),
                         "text/event-stream", _sse_error)
-    reply = await complete(request, generation)
+    reply = await complete(request, service, generation)
     if reply is None:
         return no_reply()
     parsed = turn.parse(reply.text)
@@ -275,9 +274,8 @@ def _legacy_logprobs(service: Service, reply: Reply) -> dict[str, Any] | None:
 
 @router.post("/v1/completions", tags=["openai"])
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    service = service_of(request)
-    service.check_model(body.model)
     body.check_supported()
+    service = await service_for(request, body.model)
     if body.best_of is not None and body.best_of > 1:
         raise RequestError("best_of: only 1 is supported", param="best_of")
     if body.echo or body.suffix:
@@ -300,7 +298,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         return streamed(request, _completion_events(request, service, items, head,
                                                     body.include_usage()),
                         "text/event-stream", _sse_error)
-    reply = await complete(request, generation)
+    reply = await complete(request, service, generation)
     if reply is None:
         return no_reply()
     choice = {"index": 0, "text": reply.text, "finish_reason": _finish(reply, 0),

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..chat.formats import ParsedMessage
 from .chat import ChatTurn, arguments_json, call_id
-from .common import complete, dumps, no_reply, service_of, streamed
+from .common import complete, dumps, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 from .openai_api import think_of, tools_for
 
@@ -188,9 +188,8 @@ def _response(service: Service, body: ResponsesRequest, response_id: str, create
 
 @router.post("/v1/responses", tags=["openai"])
 async def responses(body: ResponsesRequest, request: Request) -> Response:
-    service = service_of(request)
-    service.check_model(body.model)
     _check(body)
+    service = await service_for(request, body.model)
     effort = (body.reasoning or {}).get("effort")
     turn = ChatTurn(service, _messages(body), _tools(body), think_of(None, effort))
     ids = service.encode(turn.prompt, rendered=True)
@@ -202,7 +201,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503
         return streamed(request, _events(request, service, body, turn, items, response_id,
                                          created), "text/event-stream", _event_error)
-    reply = await complete(request, generation)
+    reply = await complete(request, service, generation)
     if reply is None:
         return no_reply()
     return Response(dumps(_response(service, body, response_id, created,
