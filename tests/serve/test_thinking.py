@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from mlxrunner.chat.formats import get_renderer
+from mlxrunner.chat import get_renderer
 
 httpx = pytest.importorskip("httpx")
 

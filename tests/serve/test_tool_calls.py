@@ -16,7 +16,7 @@ import mlx.nn as nn
 import pytest
 
 from mlxrunner import KVCache, Model, settings
-from mlxrunner.chat.formats import get_renderer
+from mlxrunner.chat import get_renderer
 
 httpx = pytest.importorskip("httpx")
 
