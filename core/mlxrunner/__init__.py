@@ -121,6 +121,7 @@ if TYPE_CHECKING:  # pragma: no cover
         validate_conversation,
     )
     from .chat.parsing import MarkerScanner, ParseEvents, ReplyParser, TrimmedText  # noqa: F401
+    from .constants import arange_constant, constant  # noqa: F401
     from .decode.generation import generate  # noqa: F401
     from .decode.options import SamplerOptionError, SamplerOptions  # noqa: F401
     from .decode.plain import GenerationResult  # noqa: F401
@@ -145,9 +146,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .model.tokenizer import Tokenizer  # noqa: F401
     from .nn.attention import attend, prepare_attend  # noqa: F401
     from .nn.kernels import (  # noqa: F401
-        arange_constant,
         check_kernel,
-        constant,
         on_cuda,
         outputs_agree,
         project,

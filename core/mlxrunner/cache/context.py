@@ -49,14 +49,15 @@ class ContextCache:
         size = ((need + self.step - 1) // self.step) * self.step
         keys = mx.zeros((B, H, size, Dk), like_k.dtype)
         values = mx.zeros((B, like_v.shape[1], size, like_v.shape[3]), like_v.dtype)
-        if self.keys is not None and self.length:
+        if self.keys is not None and self.values is not None and self.length:
             keys[..., :self.length, :] = self.keys[..., :self.length, :]
             values[..., :self.length, :] = self.values[..., :self.length, :]
         self.keys, self.values = keys, values
 
     def make_room(self, m: int, like_k: mx.array, like_v: mx.array) -> None:
         """Before appending ``m`` rows: drop what no window can reach, reserve the rest."""
-        if self.window is not None and self.keys is not None and self.length + m > 2 * self.window:
+        if self.window is not None and self.keys is not None and self.values is not None and \
+                self.length + m > 2 * self.window:
             # Rows more than a window behind the newest can never be attended again;
             # dropping them once per window of appends keeps the copy amortised.
             keep = min(self.length, max(self.window - 1 - m, 0))
@@ -71,6 +72,7 @@ class ContextCache:
     def append(self, keys: mx.array, values: mx.array) -> None:
         m = keys.shape[2]
         self.make_room(m, keys, values)
+        assert self.keys is not None and self.values is not None  # reserved
         self.keys[..., self.length:self.length + m, :] = keys
         self.values[..., self.length:self.length + m, :] = values
         self.length += m
@@ -79,6 +81,7 @@ class ContextCache:
         """Context rows followed by the block's rows (the context does not advance)."""
         n = keys.shape[2]
         self.reserve(n, keys, values)
+        assert self.keys is not None and self.values is not None  # reserved
         self.keys[..., self.length:self.length + n, :] = keys
         self.values[..., self.length:self.length + n, :] = values
         end = self.length + n

@@ -32,8 +32,9 @@ class TraceFrame:
         self.start = offset.reshape(1)
         self.length = length
         self._masks: dict[Any, mx.array] = {}
+        self._mask_pairs: dict[Any, tuple[mx.array, mx.array]] = {}
         # id(keys) -> (keys, causal mask, all-valid mask): keys a stand-in handed out
-        self._handed: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
+        self._handed: dict[int, tuple[mx.array, mx.array | None, mx.array | None]] = {}
 
     # -- masks -------------------------------------------------------------------------
     def queries(self) -> mx.array:
@@ -46,14 +47,14 @@ class TraceFrame:
         """For a buffer whose slot ``j`` holds position ``j``: (causal ``[L, size]``,
         written ``[1, size]``)."""
         key = ("buffer", size)
-        if key not in self._masks:
+        if key not in self._mask_pairs:
             slots = arange_constant(size)
             causal = slots[None] <= self.queries()[:, None]
             written = slots[None] < self.offset + self.length
-            self._masks[key] = (causal, written)
-        return self._masks[key]
+            self._mask_pairs[key] = (causal, written)
+        return self._mask_pairs[key]
 
-    def ring_masks(self, window: int, full: bool) -> tuple[mx.array | None, mx.array]:
+    def ring_masks(self, window: int, full: bool) -> tuple[mx.array | None, mx.array | None]:
         """A one-token write into a ring of ``window`` slots, then attention over the ring
         as it stands: (mask or None once every slot is in the window, same)."""
         if self.length != 1:

@@ -27,7 +27,7 @@ class KVCache(Cache):
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
 
-    def mask(self, n: int) -> str | None:
+    def mask(self, n: int) -> mx.array | str | None:
         """The attention mask of ``n`` new queries over what ``update_and_fetch`` of ``n``
         tokens returns: None for one query, else "causal" (aligned to the last key)."""
         return None if n == 1 else "causal"
@@ -36,13 +36,13 @@ class KVCache(Cache):
         """Append ``L`` new positions; return all keys and values up to the new offset."""
         prev = self.offset
         n = keys.shape[2]
-        if self.keys is None or prev + n > self.keys.shape[2]:
+        if self.keys is None or self.values is None or prev + n > self.keys.shape[2]:
             B, H, _, Dk = keys.shape
             Dv = values.shape[3]
             grow = ((n + self.step - 1) // self.step) * self.step
             new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
             new_v = mx.zeros((B, values.shape[1], grow, Dv), values.dtype)
-            if self.keys is not None:
+            if self.keys is not None and self.values is not None:
                 self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
                 self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
             else:
@@ -60,7 +60,7 @@ class KVCache(Cache):
 
     @property
     def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
 
     # -- traced forwards ------------------------------------------------------------------
     def trace_key(self, length: int) -> Hashable | None:
@@ -69,6 +69,7 @@ class KVCache(Cache):
         return (self.keys.shape[0], self._traced_size(length))
 
     def _traced_size(self, length: int) -> int:
+        assert self.keys is not None  # trace_key saw it
         step = trace_capacity_step()
         size = self.keys.shape[2]
         if size >= self.offset + length and size % step == 0:
@@ -77,6 +78,7 @@ class KVCache(Cache):
 
     def trace_inputs(self, length: int) -> list[mx.array]:
         size = self._traced_size(length)
+        assert self.keys is not None and self.values is not None
         if size != self.keys.shape[2]:
             self._resize(size)
         arrays = [self.keys, self.values]
@@ -85,6 +87,7 @@ class KVCache(Cache):
         return arrays
 
     def _resize(self, size: int) -> None:
+        assert self.keys is not None and self.values is not None
         B, H, _, Dk = self.keys.shape
         keys = mx.zeros((B, H, size, Dk), self.keys.dtype)
         values = mx.zeros((B, self.values.shape[1], size, self.values.shape[3]),
@@ -110,6 +113,9 @@ class _TracedKVCache(KVCache):
     """A :class:`KVCache` inside a traced forward: writes go into the fixed-size buffers at
     the traced offset, reads return the whole buffers (see :class:`TraceFrame`)."""
 
+    keys: mx.array
+    values: mx.array
+
     def __init__(self, source: KVCache, frame: TraceFrame, arrays: Sequence[mx.array]) -> None:
         super().__init__()
         self.frame = frame
@@ -117,7 +123,7 @@ class _TracedKVCache(KVCache):
         self.scheduled = source.scheduled
         self.keys, self.values = arrays
 
-    def mask(self, n: int) -> mx.array:  # type: ignore[override]
+    def mask(self, n: int) -> mx.array:
         causal, _ = self.frame.buffer_masks(self.keys.shape[2])
         return causal
 

@@ -87,7 +87,7 @@ class RecurrentCache(Cache):
 
     @property
     def state(self) -> list[mx.array]:
-        if self.recurrent_state is None:
+        if self.conv_tail is None or self.recurrent_state is None:
             return []
         return [self.conv_tail, self.recurrent_state]
 
@@ -98,6 +98,7 @@ class RecurrentCache(Cache):
         return (self.recurrent_state.shape[0], tuple(self.snapshot_positions(length)))
 
     def trace_inputs(self, length: int) -> list[mx.array]:
+        assert self.conv_tail is not None and self.recurrent_state is not None  # trace_key saw them
         arrays = [self.conv_tail, self.recurrent_state]
         self.conv_tail = self.recurrent_state = None
         return arrays

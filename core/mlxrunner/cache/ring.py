@@ -69,7 +69,7 @@ class RingCache(Cache):
         n = keys.shape[2]
         start = self.offset
         self._captured = None  # a capture is only good for the write right after it
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             B, H, _, Dk = keys.shape
             self.keys = mx.zeros((B, H, self.window, Dk), keys.dtype)
             self.values = mx.zeros((B, values.shape[1], self.window, values.shape[3]),
@@ -95,6 +95,7 @@ class RingCache(Cache):
 
     def _in_time_order(self, start: int) -> tuple[mx.array, mx.array]:
         """The stored window, oldest position first."""
+        assert self.keys is not None and self.values is not None
         if start <= self.window:
             return self.keys[..., :start, :], self.values[..., :start, :]
         cut = start % self.window
@@ -138,6 +139,8 @@ class RingCache(Cache):
         window before the write.
         """
         if written is not None:
+            # a capture keeps the window held until now
+            assert self.keys is not None and self.values is not None
             self._captured = (self.keys, self.values, self.offset, *written)
         else:
             self._captured = None
@@ -173,7 +176,7 @@ class RingCache(Cache):
 
     @property
     def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
 
     # -- traced forwards ------------------------------------------------------------------
     def trace_key(self, length: int) -> Hashable | None:
@@ -185,6 +188,7 @@ class RingCache(Cache):
         return (self.keys.shape[0], self.window, length, self.needs_capture(length))
 
     def trace_inputs(self, length: int) -> list[mx.array]:
+        assert self.keys is not None and self.values is not None  # trace_key saw them
         arrays = [self.keys, self.values]
         if not (length > 1 and self.needs_capture(length)):
             # let go, so that the traced write may reuse the buffers (a ring that
@@ -212,6 +216,9 @@ class _TracedRingCache(RingCache):
     written into its slot and attends over the ring as it stands; a block attends over the
     ring before its write followed by itself, then is stored at its slots."""
 
+    keys: mx.array
+    values: mx.array
+
     def __init__(self, source: RingCache, frame: TraceFrame, arrays: Sequence[mx.array],
                  full: bool, capture: bool) -> None:
         super().__init__(source.window)
@@ -223,7 +230,7 @@ class _TracedRingCache(RingCache):
         self.capture = capture
         self.written: list[mx.array] = []
 
-    def mask(self, n: int) -> mx.array | None:  # type: ignore[override]
+    def mask(self, n: int) -> mx.array | None:
         if n == 1:
             return self.frame.ring_masks(self.window, self.full)[0]
         return self.frame.block_ring_mask(self.window)

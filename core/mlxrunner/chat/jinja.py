@@ -123,8 +123,9 @@ class JinjaRenderer:
                  template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.source = chat_template
         self.template = compile_template(chat_template)
-        variables = {key: value for key, value in (special_tokens or {}).items()
-                     if isinstance(key, str) and isinstance(value, (str, list))}
+        variables: dict[str, Any] = {
+            key: value for key, value in (special_tokens or {}).items()
+            if isinstance(key, str) and isinstance(value, (str, list))}
         variables.update(template_kwargs or {})
         self.variables = variables
 

@@ -61,7 +61,8 @@ class ParseEvents:
         if last is not None and last.kind == kind:
             setattr(last, kind, getattr(last, kind) + text)
         else:
-            self.items.append(ParsedMessage(**{kind: text}))
+            self.items.append(ParsedMessage(content=text) if kind == "content"
+                              else ParsedMessage(thinking=text))
 
     def tool_call(self, call: ToolCall) -> None:
         self.items.append(ParsedMessage(tool_calls=[call]))
@@ -95,7 +96,8 @@ class MarkerScanner:
         best, found = -1, None
         for marker in markers:
             pos = self.buffer.find(marker, start)
-            if pos >= 0 and (best < 0 or pos < best or (pos == best and len(marker) > len(found))):
+            if pos >= 0 and (found is None or pos < best
+                             or (pos == best and len(marker) > len(found))):
                 best, found = pos, marker
         return best, found
 

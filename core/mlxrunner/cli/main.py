@@ -484,10 +484,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
     def add_json(p: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print JSON")
 
+    def lister(kind: str) -> Callable[[argparse.Namespace], int]:
+        return lambda a: _list_kind(kind, a.json)
+
     simple("plugins", "list loaded plugins (JSON)", cmd_plugins)
     for kind in ("architectures", "renderers", "parsers", "drafts", "models"):
-        simple(kind, f"list installed {kind} and the plugin behind each",
-               lambda a, kind=kind: _list_kind(kind, a.json), add_json)
+        simple(kind, f"list installed {kind} and the plugin behind each", lister(kind),
+               add_json)
 
     def add_show(p: argparse.ArgumentParser) -> None:
         p.add_argument("model")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -74,13 +74,14 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
     logits = None
     total = ids.shape[1]
     for start in range(0, total, chunk):
-        out = model(ids[:, start:start + chunk], cache, taps=taps) if taps else \
-            model(ids[:, start:start + chunk], cache)
+        chunk_ids = ids[:, start:start + chunk]
         extra: Sequence[mx.array] = ()
         if taps:
-            out, tapped = out
+            out, tapped = cast("tuple[mx.array, mx.array]", model(chunk_ids, cache, taps=taps))
             tapped_parts.append(tapped)
             extra = on_taps(tapped) if on_taps is not None else (tapped,)
+        else:
+            out = cast(mx.array, model(chunk_ids, cache))
         # Only the last chunk's logits are wanted: earlier chunks evaluate the caches alone,
         # so their vocabulary head (the widest matmul) is never computed.
         wanted = []
@@ -134,7 +135,7 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
             more = n + 1 < max_tokens
             following = step(token.reshape(1, 1).astype(mx.int32)) if pipelined and more \
                 else None
-            value = int(token.item())
+            value = int(token)
             if n == 0:
                 stats.prefill_seconds = time.perf_counter() - t0
                 t_decode = time.perf_counter()
@@ -147,6 +148,7 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
             yield value, _logprob_dict(info)
             if not more:
                 break
+            assert following is not None  # stepped above when more
             token, info = following
     finally:  # also when the consumer stops early
         stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)

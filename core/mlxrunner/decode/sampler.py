@@ -91,7 +91,8 @@ class Sampler:
 
     # ---- the pipeline ------------------------------------------------------
 
-    def _penalised(self, logits: mx.array, histories: Sequence[Sequence[int]]) -> mx.array:
+    def _penalised(self, logits: mx.array,
+                   histories: Sequence[Sequence[int] | mx.array]) -> mx.array:
         o = self.options
         if o.repeat_last_n == 0 or (
             o.repeat_penalty == 1.0 and o.presence_penalty == 0.0 and o.frequency_penalty == 0.0
@@ -184,10 +185,11 @@ class Sampler:
         # float type); only the k kept values are converted to float32.
         x = self._penalised(logits, histories)
         rows, vocab = x.shape
+        ids: mx.array | None
         if self.greedy:
             ids = topk_indices(x, 1)
             return Distribution(mx.ones((rows, 1), dtype=mx.float32), ids)
-        ids: mx.array | None = None
+        ids = None
         if 0 < o.top_k < vocab:
             ids = topk_indices(x, o.top_k)
         elif o.top_p < 1.0:

@@ -22,9 +22,9 @@ taps and restorable caches gets speculative decoding.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
@@ -309,7 +309,7 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
     if drafts is not None and penalties_active(options):
         # p_i's penalties see d[:i]: the drafts must reach the host first (an extra
         # sync only when penalties are on; the verify forward is already queued).
-        draft_list = [int(t) for t in drafts.tolist()]
+        draft_list = [int(t) for t in cast("list[int]", drafts.tolist())]
         keep = options.repeat_last_n
         base = list(history) if keep < 0 else list(history[-keep:]) if keep else []
         histories = [base + draft_list[:i] for i in range(n + 1)]
@@ -322,7 +322,8 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
     # the round's one host sync: everything the host needs in one array, read once (each
     # read of a device array is a synchronisation, which costs a small model a decode step)
     parts = [decision.accepted.reshape(1), decision.fix_tokens]
-    values = mx.concatenate(parts + ([drafts] if drafts is not None else [])).tolist()
+    values = cast("list[int]",
+                  mx.concatenate(parts + ([drafts] if drafts is not None else [])).tolist())
     accepted = int(values[0])
     fix = int(values[1 + accepted])
     draft_list = [int(t) for t in values[2 + n:]] if drafts is not None else []
@@ -348,7 +349,8 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
                        sampler: Sampler, max_tokens: int = 256,
                        eos_ids: frozenset[int] | set[int] = frozenset(),
                        depth: int | None = None, stats: SpeculativeStats | None = None,
-                       controller: DepthController | None = None) -> Iterator[list[int]]:
+                       controller: DepthController | None = None
+                       ) -> Generator[list[int], None, None]:
     """Yield the tokens each step commits: the first token, then each round's.
 
     Stops after an EOS token or ``max_tokens`` tokens. ``depth`` fixes the
@@ -378,7 +380,7 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
 
     t0 = time.perf_counter()
     logits = _prefill(model, prompt, caches, session, taps)
-    first = int(sampler.sample(logits, history).item())
+    first = int(sampler.sample(logits, history))
     stats.prompt_tokens = len(prompt)
     stats.target_forwards += 1
     stats.prefill_seconds = time.perf_counter() - t0

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import contextmanager
 from copy import copy
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -67,7 +67,8 @@ def weights_fingerprint(model: Any) -> tuple[int, ...]:
     read, so other arrays (new weights) need new traces."""
     from mlx.utils import tree_flatten
 
-    return tuple(id(v) for _, v in tree_flatten(model.parameters()))
+    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    return tuple(id(v) for _, v in flat)
 
 
 class _Traced:
@@ -134,6 +135,7 @@ class CompiledSteps:
                           f"{str(exc).splitlines()[0] if str(exc) else '?'})")
             return None
         traced.calls += 1
+        assert traced.records is not None and traced.counts is not None  # set while tracing
         logits, tapped, rest = out[0], (out[1] if taps is not None else None), \
             out[1 + (taps is not None):]
         at = 0

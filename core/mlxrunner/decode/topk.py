@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import warnings
 from functools import lru_cache
+from typing import Any
 
 import mlx.core as mx
 
@@ -216,7 +217,7 @@ _CUDA_CHUNK_TOPK = r"""
       dst[i] = keys[i];
     }
 """
-_cuda_kernel = None
+_cuda_kernel: Any = None  # mx.fast.cuda_kernel's kernel, made on first use
 _KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _MAX_GRID_ROWS = 65535  # gridDim.y limit
 _kernel_failed: str | None = None  # why the kernel is off (after one warning)

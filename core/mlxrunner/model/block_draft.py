@@ -65,13 +65,16 @@ class BlockDraft(DraftModel):
             graph = self._graphs[key] = mx.compile(build())
         return graph
 
-    def update(self, parameters: dict, strict: bool = True) -> BlockDraft:
+    # (mlx's Module is a dict whose update takes other arguments: hence the ignore)
+    def update(self, parameters: dict, strict: bool = True) -> BlockDraft:  # type: ignore[override]
         self._graphs.clear()  # traced graphs hold the old weights
-        return super().update(parameters, strict=strict)
+        super().update(parameters, strict=strict)
+        return self
 
     def update_modules(self, modules: dict, strict: bool = True) -> BlockDraft:
         self._graphs.clear()
-        return super().update_modules(modules, strict=strict)
+        super().update_modules(modules, strict=strict)
+        return self
 
     def _windows(self) -> list[int | None]:
         return [layer.self_attn.window for layer in self.layers]
@@ -81,7 +84,7 @@ class BlockDraft(DraftModel):
 
         def graph(anchor: mx.array, pos: mx.array, state: list[mx.array]) -> list[mx.array]:
             masks: dict[Any, mx.array] = {}
-            stores = [TracedContext(*state[4 * i:4 * i + 4], window, masks)
+            stores = [_traced_context(state, i, window, masks)
                       for i, window in enumerate(windows)]
             hidden = self.block_rows(anchor, pos, n, stores)
             rows = self.greedy_tokens(hidden, anchor) if greedy else hidden
@@ -94,9 +97,9 @@ class BlockDraft(DraftModel):
 
         def graph(tapped: mx.array, state: list[mx.array]) -> list[mx.array]:
             ctx = self.context(tapped)
-            out = []
+            out: list[mx.array] = []
             for i, (layer, window) in enumerate(zip(self.layers, windows)):
-                store = TracedContext(*state[4 * i:4 * i + 4], window)
+                store = _traced_context(state, i, window)
                 k, v = layer.self_attn.context_kv(ctx, store.start + store.length)
                 out += store.with_block(k, v)
             return out
@@ -105,6 +108,13 @@ class BlockDraft(DraftModel):
 
     def new_session(self, sampler: Any) -> BlockDraftSession:
         return BlockDraftSession(self, sampler)
+
+
+def _traced_context(state: list[mx.array], i: int, window: int | None,
+                    masks: dict[Any, mx.array] | None = None) -> TracedContext:
+    """Store ``i`` of a traced graph's state (each store's keys, values, length, start)."""
+    keys, values, length, start = state[4 * i:4 * i + 4]
+    return TracedContext(keys, values, length, start, window, masks)
 
 
 class BlockDraftSession(DraftSession):
@@ -161,6 +171,7 @@ class BlockDraftSession(DraftSession):
                 store.make_room(rows, like, like)
             else:
                 store.reserve(rows, like, like)
+            assert store.keys is not None and store.values is not None  # room made
             state += [store.keys, store.values, mx.array(store.length, dtype=mx.int32),
                       mx.array(store.start, dtype=mx.int32)]
             store.keys = store.values = None

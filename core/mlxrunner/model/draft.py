@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,6 +38,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 BUNDLE_PREFIX = "draft."
 """Tensor-name prefix of a draft stored beside its target in one bundle."""
+
+DraftT = TypeVar("DraftT", bound="DraftModel")
 
 
 @dataclass
@@ -376,8 +378,8 @@ def load_draft(path: str | Path, target: Model, *, bundle: bool = False,
     return draft
 
 
-def build_draft(cls: type[DraftModel], config: Mapping[str, Any], target: Model,
-                tensor_names: Iterable[str] = ()) -> DraftModel:
+def build_draft(cls: type[DraftT], config: Mapping[str, Any], target: Model,
+                tensor_names: Iterable[str] = ()) -> DraftT:
     """Construct and validate a draft (random weights until loaded)."""
     config = cls.config_for_checkpoint(dict(config), tensor_names)
     try:

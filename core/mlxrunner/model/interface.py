@@ -9,7 +9,7 @@ tensors, loads them strictly, and then only ever calls the members below.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,13 +35,16 @@ class Model(nn.Module):
     # -- weights ------------------------------------------------------------
     # The core traces this model's decode steps (mlxrunner.decode.step); a trace holds the
     # weight arrays it read, so new weights drop the traces.
-    def update(self, parameters: dict, strict: bool = True) -> Model:
+    # (mlx's Module is a dict whose update takes other arguments: hence the ignore)
+    def update(self, parameters: dict, strict: bool = True) -> Model:  # type: ignore[override]
         self.__dict__.pop("_mlxrunner_steps", None)
-        return super().update(parameters, strict=strict)
+        super().update(parameters, strict=strict)
+        return self
 
     def update_modules(self, modules: dict, strict: bool = True) -> Model:
         self.__dict__.pop("_mlxrunner_steps", None)
-        return super().update_modules(modules, strict=strict)
+        super().update_modules(modules, strict=strict)
+        return self
 
     # -- loading -----------------------------------------------------------
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -101,7 +104,8 @@ class Model(nn.Module):
 
 def compute_dtype_of(module: nn.Module) -> mx.Dtype:
     """The dtype of a module's first floating-point parameter (float32 when it has none)."""
-    for _, value in nn.utils.tree_flatten(module.parameters()):
+    flat = cast("list[tuple[str, mx.array]]", nn.utils.tree_flatten(module.parameters()))
+    for _, value in flat:
         if mx.issubdtype(value.dtype, mx.floating):
             return value.dtype
     return mx.float32

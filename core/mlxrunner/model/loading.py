@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -107,7 +107,8 @@ def read_weights(files: list[Path]) -> dict[str, mx.array]:
     for f in files:
         check_safetensors(f)
         try:
-            weights.update(mx.load(str(f)))
+            # a safetensors file loads as a dict of arrays
+            weights.update(cast("dict[str, mx.array]", mx.load(str(f))))
         except Exception as exc:  # MLX reports corrupt files with assorted errors
             raise ModelFolderError(f"{f}: cannot load safetensors ({exc})") from None
     return weights

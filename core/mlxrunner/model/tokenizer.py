@@ -192,7 +192,7 @@ class Tokenizer:
                     f"{source}: added_tokens_decoder key {key!r} is not a token id"
                 ) from None
             actual = backend.token_to_id(content) if content is not None else None
-            if actual is None:
+            if content is None or actual is None:
                 warnings.warn(
                     f"{source}: added token {content!r} (id {declared}) is not in "
                     "tokenizer.json; ignored",
@@ -408,8 +408,10 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() needs a str, got {type(text).__name__}")
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self._add_bos and (not ids or ids[0] != self.bos_id):
-            ids.insert(0, self.bos_id)
+        bos_id = self.bos_id
+        if add_special_tokens and self._add_bos and (not ids or ids[0] != bos_id):
+            assert bos_id is not None  # add_bos_token without a bos_token fails on load
+            ids.insert(0, bos_id)
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:

@@ -23,12 +23,11 @@ its cache, whatever the cache kind, and inside a traced forward too.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import mlx.core as mx
 
 from .. import settings
-from ..cache import Cache
 from ..constants import arange_constant, constant
 from .kernels import on_cuda, serves
 
@@ -53,7 +52,17 @@ class KV(NamedTuple):
     mask: mx.array | str | None
 
 
-def store(cache: Cache | None, keys: mx.array, values: mx.array,
+class AttentionCache(Protocol):
+    """What :func:`store` needs of a cache: a :class:`KVCache` or a :class:`RingCache` (or
+    their stand-ins in a traced forward)."""
+
+    def mask(self, n: int) -> mx.array | str | None: ...
+
+    def update_and_fetch(self, keys: mx.array,
+                         values: mx.array) -> tuple[mx.array, mx.array]: ...
+
+
+def store(cache: AttentionCache | None, keys: mx.array, values: mx.array,
           window: int | None = None) -> KV:
     """File new keys and values ``[B, Hk, L, D]`` in ``cache`` (a KV cache or a ring) and
     return all its keys and values with the causal mask of the ``L`` new queries over
@@ -115,7 +124,7 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
     ``mx.fast.scaled_dot_product_attention`` with the same arguments; ``[B, Hq, L, Dv]``.
     ``attend(q, *store(cache, k, v), scale=...)`` attends over a layer's cache."""
     chosen = mode()
-    if chosen != "mlx" and _short_block_on_cuda(q, keys, mask):
+    if chosen != "mlx" and not isinstance(mask, str) and _short_block_on_cuda(q, keys, mask):
         if chosen == "kernel" and _kernel_serves(q, keys, values, mask):
             return _launch(q, keys, values, scale, mask)
         return folded_attention(q, keys, values, scale=scale, mask=mask)
@@ -378,7 +387,7 @@ def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
                                                                               mask)
     scale = head_dim ** -0.5
 
-    def probe() -> tuple[mx.array, ...]:
+    def probe() -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
         S = 67  # not a multiple of the warps: some take one key fewer
         parts = mx.random.split(mx.random.key(2024), 4)
         pq = mx.random.normal((1, heads, length, head_dim), key=parts[0]).astype(dtype)
@@ -389,7 +398,7 @@ def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
         return pq, pk, pv, (None, keep[0], keep)[kind]
 
     return serves("attention", _case(q, keys, values, mask),
-                  lambda p: _launch(*p[:3], scale, p[3], splits=3 if split else 1),
+                  lambda p: _launch(p[0], p[1], p[2], scale, p[3], splits=3 if split else 1),
                   lambda p: folded_attention(*p[:3], scale=scale, mask=p[3]), probe,
                   2e-3 if dtype == mx.float32 else 5e-2, against="MLX's operations")
 

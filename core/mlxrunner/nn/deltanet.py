@@ -183,13 +183,15 @@ def _conv_taps(window: mx.array, L: int) -> list[mx.array]:
     ``[B, K - 1 + L, C]`` (one split for a single token)."""
     K = window.shape[1] - L + 1
     if L == 1:
-        return mx.split(window, K, axis=1)
+        # (mx.split's stub says it returns an array: it returns a list)
+        return mx.split(window, K, axis=1)  # type: ignore[return-value]
     return [window[:, i:i + L] for i in range(K)]
 
 
 def _conv_columns(conv_weight: mx.array) -> list[mx.array]:
     """The K weight columns ``[1, 1, C]`` of the depthwise weight ``[C, K, 1]``."""
-    return mx.split(conv_weight.T, conv_weight.shape[1], axis=1)
+    # (mx.split's stub says it returns an array: it returns a list)
+    return mx.split(conv_weight.T, conv_weight.shape[1], axis=1)  # type: ignore[return-value]
 
 
 @partial(mx.compile, shapeless=True)
@@ -201,6 +203,7 @@ def _conv_silu(*taps_and_weights: mx.array) -> mx.array:
     for x, w in zip(taps_and_weights[:half], taps_and_weights[half:]):
         term = x.astype(mx.float32) * w.astype(mx.float32)
         acc = term if acc is None else acc + term
+    assert acc is not None  # K >= 1 taps
     return nn.silu(acc.astype(taps_and_weights[0].dtype))
 
 
@@ -338,7 +341,8 @@ class GatedDeltaNet(nn.Module):
         B, L, _ = x.shape
         joined, (qkv, z, b, a) = joined_linears(
             x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        if cache is not None and cache.recurrent_state is not None:
+        if cache is not None and cache.conv_tail is not None and \
+                cache.recurrent_state is not None:
             conv_tail, state = cache.conv_tail, cache.recurrent_state
         else:
             conv_tail = mx.zeros((B, self.kernel - 1, self.channels), dtype=qkv.dtype)

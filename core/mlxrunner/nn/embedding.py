@@ -25,8 +25,11 @@ class Embedding(nn.Embedding):
         return apply_linear(self, x)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None,
-                     mode: str = "affine", **_: object) -> nn.Module:
-        quantized = QuantizedEmbedding.from_embedding(self, group_size, bits, mode=mode)
+                     mode: str = "affine", quantize_input: bool = False,
+                     **_: object) -> nn.Module:
+        # mlx annotates from_embedding's group_size and bits `int = None`
+        quantized = QuantizedEmbedding.from_embedding(
+            self, group_size, bits, mode=mode)  # type: ignore[arg-type]
         quantized.scale = self.scale
         return quantized
 

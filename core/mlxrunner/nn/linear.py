@@ -59,8 +59,11 @@ class Linear(nn.Linear):
         return apply_linear(self, x, residual)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None,
-                     mode: str = "affine", **_: Any) -> QuantizedLinear:
-        return QuantizedLinear.from_linear(self, group_size, bits, mode=mode)
+                     mode: str = "affine", quantize_input: bool = False,
+                     **_: Any) -> QuantizedLinear:
+        # mlx annotates from_linear's group_size and bits `int = None`
+        return QuantizedLinear.from_linear(self, group_size, bits,  # type: ignore[arg-type]
+                                           mode=mode)
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -102,6 +105,7 @@ class _Pack:
             start += rows
         # (the layer's own initial arrays are lazy and never evaluated: they cost nothing)
         out_dims = joined["weight"].shape[0]
+        module: nn.Module
         if _is_quantized(first):
             in_dims = first["weight"].shape[1] * 32 // first.bits
             module = nn.QuantizedLinear(in_dims, out_dims, bias="bias" in joined,
@@ -123,13 +127,15 @@ class _Pack:
         if self.joined is None:
             return None, [apply_linear(layer, x) for layer in self.layers]
         y = apply_linear(self.joined, x)
-        return y, (mx.split(y, self.cuts, axis=-1) if self.cuts else [y])
+        # (mx.split's stub says it returns an array: it returns a list)
+        return y, (mx.split(y, self.cuts, axis=-1)  # type: ignore[return-value]
+                   if self.cuts else [y])
 
 
 def _pack_kind(layers: tuple[nn.Module, ...]) -> tuple[Any, ...] | None:
     """What must agree for layers to share a product: float or the same quantization, and
     the same parameters (bias or none); None where they cannot."""
-    kinds = set()
+    kinds: set[tuple[Any, ...]] = set()
     for layer in layers:
         if _is_quantized(layer):
             kinds.add(("q", layer.group_size, layer.bits, layer.mode,

@@ -153,7 +153,7 @@ def yarn_periods(dims: int, theta: float, factor: float, original: int, beta_fas
         return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+    high: float = min(math.ceil(correction_dim(beta_slow)), dims - 1)
     if low == high:
         high += 0.001
     ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)

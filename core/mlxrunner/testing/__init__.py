@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -220,7 +220,7 @@ def _tap_slice(tapped: mx.array, index: int, hidden: int) -> mx.array:
 def _perturbed(layer: nn.Module, seed: int):
     """Add noise to a layer's float parameters for the duration of the block."""
     original = layer.parameters()
-    flat = tree_flatten(original)
+    flat = cast("list[tuple[str, mx.array]]", tree_flatten(original))
     keys = mx.random.split(mx.random.key(seed), max(len(flat), 1))
     noisy = []
     for (name, value), key in zip(flat, keys):
@@ -239,7 +239,7 @@ def _perturbed(layer: nn.Module, seed: int):
 def _check_tap_layer_index(model: Model, ids: mx.array, taps: Sequence[int],
                            atol: float) -> None:
     """Tap ``t`` must move when layer ``t`` changes and stay put when layer ``t + 1`` does."""
-    layers = model.layers  # type: ignore[attr-defined]
+    layers = model.layers
     hidden = model.hidden_size
     for t in taps:
         _, base = _tapped(model, ids, [t])

@@ -147,7 +147,7 @@ def emulate_kernel(source: str, inputs: Mapping[str, np.ndarray],
                                      f"{result.stderr[-3000:]}")
             lib = _built[digest] = ctypes.CDLL(str(folder / "kernel.so"))
     pointers = (ctypes.c_void_p * len(names))(
-        *[(arrays.get(n) if n in arrays else results[n]).ctypes.data for n in names])
+        *[(arrays[n] if n in arrays else results[n]).ctypes.data for n in names])
     bx, by = (blocks, 1) if isinstance(blocks, int) else blocks
     lib.run(bx, by, threads, pointers)
     return results

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -213,7 +213,7 @@ def randomize(module: nn.Module, seed: int = 0) -> None:
     """Deterministic random weights: norms near 1, matrices ~ N(0, 1/fan_in)."""
     rng = np.random.default_rng(seed)
     new = []
-    for name, value in tree_flatten(module.parameters()):
+    for name, value in cast("list[tuple[str, mx.array]]", tree_flatten(module.parameters())):
         shape = tuple(value.shape)
         if name.endswith("norm.weight") or ".aux_hidden_norms." in f".{name}":
             arr = 1.0 + 0.1 * rng.standard_normal(shape)
@@ -342,7 +342,7 @@ def exact_joint(model: Model, prompt: Sequence[int], options: SamplerOptions,
     for _ in range(length):
         ids = np.concatenate([np.tile(np.asarray(prompt, np.int32), (len(prefixes), 1)),
                               prefixes], axis=1)
-        logits = model(mx.array(ids))
+        logits = cast(mx.array, model(mx.array(ids)))
         last = logits[:, -1, :].astype(mx.float32)
         histories = [list(prompt) + row.tolist() for row in prefixes]
         probs = np.array(sampler.distributions(last, histories).dense(vocab), dtype=np.float64)
@@ -449,9 +449,9 @@ def check_speculative_sampled(model: Model, draft: DraftModel, options: SamplerO
         results[f"token {i + 1}"] = chi_square(counts, marginal)[2]
     for i in range(length - 1):
         pair = joint.sum(axis=tuple(a for a in range(length) if a not in (i, i + 1)))
-        counts = np.zeros((vocab, vocab))
-        np.add.at(counts, (samples[:, i], samples[:, i + 1]), 1)
-        results[f"tokens {i + 1},{i + 2}"] = chi_square(counts, pair)[2]
+        pair_counts = np.zeros((vocab, vocab))
+        np.add.at(pair_counts, (samples[:, i], samples[:, i + 1]), 1)
+        results[f"tokens {i + 1},{i + 2}"] = chi_square(pair_counts, pair)[2]
     results["acceptance_rate"] = accepted / drafted if drafted else 0.0
     failed = {k: v for k, v in results.items() if k != "acceptance_rate" and v < alpha}
     if failed:
@@ -518,7 +518,7 @@ class ToyTarget(Model):
         ids = ids.astype(mx.int32)
         B, L = ids.shape
         if cache is not None and cache[0] is not None:
-            history = cache[0].extend(ids)  # type: ignore[union-attr]
+            history = cast(TokenHistoryCache, cache[0]).extend(ids)  # from make_cache
         else:
             history = ids
         start = history.shape[1] - L
