@@ -57,6 +57,9 @@ case "${1:-}" in
     if [ "${PROBES:-1}" = 1 ]; then
       echo "== attention paths"
       timeout 60 python3 bench/sdpa_paths.py 2>&1 | tee "$out/sdpa_paths-gpu.txt" | tail -12
+      echo "== projection times"
+      timeout 60 python3 bench/projection_times.py --json "$out/projections-gpu.json" 2>&1 |
+        tail -9
       echo "== op costs"
       timeout 60 python3 bench/op_costs.py --json "$out/op_costs-gpu.json" 2>&1 |
         tee "$out/op_costs-gpu.txt" | tail -16
@@ -68,6 +71,7 @@ case "${1:-}" in
         case $one in
           qwen3_5) extra="--switched attention=folded --switched kernels=attention" ;;
           gemma4) extra="--switched attention=folded --no-eager" ;;
+          none) continue ;;  # (a call of the probes, start-up or parity only)
           llama) extra="" ;;
           llama-narrow) one=llama; extra="--narrow --no-plain" ;;
           qwen3_5-8k) one=qwen3_5; extra="--prompt 8192 --new 64 --repeats 2 --prefill-chunk 2048 --verify-block 0" ;;
@@ -88,11 +92,12 @@ case "${1:-}" in
     fi
     if [ "${STARTUP:-0}" = 1 ]; then
       echo "== start-up"
-      timeout 240 python3 bench/startup.py --profile 30 --json "$out/startup-gpu.json" 2>&1 | tail -40
+      timeout 240 python3 bench/startup.py --profile 30 --json "$out/startup-gpu.json" 2>&1 | tail -60
     fi
     if [ "${PARITY:-0}" = 1 ]; then
       echo "== float32 GPU vs CPU"
-      timeout "${PARITY_TIMEOUT:-240}" python3 bench/gpu_cpu_parity.py --json "$out/parity-gpu.json" 2>&1 |
+      timeout "${PARITY_TIMEOUT:-240}" python3 bench/gpu_cpu_parity.py ${PARITY_NAMES:+--names $PARITY_NAMES} \
+        --json "$out/parity-gpu.json" 2>&1 |
         tee "$out/parity-gpu.txt" | tail -20
     fi
     if [ -d /tmp/demo/draft ]; then

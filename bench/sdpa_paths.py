@@ -25,7 +25,7 @@ def main() -> None:
     print(f"sdpa paths: device {mx.default_device()}, mlx {mx.__version__}; 8 query heads, "
           "1 key/value head, 1024 keys, bfloat16", flush=True)
     keys_n = 1024
-    for dim in (256, 512):
+    for dim in (64, 256, 512):
         for queries in (1, 8):
             q = mx.random.normal((1, 8, queries, dim)).astype(mx.bfloat16)
             k = mx.random.normal((1, 1, keys_n, dim)).astype(mx.bfloat16)
