@@ -109,3 +109,26 @@ def test_matches_mlx_lm(name, tmp_path, fixture_model, reference):
     b = [theirs(ids[:, :30], cache=their_cache)] + [theirs(ids[:, t:t + 1], cache=their_cache)
                                                     for t in range(30, 40)]
     assert float(mx.abs(mx.concatenate(a, axis=1) - mx.concatenate(b, axis=1)).max()) < TOLERANCE
+
+
+def test_bfloat16_folder_computed_in_float32_matches_transformers(tmp_path, load_folder):
+    """A bf16 checkpoint run in float32: the zero-centred norms' ``1 + w`` is formed in
+    float32 from the bf16 ``w`` (as transformers does), not rounded to bf16 first."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    name = "tiny_hk2_hv4_tied"
+    folder = tmp_path / name
+    torch_model = make_fixtures().build_model(name)
+    with torch.no_grad():  # norm weights far from zero, where 1 + w in bf16 would round
+        for param_name, param in torch_model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.uniform_(-0.7, 0.7)
+    torch_model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    theirs_model = torch_model.float()  # the same bf16 values, computed in float32
+    ids = np.arange(1, 41, dtype=np.int64)[None] % theirs_model.config.vocab_size
+    with torch.no_grad():
+        theirs = theirs_model(input_ids=torch.from_numpy(ids), use_cache=False).logits[0]
+    ours = load_folder(folder, mx.float32)(mx.array(ids.astype(np.int32)))
+    assert ours.dtype == mx.float32
+    diff = np.abs(np.array(ours[0]) - theirs.numpy()).max()
+    assert diff < TOLERANCE, diff
