@@ -307,3 +307,17 @@ def test_an_idle_connection_is_closed_by_the_server(demo_service: Any) -> None:
         assert received.startswith(b"HTTP/1.1 200") and received.endswith(b'{"status":"ok"}')
     finally:
         listener.stop()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"input": "x", "text": {"format": 1.5}}),
+    ("/v1/responses", {"input": [{"type": "reasoning", "content": 3}]}),
+    ("/api/chat", {"model": "demo", "messages": [{"role": "user", "content": "x",
+                                                  "images": 5}]}),
+    ("/v1/messages", {"model": "demo", "max_tokens": 2, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": 5, "name": 7,
+                                           "input": 3}]}]}),
+])
+def test_odd_shapes_found_by_fuzzing_are_400s(served: Any, path: str, body: dict) -> None:
+    reply = httpx.post(served.url + path, json=body, timeout=60)
+    assert reply.status_code == 400, reply.text

@@ -26,7 +26,7 @@ def test_generated_requests_get_no_server_error_and_json_errors(serve_with: Any,
 
     for operation in operations:
         @hypothesis.given(case=operation.as_strategy())
-        @hypothesis.settings(max_examples=25, deadline=None, database=None,
+        @hypothesis.settings(max_examples=25, deadline=None, database=None, derandomize=True,
                              suppress_health_check=list(hypothesis.HealthCheck))
         def call(case: Any) -> None:
             reply = case.call(base_url=server.url, timeout=60)

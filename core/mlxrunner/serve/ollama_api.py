@@ -178,6 +178,9 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "tool_name" in message:
             message["name"] = message.pop("tool_name")
         images = message.pop("images", None)
+        if images is not None and not isinstance(images, list):
+            raise RequestError("messages: images must be a list of base64 strings",
+                               param="messages")
         if images:
             text = message.get("content") or ""
             message["content"] = [*({"type": "image"} for _ in images),

@@ -93,6 +93,9 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             out.append(message)
         elif kind == "reasoning":
             texts = item.get("content") or item.get("summary") or []
+            if not isinstance(texts, list):
+                raise RequestError(f"{where}: a reasoning item's content must be a list",
+                                   param="input")
             reasoning += "".join(str(t.get("text", "")) for t in texts if isinstance(t, dict))
         elif kind == "function_call":
             message = assistant()
@@ -130,8 +133,9 @@ def _check(body: ResponsesRequest) -> None:
                            "whole conversation in input", param="previous_response_id")
     if body.background:
         raise RequestError("background responses are not supported", param="background")
-    kind = ((body.text or {}).get("format") or {}).get("type", "text")
-    if kind != "text":
+    form = (body.text or {}).get("format")
+    kind = form.get("type", "text") if isinstance(form, dict) else form
+    if kind not in (None, "text"):
         raise RequestError(f"text.format {kind!r} is not supported (only 'text')",
                            param="text")
 
