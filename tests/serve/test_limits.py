@@ -321,3 +321,35 @@ def test_an_idle_connection_is_closed_by_the_server(demo_service: Any) -> None:
 def test_odd_shapes_found_by_fuzzing_are_400s(served: Any, path: str, body: dict) -> None:
     reply = httpx.post(served.url + path, json=body, timeout=60)
     assert reply.status_code == 400, reply.text
+
+
+def test_a_body_is_never_read_as_the_next_request(served: Any) -> None:
+    """A POST to an unknown route, its body an HTTP request, on a keep-alive connection: the
+    next answer is the next real request's, and the body gets none."""
+    smuggled = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    answer = raw_exchange(served.url,
+                          b"POST /nowhere HTTP/1.1\r\nHost: localhost\r\nContent-Length: " +
+                          str(len(smuggled)).encode() + b"\r\n\r\n" + smuggled +
+                          b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                          b"Connection: close\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 ") == 2
+    assert answer.startswith(b"HTTP/1.1 404") and b"HTTP/1.1 200" in answer
+    assert b'"status":"ok"' not in answer and b'"object":"list"' in answer
+
+
+def test_a_template_that_raises_is_the_requests_400(serve_with: Any, demo_bundle: Any,
+                                                    demo_service: Any) -> None:
+    from mlxrunner.chat import RenderContext, get_renderer
+    from mlxrunner.serve import Service
+
+    template = ("{% if messages[0].role == 'system' %}"
+                "{{ raise_exception('system messages are not supported') }}{% endif %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    renderer = get_renderer("jinja", RenderContext(chat_template=template))
+    bundle = dataclasses.replace(demo_bundle, renderer=renderer, renderer_name="jinja")
+    server = serve_with(Service(bundle, name="demo", engine=demo_service.engine))
+    reply = httpx.post(server.url + "/v1/chat/completions", json={
+        **CHAT, "messages": [{"role": "system", "content": "x"}, *CHAT["messages"]]})
+    assert reply.status_code == 400
+    assert "system messages are not supported" in reply.json()["error"]["message"]
+    assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
