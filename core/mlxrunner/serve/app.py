@@ -76,6 +76,7 @@ class BodyTooLargeError(Exception):
 class _Exchange:
     status: int = 0
     started: bool = False
+    logged: bool = False
     headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -102,11 +103,22 @@ class Guard:
             cors = [(b"access-control-allow-origin", origin.encode("latin-1")),
                     (b"vary", b"Origin")]
 
+        def log_line() -> None:
+            if exchange.logged:
+                return
+            exchange.logged = True
+            tokens = state.get("tokens")
+            access_log.info("%s %s %s %.3fs%s", scope["method"], scope["path"],
+                            exchange.status or "-", time.monotonic() - started,
+                            "" if tokens is None else f" {tokens} tokens")
+
         async def send_logged(message: Message) -> None:
             if message["type"] == "http.response.start":
                 exchange.status = message["status"]
                 exchange.started = True
                 message = {**message, "headers": [*message.get("headers", []), *cors]}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                log_line()  # before the client has it all: the line is there when it is
             await send(message)
 
         async def answer(status: int, message: str, extra: Iterable[tuple[bytes, bytes]] = ()
@@ -136,10 +148,7 @@ class Guard:
             if not exchange.started:
                 await answer(500, GENERIC_500)
         finally:
-            tokens = state.get("tokens")
-            access_log.info("%s %s %s %.3fs%s", scope["method"], scope["path"],
-                            exchange.status or "-", time.monotonic() - started,
-                            "" if tokens is None else f" {tokens} tokens")
+            log_line()  # a reply that never ended (the client left) is logged here
 
     def _refusal(self, scope: Scope, headers: dict[str, str], origin: str | None
                  ) -> tuple[int, str, list[tuple[bytes, bytes]]] | None:

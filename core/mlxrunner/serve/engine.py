@@ -117,6 +117,13 @@ class Engine:
     def waiting(self) -> int:
         return self._jobs.qsize()
 
+    @property
+    def busy(self) -> bool:
+        """Whether a job is queued or running (counted, so no gap between the two)."""
+        counts = self.counts
+        ended = counts["done"] + counts["cancelled"] + counts["skipped"] + counts["failed"]
+        return counts["submitted"] > ended
+
     def submit(self, generation: Generation,
                on_text: Callable[[str], None] | None = None) -> _Job:
         """Queue ``generation``; :class:`BusyError` when the queue is full. ``on_text`` is

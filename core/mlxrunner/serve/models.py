@@ -136,7 +136,7 @@ class Models:
         return entry.service
 
     def _busy(self, service: Service) -> bool:
-        return bool(service.engine.running or service.engine.waiting)
+        return service.engine.busy
 
     def _make_room(self) -> None:
         unpinned = [(n, e) for n, e in self._loaded.items() if not e.pinned]
