@@ -391,9 +391,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _serve_logging(args.verbose)
     current = settings.current()
     api_key = args.api_key or current.api_key
-    hosts = tuple(h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip())
-    if not is_loopback(args.host) and args.host not in hosts and "*" not in hosts:
-        hosts += (args.host.lower(),)
+    # DNS rebinding reaches servers on loopback; bound beyond it, any name may reach it (the
+    # API key guards it there), as Ollama does.
+    if args.allowed_hosts is not None:
+        hosts = tuple(h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip())
+    else:
+        hosts = ("localhost", "127.0.0.1", "::1") if is_loopback(args.host) else ("*",)
     config = ServeConfig(allowed_hosts=hosts, api_key=api_key,
                          origins=tuple(o.strip() for o in (args.origins or "").split(",")
                                        if o.strip()) or current.origins)
@@ -434,9 +437,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add_model_arguments(p)
     p.add_argument("--api-key", help="require this bearer token (default: MLXRUNNER_API_KEY; "
                                      "unset: none)")
-    p.add_argument("--allowed-hosts", default="localhost,127.0.0.1,::1",
-                   help="Host header names accepted, comma-separated (*: any; the --host "
-                        "address is added); refuses DNS rebinding")
+    p.add_argument("--allowed-hosts",
+                   help="Host header names accepted, comma-separated (*: any; default: "
+                        "localhost, 127.0.0.1, ::1 on loopback, any beyond it); refuses DNS "
+                        "rebinding")
     p.add_argument("--origins", help="browser origins accepted beyond this machine's, "
                                      "comma-separated globs (default: MLXRUNNER_ORIGINS)")
     p.add_argument("--max-queue", type=count(1),
