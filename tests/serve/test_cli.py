@@ -64,3 +64,13 @@ def test_a_bad_keep_alive_is_one_clear_error_before_any_work(capsys: Any) -> Non
     assert main(["serve", "--port", "0", "--keep-alive", "soon"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["mlxrunner: error: keep_alive 'soon' is not a duration (e.g. '5m', 30, -1)"]
+
+
+def test_the_key_and_origins_are_read_once_from_the_environment() -> None:
+    from mlxrunner.settings import Settings
+
+    found = Settings.from_environment({"MLXRUNNER_API_KEY": "sesame",
+                                       "MLXRUNNER_ORIGINS": "https://a.example, app://*,"})
+    assert found.api_key == "sesame" and found.origins == ("https://a.example", "app://*")
+    assert "sesame" not in repr(found)  # a secret stays out of logs and tracebacks
+    assert Settings.from_environment({}).api_key is None
