@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..chat.formats import ParsedMessage
-from .chat import ChatTurn, call_id
+from .chat import ChatTurn, call_id, chat_prompt
 from .common import complete, dumps, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 
@@ -133,8 +133,8 @@ def _think(body: CountTokensRequest) -> bool | None:
     return None if body.thinking is None else body.thinking.type != "disabled"
 
 
-def _turn(service: Service, body: CountTokensRequest) -> ChatTurn:
-    return ChatTurn(service, _messages(body), _tools(body), _think(body))
+async def _prompt(service: Service, body: CountTokensRequest) -> tuple[ChatTurn, list[int]]:
+    return await chat_prompt(service, _messages(body), _tools(body), _think(body))
 
 
 def _blocks(parsed: ParsedMessage) -> list[dict[str, Any]]:
@@ -161,15 +161,14 @@ def _stop_reason(reply: Reply, tool_calls: int) -> tuple[str, str | None]:
 @router.post("/v1/messages/count_tokens", tags=["anthropic"])
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     service = await service_for(request, body.model)
-    turn = _turn(service, body)
-    return {"input_tokens": len(service.encode(turn.prompt, rendered=True))}
+    _, ids = await _prompt(service, body)
+    return {"input_tokens": len(ids)}
 
 
 @router.post("/v1/messages", tags=["anthropic"])
 async def messages(body: MessagesRequest, request: Request) -> Response:
     service = await service_for(request, body.model)
-    turn = _turn(service, body)
-    ids = service.encode(turn.prompt, rendered=True)
+    turn, ids = await _prompt(service, body)
     sampler = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                "seed": body.seed}
     stops = list(body.stop_sequences or [])

@@ -3,6 +3,7 @@ the prompt out; the reply's text in, content, thinking and tool calls out."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Callable
@@ -61,6 +62,23 @@ class ChatTurn:
             return []
         parser = self.parser
         return self._parsing(parser.finish)
+
+
+async def chat_prompt(service: Service, messages: list[dict[str, Any]],
+                      tools: list[Any] | None = None, think: bool | None = None
+                      ) -> tuple[ChatTurn, list[int]]:
+    """The turn and its prompt ids, rendered and encoded off the event loop (a long
+    conversation takes a while, and other clients' streams go on meanwhile)."""
+    def build() -> tuple[ChatTurn, list[int]]:
+        turn = ChatTurn(service, messages, tools, think)
+        return turn, service.encode(turn.prompt, rendered=True)
+
+    return await asyncio.to_thread(build)
+
+
+async def raw_prompt(service: Service, text: str) -> list[int]:
+    """A raw prompt's ids, encoded off the event loop."""
+    return await asyncio.to_thread(service.encode, text, rendered=False)
 
 
 def arguments_json(call: ToolCall) -> str:

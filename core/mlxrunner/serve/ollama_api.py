@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..bundle import parameter_count
 from ..chat.formats import ParsedMessage
-from .chat import ChatTurn
+from .chat import ChatTurn, chat_prompt, raw_prompt
 from .common import complete, dumps, models_of, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 
@@ -313,8 +313,8 @@ async def chat(body: ChatRequest, request: Request) -> Response:
                                "message": {"role": "assistant", "content": ""},
                                "done_reason": "load", "done": True}),
                         media_type="application/json")
-    turn = ChatTurn(service, _messages(body.messages), body.tools, body.thinking())
-    ids = service.encode(turn.prompt, rendered=True)
+    turn, ids = await chat_prompt(service, _messages(body.messages), body.tools,
+                                  body.thinking())
     generation = service.generation(ids, body.sampler(), max_tokens=options.max_tokens(),
                                     stops=options.stop)
     if body.stream:
@@ -373,13 +373,12 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
                         media_type="application/json")
     turn: ChatTurn | None = None
     if body.raw or service.bundle.renderer is None:
-        ids = service.encode(body.prompt, rendered=False)
+        ids = await raw_prompt(service, body.prompt)
     else:
         system = body.system if body.system is not None else service.bundle.extra.get("system")
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": body.prompt}]
-        turn = ChatTurn(service, messages, None, body.thinking())
-        ids = service.encode(turn.prompt, rendered=True)
+        turn, ids = await chat_prompt(service, messages, None, body.thinking())
     generation = service.generation(ids, body.sampler(), max_tokens=options.max_tokens(),
                                     stops=options.stop)
     if body.stream:

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from ..chat.formats import ParsedMessage
-from .chat import ChatTurn, arguments_json, call_id
+from .chat import ChatTurn, arguments_json, call_id, chat_prompt, raw_prompt
 from .common import complete, dumps, models_of, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 
@@ -178,9 +178,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     body.check_supported()
     check_format(body.response_format)
     service = await service_for(request, body.model)
-    turn = ChatTurn(service, body.messages, tools_for(body.tools, body.tool_choice),
-                    think_of(body.think, body.reasoning_effort))
-    ids = service.encode(turn.prompt, rendered=True)
+    turn, ids = await chat_prompt(service, body.messages,
+                                  tools_for(body.tools, body.tool_choice),
+                                  think_of(body.think, body.reasoning_effort))
     sampler = {**body.sampler(), "logprobs": body.logprobs, "top_logprobs": body.top_logprobs}
     generation = service.generation(ids, sampler,
                                     max_tokens=body.max_completion_tokens or body.max_tokens,
@@ -288,7 +288,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if isinstance(body.logprobs, int) and not isinstance(body.logprobs, bool):
         top = body.logprobs
     wants_logprobs = body.logprobs is not None and body.logprobs is not False
-    ids = service.encode(prompts[0], rendered=False)
+    ids = await raw_prompt(service, prompts[0])
     sampler = {**body.sampler(), "logprobs": wants_logprobs or None, "top_logprobs": top}
     generation = service.generation(ids, sampler, max_tokens=body.max_tokens,
                                     stops=body.stops())

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..chat.formats import ParsedMessage
-from .chat import ChatTurn, arguments_json, call_id
+from .chat import ChatTurn, arguments_json, call_id, chat_prompt
 from .common import complete, dumps, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 from .openai_api import think_of, tools_for
@@ -195,8 +195,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     _check(body)
     service = await service_for(request, body.model)
     effort = (body.reasoning or {}).get("effort")
-    turn = ChatTurn(service, _messages(body), _tools(body), think_of(None, effort))
-    ids = service.encode(turn.prompt, rendered=True)
+    turn, ids = await chat_prompt(service, _messages(body), _tools(body),
+                                  think_of(None, effort))
     sampler = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                "min_p": body.min_p, "seed": body.seed}
     generation = service.generation(ids, sampler, max_tokens=body.max_output_tokens)
