@@ -108,8 +108,8 @@ class Engine:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self.running = 0  # 1 while a job decodes
-        #: jobs so far: submitted, done, cancelled (their client left midway), skipped (it
-        #: left before they began), failed
+        #: jobs so far: submitted, done, cancelled (their client left midway), skipped (their
+        #: client left before they began), failed
         self.counts = dict.fromkeys(("submitted", "done", "cancelled", "skipped", "failed"), 0)
         threading.Thread(target=self._serve, name="mlxrunner-model", daemon=True).start()
 
