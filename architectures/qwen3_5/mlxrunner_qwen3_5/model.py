@@ -34,6 +34,7 @@ import mlx.nn as nn
 
 import mlxrunner.nn as mnn
 from mlxrunner import KVCache, Model, ModelFolderError, RecurrentCache
+from mlxrunner.plugin import ConfigBound, ConfigMultiple
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -196,6 +197,15 @@ class Qwen3_5(Model):
     # the renderer plugin is installed).
     default_renderer = "qwen3.5"
     default_parser = "qwen3.5"
+    config_bounds = {
+        "linear_num_key_heads": ConfigBound(int, 1, 1024),
+        "linear_num_value_heads": ConfigBound(int, 1, 1024),
+        "linear_key_head_dim": ConfigBound(int, 1, 8192),
+        "linear_value_head_dim": ConfigBound(int, 1, 8192),
+        "linear_conv_kernel_dim": ConfigBound(int, 1, 64),
+        "full_attention_interval": ConfigBound(int, 1, 1024),
+    }
+    config_multiples = (ConfigMultiple("linear_num_value_heads", "linear_num_key_heads"),)
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

@@ -10,6 +10,7 @@ from .hookspecs import hookimpl, hookspec
 from .manager import (
     ENTRY_POINT_GROUP,
     KINDS,
+    KNOWN_ARCHITECTURE_PACKAGES,
     PluginHost,
     PluginInfo,
     Registration,
@@ -28,6 +29,7 @@ from .manager import (
 __all__ = [
     "ENTRY_POINT_GROUP",
     "KINDS",
+    "KNOWN_ARCHITECTURE_PACKAGES",
     "PluginHost",
     "PluginInfo",
     "Registration",

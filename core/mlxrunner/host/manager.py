@@ -42,6 +42,17 @@ BUILTINS_PLUGIN = "mlxrunner.builtins"
 #: SystemExit included (a plugin calling sys.exit() must not end every command)
 PLUGIN_FAILURES = (Exception, SystemExit)
 
+#: The package that provides each architecture name a published plugin registers: the only
+#: names an unknown-architecture hint suggests installing (a folder's own text never is).
+KNOWN_ARCHITECTURE_PACKAGES: dict[str, str] = {
+    **dict.fromkeys(("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "qwen3_5",
+                     "qwen3_5_text"), "mlxrunner-qwen3-5"),
+    **dict.fromkeys(("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM", "gemma4",
+                     "gemma4_text"), "mlxrunner-gemma4"),
+    **dict.fromkeys(("ExampleLlamaForCausalLM", "example_llama"),
+                    "mlxrunner-example-architecture"),
+}
+
 
 @dataclass
 class PluginInfo:
@@ -316,17 +327,21 @@ def names(kind: str) -> list[str]:
 
 def architecture_for(config: dict[str, Any]) -> type:
     """The registered class for a parsed config.json: ``architectures[0]``, then ``model_type``."""
-    archs = config.get("architectures") or []
-    model_type = config.get("model_type")
+    archs = config.get("architectures")
+    archs = archs[:1] if isinstance(archs, list) else []
+    keys = [key for key in (*archs, config.get("model_type")) if isinstance(key, str) and key]
     registry = host().registry("architectures")
-    for key in [*archs[:1], model_type]:
-        if key and key in registry:
+    for key in keys:
+        if key in registry:
             return registry[key].obj
-    wanted = archs[0] if archs else model_type
+    wanted = keys[0] if keys else None
+    shown = repr(wanted) if wanted is None or len(wanted) <= 60 else repr(wanted[:60]) + "..."
     installed = ", ".join(sorted(registry)) or "none"
-    pkg = "mlxrunner-" + str(model_type or wanted).lower().replace("_", "-")
-    raise UnknownNameError(f"unknown architecture {wanted!r} (installed: {installed}); "
-                           f"try `pip install {pkg}` or a plugin that provides it")
+    package = next((KNOWN_ARCHITECTURE_PACKAGES[k] for k in keys
+                    if k in KNOWN_ARCHITECTURE_PACKAGES), None)
+    hint = (f"`pip install {package}` provides it" if package is not None else
+            "no known plugin provides it (`mlxrunner architectures` lists the installed ones)")
+    raise UnknownNameError(f"unknown architecture {shown} (installed: {installed}); {hint}")
 
 
 @contextmanager

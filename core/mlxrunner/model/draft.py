@@ -28,6 +28,7 @@ import mlx.nn as nn
 
 from ..errors import DraftConfigError, ModelFolderError
 from ..host import manager as plugins
+from .config_bounds import check_config
 from .distribution import Distribution
 from .interface import Model, compute_dtype_of, weight_precision_of
 from .loading import install_weights, read_config, read_json, read_weights, weight_files
@@ -382,6 +383,7 @@ def build_draft(cls: type[DraftT], config: Mapping[str, Any], target: Model,
                 tensor_names: Iterable[str] = ()) -> DraftT:
     """Construct and validate a draft (random weights until loaded)."""
     config = cls.config_for_checkpoint(dict(config), tensor_names)
+    check_config(config, cls, where="draft config")
     try:
         draft = cls(config, target)
     except DraftConfigError:

@@ -8,13 +8,14 @@ tensors, loads them strictly, and then only ever calls the members below.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
+from .config_bounds import ConfigBound, ConfigMultiple
 
 
 class Model(nn.Module):
@@ -28,6 +29,11 @@ class Model(nn.Module):
 
     #: whether ``__call__`` honours ``taps`` (drafts need it)
     supports_taps: bool = True
+    #: bounds of the config keys this architecture reads beyond the standard ones
+    #: (:data:`mlxrunner.model.config_bounds.STANDARD_BOUNDS`), checked before ``__init__``
+    config_bounds: ClassVar[Mapping[str, ConfigBound]] = {}
+    #: config keys that must be multiples of others, checked before ``__init__``
+    config_multiples: ClassVar[tuple[ConfigMultiple, ...]] = ()
 
     def __init__(self, config: dict[str, Any]) -> None:  # noqa: ARG002
         super().__init__()

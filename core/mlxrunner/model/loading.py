@@ -8,7 +8,7 @@ folder becomes one ModelFolderError line.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, cast
 
 import mlx.core as mx
@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import ModelFolderError, UnknownNameError
 from ..host import manager as plugins
+from .config_bounds import check_config
 from .interface import Model
 from .safetensors import check_safetensors
 
@@ -24,14 +25,22 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16,
           "fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
 
 
+MAX_JSON_BYTES = 64 * 1024 * 1024
+
+
 def read_json(path: Path, what: str) -> Any:
-    """A JSON file's value; missing or malformed is one ModelFolderError naming ``what``."""
+    """A JSON file's value; missing, oversized or malformed is one ModelFolderError naming
+    ``what``."""
     try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise ModelFolderError(f"{path}: {what} is larger than {MAX_JSON_BYTES} bytes")
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelFolderError(f"{path.parent}: no {what} ({path.name})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelFolderError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ModelFolderError(f"{path}: not valid JSON (nested too deeply)") from None
 
 
 def resolve_model_path(path: str | Path) -> Path:
@@ -62,6 +71,13 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not config.get("architectures") and not config.get("model_type"):
         raise ModelFolderError(f"{folder / 'config.json'}: names no architecture "
                                "(neither 'architectures' nor 'model_type')")
+    archs, model_type = config.get("architectures"), config.get("model_type")
+    if archs is not None and not (isinstance(archs, list)
+                                  and all(isinstance(a, str) for a in archs)):
+        raise ModelFolderError(f"{folder / 'config.json'}: architectures must be a list of "
+                               "names")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ModelFolderError(f"{folder / 'config.json'}: model_type must be a name")
     return config
 
 
@@ -78,27 +94,62 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def check_inside(folder: Path, path: Path, what: str) -> None:
+    """Refuse a file of ``folder`` that resolves outside it (through a link). The Hugging
+    Face cache's own layout, ``snapshots/<revision>/`` files linking into the repository's
+    ``blobs/``, is inside."""
+    root, target = folder.resolve(), path.resolve()
+    if _within(target, root):
+        return
+    if root.parent.name == "snapshots" and _within(target, root.parent.parent / "blobs"):
+        return
+    raise ModelFolderError(f"{folder}: {what} leads outside the model folder")
+
+
+def _shard_path(folder: Path, index: Path, name: Any) -> Path:
+    if not isinstance(name, str) or not name:
+        raise ModelFolderError(f"{index}: weight_map entry {name!r:.80} is not a file name")
+    posix, windows = PurePosixPath(name), PureWindowsPath(name)
+    if (posix.is_absolute() or windows.is_absolute() or windows.drive
+            or ".." in posix.parts or ".." in windows.parts):
+        raise ModelFolderError(f"{index}: weight_map entry {name!r:.80} points outside the "
+                               "model folder")
+    path = folder / name
+    if not path.is_file():
+        raise ModelFolderError(f"{folder}: shard {name!r:.80} named in {index.name} is missing")
+    check_inside(folder, path, f"weight_map entry {name!r:.80}")
+    return path
+
+
 def weight_files(folder: Path, prefix: str = "model") -> list[Path]:
-    """The safetensors files of a folder: the index's shards, or the single file."""
+    """The safetensors files of a folder: the index's shards, or the single file; every one
+    inside the folder."""
     index = folder / f"{prefix}.safetensors.index.json"
     if index.exists():
         data = read_json(index, "weight index")
-        shards = sorted(set((data.get("weight_map") or {}).values()))
-        if not shards:
-            raise ModelFolderError(f"{index}: empty weight_map")
-        files = [folder / s for s in shards]
-        for f in files:
-            if not f.exists():
-                raise ModelFolderError(f"{folder}: shard {f.name} named in {index.name} is missing")
-        return files
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelFolderError(f"{index}: empty or missing weight_map")
+        names = set(weight_map.values())
+        if not all(isinstance(name, str) for name in names):
+            bad = next(name for name in names if not isinstance(name, str))
+            raise ModelFolderError(f"{index}: weight_map entry {bad!r:.80} is not a file name")
+        return [_shard_path(folder, index, name) for name in sorted(names)]
     single = folder / f"{prefix}.safetensors"
     if single.exists():
-        return [single]
-    files = sorted(folder.glob("*.safetensors"))
+        files = [single]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
         hint = " (pickle weights are never loaded: convert to safetensors)" if pickles else ""
         raise ModelFolderError(f"{folder}: no safetensors weights{hint}")
+    for f in files:
+        check_inside(folder, f, f"weight file {f.name!r}")
     return files
 
 
@@ -213,10 +264,13 @@ def install_weights(module: nn.Module, config: dict[str, Any], weights: dict[str
     module.eval()
 
 
-def build_model(config: dict[str, Any]) -> Model:
-    """A fresh (randomly initialised) model of the architecture a parsed config.json names."""
+def build_model(config: dict[str, Any], where: str = "config.json") -> Model:
+    """A fresh (randomly initialised) model of the architecture a parsed config.json names;
+    its values are checked against their bounds first (nothing is built when one is out)."""
     cls = plugins.architecture_for(config)
-    return cls(text_config(config))
+    text = text_config(config)
+    check_config(text, cls, where)
+    return cls(text)
 
 
 def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
@@ -225,7 +279,7 @@ def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
     to compute in), else in the weights' own."""
     folder = resolve_model_path(path)
     config = read_config(folder)
-    model = build_model(config)
+    model = build_model(config, str(folder / "config.json"))
     weights = read_weights(weight_files(folder))
     # A bundle may carry its draft beside the target; those tensors are not the target's.
     weights = {k: v for k, v in weights.items() if not k.startswith("draft.")}
