@@ -106,6 +106,29 @@ def test_corrupt_safetensors_header(tmp_path, example_model_folder):
     one_line_error(cli("show", str(example_model_folder), cwd=tmp_path), "corrupt")
 
 
+def test_config_value_out_of_bounds(tmp_path, example_model_folder):
+    config = json.loads((example_model_folder / "config.json").read_text())
+    config.update(vocab_size=10**12)
+    (example_model_folder / "config.json").write_text(json.dumps(config))
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path),
+                   "config.json", "vocab_size must be an integer from 1 to 16777216")
+
+
+def test_weight_index_naming_a_file_outside_the_folder(tmp_path, example_model_folder):
+    (example_model_folder / "model.safetensors").rename(tmp_path / "outside.safetensors")
+    index = {"weight_map": {"a": "../outside.safetensors"}}
+    (example_model_folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path),
+                   "'../outside.safetensors'", "outside the model folder")
+
+
+def test_chat_template_past_its_size_limit(tmp_path):
+    (tmp_path / "t.jinja").write_text("{{ 'x' * 10**10 }}")
+    (tmp_path / "c.json").write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    one_line_error(cli("render", "--renderer", "jinja", "--template", "t.jinja", "c.json",
+                       cwd=tmp_path), "the chat template went past its size limit")
+
+
 def test_shard_named_in_index_but_absent(tmp_path, example_model_folder):
     (example_model_folder / "model.safetensors").rename(
         example_model_folder / "model-00001-of-00002.safetensors")

@@ -34,6 +34,15 @@ class ModelfileError(MLXRunnerError):
     """A Modelfile line could not be read."""
 
 
+class TemplateError(MLXRunnerError):
+    """A chat template ran past its time limit, built a value or an output above its size
+    limit, or nested its macros too deeply."""
+
+
+class TokenizerInputError(MLXRunnerError):
+    """A text the tokenizer refuses: too long, or one its Rust code panicked on."""
+
+
 class ConversationError(MLXRunnerError):
     """A malformed conversation (messages, tools) handed to a renderer."""
 

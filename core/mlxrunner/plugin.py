@@ -54,6 +54,8 @@ _EXPORTS: dict[str, str] = {
     "PluginError": "errors",
     "ModelfileError": "errors",
     "ConversationError": "errors",
+    "TemplateError": "errors",
+    "TokenizerInputError": "errors",
     "DraftConfigError": "errors",
     # sampling (a draft draws with the request's sampler)
     "SamplerOptions": "decode.options",
@@ -88,6 +90,8 @@ if TYPE_CHECKING:  # pragma: no cover
         ModelfileError,
         ModelFolderError,
         PluginError,
+        TemplateError,
+        TokenizerInputError,
         UnknownNameError,
     )
     from .host.hookspecs import hookimpl  # noqa: F401

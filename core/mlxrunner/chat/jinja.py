@@ -13,8 +13,10 @@ dropped and the reasoning is offered under ``reasoning_content`` and
 
 A template is untrusted input: the sandbox keeps it away from Python
 internals (``__class__``, ``__globals__``, mutating the messages); an attempt
-is a ``ModelFolderError``. A template's own ``raise_exception`` is a
-``ConversationError`` carrying its message.
+is a ``ModelFolderError``. It renders under a time and size limit
+(:mod:`mlxrunner.chat.limits`); going past one is a ``TemplateError``. A
+template's own ``raise_exception`` is a ``ConversationError`` carrying its
+message.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import ConversationError, ModelFolderError
+from ..errors import ConversationError, ModelFolderError, TemplateError
 from .formats import RenderContext, reasoning_of, validate_conversation
+from .limits import LimitedEnvironment, LimitExceeded, RenderLimits, limited_render
 
 
 class _TemplateRaised(jinja2.TemplateError):
@@ -89,9 +91,9 @@ class _GenerationBlock(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
-def make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+def make_environment() -> LimitedEnvironment:
+    env = LimitedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                             extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -107,6 +109,8 @@ def compile_template(source: str) -> jinja2.Template:
     except jinja2.TemplateSyntaxError as exc:
         raise ModelFolderError(f"chat template has a syntax error at line {exc.lineno}: "
                                f"{exc.message}") from None
+    except RecursionError:
+        raise ModelFolderError("chat template is nested too deeply to compile") from None
 
 
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
@@ -120,8 +124,10 @@ class JinjaRenderer:
     """Renders with a chat template (see the module docstring for the environment)."""
 
     def __init__(self, chat_template: str, *, special_tokens: Mapping[str, Any] | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 template_kwargs: Mapping[str, Any] | None = None,
+                 limits: RenderLimits | None = None) -> None:
         self.source = chat_template
+        self.limits = limits or RenderLimits()
         self.template = compile_template(chat_template)
         variables: dict[str, Any] = {
             key: value for key, value in (special_tokens or {}).items()
@@ -153,10 +159,15 @@ class JinjaRenderer:
         variables = dict(self.variables)
         if think is not None:
             variables["enable_thinking"] = bool(think)
+        variables.update(messages=checked, tools=checked_tools, documents=None,
+                         add_generation_prompt=add_generation_prompt)
         try:
-            return self.template.render(messages=checked, tools=checked_tools, documents=None,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **variables)
+            return self._render_limited(variables)
+        except LimitExceeded as exc:
+            raise TemplateError(f"the chat template {exc}") from None
+        except (RecursionError, MemoryError, OverflowError) as exc:
+            raise TemplateError(f"the chat template went past its limits "
+                                f"({type(exc).__name__}: {str(exc)[:200]})") from None
         except _TemplateRaised as exc:
             raise ConversationError(f"the chat template rejects this conversation: "
                                     f"{exc.message}") from None
@@ -167,4 +178,19 @@ class JinjaRenderer:
                 AttributeError, ZeroDivisionError) as exc:
             raise ConversationError(f"the chat template failed on this conversation: "
                                     f"{type(exc).__name__}: {exc}") from None
+
+    def _render_limited(self, variables: dict[str, Any]) -> str:
+        chunks: list[str] = []
+        pieces: list[str] = []
+        size, limit = 0, self.limits.max_chars
+        with limited_render(self.limits):
+            for piece in self.template.generate(**variables):
+                size += len(piece)
+                if size > limit:
+                    raise LimitExceeded(f"went past its output limit of {limit} characters")
+                pieces.append(piece)
+                if len(pieces) >= 4096:  # many tiny pieces would cost more than their text
+                    chunks.append("".join(pieces))
+                    pieces.clear()
+        return "".join(chunks) + "".join(pieces)
 

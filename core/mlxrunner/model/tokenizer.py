@@ -22,9 +22,13 @@ from typing import Any
 
 import tokenizers
 
-from ..errors import ModelFolderError
+from ..errors import ModelFolderError, TokenizerInputError
 
-__all__ = ["Tokenizer", "StreamingDetokenizer"]
+__all__ = ["Tokenizer", "StreamingDetokenizer", "MAX_ENCODE_CHARS"]
+
+#: the longest text encode() takes: far past any context window, far below what makes the
+#: Rust tokenizer run out of memory
+MAX_ENCODE_CHARS = 64 * 2**20
 
 _REPLACEMENT = "\ufffd"
 _ROLES = ("bos", "eos", "pad", "unk")
@@ -407,7 +411,17 @@ class Tokenizer:
         says so (not twice when the text already starts with it)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() needs a str, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > MAX_ENCODE_CHARS:
+            raise TokenizerInputError(f"a text of {len(text)} characters is longer than the "
+                                      f"tokenizer takes ({MAX_ENCODE_CHARS})")
+        try:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except BaseException as exc:
+            # A panic in the Rust code arrives as pyo3's PanicException, a BaseException.
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise TokenizerInputError(f"the tokenizer failed on a text of {len(text)} "
+                                      f"characters ({str(exc)[:200]})") from None
         bos_id = self.bos_id
         if add_special_tokens and self._add_bos and (not ids or ids[0] != bos_id):
             assert bos_id is not None  # add_bos_token without a bos_token fails on load
