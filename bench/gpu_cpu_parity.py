@@ -8,7 +8,10 @@ logit difference against our CPU run:
 - ``eager``: the same without the compiled step;
 - ``no kernels``: eager with the core's fused CUDA kernels off (MLX's own operations);
 - ``mlx-lm``: mlx-lm's model on the same weights, GPU against CPU (prefill), and its CPU
-  prefill against ours, so a drift shows which side (ours, MLX's GPU operations) has it.
+  prefill against ours, so a drift shows which side (ours, MLX's GPU operations) has it;
+- ``conditioning``: how far the CPU's logits move when one weight matrix changes by float32
+  rounding's size: a model whose logits move by 1e-2 there cannot agree across devices to
+  1e-4 whatever either computes.
 
 mlxrunner runs float32 with TF32 off (``MLX_ENABLE_TF32=0``), so both sides compute in
 float32.
@@ -26,6 +29,7 @@ from typing import Any
 
 import harness
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from mlxrunner import settings
 from mlxrunner.decode import forward
@@ -76,6 +80,21 @@ def largest(a: list[mx.array], b: list[mx.array]) -> tuple[float, float]:
     return diffs[0], max(diffs[1:], default=0.0)
 
 
+def sensitivity(model: Any, prompt: mx.array, base: mx.array) -> float:
+    """How far the CPU's last-position logits move when the first attention layer's query
+    weights change by a relative 1e-7 (float32 rounding's size): the drift any other order
+    of the same float32 sums (another device's kernels) can show."""
+    name, weight = next((k, v) for k, v in tree_flatten(model.parameters())
+                        if k.endswith("q_proj.weight"))
+    noise = 1 + 1e-7 * mx.random.normal(weight.shape, key=mx.random.key(5))
+    with mx.stream(mx.cpu):
+        model.load_weights([(name, weight * noise)], strict=False)
+        moved = model(prompt)[0, -1]
+        change = float(mx.abs(moved - base).max())
+    model.load_weights([(name, weight)], strict=False)
+    return change
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--names", nargs="*", default=["qwen3_5", "gemma4", "llama"])
@@ -103,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             row["no kernels"] = largest(logits_rows(model, ids, args.prefill, False), cpu)
         print(f"  no kernels GPU vs CPU: prefill {row['no kernels'][0]:.3g}, steps "
               f"{row['no kernels'][1]:.3g}", flush=True)
+        row["cpu change at 1e-7"] = sensitivity(model, ids[:, :args.prefill], cpu[0])
+        print(f"  conditioning: a relative 1e-7 change of one layer's query weights moves the "
+              f"CPU's logits by {row['cpu change at 1e-7']:.3g}", flush=True)
         reference, _ = harness.load_reference(build_reference, args.no_mlx_lm)
         if reference is not None:
             prompt = ids[:, :args.prefill]
