@@ -37,6 +37,10 @@ ATTACKS = {
                  "size limit"),
     "namespace_doubling": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}"
                            "{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "size limit"),
+    "nested_lists": ("{% set x = ['ab'] %}" + "{% set x = [x, x] %}" * 40 + "{{ x }}",
+                     "size limit"),
+    "nested_dicts_to_json": ("{% set x = {'a': 'b'} %}" + "{% set x = {'l': x, 'r': x} %}" * 40
+                             + "{{ x|tojson }}", "size limit"),
     "join": ("{{ range(20)|map('string')|join('x' * 1000000) }}", "size limit"),
     "str_join": ("{{ ('y' * 1000000).join(range(20)|map('string')) }}", "size limit"),
     "replace": ("{{ ('x' * 100000)|replace('x', 'y' * 100000) }}", "size limit"),
@@ -70,9 +74,12 @@ def test_a_template_past_its_limits_is_one_template_error(name):
 def test_the_limits_leave_ordinary_templates_alone():
     source = ("{% for m in messages %}<{{ m.role }}>{{ m.content|trim }}\n{% endfor %}"
               "{{ '%-5s|%3d' % ('ab', 7) }}{{ '{:>4}'.format(3) }}{{ ['a', 'b']|join(', ') }}"
-              "{{ 'a-b'|replace('-', '+') }}{{ 2 ** 10 }}{{ 'ab' * 2 }}{{ 4294967295|string }}")
+              "{{ 'a-b'|replace('-', '+') }}{{ 2 ** 10 }}{{ 'ab' * 2 }}{{ 4294967295|string }}"
+              "{% set a, b = (1, [2]) %}{{ a ~ b }}{% for k, v in {'k': (3,)}.items() %}{{ k }}"
+              "{{ v }}{% endfor %}{{ messages|tojson }}")
     text = JinjaRenderer(source, limits=QUICK).render(MESSAGES)
-    assert text == "<user>hi\nab   |  7   3a, ba+b1024abab4294967295"
+    assert text == ('<user>hi\nab   |  7   3a, ba+b1024abab42949672951[2]k(3,)'
+                    '[{"role": "user", "content": "hi"}]')
 
 
 def test_a_template_ending_just_before_the_deadline_leaves_no_pending_interrupt():

@@ -33,7 +33,13 @@ import jinja2.utils
 
 from ..errors import ConversationError, ModelFolderError, TemplateError
 from .formats import RenderContext, reasoning_of, validate_conversation
-from .limits import LimitedEnvironment, LimitExceeded, RenderLimits, limited_render
+from .limits import (
+    LimitedEnvironment,
+    LimitExceeded,
+    RenderLimits,
+    RenderTimedOut,
+    limited_render,
+)
 
 
 class _TemplateRaised(jinja2.TemplateError):
@@ -165,6 +171,9 @@ class JinjaRenderer:
             return self._render_limited(variables)
         except LimitExceeded as exc:
             raise TemplateError(f"the chat template {exc}") from None
+        except RenderTimedOut:  # the watchdog's, landing as the render ended
+            raise TemplateError(f"the chat template ran longer than "
+                                f"{self.limits.seconds:g} s") from None
         except (RecursionError, MemoryError, OverflowError) as exc:
             raise TemplateError(f"the chat template went past its limits "
                                 f"({type(exc).__name__}: {str(exc)[:200]})") from None

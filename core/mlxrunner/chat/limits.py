@@ -18,8 +18,7 @@ import functools
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +38,10 @@ class LimitExceeded(Exception):
     """A render went past one of its limits (the message says which)."""
 
 
-class _Timeout(BaseException):
+class RenderTimedOut(BaseException):
     """Raised in the rendering thread by the watchdog; a BaseException so that no
-    ``except Exception`` on the way swallows it."""
+    ``except Exception`` on the way swallows it. :class:`limited_render` turns it into
+    :class:`LimitExceeded`, except where it lands in that turning itself."""
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,14 @@ _DEFAULT = RenderLimits()
 
 
 class _Render:
-    """The state of one render: its deadline and macro depth."""
+    """The state of one render: its deadline, macro depth and the sizes of the containers
+    it has seen (each object kept, so that its id names it)."""
 
     def __init__(self, limits: RenderLimits) -> None:
         self.limits = limits
         self.deadline = time.monotonic() + limits.seconds
         self.depth = 0
+        self.sizes: dict[int, tuple[int, Any]] = {}
 
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
@@ -83,16 +85,42 @@ def _tick() -> None:
         render.check_time()
 
 
-def _size(value: Any) -> int:
-    """A value's size, one level deep (a list of long strings is as large as they are)."""
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_MAX_NESTING = 256
+
+
+def _size(value: Any, depth: int = 0) -> int:
+    """What printing a value would make: the characters of its strings and one per item,
+    through every level (``[x, x]`` nested 40 times is 2**40 large, however little memory
+    its shared items take). Each container is sized once per render."""
     if isinstance(value, str):
         return len(value)
-    if isinstance(value, Mapping):
-        return len(value) + sum(len(v) for v in (*value.keys(), *value.values())
-                                if isinstance(v, str))
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return len(value) + sum(len(v) for v in value if isinstance(v, str))
-    return 0
+    if not isinstance(value, _CONTAINERS):
+        return 1
+    render = _current.get()
+    if render is not None:
+        known = render.sizes.get(id(value))
+        if known is not None and known[1] is value:
+            return known[0]
+    if depth > _MAX_NESTING:
+        raise LimitExceeded(f"went past its nesting limit of {_MAX_NESTING} levels")
+    items: Iterable[Any] = (*value.keys(), *value.values()) if isinstance(value, dict) else value
+    limit = _limits().max_chars
+    total = len(value)
+    for item in items:
+        total += _size(item, depth + 1)
+        if total > limit:
+            break  # past the limit already: the caller reports it
+    if render is not None:
+        render.sizes[id(value)] = (total, value)
+    return total
+
+
+def _printed_size(value: Any) -> int:
+    """About the length of ``str(value)``."""
+    if isinstance(value, (str, *_CONTAINERS)):
+        return _size(value)
+    return len(str(value))
 
 
 def check_size(size: int, what: str = "a value") -> None:
@@ -157,12 +185,14 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
             check_size(_size(left) + _size(right))
     elif operator == "%" and isinstance(left, str):
         _check_percent(left, right)
+        check_size(len(left) + _size(right))
 
 
 def _joined_size(items: Any, separator: Any) -> int:
     items = list(items)
     check_size(len(items), "a list")
-    return sum(len(str(item)) for item in items) + len(str(separator)) * max(len(items) - 1, 0)
+    return (sum(_printed_size(item) for item in items)
+            + len(str(separator)) * max(len(items) - 1, 0))
 
 
 def _replaced_size(text: Any, old: Any, new: Any, count: Any = None) -> int:
@@ -206,6 +236,8 @@ def _checked_filter(name: str, function: Callable[..., Any]) -> Callable[..., An
     def checked(*args: Any, **kwargs: Any) -> Any:
         _tick()
         own = args[1:] if passes_context else args
+        if own:  # what tojson, string, pprint ... print
+            check_size(_size(own[0]))
         if counts_checked:
             for arg in (*own[1:], *kwargs.values()):
                 _check_count(arg)
@@ -236,6 +268,7 @@ def _checked_method_args(method: Any, args: tuple, kwargs: dict) -> tuple:
         return args
     for arg in (*args, *kwargs.values()):
         _check_count(arg)
+        check_size(_size(arg))
     name = getattr(method, "__name__", "")
     if name == "join" and args:
         items = args[0] if isinstance(args[0], (list, tuple)) else list(args[0])
@@ -247,7 +280,25 @@ def _checked_method_args(method: Any, args: tuple, kwargs: dict) -> tuple:
 
 
 class _CheckedCodeGenerator(jinja2.compiler.CodeGenerator):
-    """Compiles ``~`` through the environment, so that a concatenation is sized first."""
+    """Compiles ``~`` and list, tuple and dict literals through the environment, so that
+    each is sized as it is made."""
+
+    def _checked(self, visit: Callable[..., None], node: Any, frame: Any) -> None:
+        if getattr(node, "ctx", "load") != "load":  # an assignment target
+            visit(node, frame)
+            return
+        self.write("environment.checked_value(")
+        visit(node, frame)
+        self.write(")")
+
+    def visit_List(self, node: jinja2.nodes.List, frame: jinja2.compiler.Frame) -> None:
+        self._checked(super().visit_List, node, frame)
+
+    def visit_Tuple(self, node: jinja2.nodes.Tuple, frame: jinja2.compiler.Frame) -> None:
+        self._checked(super().visit_Tuple, node, frame)
+
+    def visit_Dict(self, node: jinja2.nodes.Dict, frame: jinja2.compiler.Frame) -> None:
+        self._checked(super().visit_Dict, node, frame)
 
     @jinja2.compiler.optimizeconst
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:
@@ -265,6 +316,7 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def __init__(self, **options: Any) -> None:
+        options.setdefault("finalize", _check_value)  # what {{ }} prints, before str()
         super().__init__(**options)
         filters = _CheckedFilters()
         for name, function in self.filters.items():
@@ -305,13 +357,20 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
         def checked(*args: Any, **kwargs: Any) -> str:
             for _, _, spec, _ in _formatter_fields(template):
                 _check_format_numbers(spec)
+            check_size(len(template) + sum(_printed_size(a) for a in (*args, *kwargs.values())))
             return _check_value(wrapped(*args, **kwargs))
 
         return checked
 
     @staticmethod
+    def checked_value(value: Any) -> Any:
+        _tick()
+        return _check_value(value)
+
+    @staticmethod
     def checked_concat(values: tuple) -> str:
         _tick()
+        check_size(sum(_printed_size(v) for v in values))
         pieces = [str(v) for v in values]
         check_size(sum(len(p) for p in pieces))
         return "".join(pieces)
@@ -332,36 +391,43 @@ def _raise_in(thread_id: int, exception: type[BaseException] | None) -> None:
         ctypes.c_ulong(thread_id), ctypes.py_object(exception) if exception else None)
 
 
-@contextmanager
-def limited_render(limits: RenderLimits) -> Iterator[None]:
-    """Run a render under ``limits``: checks raise :class:`LimitExceeded`; past the
-    deadline a watchdog raises it in this thread (Python code that makes nothing, such as
-    nested loops with empty bodies, passes no check)."""
-    render = _Render(limits)
-    token = _current.set(render)
-    thread_id = threading.get_ident()
-    lock = threading.Lock()
-    state = {"active": True, "fired": False}
+class limited_render:  # noqa: N801  (used as a function: ``with limited_render(...)``)
+    """Run a render under ``limits``: checks raise :class:`LimitExceeded`; a little past
+    the deadline a watchdog raises :class:`RenderTimedOut` in this thread (Python code that
+    makes nothing, such as nested loops with empty bodies, passes no check)."""
 
-    def fire() -> None:
-        with lock:
-            if state["active"]:
-                state["fired"] = True
-                _raise_in(thread_id, _Timeout)
+    _GRACE_S = 0.25
 
-    watchdog = threading.Timer(limits.seconds, fire)
-    watchdog.daemon = True
-    try:
-        watchdog.start()
+    def __init__(self, limits: RenderLimits) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._active = False
+        self._fired = False
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._active:
+                self._fired = True
+                _raise_in(self._thread_id, RenderTimedOut)
+
+    def __enter__(self) -> limited_render:
+        self._token = _current.set(_Render(self.limits))
+        self._thread_id = threading.get_ident()
+        self._active = True
+        self._watchdog = threading.Timer(self.limits.seconds + self._GRACE_S, self._fire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 traceback: Any) -> None:
         try:
-            yield
+            self._watchdog.cancel()
+            with self._lock:
+                self._active = False
+                if self._fired:
+                    _raise_in(self._thread_id, None)  # not delivered yet: take it back
         finally:
-            watchdog.cancel()
-            with lock:
-                state["active"] = False
-                if state["fired"]:
-                    _raise_in(thread_id, None)  # undelivered: take it back
-    except _Timeout:
-        raise LimitExceeded(f"ran longer than {limits.seconds:g} s") from None
-    finally:
-        _current.reset(token)
+            _current.reset(self._token)
+        if kind is not None and issubclass(kind, RenderTimedOut):
+            raise LimitExceeded(f"ran longer than {self.limits.seconds:g} s") from None
