@@ -6,12 +6,16 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from mlxrunner.chat.jinja import JinjaRenderer
-from mlxrunner.chat.limits import RenderLimits
+from mlxrunner.chat import JinjaRenderer, RenderLimits
 from mlxrunner.errors import TemplateError, TokenizerInputError
+from mlxrunner.model import Tokenizer
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "core" / "mlxrunner" / "testdata" / \
+    "tokenizer-bytelevel"
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 QUICK = RenderLimits(seconds=1.0)
@@ -91,21 +95,14 @@ def test_a_template_ending_just_before_the_deadline_leaves_no_pending_interrupt(
 
 
 def test_the_tokenizer_refuses_a_gigantic_text(monkeypatch):
-    from mlxrunner.model import Tokenizer
-    from mlxrunner.model import tokenizer as module
-
-    tok = Tokenizer.from_folder(module.Path(module.__file__).parents[1] / "testdata"
-                                / "tokenizer-bytelevel")
-    monkeypatch.setattr(module, "MAX_ENCODE_CHARS", 1000)
+    tok = Tokenizer.from_folder(TOKENIZER)
+    monkeypatch.setattr(Tokenizer, "max_encode_chars", 1000)
     with pytest.raises(TokenizerInputError, match="longer than the tokenizer takes"):
         tok.encode("x" * 1001)
     assert tok.encode("x" * 10)
 
 
 def test_a_panic_in_the_rust_tokenizer_is_one_error():
-    from mlxrunner.model import Tokenizer
-    from mlxrunner.model import tokenizer as module
-
     class PanicException(BaseException):  # pyo3's, raised where the Rust code panics
         pass
 
@@ -113,8 +110,7 @@ def test_a_panic_in_the_rust_tokenizer_is_one_error():
         def encode(self, text, add_special_tokens=False):
             raise PanicException("capacity overflow")
 
-    tok = Tokenizer.from_folder(module.Path(module.__file__).parents[1] / "testdata"
-                                / "tokenizer-bytelevel")
+    tok = Tokenizer.from_folder(TOKENIZER)
     tok._backend = Panicking()
     with pytest.raises(TokenizerInputError, match="capacity overflow"):
         tok.encode("hello")

@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "TrimmedText": "parsing",
     "JinjaRenderer": "jinja",
     "compile_template": "jinja",
+    "RenderLimits": "limits",
     "TextStream": "streaming",
 }
 

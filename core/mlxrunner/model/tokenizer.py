@@ -24,11 +24,7 @@ import tokenizers
 
 from ..errors import ModelFolderError, TokenizerInputError
 
-__all__ = ["Tokenizer", "StreamingDetokenizer", "MAX_ENCODE_CHARS"]
-
-#: the longest text encode() takes: far past any context window, far below what makes the
-#: Rust tokenizer run out of memory
-MAX_ENCODE_CHARS = 64 * 2**20
+__all__ = ["Tokenizer", "StreamingDetokenizer"]
 
 _REPLACEMENT = "\ufffd"
 _ROLES = ("bos", "eos", "pad", "unk")
@@ -156,6 +152,10 @@ class Tokenizer:
     Build it with :meth:`from_folder` (a Hugging Face model folder) or
     :meth:`from_file` (a bare ``tokenizer.json``, optionally gzipped).
     """
+
+    #: the longest text encode() takes: far past any context window, far below what makes
+    #: the Rust tokenizer run out of memory
+    max_encode_chars = 64 * 2**20
 
     def __init__(
         self,
@@ -411,9 +411,9 @@ class Tokenizer:
         says so (not twice when the text already starts with it)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() needs a str, got {type(text).__name__}")
-        if len(text) > MAX_ENCODE_CHARS:
+        if len(text) > self.max_encode_chars:
             raise TokenizerInputError(f"a text of {len(text)} characters is longer than the "
-                                      f"tokenizer takes ({MAX_ENCODE_CHARS})")
+                                      f"tokenizer takes ({self.max_encode_chars})")
         try:
             ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         except BaseException as exc:
