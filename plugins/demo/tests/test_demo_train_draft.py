@@ -339,3 +339,100 @@ def test_the_pool_mixes_short_document_openings_with_corpus_windows():
     for row in pool:  # past the longest prompt (32) every token is the target's greedy one
         greedy = np.array(mx.argmax(target(mx.array(row[None])), axis=-1))[0]
         assert (row[33:] == greedy[32:-1]).all()
+
+
+class _Killed(Exception):
+    """Stands for the process dying at the patched call."""
+
+
+def _kill_at(monkeypatch, module, name: str, when) -> None:
+    """Make ``module.name`` raise ``_Killed`` on the first call for which ``when(*args)``."""
+    real = getattr(module, name)
+
+    def patched(*args, **kwargs):
+        if when(*args):
+            raise _Killed(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, patched)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_a_kill_while_checkpointing_leaves_the_previous_checkpoint_to_resume(
+        tiny_target, tmp_path, monkeypatch):
+    folder, train_files, held_files = tiny_target
+    common = dict(steps=4, self_distill=0, eval_prompts=0, eval_blocks=8, save_every=0)
+    out = tmp_path / "d"
+    ckpt = out / CHECKPOINT
+    whole = train.train_draft(_settings(folder, train_files, held_files, tmp_path / "whole",
+                                        **common))
+    train.train_draft(_settings(folder, train_files, held_files, out, stop_at=2, **common))
+    at_step_2 = _files(ckpt)
+    # Killed between the weights and the optimizer state (the files of step 3).
+    with monkeypatch.context() as m:
+        _kill_at(m, train.mx, "save_safetensors", lambda path, *_: "optimizer" in str(path))
+        with pytest.raises(_Killed):
+            train.train_draft(_settings(folder, train_files, held_files, out, stop_at=3,
+                                        resume=True, **common))
+    assert _files(ckpt) == at_step_2
+    # Killed with step 3 written whole, between moving step 2 aside and moving step 3 in.
+    with monkeypatch.context() as m:
+        _kill_at(m, train.os, "replace", lambda src, dst: Path(dst) == ckpt)
+        with pytest.raises(_Killed):
+            train.train_draft(_settings(folder, train_files, held_files, out, stop_at=3,
+                                        resume=True, **common))
+    assert not ckpt.exists() and list(out.glob(f"{CHECKPOINT}.tmp-*"))
+    resumed = train.train_draft(_settings(folder, train_files, held_files, out, resume=True,
+                                          **common))
+    assert resumed["steps"] == 4 and not list(out.glob(f"{CHECKPOINT}.*"))
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in whole["history"]]
+    assert _files(ckpt)["draft.safetensors"] == \
+        _files(tmp_path / "whole" / CHECKPOINT)["draft.safetensors"]
+
+
+def test_resume_refuses_a_checkpoint_whose_files_are_from_different_steps(tiny_target,
+                                                                          tmp_path):
+    folder, train_files, held_files = tiny_target
+    common = dict(steps=4, self_distill=0, eval_prompts=0, eval_blocks=8, save_every=0)
+    for name, stop_at in (("at2", 2), ("at4", 0)):
+        train.train_draft(_settings(folder, train_files, held_files, tmp_path / name,
+                                    stop_at=stop_at, **common))
+    # What writing in place left when killed between files: state.json at step 2, weights at 4.
+    mixed = tmp_path / "at2" / CHECKPOINT
+    (mixed / "draft.safetensors").write_bytes(
+        (tmp_path / "at4" / CHECKPOINT / "draft.safetensors").read_bytes())
+    with pytest.raises(train.TrainDraftError, match="different steps.*draft.safetensors at "
+                                                    "step 4"):
+        train.train_draft(_settings(folder, train_files, held_files, tmp_path / "at2",
+                                    resume=True, **common))
+
+
+def test_a_kill_while_saving_the_draft_never_leaves_new_weights_under_an_old_config(
+        tiny_target, tmp_path, monkeypatch):
+    import mlxrunner
+
+    folder, _, _ = tiny_target
+    out = tmp_path / "draft"
+    target = mlxrunner.load(str(folder), use_draft=False).model
+    settings = _settings(folder, [], [], out)
+    config = train.make_draft_config(settings, target, [1], 0, "float32")
+    train.save_draft(train.build_draft(settings, config, target), config, out, mx.float32)
+    before = _files(out)
+    mx.random.seed(1)
+    other = train.build_draft(settings, config, target)
+    with monkeypatch.context() as m:  # killed writing the weights: the old draft is whole
+        _kill_at(m, train.mx, "save_safetensors", lambda *_: True)
+        with pytest.raises(_Killed):
+            train.save_draft(other, config, out, mx.float32)
+    assert _files(out) == before
+    with monkeypatch.context() as m:  # killed between the renames: no config, nothing loads
+        _kill_at(m, train.os, "replace", lambda src, dst: Path(dst).name == "config.json")
+        with pytest.raises(_Killed):
+            train.save_draft(other, config, out, mx.float32)
+    assert not (out / "config.json").exists()
+    train.save_draft(other, config, out, mx.float32)
+    assert mlxrunner.load(str(folder), draft=str(out)).draft is not None
+    assert not list(out.glob(".draft.tmp-*"))

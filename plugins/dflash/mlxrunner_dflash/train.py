@@ -31,7 +31,8 @@ block-masked form. ``tests/test_dflash_train.py`` checks one block against the p
 speculative session.
 
 The trainer checkpoints (draft, optimizer and data-stream state) every ``--save-every``
-steps and at the end; ``--resume`` continues a run from ``OUT/checkpoint``. The finished
+steps and at the end, each checkpoint written to a temporary folder and swapped in whole;
+``--resume`` continues a run from ``OUT/checkpoint``. The finished
 draft is ``OUT/config.json`` + ``OUT/model.safetensors``, which ``--draft OUT`` loads. The
 final report measures the mean accepted length (tau) on held-out text: the greedy-agreement
 estimate over held-out blocks, and the real speculative loop (``mlxrunner.generate``) on a
@@ -46,6 +47,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -609,32 +611,80 @@ def dtype_by_name(name: str) -> mx.Dtype:
 
 
 def save_draft(draft: nn.Module, config: dict[str, Any], out: Path, dtype: mx.Dtype) -> None:
-    """``out/config.json`` + ``out/model.safetensors`` (plain names), loadable by ``--draft``."""
-    out.mkdir(parents=True, exist_ok=True)
+    """``out/config.json`` + ``out/model.safetensors`` (plain names), loadable by ``--draft``.
+
+    Both are written to a temporary folder inside ``out`` first; the old ``config.json`` goes
+    before the new files are moved in, so a kill leaves the previous draft, or one without a
+    config (which does not load), never new weights under an old config.
+    """
+    tmp = out / f".draft.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     weights = {name: value.astype(dtype) for name, value in tree_flatten(draft.parameters())}
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / "config.json").unlink(missing_ok=True)
+    os.replace(tmp / "model.safetensors", out / "model.safetensors")
+    os.replace(tmp / "config.json", out / "config.json")
+    for leftover in out.glob(".draft.tmp-*"):  # this one and any from killed runs
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def previous_checkpoint(folder: Path) -> Path:
+    """Where ``save_checkpoint`` keeps the checkpoint it replaces while it swaps folders."""
+    return folder.with_name(folder.name + ".old")
 
 
 def save_checkpoint(folder: Path, draft: nn.Module, optimizer: optim.Optimizer,
                     state: dict[str, Any]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "draft.safetensors"), dict(tree_flatten(draft.parameters())))
-    mx.save_safetensors(str(folder / "optimizer.safetensors"),
-                        dict(tree_flatten(optimizer.state)))
-    tmp = folder / "state.json.tmp"
-    tmp.write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, folder / "state.json")
+    """Write the checkpoint whole to a temporary folder, then swap it in for ``folder``.
+
+    Killed while writing, the previous checkpoint is untouched; killed between the two
+    renames, it is ``folder.old``, which ``recover_checkpoint`` takes back. Both weight files
+    carry the step, so a checkpoint whose files disagree is refused on resume.
+    """
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    stamp = {"step": str(state["step"])}
+    mx.save_safetensors(str(tmp / "draft.safetensors"), dict(tree_flatten(draft.parameters())),
+                        metadata=stamp)
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"),
+                        dict(tree_flatten(optimizer.state)), metadata=stamp)
+    (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+    old = previous_checkpoint(folder)
+    if folder.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    for leftover in folder.parent.glob(f"{folder.name}.tmp-*"):  # from killed runs
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def recover_checkpoint(folder: Path) -> None:
+    """Put back the previous checkpoint when a run was killed between ``save_checkpoint``'s
+    renames; temporary folders (``folder.tmp-PID``) are never read."""
+    old = previous_checkpoint(folder)
+    if not folder.exists() and (old / "state.json").exists():
+        os.replace(old, folder)
 
 
 def load_checkpoint(folder: Path, draft: nn.Module, optimizer: optim.Optimizer
                     ) -> dict[str, Any]:
     try:
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        weights = mx.load(str(folder / "draft.safetensors"))
-        opt_state = mx.load(str(folder / "optimizer.safetensors"))
+        weights, weights_meta = mx.load(str(folder / "draft.safetensors"), return_metadata=True)
+        opt_state, opt_meta = mx.load(str(folder / "optimizer.safetensors"),
+                                      return_metadata=True)
     except (OSError, ValueError) as exc:
         raise TrainDraftError(f"{folder}: cannot resume ({exc})") from None
+    steps = {"state.json": str(state.get("step")), "draft.safetensors": weights_meta.get("step"),
+             "optimizer.safetensors": opt_meta.get("step")}
+    if len(set(steps.values())) != 1:
+        found = ", ".join(f"{name} at step {step}" for name, step in steps.items())
+        raise TrainDraftError(f"{folder}: cannot resume, the files are from different steps "
+                              f"({found})")
     draft.load_weights(list(weights.items()), strict=True)
     optimizer.state = tree_unflatten(list(opt_state.items()))
     mx.eval(draft.parameters(), optimizer.state)
@@ -866,6 +916,8 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
                         ("--distill-openings", settings.distill_openings)):
         if not 0.0 <= share <= 1.0:
             raise TrainDraftError(f"{flag} {share}: a share, between 0 and 1")
+    if settings.resume:
+        recover_checkpoint(ckpt_dir)
     if settings.resume and (ckpt_dir / "state.json").exists():
         saved = json.loads((ckpt_dir / "state.json").read_text(encoding="utf-8"))["settings"]
         changed = [k for k in TrainSettings.FIXED if saved.get(k) != getattr(settings, k)]
