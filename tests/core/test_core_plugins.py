@@ -206,11 +206,13 @@ def test_unknown_architecture_suggests_only_known_packages(host):
 def test_known_architecture_packages_match_the_first_party_plugins():
     from mlxrunner_example_architecture import plugin as example
     from mlxrunner_gemma4 import plugin as gemma4
+    from mlxrunner_llama import plugin as llama
     from mlxrunner_qwen3_5 import plugin as qwen3_5
 
     table = plugins.KNOWN_ARCHITECTURE_PACKAGES
     for names, package in ((qwen3_5.NAMES, "mlxrunner-qwen3-5"),
                            (gemma4.ARCHITECTURE_NAMES, "mlxrunner-gemma4"),
+                           (llama.ARCHITECTURE_NAMES, "mlxrunner-llama"),
                            (example.ARCHITECTURE_NAMES, "mlxrunner-example-architecture")):
         assert {name: table.get(name) for name in names} == dict.fromkeys(names, package)
 

@@ -49,6 +49,8 @@ KNOWN_ARCHITECTURE_PACKAGES: dict[str, str] = {
                      "qwen3_5_text"), "mlxrunner-qwen3-5"),
     **dict.fromkeys(("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM", "gemma4",
                      "gemma4_text"), "mlxrunner-gemma4"),
+    **dict.fromkeys(("LlamaForCausalLM", "llama", "MistralForCausalLM", "mistral"),
+                    "mlxrunner-llama"),
     **dict.fromkeys(("ExampleLlamaForCausalLM", "example_llama"),
                     "mlxrunner-example-architecture"),
 }
