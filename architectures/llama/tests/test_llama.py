@@ -13,8 +13,10 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlxrunner_llama import plugin
 from mlxrunner_llama.model import Llama
 
@@ -233,3 +235,54 @@ def test_missing_key_is_named():
     del cfg["intermediate_size"]
     with pytest.raises(mlxrunner.ModelFolderError, match="intermediate_size"):
         Llama(cfg)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_folder_loads_and_runs(bits, tmp_path):
+    """An MLX affine-quantized folder (every linear layer and the tied embedding, which is
+    also the head, group 32) loads through its quantization block and computes what the
+    quantized model it was written from computes, prefill + decode included."""
+    name = "tied_llama3"
+    source = mlxrunner.load_model(FIXTURES / name)
+    nn.quantize(source, group_size=32, bits=bits)
+    folder = tmp_path / f"q{bits}"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(source.parameters())))
+    (folder / "config.json").write_text(json.dumps(
+        {**config(name), "quantization": {"group_size": 32, "bits": bits}}))
+    loaded = mlxrunner.load_model(folder)
+    assert isinstance(loaded.model.embed_tokens, nn.QuantizedEmbedding)
+    assert isinstance(loaded.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert loaded.weight_precision == f"{bits}-bit affine"
+    ids = mx.array(reference(name)["ids_40"])
+    expected = np.array(source(ids)[0])
+    assert max_err(loaded(ids)[0], expected) < 1e-5
+    cache = loaded.make_cache()
+    rows = [loaded(ids[:, :30], cache)] + [loaded(ids[:, t:t + 1], cache) for t in range(30, 40)]
+    assert max_err(mx.concatenate(rows, axis=1)[0], expected) < 1e-4
+    assert max_err(loaded(ids)[0], reference(name)["logits_40"]) > 1e-3  # really quantized
+
+
+#: SmolLM2-135M-Instruct's config.json (HuggingFaceTB), the keys the architecture reads
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_act": "silu",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000,
+    "rope_scaling": None, "tie_word_embeddings": True, "attention_bias": False,
+    "mlp_bias": False, "pretraining_tp": 1,
+}
+
+
+def test_smollm2_135m_shapes():
+    """The published SmolLM2-135M config builds the 134.5M-parameter model (shapes only: no
+    random weights are materialised)."""
+    model = Llama(SMOLLM2_135M)
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (576, 576)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (192, 576)  # 3 heads of 64
+    assert shapes["model.layers.29.mlp.down_proj.weight"] == (576, 1536)
+    assert "lm_head.weight" not in shapes
+    assert sum(int(np.prod(s)) for s in shapes.values()) == 134_515_008
+    rope = model.layers[0].self_attn.rope
+    assert rope.dims == 64 and rope.base == 100000.0
