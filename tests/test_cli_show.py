@@ -53,5 +53,7 @@ def test_show_reports_target_and_quantized_draft_precision_apart(tmp_path):
     assert info["draft_precision"] == "4-bit affine"
 
     text = cli("show", str(folder), cwd=tmp_path).stdout.splitlines()
-    assert f"target precision  {target_precision}" in text
-    assert "draft precision   4-bit affine" in text
+    stored = info["target_stored_precision"]
+    assert f"target precision  {stored} (stored), computed in {target_precision}" in text
+    assert f"draft precision   4-bit affine (stored), computed in {info['draft_compute_dtype']}" \
+        in text

@@ -8,21 +8,23 @@ the sampler defaults.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .chat.formats import RenderContext, get_parser, get_renderer
 from .decode.options import SamplerOptions
-from .errors import ModelFolderError
+from .errors import ModelfileError, ModelFolderError
 from .host import manager as plugins
-from .model.draft import load_draft
-from .model.interface import Model
-from .model.loading import load_model, read_config, read_json, resolve_model_path
-from .model.modelfile import read_modelfile
+from .model.draft import BUNDLE_PREFIX, load_draft
+from .model.interface import Model, weight_precision_of
+from .model.loading import load_model, read_config, read_json, resolve_model_path, weight_files
+from .model.modelfile import Modelfile, inherit_modelfile, read_modelfile
+from .model.safetensors import FLOAT_DTYPES, stored_dtypes
 from .model.tokenizer import Tokenizer
 
 
@@ -51,6 +53,10 @@ class Bundle:
             return None
         return get_parser(self.parser_name, self.extra.get("context"))
 
+    def stop_strings(self) -> list[str]:
+        """The Modelfile's ``PARAMETER stop`` strings: a reply ends where one appears."""
+        return list(self.extra.get("stop") or [])
+
     def stop_token_ids(self) -> frozenset[int]:
         """Ids that end a reply: the tokenizer's EOS ids, the model's own, and the
         renderer's stop markers (e.g. an end-of-turn token)."""
@@ -78,6 +84,28 @@ def parameter_count(model: nn.Module) -> int:
             else:
                 total += value.size
     return total
+
+
+def stored_precision(bundle: Bundle, part: str = "target") -> str | None:
+    """How the ``target``'s or the ``draft``'s weights are stored in the folder: their
+    quantization (kept as stored when loaded), else the float dtypes of their tensors, which
+    loading may cast (to the dtype config.json declares, or ``dtype``). None: no such part."""
+    module = bundle.model if part == "target" else bundle.draft
+    if module is None:
+        return None
+    loaded = weight_precision_of(module)
+    if "bit" in loaded:
+        return loaded
+    own: Callable[[str], bool]
+    if part == "target":
+        files, own = weight_files(bundle.path), lambda name: not name.startswith(BUNDLE_PREFIX)
+    elif bundle.draft_path is None:  # a bundle's draft: the draft.* tensors beside the target's
+        files, own = weight_files(bundle.path), lambda name: name.startswith(BUNDLE_PREFIX)
+    else:
+        files, own = weight_files(bundle.draft_path), lambda name: True
+    names = {FLOAT_DTYPES[dtype] for f in files for name, dtype in stored_dtypes(f).items()
+             if dtype in FLOAT_DTYPES and own(name)}
+    return "/".join(sorted(names)) or loaded
 
 
 def _find_modelfile(path: Path) -> tuple[Path, Path | None]:
@@ -143,12 +171,25 @@ def load(path: str | Path, draft: str | Path | None = None, renderer: str | None
     p = Path(path).expanduser()
     folder, modelfile_path = _find_modelfile(p if p.exists() else resolve_model_path(path))
     modelfile = read_modelfile(modelfile_path) if modelfile_path else None
-    if modelfile is not None and modelfile.from_ and modelfile_path is not None:
-        target = Path(modelfile.from_)
+    # FROM another folder: the weights are there, and so is a Modelfile this one builds on
+    # (followed FROM by FROM; a chain that comes back to a Modelfile is refused).
+    current, seen = modelfile, set()
+    while current is not None and current.from_ and current.path is not None:
+        seen.add(current.path.resolve())
+        target = Path(current.from_)
         if not target.is_absolute():
-            target = modelfile_path.parent / target
-        if target.resolve() != folder.resolve():
-            folder = resolve_model_path(target if target.exists() else modelfile.from_)
+            target = current.path.parent / target
+        if target.resolve() == current.path.parent.resolve():
+            break
+        folder = resolve_model_path(target if target.exists() else current.from_)
+        base_path = folder / "Modelfile"
+        if not base_path.is_file():
+            break
+        if base_path.resolve() in seen:
+            raise ModelfileError(f"{current.path}: FROM {current.from_} comes back to "
+                                 f"{base_path}, which builds on this one")
+        current = read_modelfile(base_path)
+        modelfile = inherit_modelfile(cast(Modelfile, modelfile), current)
     config = read_config(folder)
     model = load_model(folder, dtype=dtype)
     tokenizer = Tokenizer.from_folder(folder)

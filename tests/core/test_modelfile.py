@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import mlxrunner
 from mlxrunner import Modelfile, ModelfileError, read_modelfile
-from mlxrunner.model import PARAMETER_TYPES, parse_modelfile
+from mlxrunner.model import PARAMETER_TYPES, inherit_modelfile, parse_modelfile
 
 
 def write(tmp_path: Path, text: str, name: str = "Modelfile") -> Path:
@@ -26,6 +26,21 @@ def write(tmp_path: Path, text: str, name: str = "Modelfile") -> Path:
 
 def parse(tmp_path: Path, text: str) -> Modelfile:
     return read_modelfile(write(tmp_path, text))
+
+
+def test_inherit_fills_what_a_modelfile_leaves_unset_from_its_base(tmp_path: Path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "own").mkdir()
+    base = parse(tmp_path / "base", 'FROM .\nDRAFT ./draft\nRENDERER jinja\nPARSER qwen3.5\n'
+                 'PARAMETER top_k 7\nPARAMETER stop "a"\nSYSTEM "base"\n')
+    own = parse(tmp_path / "own", 'FROM ../base\nPARSER gemma4\nPARAMETER top_k 3\n'
+                'PARAMETER temperature 0.5\n')
+    merged = inherit_modelfile(own, base)
+    assert (merged.renderer, merged.parser, merged.system) == ("jinja", "gemma4", "base")
+    assert merged.parameters == {"top_k": 3, "temperature": 0.5, "stop": ["a"]}
+    # the base's DRAFT is relative to the base's folder, not to this Modelfile's
+    assert merged.draft_path == (tmp_path / "base" / "draft").absolute()
+    assert merged.draft == str(merged.draft_path) and merged.from_path == base.from_path
 
 
 def test_exported():

@@ -94,7 +94,7 @@ def stream_reply(bundle: Any, prompt: str, options: Any, max_tokens: int,
         show(parsed(parser.feed, chunk) if parser is not None else
              [ParsedMessage(content=chunk)])
 
-    text = TextStream(tok, stop_ids, on_text=feed)
+    text = TextStream(tok, stop_ids, bundle.stop_strings(), on_text=feed)
     if parser is not None:
         parsed(parser.reset, prompt)
     ids = tok.encode(prompt, add_special_tokens=False)

@@ -84,7 +84,7 @@ def _list_kind(kind: str, as_json: bool) -> int:
 
 # -- show ------------------------------------------------------------------
 def cmd_show(args: argparse.Namespace) -> int:
-    from ..bundle import load, parameter_count
+    from ..bundle import load, parameter_count, stored_precision
 
     bundle = load(args.model, draft=args.draft, renderer=args.renderer, dtype=args.dtype)
     model = bundle.model
@@ -96,9 +96,14 @@ def cmd_show(args: argparse.Namespace) -> int:
         "layers": model.num_layers,
         "vocab_size": model.vocab_size,
         "target_precision": model.weight_precision,
+        "target_stored_precision": stored_precision(bundle, "target"),
+        "target_compute_dtype": _dtype_name(model.dtype),
         "draft": str(bundle.draft_path) if bundle.draft_path else
         ("bundled" if bundle.draft is not None else None),
         "draft_precision": getattr(bundle.draft, "weight_precision", None)
+        if bundle.draft is not None else None,
+        "draft_stored_precision": stored_precision(bundle, "draft"),
+        "draft_compute_dtype": _dtype_name(bundle.draft.dtype)
         if bundle.draft is not None else None,
         "renderer": bundle.renderer_name,
         "parser": bundle.parser_name,
@@ -113,8 +118,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         value = info[key]
         if key == "parameters":
             value = _human_count(value)
+        elif key.endswith("_precision") and value is not None:
+            part = key.removesuffix("_precision")
+            value = (f"{info[part + '_stored_precision']} (stored), computed in "
+                     f"{info[part + '_compute_dtype']}")
         print(f"{key.replace('_', ' '):17} {value if value is not None else '-'}")
     return 0
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("mlx.core.", "")
 
 
 def _human_count(n: int) -> str:
@@ -267,7 +280,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    text = TextStream(tok, stop_ids, on_text=write)
+    stops = bundle.stop_strings()
+    text = TextStream(tok, stop_ids, stops, on_text=write if stream else None)
+
+    def until_stop_string() -> Any:
+        """An ``on_token`` that ends a run where the Modelfile's stop strings end the text."""
+        return TextStream(tok, stop_ids, stops).add if stops else None
 
     if args.compare and bundle.draft is not None:
         # Warm both paths over the whole run first (first calls trace and compile each
@@ -275,9 +293,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         # measures decoding, not compilation.
         for warm_draft in (bundle.draft, None):
             generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                     eos_ids=stop_ids, draft=warm_draft)
+                     eos_ids=stop_ids, on_token=until_stop_string(), draft=warm_draft)
     result = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                      eos_ids=stop_ids, on_token=text.add if stream else None,
+                      eos_ids=stop_ids, on_token=text.add if stream or stops else None,
                       draft=bundle.draft)
     if stream:  # --json decodes the whole reply once, at the end
         text.finish()
@@ -285,7 +303,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     stats = {"run": result.stats.as_dict()}
     if args.compare and bundle.draft is not None:
         plain = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                         eos_ids=stop_ids)
+                         eos_ids=stop_ids, on_token=until_stop_string())
         stats["plain"] = plain.stats.as_dict()
         same = plain.tokens == result.tokens
         stats["identical_to_plain"] = same
@@ -293,21 +311,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         plain_tps = stats["plain"].get("tokens_per_second") or 0.0
         stats["speedup"] = round(run_tps / plain_tps, 3) if plain_tps else None
     if args.json:
-        text = tok.decode(result.tokens)
+        reply = text.finish() if text.stopped else tok.decode(result.tokens)
         out: dict[str, Any] = {"model": str(bundle.path), "prompt_tokens": len(prompt_ids),
-                               "tokens": result.tokens, "text": text,
+                               "tokens": result.tokens, "text": reply,
                                "finish_reason": result.finish_reason, "statistics": stats}
         if bundle.parser is not None:
             with plugins.plugin_code("parsers", bundle.parser_name):
                 bundle.parser.reset(prompt_text)
-                parsed = bundle.parser.parse(text)
+                parsed = bundle.parser.parse(reply)
             out["message"] = {"content": parsed.content, "thinking": parsed.thinking,
                               "tool_calls": [{"name": c.name, "arguments": c.arguments}
                                              for c in parsed.tool_calls]}
         if result.logprobs:
             out["logprobs"] = result.logprobs
         print(json.dumps(out, ensure_ascii=False))
-    elif args.stats or args.compare:
+        return 0
+    if result.logprobs:
+        print(format_logprobs(tok, result.tokens, result.logprobs))
+    if args.stats or args.compare:
         print(result.stats.format(), file=sys.stderr)
         if "plain" in stats:
             s = stats["plain"]
@@ -315,6 +336,19 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"speedup {stats['speedup']}x; identical output: {stats['identical_to_plain']}",
                   file=sys.stderr)
     return 0
+
+
+def format_logprobs(tokenizer: Any, tokens: Sequence[int],
+                    logprobs: Sequence[dict[str, Any]]) -> str:
+    """One line per generated token: the token, its log-probability, then the most likely
+    tokens at that step with theirs (``--top-logprobs``)."""
+    lines = ["logprobs (token, log-probability, most likely tokens):"]
+    for token, info in zip(tokens, logprobs):
+        alternatives = "  ".join(f"{tokenizer.decode([i])!r} {lp:.4f}"
+                                 for i, lp in info.get("top_logprobs") or ())
+        line = f"{tokenizer.decode([token])!r:<16} {info['logprob']:9.4f}"
+        lines.append(f"{line}  {alternatives}" if alternatives else line)
+    return "\n".join(lines)
 
 
 # -- render ----------------------------------------------------------------
@@ -469,7 +503,21 @@ class _Parser(argparse.ArgumentParser):
     shows the usage); the subcommands' parsers are of this class too."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"mlxrunner: error: {self.prog}: {message}\n")
+        command = self.prog.removeprefix("mlxrunner").strip()  # "run" for `mlxrunner run`
+        where = f"{command}: " if command else ""
+        self.exit(2, f"mlxrunner: error: {where}{message}\n")
+
+
+def _version() -> str:
+    """The installed distribution's version (the package's own when run from a checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("mlxrunner")
+    except metadata.PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
@@ -478,6 +526,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
         description="Run language models on MLX; architectures, chat formats and drafts "
                     "come from plugins.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"mlxrunner {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     registry = CommandRegistry(sub)
 

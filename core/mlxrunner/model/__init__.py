@@ -31,10 +31,12 @@ _EXPORTS: dict[str, str] = {
     "text_config": "loading",
     "weight_files": "loading",
     "check_safetensors": "safetensors",
+    "stored_dtypes": "safetensors",
     # the rest of a folder
     "Tokenizer": "tokenizer",
     "Modelfile": "modelfile",
     "PARAMETER_TYPES": "modelfile",
+    "inherit_modelfile": "modelfile",
     "parse_modelfile": "modelfile",
     "read_modelfile": "modelfile",
 }

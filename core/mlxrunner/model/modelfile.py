@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from os import PathLike
 from pathlib import Path
 from typing import Any
 
 from ..errors import ModelfileError
 
-__all__ = ["Modelfile", "read_modelfile", "parse_modelfile", "PARAMETER_TYPES"]
+__all__ = ["Modelfile", "read_modelfile", "parse_modelfile", "inherit_modelfile",
+           "PARAMETER_TYPES"]
 
 #: PARAMETER names mlxrunner accepts and the type each value is read as.
 PARAMETER_TYPES: dict[str, type] = {
@@ -86,6 +87,23 @@ class Modelfile:
     parser: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
     system: str | None = None
+
+
+def inherit_modelfile(own: Modelfile, base: Modelfile) -> Modelfile:
+    """``own`` over ``base`` (the Modelfile of the folder ``own`` names in FROM): what
+    ``own`` leaves unset comes from ``base``, each PARAMETER on its own; FROM is ``base``'s,
+    the folder the weights are in."""
+    draft, draft_path = own.draft, own.draft_path
+    if draft is None and base.draft is not None:
+        # resolved against base's folder, not own's
+        draft = str(base.draft_path) if base.draft_path is not None else base.draft
+        draft_path = base.draft_path
+    return replace(
+        own, from_=base.from_, from_path=base.from_path, draft=draft, draft_path=draft_path,
+        renderer=own.renderer if own.renderer is not None else base.renderer,
+        parser=own.parser if own.parser is not None else base.parser,
+        parameters={**base.parameters, **own.parameters},
+        system=own.system if own.system is not None else base.system)
 
 
 def read_modelfile(path: str | PathLike[str]) -> Modelfile:

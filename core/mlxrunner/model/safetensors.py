@@ -88,3 +88,14 @@ def check_safetensors(path: Path) -> list[str]:
         raise ModelFolderError(f"{path}: {data_size - covered} bytes after the last tensor "
                                "belong to no tensor")
     return [name for _, name in ranges]
+
+
+#: MLX's names of the float dtypes a safetensors header names
+FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+def stored_dtypes(path: Path) -> dict[str, str]:
+    """Each tensor's dtype as ``path`` stores it (``BF16``, ``U32`` ...), read from the header."""
+    header, _ = _read_header(path)
+    return {name: str(info.get("dtype")) for name, info in header.items()
+            if name != "__metadata__" and isinstance(info, dict)}

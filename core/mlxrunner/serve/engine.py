@@ -301,7 +301,7 @@ class Service:
                    max_tokens: int | None, stops: list[str] | None = None) -> Generation:
         """A checked :class:`Generation`: ``sampler`` (the request's options by our names)
         over the model's defaults, ``max_tokens`` capped by the context and the server's
-        limit."""
+        limit, ``stops`` (none given: the Modelfile's)."""
         try:
             options = self.bundle.defaults.merged(
                 {k: v for k, v in sampler.items() if v is not None})
@@ -312,8 +312,9 @@ class Service:
         room = self.limits.max_tokens_limit
         if self.context is not None:
             room = min(room, self.context - len(ids))
+        # A request's stop strings replace the Modelfile's, as its options replace defaults.
         return Generation(ids=ids, options=options, max_tokens=max(1, min(wanted, room)),
-                          stops=list(stops or []))
+                          stops=list(stops or self.bundle.stop_strings()))
 
     def logprobs_content(self, reply: Reply) -> list[dict[str, Any]] | None:
         """OpenAI's per-token logprobs, or None when none were asked for."""
