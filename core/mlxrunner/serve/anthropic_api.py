@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..chat.formats import ParsedMessage
 from .chat import ChatTurn, call_id, chat_prompt
-from .common import complete, dumps, no_reply, service_for, streamed
+from .common import Streamed, complete, dumps, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 
 router = APIRouter()
@@ -242,15 +242,11 @@ async def _events(request: Request, service: Service, turn: ChatTurn,
             out.append(_event("content_block_delta", {"index": index, "delta": delta}))
         return out
 
-    reply = Reply()
-    async for item in items:
-        if isinstance(item, Reply):
-            reply = item
-        else:
-            for line in to_events(turn.feed(item)):
-                yield line
-    for line in to_events(turn.finish()):
-        yield line
+    stream = Streamed(items, turn)
+    async for parsed in stream:
+        for line in to_events(parsed):
+            yield line
+    reply = stream.reply
     if open_kind is not None:
         yield _event("content_block_stop", {"index": index})
     request.state.tokens = len(reply.tokens)

@@ -52,6 +52,23 @@ async def complete(request: Request, service: Service, generation: Generation
     return reply
 
 
+class Streamed:
+    """A streamed generation read through a chat turn: iterating gives the turn's parsed
+    pieces as the text arrives, then what the end of the text releases; ``reply`` is the
+    generation's Reply once the iteration is over."""
+
+    def __init__(self, items: AsyncIterator[str | Reply], turn: Any) -> None:
+        self.items, self.turn, self.reply = items, turn, Reply()
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        async for item in self.items:
+            if isinstance(item, Reply):
+                self.reply = item
+            else:
+                yield self.turn.feed(item)
+        yield self.turn.finish()
+
+
 def failure_message(exc: BaseException) -> str:
     """What a stream's last event says about a failure after its status went out."""
     if isinstance(exc, PluginFailedError):

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from ..bundle import parameter_count
 from ..chat.formats import ParsedMessage
 from .chat import ChatTurn, chat_prompt, raw_prompt
-from .common import complete, dumps, models_of, no_reply, service_for, streamed
+from .common import Streamed, complete, dumps, models_of, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 
 router = APIRouter()
@@ -338,15 +338,11 @@ async def _chat_lines(request: Request, service: Service, turn: ChatTurn,
                        "message": _ollama_message(piece), "done": False})
                 for piece in pieces if piece.content or piece.thinking or piece.tool_calls]
 
-    reply = Reply()
-    async for item in items:
-        if isinstance(item, Reply):
-            reply = item
-        else:
-            for line in lines(turn.feed(item)):
-                yield line
-    for line in lines(turn.finish()):
-        yield line
+    stream = Streamed(items, turn)
+    async for parsed in stream:
+        for line in lines(parsed):
+            yield line
+    reply = stream.reply
     request.state.tokens = len(reply.tokens)
     yield _line({"model": service.name, "created_at": _now(),
                  "message": {"role": "assistant", "content": ""},

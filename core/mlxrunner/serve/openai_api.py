@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from ..chat.formats import ParsedMessage
 from .chat import ChatTurn, arguments_json, call_id, chat_prompt, raw_prompt
-from .common import complete, dumps, models_of, no_reply, service_for, streamed
+from .common import Streamed, complete, dumps, models_of, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 
 router = APIRouter()
@@ -238,15 +238,11 @@ async def _chat_events(request: Request, service: Service, turn: ChatTurn,
         return out
 
     yield chunk({"role": "assistant", "content": ""})
-    reply = Reply()
-    async for item in items:
-        if isinstance(item, Reply):
-            reply = item
-        else:
-            for line in pieces(turn.feed(item)):
-                yield line
-    for line in pieces(turn.finish()):
-        yield line
+    stream = Streamed(items, turn)
+    async for parsed in stream:
+        for line in pieces(parsed):
+            yield line
+    reply = stream.reply
     request.state.tokens = len(reply.tokens)
     # Every token's logprobs come with the last chunk: the decoding loop reports them when
     # it ends (a client that joins the chunks' lists gets the whole list).

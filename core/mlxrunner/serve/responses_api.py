@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..chat.formats import ParsedMessage
 from .chat import ChatTurn, arguments_json, call_id, chat_prompt
-from .common import complete, dumps, no_reply, service_for, streamed
+from .common import Streamed, complete, dumps, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
 from .openai_api import think_of, tools_for
 
@@ -307,15 +307,13 @@ async def _events(request: Request, service: Service, body: ResponsesRequest, tu
     started = _response(service, body, response_id, created, [], None)
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
-    reply = Reply()
-    async for piece in items:
-        if isinstance(piece, Reply):
-            reply = piece
-        else:
-            for line in to_events(turn.feed(piece)):
-                yield line
-    for line in [*to_events(turn.finish()), *close()]:
+    stream = Streamed(items, turn)
+    async for parsed in stream:
+        for line in to_events(parsed):
+            yield line
+    for line in close():
         yield line
+    reply = stream.reply
     if not output:  # an empty reply is still one message
         item = _message_item(_ident("msg"), "")
         yield event("response.output_item.added", output_index=0, item=item)
