@@ -299,20 +299,22 @@ async def show(body: ModelRequest, request: Request) -> dict[str, Any]:
             "modified_at": _model_entry(service)["modified_at"]}
 
 
+def _no_text(model: str, reason: str, **empty: Any) -> Response:
+    """The one reply to a request that only loads (``reason`` "load") or unloads a model:
+    ``empty`` is the route's empty text field."""
+    return Response(_line({"model": model, "created_at": _now(), **empty,
+                           "done_reason": reason, "done": True}),
+                    media_type="application/json")
+
+
 @router.post("/api/chat", tags=["ollama"])
 async def chat(body: ChatRequest, request: Request) -> Response:
     options = body.options or Options()
     if not body.messages and body.unloads(request):
-        return Response(_line({"model": body.model, "created_at": _now(),
-                               "message": {"role": "assistant", "content": ""},
-                               "done_reason": "unload", "done": True}),
-                        media_type="application/json")
+        return _no_text(body.model, "unload", message={"role": "assistant", "content": ""})
     service = await body.service(request)
     if not body.messages:  # Ollama's way to load a model
-        return Response(_line({"model": service.name, "created_at": _now(),
-                               "message": {"role": "assistant", "content": ""},
-                               "done_reason": "load", "done": True}),
-                        media_type="application/json")
+        return _no_text(service.name, "load", message={"role": "assistant", "content": ""})
     turn, ids = await chat_prompt(service, _messages(body.messages), body.tools,
                                   body.thinking())
     generation = service.generation(ids, body.sampler(), max_tokens=options.max_tokens(),
@@ -359,14 +361,10 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
                            "suffix" if body.suffix else "context")
     options = body.options or Options()
     if not body.prompt and body.unloads(request):
-        return Response(_line({"model": body.model, "created_at": _now(), "response": "",
-                               "done_reason": "unload", "done": True}),
-                        media_type="application/json")
+        return _no_text(body.model, "unload", response="")
     service = await body.service(request)
     if not body.prompt:  # Ollama's way to load a model
-        return Response(_line({"model": service.name, "created_at": _now(), "response": "",
-                               "done_reason": "load", "done": True}),
-                        media_type="application/json")
+        return _no_text(service.name, "load", response="")
     turn: ChatTurn | None = None
     if body.raw or service.bundle.renderer is None:
         ids = await raw_prompt(service, body.prompt)
