@@ -29,7 +29,7 @@ import mlx.nn as nn
 
 import mlxrunner.nn as mnn
 from mlxrunner import KVCache, Model, ModelFolderError, RingCache, topk_indices
-from mlxrunner.plugin import ConfigBound, ConfigMultiple
+from mlxrunner.plugin import ConfigBound
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -366,8 +366,6 @@ class Gemma4Model(Model):
         "attention_k_eq_v": ConfigBound(bool),
         "enable_moe_block": ConfigBound(bool),
     }
-    # head_dim defaults to hidden_size // num_attention_heads
-    config_multiples = (ConfigMultiple("hidden_size", "num_attention_heads", unless="head_dim"),)
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner.nn as mnn
-from mlxrunner.plugin import Cache, ConfigBound, ConfigMultiple, KVCache, Model, ModelFolderError
+from mlxrunner.plugin import Cache, ConfigBound, KVCache, Model, ModelFolderError
 
 #: transformers' default window of a MistralConfig that does not name one
 MISTRAL_DEFAULT_WINDOW = 4096
@@ -136,8 +136,6 @@ class Llama(Model):
     config_bounds = {
         "pretraining_tp": ConfigBound(int, 1, 1024),  # a training detail: same math for any
     }
-    # without head_dim, the heads split hidden_size evenly
-    config_multiples = (ConfigMultiple("hidden_size", "num_attention_heads", unless="head_dim"),)
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

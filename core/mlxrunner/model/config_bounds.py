@@ -102,6 +102,8 @@ STANDARD_BOUNDS: Mapping[str, ConfigBound] = {
 
 STANDARD_MULTIPLES: tuple[ConfigMultiple, ...] = (
     ConfigMultiple("num_attention_heads", "num_key_value_heads"),
+    # without head_dim, the heads split hidden_size evenly (transformers' default)
+    ConfigMultiple("hidden_size", "num_attention_heads", unless="head_dim"),
 )
 
 _NESTED_SECTIONS = ("rope_parameters", "rope_scaling")

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner.nn as mnn
-from mlxrunner.plugin import Cache, ConfigMultiple, KVCache, Model, ModelFolderError
+from mlxrunner.plugin import Cache, KVCache, Model, ModelFolderError
 
 
 @dataclass(frozen=True)
@@ -120,9 +120,8 @@ class Backbone(nn.Module):
 class ExampleLlama(Model):
     """Registered as ``ExampleLlamaForCausalLM`` and ``example_llama``."""
 
-    # config.json's common keys are bounded by the core; name your own in config_bounds.
-    # head_dim defaults to hidden_size // num_attention_heads:
-    config_multiples = (ConfigMultiple("hidden_size", "num_attention_heads", unless="head_dim"),)
+    # config.json's common keys (and hidden_size // num_attention_heads as the default
+    # head_dim) are checked by the core; name your own in config_bounds / config_multiples.
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
