@@ -165,6 +165,29 @@ def read_weights(files: list[Path]) -> dict[str, mx.array]:
     return weights
 
 
+# The (bits, group size) each non-affine mode allows, as MLX packs them.
+_FIXED_MODES = {(4, 32): "mxfp4", (8, 32): "mxfp8", (4, 16): "nvfp4"}
+
+
+def _packed_params(path: str, module: nn.Module, weights: dict[str, mx.array],
+                   top_mode: str) -> dict[str, Any] | None:
+    """A module's group size, bits and mode read off its packed tensors (None when its
+    shapes do not say): only affine stores biases and keeps its scales in a float dtype."""
+    packed, scales = weights.get(f"{path}.weight"), weights[f"{path}.scales"]
+    dense = getattr(module, "weight", None)
+    if packed is None or dense is None:
+        return None
+    in_dim = dense.shape[-1]
+    if in_dim % scales.shape[-1] or (packed.shape[-1] * 32) % in_dim:
+        return None
+    group_size, bits = in_dim // scales.shape[-1], packed.shape[-1] * 32 // in_dim
+    if f"{path}.biases" in weights or scales.dtype != mx.uint8:
+        mode = "affine"
+    else:
+        mode = _FIXED_MODES.get((bits, group_size), top_mode)
+    return {"group_size": group_size, "bits": bits, "mode": mode}
+
+
 def quantize_for_checkpoint(model: nn.Module, config: dict[str, Any],
                             weights: dict[str, mx.array]) -> None:
     """Turn the modules a quantized checkpoint quantized into quantized modules."""
@@ -180,20 +203,17 @@ def quantize_for_checkpoint(model: nn.Module, config: dict[str, Any],
             return False
         if predicate_of_model is not None and not predicate_of_model(path, module):
             return False
-        # Read each module's bits and group size off its packed tensors: mixed-precision
-        # checkpoints key their overrides by their own module names, which sanitize renames.
-        packed, scales = weights.get(f"{path}.weight"), weights[f"{path}.scales"]
-        dense = getattr(module, "weight", None)
-        if packed is not None and dense is not None and mode == "affine":
-            in_dim = dense.shape[-1]
-            if in_dim % scales.shape[-1] == 0 and (packed.shape[-1] * 32) % in_dim == 0:
-                return {"group_size": in_dim // scales.shape[-1],
-                        "bits": packed.shape[-1] * 32 // in_dim, "mode": mode}
+        # Mixed-precision checkpoints key their per-module overrides by their own module
+        # names, which sanitize renames (mlx-lm's routers: 8-bit affine under an mxfp4
+        # top mode), so the packed tensors are read first.
+        packed = _packed_params(path, module, weights, mode)
+        if packed is not None:
+            return packed
         override = q.get(path)
-        if isinstance(override, dict):
+        if isinstance(override, dict):  # MLX's to_quantized: no mode given is affine
             return {"group_size": int(override.get("group_size", group_size)),
                     "bits": int(override.get("bits", bits)),
-                    "mode": override.get("mode", mode)}
+                    "mode": override.get("mode", "affine")}
         return True
 
     nn.quantize(model, group_size, bits, mode=mode, class_predicate=predicate)
