@@ -72,7 +72,7 @@ def test_turns_see_the_conversation_and_clear_forgets_it(bundle, monkeypatch):
     assert messages[1]["content"] == first
     text = "".join(out)
     assert text.startswith(HELP)
-    assert text.count(first) >= 2 and second in text and "(conversation cleared)" in text
+    assert text.count(first) >= 2 and second in text and "Cleared session context." in text
     user = {"role": "user", "content": "def add(a, b):"}
     assert seen == [[user],
                              [user, {"role": "assistant", "content": first},

@@ -11,8 +11,16 @@ from .main import main
 
 _EXPORTS: dict[str, str] = {
     "HELP": "chat",
+    "EXIT_HINT": "chat",
     "chat_loop": "chat",
+    "read_message": "chat",
     "stream_reply": "chat",
+    "LineEditor": "history",
+    "conversations_folder": "history",
+    "history_path": "history",
+    "describe_comparison": "statistics",
+    "describe_run": "statistics",
+    "slowdown_reason": "statistics",
     "CommandRegistry": "main",
     "build_parser": "main",
     "build_prompt": "main",

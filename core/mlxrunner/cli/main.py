@@ -170,6 +170,9 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system prompt")
     p.add_argument("--raw", action="store_true", help="send the prompt as is (no chat format)")
     p.add_argument("--stats", action="store_true", help="print statistics to stderr")
+    p.add_argument("--verbose", action="store_true",
+                   help="statistics with what each figure means (in a conversation: after "
+                        "each reply)")
     p.add_argument("--compare", action="store_true",
                    help="also decode without the draft and print both statistics")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -240,6 +243,7 @@ def build_prompt(bundle: Any, prompt: str, *, raw: bool, system: str | None,
 
 def cmd_run(args: argparse.Namespace) -> int:
     model_arg, prompt = _split_model_and_prompt(args.args)
+    model_given = model_arg is not None
     if model_arg is None:
         if "default" not in plugins.host().registry("models"):
             raise MLXRunnerError(
@@ -247,14 +251,19 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "(mlxrunner run ./model \"prompt\") or install the demo plugin "
                 "(pip install ./plugins/demo)")
         model_arg = "default"
-        # The demo's point is the comparison: show the statistics beside plain decoding.
-        args.compare = True
     if prompt == "-":
         prompt = sys.stdin.read()
-    # A model and no prompt at a terminal (or --chat): a conversation, as `ollama run` does.
-    chat = args.chat or (prompt is None and not args.compare and sys.stdin.isatty())
-    if prompt is None:
-        prompt = DEFAULT_PROMPT
+    # No prompt at a terminal (or --chat): a conversation, as `ollama run` does; piped in,
+    # the input is the prompt (nothing piped: the default prompt).
+    interactive = sys.stdin.isatty()
+    chat = args.chat or (prompt is None and interactive and not args.json)
+    if prompt is None and not chat:
+        piped = sys.stdin.read().rstrip("\n") if not interactive else ""
+        prompt = piped if piped.strip() else DEFAULT_PROMPT
+    if not chat and not model_given:
+        # The default model's point is the comparison: its statistics beside plain decoding.
+        args.compare = True
+    prompt = prompt if prompt is not None else DEFAULT_PROMPT
     from ..chat.streaming import TextStream
     from ..decode.generation import generate
 
@@ -264,11 +273,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     think = None if args.think is None else args.think == "on"
     if chat:
         from .chat import chat_loop
+        from .history import LineEditor, conversations_folder, history_path
 
         system = args.system if args.system is not None else bundle.extra.get("system")
-        chat_loop(bundle, options, max_tokens=max_tokens, think=think, system=system,
-                  read=input if sys.stdin.isatty() else _read_piped_line,
-                  color=sys.stdout.isatty())
+        editor = LineEditor(history_path()) if interactive else None
+        try:
+            chat_loop(bundle, options, max_tokens=max_tokens, think=think, system=system,
+                      read=editor.read if editor is not None else _read_piped_line,
+                      color=sys.stdout.isatty(), verbose=args.verbose,
+                      conversations=conversations_folder())
+        finally:
+            if editor is not None:
+                editor.save()
         return 0
     prompt_text, prompt_ids = build_prompt(bundle, prompt, raw=args.raw, system=args.system,
                                            think=think)
@@ -280,6 +296,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    if stream:
+        _show_prompt(prompt)
     stops = bundle.stop_strings()
     text = TextStream(tok, stop_ids, stops, on_text=write if stream else None)
 
@@ -328,14 +346,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     if result.logprobs:
         print(format_logprobs(tok, result.tokens, result.logprobs))
-    if args.stats or args.compare:
-        print(result.stats.format(), file=sys.stderr)
+    if args.stats or args.compare or args.verbose:
+        from .statistics import describe_comparison, describe_run
+
+        lines = describe_run(stats["run"], explain=args.verbose)
         if "plain" in stats:
-            s = stats["plain"]
-            print(f"plain: {s['generated_tokens']} tokens, {s['tokens_per_second']} tok/s; "
-                  f"speedup {stats['speedup']}x; identical output: {stats['identical_to_plain']}",
-                  file=sys.stderr)
+            lines += describe_comparison(stats["run"], stats["plain"], stats["speedup"],
+                                         stats["identical_to_plain"], explain=args.verbose)
+        print("\n".join(lines), file=sys.stderr)
     return 0
+
+
+def _show_prompt(prompt: str) -> None:
+    """The prompt a one-shot run answers, dimmed before the reply at a terminal (on stderr
+    when only that is one, so piped output stays the reply alone)."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream.isatty():
+            lines = prompt.splitlines() or [""]
+            quoted = "\n".join((">>> " if i == 0 else "... ") + line
+                               for i, line in enumerate(lines))
+            stream.write(f"\x1b[2m{quoted}\x1b[0m\n")
+            stream.flush()
+            return
 
 
 def format_logprobs(tokenizer: Any, tokens: Sequence[int],

@@ -1,0 +1,119 @@
+"""Where the chat keeps what outlives a session, and its line editor.
+
+The chat's files live under one folder, ``~/.mlxrunner`` (the parent of ``MLXRUNNER_MODELS``
+when that moves the model store, so a moved store takes them along): the input history in
+``history`` (``MLXRUNNER_HISTORY`` names another file) and saved conversations in
+``conversations/``.
+
+:class:`LineEditor` gives ``input`` line editing and Up/Down recall through Python's
+``readline`` where it exists (without it, input works as plain lines). The history file is
+read once, at the start; at the end the session's lines are added to what the file holds
+then (another session may have written it meanwhile) and the whole is written under a
+temporary name and renamed over it, so a crash never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: lines kept in the history file
+HISTORY_LENGTH = 1000
+
+
+def chat_home(env: Mapping[str, str] | None = None) -> Path:
+    """The folder of the chat's files: the model store's parent when ``MLXRUNNER_MODELS``
+    moves the store, else ``~/.mlxrunner``."""
+    env = os.environ if env is None else env
+    models = env.get("MLXRUNNER_MODELS")
+    if models:
+        return Path(models).expanduser().parent
+    return Path("~/.mlxrunner").expanduser()
+
+
+def history_path(env: Mapping[str, str] | None = None) -> Path:
+    """The input history file: ``MLXRUNNER_HISTORY``, else ``history`` in :func:`chat_home`."""
+    env = os.environ if env is None else env
+    named = env.get("MLXRUNNER_HISTORY")
+    return Path(named).expanduser() if named else chat_home(env) / "history"
+
+
+def conversations_folder(env: Mapping[str, str] | None = None) -> Path:
+    """Where ``/save NAME`` writes ``NAME.json``."""
+    return chat_home(env) / "conversations"
+
+
+def _readline() -> ModuleType | None:
+    try:
+        import readline
+    except ImportError:  # Python built without it (some Windows and minimal builds)
+        return None
+    return readline
+
+
+class LineEditor:
+    """``read(prompt)`` with line editing and a persisted history (see the module's text).
+
+    ``readline_module`` is for tests (None: the real one, when Python has it)."""
+
+    def __init__(self, path: Path | None, readline_module: Any = None) -> None:
+        self.path = path
+        self.readline = readline_module if readline_module is not None else _readline()
+        self._first_new = 0
+        if self.readline is None:
+            return
+        if hasattr(self.readline, "set_auto_history"):
+            self.readline.set_auto_history(True)
+        if path is not None and path.is_file():
+            try:
+                self.readline.read_history_file(str(path))
+            except OSError as exc:  # unreadable: start without it, say so once
+                logger.warning("chat history %s not read (%s)", path, exc.strerror or exc)
+        self._first_new = self.readline.get_current_history_length()
+
+    def read(self, prompt: str) -> str:
+        return input(prompt)
+
+    def new_lines(self) -> list[str]:
+        """The lines entered in this session, oldest first."""
+        if self.readline is None:
+            return []
+        end = self.readline.get_current_history_length()
+        # readline numbers history items from 1
+        items = (self.readline.get_history_item(i) for i in range(self._first_new + 1, end + 1))
+        return [item for item in items if item]
+
+    def save(self) -> None:
+        """Add this session's lines to the history file (atomically; see the module)."""
+        if self.readline is None or self.path is None:
+            return
+        lines = self.new_lines()
+        if not lines:
+            return
+        rl = self.readline
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            rl.clear_history()
+            if self.path.is_file():
+                rl.read_history_file(str(self.path))
+            for line in lines:
+                rl.add_history(line)
+            rl.set_history_length(HISTORY_LENGTH)
+            fd, temporary = tempfile.mkstemp(prefix=".history.", dir=self.path.parent)
+            os.close(fd)
+            try:
+                rl.write_history_file(temporary)
+                os.replace(temporary, self.path)
+            except BaseException:
+                Path(temporary).unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            logger.warning("chat history not saved to %s (%s)", self.path,
+                           exc.strerror or exc)
