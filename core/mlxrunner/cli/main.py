@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from ..errors import MLXRunnerError, PluginError
 from ..host import manager as plugins
-from . import bench
+from . import bench, store
 from .arguments import count, port
 
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -213,7 +213,7 @@ def _split_model_and_prompt(args: Sequence[str]) -> tuple[str | None, str | None
         return args[0], " ".join(args[1:])
     only = args[0]
     looks_like_model = Path(only).expanduser().exists() or "/" in only or \
-        only in plugins.host().registry("models")
+        only in plugins.host().registry("models") or store.is_stored(only)
     return (only, None) if looks_like_model else (None, only)
 
 
@@ -602,6 +602,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
            bench.add_arguments)
     simple("serve", "serve a model over OpenAI's, Ollama's and Anthropic's HTTP APIs", cmd_serve,
            _add_serve_arguments)
+    store.register(registry.command)  # pull, list, rm, cp, create
     return parser, registry
 
 

