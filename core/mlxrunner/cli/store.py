@@ -108,7 +108,7 @@ def _copy_folder(store: Store, source: str, destination: str) -> int:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    from ..store.create import create
+    from ..store.creation import create
 
     entry = create(default_store(), check_name(args.name), args.file, quantize=args.quantize,
                    draft_quantize=args.draft_quantize)

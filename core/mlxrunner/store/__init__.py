@@ -29,8 +29,8 @@ _EXPORTS: dict[str, str] = {
     "find_model": "lookup",
     "registered_source": "lookup",
     "source_for": "lookup",
-    "create": "create",
-    "quantize_weights": "create",
+    "create": "creation",
+    "quantize_weights": "creation",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -57,9 +57,9 @@ def check_quantization(label: str | None) -> tuple[str, int, int] | None:
 def quantize_weights(module: nn.Module, raw: dict[str, mx.array], spec: tuple[str, int, int],
                      dtype: mx.Dtype | None) -> tuple[dict[str, mx.array], int]:
     """``raw`` (checkpoint names) with the weights of ``module``'s quantizable modules
-    quantized; returns the new tensors and how many modules were quantized. Quantization
-    works on the float32 values; affine scales and biases are stored in ``dtype`` (default:
-    the weight's own)."""
+    quantized; returns the new tensors and how many modules were quantized. Each weight is
+    quantized in ``dtype``, the dtype the model computes in (default: the weight's own), so
+    that the result is what quantizing the loaded model gives."""
     mode, bits, group = spec
     sanitized = module.sanitize(dict(raw))
     origin = {id(value): key for key, value in raw.items()}
@@ -78,13 +78,12 @@ def quantize_weights(module: nn.Module, raw: dict[str, mx.array], spec: tuple[st
         if raw_name is None or not raw_name.endswith(".weight"):
             continue  # sanitize computes this weight: its checkpoint tensor is not it
         prefix = raw_name[:-len(".weight")]
-        packed, *rest = mx.quantize(weight.astype(mx.float32), group_size=group, bits=bits,
-                                    mode=mode)
+        values = weight.astype(dtype) if dtype is not None else weight
+        packed, *rest = mx.quantize(values, group_size=group, bits=bits, mode=mode)
         out[raw_name] = packed
-        keep = dtype if dtype is not None else weight.dtype
-        out[f"{prefix}.scales"] = rest[0].astype(keep) if mode == "affine" else rest[0]
+        out[f"{prefix}.scales"] = rest[0]
         if mode == "affine":
-            out[f"{prefix}.biases"] = rest[1].astype(keep)
+            out[f"{prefix}.biases"] = rest[1]
         count += 1
     return out, count
 
