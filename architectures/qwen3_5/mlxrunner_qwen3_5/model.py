@@ -25,7 +25,7 @@ Written against mlxrunner's public API only; the core traces its decode steps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,8 +75,17 @@ class Qwen3_5Config:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> Qwen3_5Config:
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
+        if config.get("num_experts"):
+            raise ModelFolderError("qwen3_5 is the dense model: a config with num_experts is "
+                                   "a qwen3_5_moe one")
+        return cls(**cls.fields(config, required=("intermediate_size",)))
+
+    @classmethod
+    def fields(cls, config: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The fields dense and mixture-of-experts configs share, checked; ``required``: more
+        keys that must be present."""
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    *required)
         missing = [key for key in required if key not in config]
         if missing:
             raise ModelFolderError(f"config.json lacks {', '.join(map(repr, missing))} "
@@ -84,8 +93,6 @@ class Qwen3_5Config:
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise ModelFolderError(f"qwen3_5 supports hidden_act 'silu' only, got {act!r}")
-        if config.get("num_experts"):
-            raise ModelFolderError("qwen3_5 mixture-of-experts checkpoints are not supported yet")
         layers = int(config["num_hidden_layers"])
         layer_types = config.get("layer_types")
         if layer_types is None:
@@ -105,10 +112,10 @@ class Qwen3_5Config:
         if value_heads % key_heads:
             raise ModelFolderError(f"qwen3_5 needs linear_num_value_heads ({value_heads}) to be "
                                    f"a multiple of linear_num_key_heads ({key_heads})")
-        return cls(
+        return dict(
             vocab_size=int(config["vocab_size"]),
             hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
+            intermediate_size=int(config.get("intermediate_size") or 0),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(config.get("num_key_value_heads") or heads),
@@ -161,7 +168,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3_5Config, layer_type: str) -> None:
+    def __init__(self, cfg: Qwen3_5Config, layer_type: str,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.is_linear = layer_type == LINEAR
         if self.is_linear:
@@ -174,7 +182,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = mnn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.post_attention_layernorm = mnn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                     offset=1.0)
-        self.mlp = mnn.GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        # called as mlp(x, residual): residual + feed-forward(x)
+        self.mlp = mlp if mlp is not None else mnn.GatedMLP(cfg.hidden_size,
+                                                            cfg.intermediate_size)
 
     def __call__(self, x: mx.array, cache: KVCache | RecurrentCache | None) -> mx.array:
         mixer = self.linear_attn if self.is_linear else self.self_attn
@@ -183,10 +193,12 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, cfg: Qwen3_5Config) -> None:
+    def __init__(self, cfg: Qwen3_5Config,
+                 layer_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
         super().__init__()
         self.embed_tokens = mnn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [DecoderLayer(cfg, t) for t in cfg.layer_types]
+        self.layers = [DecoderLayer(cfg, t, layer_mlp(i) if layer_mlp else None)
+                       for i, t in enumerate(cfg.layer_types)]
         self.norm = mnn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
 
 
@@ -206,14 +218,19 @@ class Qwen3_5(Model):
         "full_attention_interval": ConfigBound(int, 1, 1024),
     }
     config_multiples = (ConfigMultiple("linear_num_value_heads", "linear_num_key_heads"),)
+    config_type: type[Qwen3_5Config] = Qwen3_5Config
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        self.config = Qwen3_5Config.from_dict(config)
-        self.model = TextModel(self.config)
+        self.config = self.config_type.from_dict(config)
+        self.model = TextModel(self.config, self.layer_mlp)
         if not self.config.tie_word_embeddings:
             self.lm_head = mnn.Linear(self.config.hidden_size, self.config.vocab_size,
                                       bias=False)
+
+    def layer_mlp(self, index: int) -> nn.Module | None:
+        """Layer ``index``'s feed-forward block (None: the dense ``GatedMLP``)."""
+        return None
 
     # -- loading -----------------------------------------------------------
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
