@@ -21,6 +21,7 @@ from .decode.options import SamplerOptions
 from .errors import ModelfileError, ModelFolderError
 from .host import manager as plugins
 from .model.draft import BUNDLE_PREFIX, load_draft
+from .model.gguf import gguf_tokenizer, is_gguf, load_gguf_model
 from .model.interface import Model, weight_precision_of
 from .model.loading import load_model, read_config, read_json, resolve_model_path, weight_files
 from .model.modelfile import Modelfile, inherit_modelfile, read_modelfile
@@ -94,6 +95,9 @@ def stored_precision(bundle: Bundle, part: str = "target") -> str | None:
     if module is None:
         return None
     loaded = weight_precision_of(module)
+    gguf = bundle.extra.get("gguf")
+    if part == "target" and gguf is not None:
+        return f"GGUF {'/'.join(gguf.type_names())}"
     if "bit" in loaded:
         return loaded
     own: Callable[[str], bool]
@@ -166,19 +170,29 @@ def load(path: str | Path, draft: str | Path | None = None, renderer: str | None
          use_draft: bool = True) -> Bundle:
     """Model, tokenizer, renderer, parser, draft and generation defaults of a model folder.
 
-    ``path`` is a model folder, a Modelfile, or a registered model name.
+    ``path`` is a model folder, a Modelfile, a GGUF file or a registered model name.
     """
     p = Path(path).expanduser()
-    folder, modelfile_path = _find_modelfile(p if p.exists() else resolve_model_path(path))
+    gguf_path: Path | None = p if is_gguf(p) else None
+    if gguf_path is not None:
+        folder, modelfile_path = p.parent, None
+    else:
+        folder, modelfile_path = _find_modelfile(p if p.exists() else resolve_model_path(path))
     modelfile = read_modelfile(modelfile_path) if modelfile_path else None
     # FROM another folder: the weights are there, and so is a Modelfile this one builds on
-    # (followed FROM by FROM; a chain that comes back to a Modelfile is refused).
+    # (followed FROM by FROM; a chain that comes back to a Modelfile is refused). FROM a
+    # GGUF file: the weights, tokenizer and template are that file.
     current, seen = modelfile, set()
     while current is not None and current.from_ and current.path is not None:
         seen.add(current.path.resolve())
-        target = Path(current.from_)
+        target = Path(current.from_).expanduser()
         if not target.is_absolute():
             target = current.path.parent / target
+        if is_gguf(target):
+            gguf_path, folder = target, target.parent
+            break
+        if target.suffix.lower() == ".gguf":
+            raise ModelFolderError(f"{current.path}: FROM {current.from_}: no such GGUF file")
         if target.resolve() == current.path.parent.resolve():
             break
         folder = resolve_model_path(target if target.exists() else current.from_)
@@ -190,15 +204,22 @@ def load(path: str | Path, draft: str | Path | None = None, renderer: str | None
                                  f"{base_path}, which builds on this one")
         current = read_modelfile(base_path)
         modelfile = inherit_modelfile(cast(Modelfile, modelfile), current)
-    config = read_config(folder)
-    model = load_model(folder, dtype=dtype)
-    tokenizer = Tokenizer.from_folder(folder)
+    gguf = None
+    if gguf_path is not None:
+        gguf, config, model = load_gguf_model(gguf_path, dtype)
+        tokenizer = gguf_tokenizer(gguf)
+        name = str(gguf.metadata.get("general.name") or gguf_path.stem)
+    else:
+        config = read_config(folder)
+        model = load_model(folder, dtype=dtype)
+        tokenizer = Tokenizer.from_folder(folder)
+        name = str(config.get("_name_or_path") or folder.name)
 
     template = tokenizer.chat_template
     renderer_name = choose_renderer_name(
         renderer, modelfile.renderer if modelfile else None, model, template is not None)
     context = RenderContext(
-        model_name=str(config.get("_name_or_path") or folder.name),
+        model_name=name,
         num_parameters=parameter_count(model),
         chat_template=template,
         bos_token=tokenizer.bos_token,
@@ -229,5 +250,6 @@ def load(path: str | Path, draft: str | Path | None = None, renderer: str | None
                   parser_name=parser_name, draft=draft_obj, draft_path=draft_path,
                   defaults=defaults, modelfile=modelfile,
                   extra={"context": context, "max_tokens": params.get("num_predict"),
+                         "gguf": gguf,
                          "stop": params.get("stop"),
                          "system": modelfile.system if modelfile else None})

@@ -148,6 +148,14 @@ class Llama(Model):
         if not self.cfg.tied:
             self.lm_head = mnn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False)
 
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], tensors: dict[str, mx.array]
+                  ) -> tuple[dict[str, Any], dict[str, mx.array]]:
+        """(config.json, checkpoint tensors) of a llama.cpp GGUF file."""
+        from .gguf import from_gguf
+
+        return from_gguf(metadata, tensors)
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         # Older exports store RoPE's inverse frequencies (computed here, never loaded); tied
         # Llama 3.2 folders carry lm_head.weight, a copy of the embedding table.
