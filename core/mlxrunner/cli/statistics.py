@@ -15,7 +15,7 @@ LOW_TAU = 1.5
 MEANINGS = {
     "tokens/s": "tokens/s: for the prompt, tokens read per second (all of them in one "
                 "pass); for the reply, tokens written per second after that",
-    "round": "one round: the draft guesses the next few tokens, then the model checks all "
+    "round": "round: the draft guesses the next few tokens, then the model checks all "
              "of them in a single forward pass and keeps the ones it agrees with",
     "accepted": "accepted: the share of guessed tokens the model agreed with",
     "tau": "tau: tokens kept per round on average, the model's own next token included "
