@@ -90,7 +90,7 @@ def load_conversation(path: Path) -> SavedConversation:
     num_predict = data.get("num_predict")
     think = data.get("think")
     if not isinstance(parameters, dict) or not (
-            num_predict is None or (isinstance(num_predict, int) and num_predict >= 1)) or \
+            num_predict is None or (type(num_predict) is int and num_predict >= 1)) or \
             think not in (None, True, False):
         raise ConversationFileError(f"{path}: bad parameters, num_predict or think")
     return SavedConversation(model=str(data.get("model") or ""), messages=messages,

@@ -155,7 +155,8 @@ def _sampler_flags() -> dict[str, type]:
 def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs="*", metavar="[MODEL] [PROMPT]",
                    help="model folder, Modelfile or registered name (default: the model "
-                        "registered as 'default'), then the prompt ('-' reads stdin)")
+                        "registered as 'default'), then the prompt ('-' reads stdin; none: "
+                        "a conversation at a terminal, else the piped input)")
     p.add_argument("--max-tokens", type=count(1), default=None,
                    help="tokens to generate (256)")
     from ..decode.options import OPTION_HELP
@@ -177,8 +178,9 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="also decode without the draft and print both statistics")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--chat", action="store_true",
-                   help="a multi-turn conversation, one message per input line (the default "
-                        "at a terminal when no prompt is given)")
+                   help="a multi-turn conversation even when input is piped, one message per "
+                        "line (the default at a terminal when no prompt is given; /? there "
+                        "lists its commands)")
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
