@@ -76,6 +76,8 @@ case "${1:-}" in
           llama-narrow) one=llama; extra="--narrow --no-plain" ;;
           qwen3_5-8k) one=qwen3_5; extra="--prompt 8192 --new 64 --repeats 2 --prefill-chunk 2048 --verify-block 0" ;;
           qwen3_5-32k) one=qwen3_5; extra="--prompt 32768 --new 32 --repeats 1 --prefill-chunk 2048 --verify-block 0" ;;
+          # Qwen3.5-35B-A3B's shape, 4-bit (random weights, ~18 GiB), against mlx-lm
+          qwen3_5-moe) one=qwen3_5_moe; extra="--bits 4" ;;
           *) extra="" ;;
         esac
         # shellcheck disable=SC2086
