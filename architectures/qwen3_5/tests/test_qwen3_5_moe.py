@@ -158,6 +158,45 @@ def test_three_layouts_hold_the_same_parameters(models):
             assert float(mx.abs(got[key] - value).max()) <= 1e-7, (layout, key)
 
 
+def test_published_35b_a3b_shape_builds():
+    """Qwen3.5-35B-A3B's text config (hidden 2048, 40 layers, 256 experts of width 512, 8 per
+    token, a shared expert, vocabulary 248320) builds 34.66e9 parameters, of which a token
+    uses about 3e9 past its embedding row (the "A3B"); built lazily, nothing is allocated."""
+    text = {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048,
+            "num_hidden_layers": 40, "full_attention_interval": 4, "num_attention_heads": 16,
+            "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "num_experts": 256, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+            "tie_word_embeddings": False}
+    model = mlxrunner.build_model(composite_config(text))
+    sizes = {name: value.size for name, value in tree_flatten(model.parameters())}
+    total = sum(sizes.values())
+    experts = sum(n for name, n in sizes.items() if ".mlp.experts." in name)
+    active = total - experts + experts * 8 // 256 - sizes["model.embed_tokens.weight"]
+    assert 34.6e9 < total < 34.7e9 and 2.9e9 < active < 3.0e9, (total, active)
+    assert [layer.is_linear for layer in model.layers[:4]] == [True, True, True, False]
+
+
+def test_hub_composite_layout_loads(tmp_path, ref):
+    """A Hub folder: composite config, text weights under model.language_model.* with fused
+    experts, and the vision tower and MTP head beside them (dropped)."""
+    folder = write_layout("fused", tmp_path / "fused")
+    weights = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    weights.update({"model.visual.blocks.0.attn.qkv.weight": mx.ones((6, 2)),
+                    "mtp.layers.0.mlp.experts.gate_up_proj": mx.ones((8, 64, 64)),
+                    "mtp.fc.weight": mx.ones((64, 128))})
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    mx.save_safetensors(str(hub / "model.safetensors"), weights)
+    config = composite_config(json.loads((FIXTURE / "config.json").read_text()))
+    config["vision_config"] = {"model_type": "qwen3_5_moe_vision", "depth": 1}
+    (hub / "config.json").write_text(json.dumps(config))
+    model = mlxrunner.load_model(hub)
+    assert max_err(model(mx.array(ref["ids_40"]))[0], ref["logits_40"]) < TOLERANCE
+
+
 # -- parity with transformers -----------------------------------------------------------------
 
 
