@@ -26,6 +26,10 @@ MEANINGS = {
 }
 
 
+def _tokens(count: Any) -> str:
+    return f"{count} token" if count == 1 else f"{count} tokens"
+
+
 def _rate(value: Any) -> str:
     return f"{float(value or 0.0):.1f} tokens/s"
 
@@ -35,9 +39,9 @@ def describe_run(stats: dict[str, Any], *, explain: bool = False) -> list[str]:
     speculative = stats.get("mode") == "speculative"
     how = f"speculative, draft {stats['draft']}" if speculative and stats.get("draft") else \
         ("speculative" if speculative else "plain decoding")
-    lines = [f"prompt: {stats['prompt_tokens']} tokens read at "
+    lines = [f"prompt: {_tokens(stats['prompt_tokens'])} read at "
              f"{_rate(stats.get('prefill_tokens_per_second'))}",
-             f"reply: {stats['generated_tokens']} tokens at "
+             f"reply: {_tokens(stats['generated_tokens'])} at "
              f"{_rate(stats.get('tokens_per_second'))} ({how})"]
     if speculative:
         lines.append(f"draft: {stats['rounds']} rounds; {stats['accepted']} of "
@@ -55,7 +59,7 @@ def describe_comparison(run: dict[str, Any], plain: dict[str, Any], speedup: flo
                         identical: bool, *, explain: bool = False) -> list[str]:
     """Lines on the plain decoding ``--compare`` adds: its rate, the speedup and, below 1,
     why."""
-    lines = [f"plain decoding: {plain['generated_tokens']} tokens at "
+    lines = [f"plain decoding: {_tokens(plain['generated_tokens'])} at "
              f"{_rate(plain.get('tokens_per_second'))}",
              f"speedup {speedup if speedup is not None else '-'}x; identical output: "
              f"{'yes' if identical else 'no'}"]
