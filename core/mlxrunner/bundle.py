@@ -20,6 +20,7 @@ from .chat.formats import RenderContext, get_parser, get_renderer
 from .decode.options import SamplerOptions
 from .errors import ModelfileError, ModelFolderError
 from .host import manager as plugins
+from .model.builtin_draft import load_checkpoint_draft
 from .model.draft import BUNDLE_PREFIX, load_draft
 from .model.gguf import gguf_tokenizer, is_gguf, load_gguf_model
 from .model.interface import Model, weight_precision_of
@@ -245,6 +246,8 @@ def load(path: str | Path, draft: str | Path | None = None, renderer: str | None
             draft_obj = load_draft(draft_path, model)
         else:
             draft_obj = load_draft(folder, model, bundle=True)  # None when no draft.* tensors
+        if draft_obj is None:  # a draft the checkpoint itself carries (an MTP head), if any
+            draft_obj = load_checkpoint_draft(folder, model, dtype=dtype)
     return Bundle(path=folder, config=config, model=model, tokenizer=tokenizer,
                   renderer=renderer_obj, renderer_name=renderer_name, parser=parser_obj,
                   parser_name=parser_name, draft=draft_obj, draft_path=draft_path,

@@ -209,6 +209,9 @@ class Qwen3_5(Model):
     # the renderer plugin is installed).
     default_renderer = "qwen3.5"
     default_parser = "qwen3.5"
+    # The MTP head its Hub checkpoints carry (mtp.*, dropped by sanitize) is a draft of its
+    # own (mtp.py), loaded from the same files.
+    checkpoint_draft = "Qwen3_5MTP"
     config_bounds = {
         "linear_num_key_heads": ConfigBound(int, 1, 1024),
         "linear_num_value_heads": ConfigBound(int, 1, 1024),

@@ -85,6 +85,7 @@ def _list_kind(kind: str, as_json: bool) -> int:
 # -- show ------------------------------------------------------------------
 def cmd_show(args: argparse.Namespace) -> int:
     from ..bundle import load, parameter_count, stored_precision
+    from ..model.builtin_draft import describe_checkpoint_draft
 
     bundle = load(args.model, draft=args.draft, renderer=args.renderer, dtype=args.dtype)
     model = bundle.model
@@ -99,6 +100,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         "target_stored_precision": stored_precision(bundle, "target"),
         "target_compute_dtype": _dtype_name(model.dtype),
         "draft": str(bundle.draft_path) if bundle.draft_path else
+        describe_checkpoint_draft(bundle.draft) or
         ("bundled" if bundle.draft is not None else None),
         "draft_precision": getattr(bundle.draft, "weight_precision", None)
         if bundle.draft is not None else None,

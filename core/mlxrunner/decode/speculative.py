@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
+from ..model.builtin_draft import describe_checkpoint_draft
 from ..model.distribution import Distribution
 from .options import SamplerOptions
 from .plain import GenerationResult, prefill
@@ -38,6 +39,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..cache import Cache
     from ..model.draft import DraftModel, DraftSession
     from ..model.interface import Model
+
+
+def draft_name(draft: DraftModel) -> str:
+    """What the statistics call a draft: ``mtp (built into the checkpoint)`` for a
+    checkpoint's own, else its class name."""
+    return describe_checkpoint_draft(draft) or type(draft).__name__
 
 
 def can_speculate(options: SamplerOptions) -> bool:
@@ -365,7 +372,7 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
     if not can_speculate(sampler.options):
         raise ValueError("logprob requests decode without drafting (see can_speculate)")
     stats = stats if stats is not None else SpeculativeStats()
-    stats.draft = stats.draft or type(draft).__name__
+    stats.draft = stats.draft or draft_name(draft)
     if max_tokens <= 0:
         return
     if depth is None and controller is None and draft.adaptive_depth:
@@ -375,6 +382,7 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
     caches = model.make_cache()
     live = [c for c in caches if c is not None]
     session = draft.new_session(sampler)
+    session.extend_tokens(prompt)
     history = list(prompt)
     eos = frozenset(eos_ids)
 
@@ -387,6 +395,7 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
     t_decode = time.perf_counter()
     try:
         history.append(first)
+        session.extend_tokens([first])
         stats.generated_tokens = 1
         stats.decode_seconds = time.perf_counter() - t_decode
         yield [first]
@@ -421,6 +430,7 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
                         cache.restore(pos + 1 + outcome.accepted)
                 for cache in live:
                     cache.discard_snapshots()
+                session.extend_tokens(emitted)
                 session.commit(outcome.tapped[:, :outcome.accepted + 1])
                 pos += outcome.accepted + 1
                 current = emitted[-1]
@@ -443,7 +453,7 @@ def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int],
     after that token (the rest of its round is dropped), as in :func:`mlxrunner.generate`."""
     if sampler is None:
         sampler = Sampler(options or SamplerOptions(), model.vocab_size)
-    stats = SpeculativeStats(draft=type(draft).__name__)
+    stats = SpeculativeStats(draft=draft_name(draft))
     tokens: list[int] = []
     stopped = False
     stream = speculative_stream(model, draft, prompt, sampler=sampler, max_tokens=max_tokens,

@@ -17,7 +17,7 @@ tapped states of the tokens the round committed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -84,6 +84,12 @@ class DraftSession:
         self.draft = draft
         self.sampler = sampler
         self.temperature = float(sampler.options.temperature)
+
+    def extend_tokens(self, ids: Sequence[int]) -> None:
+        """The token ids the generation commits, in order: the prompt before prefill, then
+        the first token, then each round's emitted tokens before that round's
+        :meth:`commit`. A draft that pairs a position's state with the token after it (an
+        MTP head) keeps them; the default ignores them."""
 
     def prefill(self, tapped: mx.array) -> None:
         """Context rows for the prompt: ``tapped`` [1, P, len(taps) * hidden]. Called once per
