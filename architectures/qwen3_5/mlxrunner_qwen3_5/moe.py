@@ -61,6 +61,8 @@ class Qwen3_5MoeConfig(Qwen3_5Config):
         if not 1 <= per_token <= experts:
             raise ModelFolderError(f"qwen3_5_moe needs 1 <= num_experts_per_tok ({per_token}) "
                                    f"<= num_experts ({experts})")
+        if int(config["moe_intermediate_size"]) < 1:
+            raise ModelFolderError("qwen3_5_moe needs moe_intermediate_size >= 1")
         only = config.get("mlp_only_layers") or []
         if not isinstance(only, list) or not all(type(i) is int for i in only):
             raise ModelFolderError(f"qwen3_5_moe mlp_only_layers must list layer indices, "

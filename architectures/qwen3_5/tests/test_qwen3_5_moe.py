@@ -315,6 +315,7 @@ def test_mlp_only_layers_and_decoder_sparse_step(tmp_path):
 
 @pytest.mark.parametrize("changes, message", [
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
     ({"mlp_only_layers": [1]}, "intermediate_size"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
     ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
