@@ -20,6 +20,7 @@ Built from ``mlxrunner.nn``; the core traces the decode step.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -347,6 +348,16 @@ _NON_TEXT = ("vision_tower", "audio_tower", "embed_vision", "embed_audio",
              "multi_modal_projector", "vision_embedder")
 
 
+class _MadeCaches:
+    """Weak references to the caches ``make_cache`` made last, kept outside the parameter
+    tree (a generation's caches are freed with it)."""
+
+    __slots__ = ("refs",)
+
+    def __init__(self) -> None:
+        self.refs: dict[int, weakref.ref[KVCache | RingCache]] = {}
+
+
 class Gemma4Model(Model):
     """``Gemma4ForConditionalGeneration`` / ``Gemma4ForCausalLM`` (text part)."""
 
@@ -373,6 +384,7 @@ class Gemma4Model(Model):
         self.model = TextModel(self.args)
         if not self.args.tie_word_embeddings:
             self.lm_head = mnn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+        self._made_caches = _MadeCaches()
 
     # -- facts ---------------------------------------------------------------
     @property
@@ -452,7 +464,26 @@ class Gemma4Model(Model):
                 caches.append(RingCache(self.args.sliding_window))
             else:
                 caches.append(KVCache())
+        self._made_caches.refs = {i: weakref.ref(c) for i, c in enumerate(caches)
+                                  if c is not None}
         return caches
+
+    def last_kv_layers(self) -> dict[str, int]:
+        """Per attention type, the last layer that computes its own keys and values."""
+        return {t: i for i, t in enumerate(self.args.layer_types) if self.args.kv_source[i] == i}
+
+    def shared_caches(self) -> dict[str, KVCache | RingCache] | None:
+        """Read-only: the caches of :meth:`last_kv_layers` from the list ``make_cache`` made
+        last (the generation running now), which Gemma 4 assistant drafts attend over; None
+        once that list is gone."""
+        found = {}
+        for layer_type, i in self.last_kv_layers().items():
+            ref = self._made_caches.refs.get(i)
+            cache = ref() if ref is not None else None
+            if cache is None:
+                return None
+            found[layer_type] = cache
+        return found
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
         """The input embedding times sqrt(hidden) (the scale rounded to the weight dtype)."""

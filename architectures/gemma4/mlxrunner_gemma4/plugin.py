@@ -1,4 +1,4 @@
-"""Entry point module: registers the Gemma 4 architecture names."""
+"""Entry point module: registers the Gemma 4 architecture names and the assistant draft."""
 
 from __future__ import annotations
 
@@ -17,3 +17,10 @@ def register_architectures(register: Callable[[str, Any], None]) -> None:
 
     for name in ARCHITECTURE_NAMES:
         register(name, Gemma4Model)
+
+
+@mlxrunner.hookimpl
+def register_drafts(register: Callable[[str, Any], None]) -> None:
+    from .assistant import Gemma4AssistantDraft
+
+    register("Gemma4AssistantForCausalLM", Gemma4AssistantDraft)
