@@ -75,6 +75,9 @@ class Qwen3_5MTP(DraftModel):
         if count != 1:
             raise DraftConfigError(f"Qwen3_5MTP supports mtp_num_hidden_layers 1 (the released "
                                    f"checkpoints'), this config says {count!r}")
+        if config.get("mtp_use_dedicated_embeddings"):
+            raise DraftConfigError("Qwen3_5MTP reads the target's embedding; this config asks "
+                                   "for a dedicated one (mtp_use_dedicated_embeddings)")
         cfg = target.config
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.pre_fc_norm_embedding = mnn.RMSNorm(hidden, eps, offset=1.0)

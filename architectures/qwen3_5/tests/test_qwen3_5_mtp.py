@@ -15,7 +15,8 @@ CPU throughout:
 - greedy speculative output equals plain greedy output over 200 tokens, with the depth
   controller and with a fixed depth of 3;
 - sampled output follows plain decoding's exact distribution (chi-square, p > 0.001) on a
-  small-vocabulary target, where the random head's proposals are accepted at times;
+  small-vocabulary target, where the random head's proposals are accepted at times (and
+  the same check fails for a round that skips the residual);
 - the folder uses the head as its draft unless told not to, and ``show`` names it.
 """
 
@@ -222,6 +223,15 @@ def test_sampled_output_follows_plain_decoding(options):
     assert result["acceptance_rate"] > 0.02  # the residual and the bonus paths both ran
 
 
+def test_the_sampled_check_catches_a_round_without_the_residual(monkeypatch):
+    target, draft = small_target_and_head()
+    monkeypatch.setattr(Sampler, "residual", lambda self, p, q: p)
+    with pytest.raises(AssertionError, match="do not follow plain decoding"):
+        check_speculative_sampled(target, draft, SamplerOptions(temperature=1.0, top_k=0,
+                                                                top_p=1.0, min_p=0.0),
+                                  prompt=[1, 2, 3], runs=600, length=3, depth=3)
+
+
 # -- choosing the draft -------------------------------------------------------------------
 
 
@@ -246,6 +256,16 @@ def test_a_misshapen_head_is_one_clear_error(tmp_path):
     mx.save_safetensors(str(broken / "model.safetensors"), weights)
     with pytest.raises(mlxrunner.errors.ModelFolderError, match="mtp.fc.weight|fc.weight"):
         mlxrunner.load(broken)
+
+
+@pytest.mark.parametrize("setting,match", [({"mtp_num_hidden_layers": 2}, "supports "
+                                             "mtp_num_hidden_layers 1"),
+                                            ({"mtp_use_dedicated_embeddings": True},
+                                             "dedicated")])
+def test_heads_of_other_shapes_are_refused_in_one_line(setting, match):
+    target, _ = small_target_and_head()
+    with pytest.raises(mlxrunner.errors.DraftConfigError, match=match):
+        build_draft(Qwen3_5MTP, dict(SMALL, **setting), target)
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
