@@ -8,9 +8,9 @@ names imported.
 Rules:
 1. The core (core/mlxrunner) imports no plugin package, and its runtime modules never import
    the test helpers (mlxrunner.testing) or anything under a tests/ folder.
-2. A plugin imports mlxrunner only through its public modules, `mlxrunner`, `mlxrunner.plugin`
-   and `mlxrunner.nn`, each name one the module exports; never another plugin; test helpers
-   (`mlxrunner.testing`) only in its tests.
+2. A plugin imports mlxrunner only through its public modules, `mlxrunner`, `mlxrunner.plugin`,
+   `mlxrunner.nn` and `mlxrunner.store` (the model sources it registers), each name one the
+   module exports; never another plugin; test helpers (`mlxrunner.testing`) only in its tests.
 3. Tests (tests/) import `mlxrunner`, `mlxrunner.errors`, `mlxrunner.plugin`,
    `mlxrunner.testing` and subpackage packages such as `mlxrunner.decode`, never a module
    inside a subpackage (`mlxrunner.decode.speculative`; WHITE_BOX names the few that check a
@@ -31,7 +31,7 @@ PLUGIN_DIRS = ("architectures", "renderers", "plugins")
 SKIP_PARTS = {".git", "venv", ".venv", ".ci-venv", "build", "dist", "__pycache__", ".mlx-cuda-a",
               ".mlx-cuda-b", ".whl", ".team"}
 #: the public modules a plugin imports
-PLUGIN_MODULES = ("mlxrunner", "mlxrunner.plugin", "mlxrunner.nn")
+PLUGIN_MODULES = ("mlxrunner", "mlxrunner.plugin", "mlxrunner.nn", "mlxrunner.store")
 #: tests that check a module's internals (a kernel's fallback state, stand-ins for its
 #: launch) import that module itself: test file -> modules
 WHITE_BOX = {
