@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,18 @@ def _copy_weight_files(source: Path, folder: Path) -> None:
         shutil.copy2(index, folder / index.name)
 
 
+def _link_or_copy(source: Path, target: Path, root: Path) -> None:
+    """A hard link to a file of another entry (entries are replaced whole, never edited, so
+    sharing a large file is safe), else a copy (a file outside the store may be edited)."""
+    if root.resolve() in source.resolve().parents:
+        try:
+            os.link(source, target)
+            return
+        except OSError:
+            pass
+    shutil.copy2(source, target)
+
+
 def _copy_side_files(source: Path, folder: Path) -> None:
     """Tokenizer, template, generation config, licence and card: every top-level file that
     is not weights and not rewritten."""
@@ -189,10 +202,11 @@ def _parameter_text(value: Any) -> str:
     return str(value)
 
 
-def modelfile_text(modelfile: Modelfile | None) -> str:
-    """The entry's own Modelfile: FROM itself, with the renderer, parser, parameters and
-    system prompt of the Modelfile it was created from (its draft is ``draft/``)."""
-    lines = ["FROM ."]
+def modelfile_text(modelfile: Modelfile | None, weights: str = ".") -> str:
+    """The entry's own Modelfile: FROM itself (or its GGUF file), with the renderer, parser,
+    parameters and system prompt of the Modelfile it was created from (its draft is
+    ``draft/``)."""
+    lines = [f"FROM {weights}"]
     if modelfile is not None:
         if modelfile.renderer:
             lines.append(f"RENDERER {modelfile.renderer}")
@@ -231,16 +245,26 @@ def create(store: Store, name: str, modelfile: str | Path, quantize: str | None 
     source = {"type": "create", "modelfile": str(path.absolute()),
               "from": str(bundle.path.absolute()), "quantize": quantize,
               "draft_quantize": draft_quantize}
+    gguf = bundle.extra.get("gguf")
+    if gguf is not None and target_spec is not None:
+        raise StoreError(f"{gguf.path}: GGUF weights are kept as the file stores them; "
+                         "--quantize takes safetensors weights")
     with store.writing(name, source) as building:
-        _write_part(bundle.model, bundle.path, building, target_spec, "target",
-                    keep=lambda n: not n.startswith(BUNDLE_PREFIX))
-        _copy_side_files(bundle.path, building)
+        weights = "."
+        if gguf is not None:  # the file is the weights, tokenizer and template
+            _link_or_copy(gguf.path, building / gguf.path.name, store.root)
+            weights = f"./{gguf.path.name}"
+        else:
+            _write_part(bundle.model, bundle.path, building, target_spec, "target",
+                        keep=lambda n: not n.startswith(BUNDLE_PREFIX))
+            _copy_side_files(bundle.path, building)
         if bundle.draft is not None and bundle.draft_path is not None:
             draft_folder = building / "draft"
             draft_folder.mkdir()
             _write_part(bundle.draft, bundle.draft_path, draft_folder, draft_spec, "draft")
             _copy_side_files(bundle.draft_path, draft_folder)
-        (building / "Modelfile").write_text(modelfile_text(bundle.modelfile), encoding="utf-8")
+        (building / "Modelfile").write_text(modelfile_text(bundle.modelfile, weights),
+                                            encoding="utf-8")
     entry = store.get(name)
     assert entry is not None
     return entry

@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from ..errors import MLXRunnerError
+from .describe import describe_folder
 
 log = logging.getLogger("mlxrunner.store")
 
@@ -226,8 +227,6 @@ class Store:
                created: float | None = None) -> Entry:
         """Write the manifest of the folder ``building`` (inside the root) and rename it into
         place as entry ``name``."""
-        from .describe import describe_folder
-
         now = time.time()
         old = self.get(name)
         manifest = Manifest(name=name, source=source,
