@@ -177,3 +177,26 @@ def test_the_entry_keeps_the_modelfiles_settings(demo_model, store_root, tmp_pat
     bundle = mlxrunner.load("set")
     assert bundle.stop_strings() == ["<|im_end|>", "two words"]
     assert bundle.draft is not None
+
+
+def test_rm_cp_and_run_by_name(demo_model, store_root, capsys, monkeypatch):
+    assert main(["rm", "absent"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mlxrunner: error: absent: no such model in the store") and \
+        err.count("\n") == 1
+    # cp of a folder that is not in the store makes it an entry
+    assert run_cli(capsys, "cp", str(demo_model), "demo-copy").strip() == \
+        f"copied '{demo_model}' to 'demo-copy'"
+    [entry] = default_store().entries()
+    assert entry.manifest.source == {"type": "folder", "path": str(demo_model)}
+    assert entry.manifest.architecture == "Qwen3_5ForCausalLM"
+    # rm names every model first: one unknown name deletes nothing
+    assert main(["rm", "demo-copy", "absent"]) == 1
+    assert [e.name for e in default_store().entries()] == ["demo-copy"]
+    # a store name alone is the model to run (piped input is then the prompt)
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("def add(a, b):"))
+    capsys.readouterr()
+    ran = json.loads(run_cli(capsys, "run", "demo-copy", "--max-tokens", "4", "--json"))
+    assert ran["model"] == str(entry.path) and ran["prompt_tokens"] > 0

@@ -242,7 +242,12 @@ class Store:
         if home.exists():
             aside = self.root / f"{ASIDE_PREFIX}{os.getpid()}-{home.name}"
             os.replace(home, aside)
-        os.replace(building, home)
+        try:
+            os.replace(building, home)
+        except OSError:
+            if aside is not None and not home.exists():
+                os.replace(aside, home)  # the old entry stays
+            raise
         _fsync_dir(self.root)
         if aside is not None:
             _remove(aside)
