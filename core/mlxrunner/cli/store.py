@@ -89,20 +89,10 @@ def cmd_cp(args: argparse.Namespace) -> int:
 def _copy_folder(store: Store, source: str, destination: str) -> int:
     """``cp`` of a model folder or registered folder name that is not in the store: the
     folder becomes an entry."""
-    import shutil
-
     from ..model.loading import resolve_model_path
 
     folder = resolve_model_path(source)
-    building = store.temporary("cp")
-    try:
-        shutil.copytree(folder, building, dirs_exist_ok=True, symlinks=False)
-        (building / "manifest.json").unlink(missing_ok=True)
-        store.clean()
-        entry = store.commit(building, destination, {"type": "folder", "path": str(folder)})
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
+    entry = store.add_folder(folder, destination, {"type": "folder", "path": str(folder)})
     print(f"copied '{source}' to '{entry.name}'")
     return 0
 

@@ -266,18 +266,18 @@ class Store:
     def copy(self, source_name: str, new_name: str) -> Entry:
         """A copy of entry ``source_name`` as ``new_name``."""
         entry = self.require(source_name)
-        check_name(new_name)
-        self.clean()
-        building = self.temporary("cp")
-        try:
-            shutil.copytree(entry.path, building, dirs_exist_ok=True)
+        return self.add_folder(entry.path, new_name,
+                               {**entry.manifest.source, "copied_from": source_name})
+
+    def add_folder(self, folder: Path, name: str, source: dict[str, Any]) -> Entry:
+        """A copy of the model folder ``folder`` as entry ``name`` (links followed: the entry
+        holds the files themselves)."""
+        with self.writing(name, source) as building:
+            shutil.copytree(folder, building, dirs_exist_ok=True)
             (building / MANIFEST).unlink(missing_ok=True)
-            source = dict(entry.manifest.source)
-            source.setdefault("copied_from", source_name)
-            return self.commit(building, new_name, source)
-        except BaseException:
-            _remove(building)
-            raise
+        entry = self.get(name)
+        assert entry is not None
+        return entry
 
     def partial(self, name: str) -> Path:
         """The resumable download folder of entry ``name``."""
