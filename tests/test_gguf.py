@@ -235,7 +235,7 @@ def test_gguf_bf16_is_read_exactly(tmp_path, tokenizer):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    from mlxrunner.model.gguf import read_gguf, read_gguf_tensors
+    from mlxrunner.model import read_gguf, read_gguf_tensors
 
     tensors = read_gguf_tensors(read_gguf(path))
     want = mx.array(weights["model.layers.0.mlp.up_proj.weight"]).astype(mx.bfloat16)
@@ -322,7 +322,7 @@ def test_broken_gguf_files_are_one_line(tmp_path, tokenizer, case, message):
     elif case == "huge-count":
         _corrupt(path, 8, (1 << 40).to_bytes(8, "little"))
     elif case == "overlap":
-        from mlxrunner.model.gguf import read_gguf
+        from mlxrunner.model import read_gguf
 
         info = read_gguf(path).tensors
         second = sorted(info.values(), key=lambda t: t.offset)[1]

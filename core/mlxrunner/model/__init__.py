@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "text_config": "loading",
     "weight_files": "loading",
     "check_safetensors": "safetensors",
+    "read_gguf": "gguf",
+    "read_gguf_tensors": "gguf",
     "stored_dtypes": "safetensors",
     # the rest of a folder
     "Tokenizer": "tokenizer",
