@@ -258,6 +258,7 @@ class AssistantSession(DraftSession):
         self.seed: mx.array | None = None
         self.caches: dict[str, KVCache | RingCache] | None = None
         self.rows = 0
+        self.dtype = draft.dtype
 
     def prefill(self, tapped: mx.array) -> None:
         if self.caches is None:
@@ -291,8 +292,8 @@ class AssistantSession(DraftSession):
             raise ValueError(f"the assistant drafts 1..{self.draft.max_depth} tokens, asked "
                              f"for {n}")
         draft = self.draft
-        state = self.seed.astype(draft.dtype)
-        kv = draft.target_kv(self._check_caches(pos), pos, draft.dtype)
+        state = self.seed.astype(self.dtype)
+        kv = draft.target_kv(self._check_caches(pos), pos, self.dtype)
         token = mx.array([current], dtype=mx.int32)
         greedy = self.temperature <= 0
         tokens, probs, cands = [], [], []
