@@ -138,6 +138,9 @@ def test_the_command_chats_over_piped_lines():
     (['"""class Foo:', '    pass"""'], "class Foo:\n    pass"),
     (['"""one line"""'], "one line"),
     (['  """', "", "after a blank line", '"""'], "\nafter a blank line"),
+    (['/set system """', "be", "brief", '"""'], "/set system be\nbrief"),
+    (['/set system """brief"""'], "/set system brief"),
+    (['/set system "brief"'], '/set system "brief"'),
 ])
 def test_lines_between_triple_quotes_are_one_message(typed, message):
     prompts: list[str] = []
@@ -189,6 +192,15 @@ def test_set_changes_what_the_next_turn_is_decoded_with(bundle, recorder):
     text = "".join(out)
     assert "Couldn't set parameter: sampling option top_p must be between 0.0 and 1.0" in text
     assert "Couldn't set parameter: sampling option top_k must be an integer" in text
+
+
+def test_a_system_message_of_several_lines(bundle, recorder):
+    messages = chat_loop(bundle, GREEDY, max_tokens=4, write=lambda _: None, read=lines_of(
+        '/set system """', "# one", "# two", '"""', '"""', "/help", '"""', "/show info"))
+    system = {"role": "system", "content": "# one\n# two"}
+    # a quoted message starting with "/" is a message, never a command
+    assert recorder.seen == [[system, {"role": "user", "content": "/help"}]]
+    assert messages[:2] == recorder.seen[0] and len(messages) == 3
 
 
 def test_save_then_load_restores_the_conversation_and_parameters(bundle, recorder, tmp_path):

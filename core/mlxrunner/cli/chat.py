@@ -42,6 +42,7 @@ from .statistics import describe_run
 PROMPT = ">>> "
 CONTINUATION = "... "
 QUOTES = '"""'
+SET_SYSTEM = "/set system"
 HELP = 'Send a message (/? for help, """ to begin several lines, Ctrl+D or /bye to leave).'
 EXIT_HINT = "Use Ctrl + d or /bye to exit."
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -59,7 +60,7 @@ Use \"\"\" to begin a multi-line message."""
 
 SET_HELP = """Available /set commands:
   /set parameter NAME VALUE   Set a parameter (/set parameter alone lists them)
-  /set system TEXT            Set the system message
+  /set system TEXT            Set the system message (\"\"\" for several lines)
   /set think | nothink        Thinking on or off
   /set verbose | quiet        Statistics after each reply, or none"""
 
@@ -350,14 +351,24 @@ def _number(text: str) -> Any:
 
 def read_message(read: Callable[[str], str]) -> str:
     """The next message or command: one line, or the lines between ``\"\"\"`` marks
-    (joined by newlines, without the marks). EOFError and KeyboardInterrupt pass through."""
+    (joined by newlines, without the marks; ``/set system \"\"\"`` opens them too, for a
+    system message of several lines). EOFError and KeyboardInterrupt pass through."""
+    return _read_input(read)[0]
+
+
+def _read_input(read: Callable[[str], str]) -> tuple[str, bool]:
+    """:func:`read_message`'s text, and whether it is a command (a line starting with ``/``,
+    never text between quotes but for ``/set system``'s)."""
     line = read(PROMPT)
     opened = line.lstrip()
+    command = ""
+    if opened.startswith(SET_SYSTEM) and opened[len(SET_SYSTEM):].lstrip().startswith(QUOTES):
+        command, opened = SET_SYSTEM + " ", opened[len(SET_SYSTEM):].lstrip()
     if not opened.startswith(QUOTES):
-        return line
+        return line, opened.startswith("/")
     rest = opened[len(QUOTES):]
     if rest.rstrip().endswith(QUOTES):
-        return rest.rstrip()[:-len(QUOTES)]
+        return command + rest.rstrip()[:-len(QUOTES)], bool(command)
     lines = [rest] if rest.strip() else []
     while True:
         more = read(CONTINUATION)
@@ -365,7 +376,7 @@ def read_message(read: Callable[[str], str]) -> str:
         if closed.endswith(QUOTES):
             if closed[:-len(QUOTES)]:
                 lines.append(closed[:-len(QUOTES)])
-            return "\n".join(lines)
+            return command + "\n".join(lines), bool(command)
         lines.append(more)
 
 
@@ -386,14 +397,14 @@ def chat_loop(bundle: Any, options: Any, *, max_tokens: int, think: bool | None 
     write(HELP + "\n")
     while True:
         try:
-            text = read_message(read)
+            text, is_command = _read_input(read)
         except EOFError:
             write("\n")
             break
         except KeyboardInterrupt:
             write("\n" + EXIT_HINT + "\n")
             continue
-        if text.startswith("/") and "\n" not in text:
+        if is_command:
             if not session.command(text.strip()):
                 break
             continue
