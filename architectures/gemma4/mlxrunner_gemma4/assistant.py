@@ -204,8 +204,8 @@ class Gemma4AssistantDraft(DraftModel):
         sees keys as a set)."""
         kv = {}
         for layer_type, cache in caches.items():
-            if cache.keys is None or cache.values is None:
-                raise ValueError("the target's caches are empty: prefill first")
+            if cache.keys is None or cache.values is None or cache.offset != pos:
+                raise ValueError(f"the target's {layer_type} cache is not at position {pos}")
             filled = min(cache.offset, cache.window) if isinstance(cache, RingCache) \
                 else cache.offset
             keys, values = cache.keys[..., :filled, :], cache.values[..., :filled, :]
