@@ -178,8 +178,9 @@ def test_a_conversation_at_a_terminal(pane_factory, home: Path):
     pane.wait(lambda s: len(s.rsplit(">>> import os", 1)[1].strip()) > 40, "the reply to start")
     pane.keys("C-c")
     stopped = time.monotonic()
-    pane.wait_prompts(9, "the prompt after Ctrl-C", timeout=30)
+    screen = pane.wait_prompts(9, "the prompt after Ctrl-C", timeout=30)
     assert time.monotonic() - stopped < 20
+    assert "^C" not in screen.rsplit(">>> import os", 1)[1]  # the terminal did not echo it
     pane.type("/show info")
     screen = pane.wait_prompts(10, "/show info after Ctrl-C")
     assert conversation_length(screen) == "6 messages, 3 from you"
@@ -197,7 +198,14 @@ def test_a_conversation_at_a_terminal(pane_factory, home: Path):
     pane.wait(lambda s: conversation_length(s) == "0 messages, 0 from you", "an empty chat")
     pane.type("/load talk")
     pane.wait(lambda s: "Loaded conversation 'talk' (6 messages)" in s, "/load")
-    pane.type("/show info")
+    # Tab completes commands word by word
+    pane.tmux("send-keys", "-t", "chat", "-l", "/sh")
+    pane.keys("Tab")
+    pane.wait(lambda s: last_line(s) == ">>> /show", "Tab to complete /show")
+    pane.tmux("send-keys", "-t", "chat", "-l", "in")
+    pane.keys("Tab")
+    pane.wait(lambda s: last_line(s) == ">>> /show info", "Tab to complete info")
+    pane.keys("Enter")
     pane.wait(lambda s: len(infos(s)) == 5 and
               conversation_length(s) == "6 messages, 3 from you", "the loaded chat")
     pane.type("/bye")

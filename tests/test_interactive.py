@@ -18,6 +18,7 @@ import pytest
 import mlxrunner
 from mlxrunner import host as plugins
 from mlxrunner.cli import (
+    COMPLETIONS,
     EXIT_HINT,
     HELP,
     LineEditor,
@@ -314,6 +315,15 @@ def test_history_is_read_once_and_saved_over_what_another_session_wrote(tmp_path
         readline.clear_history()
     assert path.read_text(encoding="utf-8").splitlines() == ["old", "other session", "mine"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["history"]
+
+
+def test_tab_completes_the_commands_word_by_word(tmp_path):
+    editor = LineEditor(tmp_path / "history", completions=COMPLETIONS)
+    assert editor.complete_word("/s") == ["/save", "/set", "/show"]
+    assert editor.complete_word("/set ") == ["nothink", "parameter", "quiet", "system",
+                                             "think", "verbose"]
+    assert editor.complete_word("/show te") == ["template"]
+    assert editor.complete_word("/show info ") == [] and editor.complete_word("hello") == []
 
 
 def test_without_readline_the_chat_reads_plain_lines(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from ..lazy import lazy_exports
 from .main import main
 
 _EXPORTS: dict[str, str] = {
+    "COMPLETIONS": "chat",
     "HELP": "chat",
     "EXIT_HINT": "chat",
     "chat_loop": "chat",

@@ -16,6 +16,7 @@ Ctrl-C at the prompt only says how to leave; Ctrl-D or ``/bye`` leaves.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -78,6 +79,14 @@ SHORTCUTS = """Available keyboard shortcuts:
   Ctrl + a / e       Move to the start / end of the line
   Ctrl + w / u       Delete the word / the line before the cursor"""
 
+#: what Tab completes at the prompt, word by word
+COMPLETIONS = [
+    "/set parameter", "/set system", "/set think", "/set nothink", "/set verbose",
+    "/set quiet", "/show info", "/show parameters", "/show system", "/show template",
+    "/show modelfile", "/save", "/load", "/clear", "/bye", "/help", "/? set", "/? show",
+    "/? shortcuts",
+]
+
 #: ``/set parameter`` names beyond the sampler's options
 EXTRA_PARAMETERS = {
     "num_predict": "the most tokens a reply may have",
@@ -104,6 +113,7 @@ class _ReplyInterrupt:
         self.requested = False
         self._previous: Any = None
         self._installed = False
+        self._terminal: list[Any] | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
@@ -114,11 +124,43 @@ class _ReplyInterrupt:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
             self._installed = True
+        self._terminal = _echo_control_characters(False)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._terminal is not None:
+            _restore_terminal(self._terminal)
         if self._installed:
             signal.signal(signal.SIGINT, self._previous)
+
+
+def _echo_control_characters(on: bool) -> list[Any] | None:
+    """Turn the terminal's echo of Ctrl-C as ``^C`` off (or on), so that a stopped reply is
+    not cut by it; returns the settings to restore (None: stdin is no terminal)."""
+    try:
+        import termios
+    except ImportError:  # not POSIX
+        return None
+    try:
+        fd = sys.stdin.fileno()
+        if not os.isatty(fd):
+            return None
+        saved = termios.tcgetattr(fd)
+        changed = list(saved)
+        changed[3] = saved[3] | termios.ECHOCTL if on else saved[3] & ~termios.ECHOCTL
+        termios.tcsetattr(fd, termios.TCSANOW, changed)
+        return saved
+    except (termios.error, AttributeError, OSError, ValueError):
+        return None
+
+
+def _restore_terminal(saved: list[Any]) -> None:
+    import termios
+
+    try:
+        termios.tcsetattr(sys.stdin.fileno(), termios.TCSANOW, saved)
+    except (termios.error, OSError, ValueError):
+        pass
 
 
 class ChatSession:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -63,14 +63,23 @@ class LineEditor:
 
     ``readline_module`` is for tests (None: the real one, when Python has it)."""
 
-    def __init__(self, path: Path | None, readline_module: Any = None) -> None:
+    def __init__(self, path: Path | None, readline_module: Any = None,
+                 completions: Sequence[str] = ()) -> None:
         self.path = path
         self.readline = readline_module if readline_module is not None else _readline()
+        self.completions = list(completions)
         self._first_new = 0
         if self.readline is None:
             return
         if hasattr(self.readline, "set_auto_history"):
             self.readline.set_auto_history(True)
+        if self.completions:
+            self.readline.set_completer_delims(" ")
+            self.readline.set_completer(self._complete)
+            # libedit (macOS) takes its own binding syntax
+            binding = "bind ^I rl_complete" if "libedit" in (self.readline.__doc__ or "") \
+                else "tab: complete"
+            self.readline.parse_and_bind(binding)
         if path is not None and path.is_file():
             try:
                 self.readline.read_history_file(str(path))
@@ -80,6 +89,29 @@ class LineEditor:
 
     def read(self, prompt: str) -> str:
         return input(prompt)
+
+    def complete_word(self, line: str) -> list[str]:
+        """The words that may complete the last word of ``line`` (the text before the cursor):
+        the matching words of ``completions`` at that position."""
+        done = line.split(" ")[:-1]
+        matches = set()
+        for completion in self.completions:
+            words = completion.split(" ")
+            if len(words) > len(done) and words[:len(done)] == done and \
+                    words[len(done)].startswith(line.split(" ")[-1]):
+                matches.add(words[len(done)])
+        return sorted(matches)
+
+    def _complete(self, text: str, state: int) -> str | None:
+        """readline's completer: the ``state``-th completion of the word being typed."""
+        rl = self.readline
+        if rl is None:
+            return None
+        try:
+            matches = self.complete_word(rl.get_line_buffer()[:rl.get_endidx()])
+            return matches[state] + " " if state < len(matches) else None
+        except Exception:  # readline swallows errors; one here must not end the chat
+            return None
 
     def new_lines(self) -> list[str]:
         """The lines entered in this session, oldest first."""

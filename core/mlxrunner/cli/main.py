@@ -276,11 +276,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or bundle.extra.get("max_tokens") or 256
     think = None if args.think is None else args.think == "on"
     if chat:
-        from .chat import chat_loop
+        from .chat import COMPLETIONS, chat_loop
         from .history import LineEditor, conversations_folder, history_path
 
         system = args.system if args.system is not None else bundle.extra.get("system")
-        editor = LineEditor(history_path()) if interactive else None
+        editor = LineEditor(history_path(), completions=COMPLETIONS) if interactive else None
         try:
             chat_loop(bundle, options, max_tokens=max_tokens, think=think, system=system,
                       read=editor.read if editor is not None else _read_piped_line,
