@@ -18,8 +18,8 @@ MEANINGS = {
     "round": "round: the draft guesses the next few tokens, then the model checks all "
              "of them in a single forward pass and keeps the ones it agrees with",
     "accepted": "accepted: the share of guessed tokens the model agreed with",
-    "tau": "tau: tokens kept per round on average, the model's own next token included "
-           "(plain decoding keeps 1 per forward pass; tau is the most a round can gain)",
+    "tau": "tau: tokens kept per round on average, the model's own next token included; "
+           "plain decoding keeps 1 per forward pass, so tau bounds the speedup",
     "forwards": "model forwards: full passes of the model (plain decoding makes one per "
                 "token)",
     "speedup": "speedup: speculative tokens/s over plain tokens/s on the same prompt",
