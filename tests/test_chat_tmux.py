@@ -83,8 +83,13 @@ class Pane:
             time.sleep(0.1)
 
     def close(self) -> None:
+        try:
+            socket = Path(self.tmux("display-message", "-p", "#{socket_path}").strip())
+        except subprocess.CalledProcessError:  # the server has gone already
+            return
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True,
                        timeout=30)
+        socket.unlink(missing_ok=True)  # tmux may leave it behind
 
 
 def prompts(screen: str) -> int:
