@@ -201,7 +201,9 @@ class Gemma4AssistantDraft(DraftModel):
                   dtype: mx.Dtype) -> dict[str, mnn.KV]:
         """The keys and values each layer type attends over: every position before ``pos``
         in the full cache, the ring's ``window`` positions before it (slot order: one query
-        sees keys as a set)."""
+        sees keys as a set). The ring is what the target keeps; transformers' assistant,
+        handed a longer sliding history, would reach one position further (its
+        bidirectional window counts distance inclusively)."""
         kv = {}
         for layer_type, cache in caches.items():
             if cache.keys is None or cache.values is None or cache.offset != pos:
