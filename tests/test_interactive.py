@@ -299,8 +299,9 @@ def test_the_chat_files_follow_the_model_store_or_their_own_variable(tmp_path):
 
 
 def test_history_is_read_once_and_saved_over_what_another_session_wrote(tmp_path):
-    import readline
-
+    readline = pytest.importorskip("readline", reason="this Python has no readline")
+    if "libedit" in (readline.__doc__ or ""):
+        pytest.skip("libedit writes its own history format; the file is compared as GNU's")
     path = tmp_path / "history"
     path.write_text("old\n", encoding="utf-8")
     try:
