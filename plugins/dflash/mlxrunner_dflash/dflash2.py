@@ -108,6 +108,9 @@ class CandidateSelector(nn.Module):
         anchor_code = self.predecessor_codebook(anchor.reshape(1))
         anchor_code = anchor_code.astype(mx.float32)  # [1, R]
         first = (succ[0] @ (anchor_code[0] * proj[0])) + unary[0]  # [K]
+        k = ids.shape[-1]
+        if ids.shape[0] == 1:  # one row: no transitions (a quantized codebook takes no empty ids)
+            return ids, first, mx.zeros((0, k, k), dtype=mx.float32)
         pred = self.predecessor_codebook(ids[:-1]).astype(mx.float32)  # [n-1, K, R]
         transitions = (pred * proj[1:, None, :]) @ succ[1:].transpose(0, 2, 1)
         transitions = transitions + unary[1:, None, :]

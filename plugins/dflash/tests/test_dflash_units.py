@@ -97,6 +97,23 @@ def test_candidate_selector_example_worked_by_hand():
                                 [e(1) / (e(1) + e(0.5)), e(0.5) / (e(1) + e(0.5))]], rtol=1e-6)
 
 
+def test_a_quantized_selector_scores_a_one_row_block():
+    """A depth-1 round scores one row: no transitions, also when the codebooks are quantized
+    (an 8-bit draft: MLX's quantized embedding takes no empty id array)."""
+    import mlx.nn as nn
+
+    sel = CandidateSelector(vocab_size=64, hidden=64, rank=64, top_k=4)
+    logits = mx.random.normal((1, 64), key=mx.random.key(0))
+    hidden = mx.random.normal((1, 64), key=mx.random.key(1))
+    dense = sel.scores(hidden, logits, anchor=mx.array([3]), scale=lambda x: x)
+    nn.quantize(sel, group_size=32, bits=8)
+    ids, first, transitions = sel.scores(hidden, logits, anchor=mx.array([3]), scale=lambda x: x)
+    assert transitions.shape == (0, 4, 4)
+    np.testing.assert_array_equal(np.array(ids), np.array(dense[0]))
+    np.testing.assert_allclose(_np(first), _np(dense[1]), atol=0.05)
+    assert greedy_path(ids, first, transitions).shape == (1,)
+
+
 def test_candidate_selector_scales_and_softcaps_unary_scores():
     sel = _hand_selector()
     hidden = mx.array([[1.0, 0.0]])
