@@ -260,18 +260,6 @@ class Router(nn.Module):
         return indices, weights
 
 
-class Experts(nn.Module):
-    def __init__(self, cfg: Gemma4Config) -> None:
-        super().__init__()
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = mnn.ExpertLinear(e, h, 2 * i)
-        self.down_proj = mnn.ExpertLinear(e, i, h)
-
-    def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
-        return mnn.experts_glu(x, indices, weights, self.gate_up_proj, self.down_proj,
-                               mnn.gelu_tanh_mul)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Gemma4Config, i: int) -> None:
         super().__init__()
@@ -285,7 +273,8 @@ class DecoderLayer(nn.Module):
         self.moe = cfg.enable_moe_block
         if self.moe:
             self.router = Router(cfg)
-            self.experts = Experts(cfg)
+            self.experts = mnn.GatedExperts(cfg.num_experts, cfg.hidden_size,
+                                            cfg.moe_intermediate_size, mnn.gelu_tanh_mul)
             self.post_feedforward_layernorm_1 = mnn.RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = mnn.RMSNorm(h, eps)
             self.pre_feedforward_layernorm_2 = mnn.RMSNorm(h, eps)

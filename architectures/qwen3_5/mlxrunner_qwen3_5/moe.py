@@ -82,18 +82,6 @@ class Qwen3_5MoeConfig(Qwen3_5Config):
         return moe
 
 
-class Experts(nn.Module):
-    def __init__(self, cfg: Qwen3_5MoeConfig) -> None:
-        super().__init__()
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = mnn.ExpertLinear(e, h, 2 * i)
-        self.down_proj = mnn.ExpertLinear(e, i, h)
-
-    def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
-        return mnn.experts_glu(x, indices, weights, self.gate_up_proj, self.down_proj,
-                               mnn.silu_mul)
-
-
 class SparseMoeBlock(nn.Module):
     """Routed experts plus the sigmoid-gated shared expert (checkpoint names under ``mlp.``:
     ``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``)."""
@@ -103,7 +91,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = mnn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.top_k = cfg.num_experts_per_tok
         self.renormalise = cfg.norm_topk_prob
-        self.experts = Experts(cfg)
+        self.experts = mnn.GatedExperts(cfg.num_experts, cfg.hidden_size,
+                                        cfg.moe_intermediate_size, mnn.silu_mul)
         self.shared = cfg.shared_expert_intermediate_size > 0
         if self.shared:
             self.shared_expert = mnn.GatedMLP(cfg.hidden_size,

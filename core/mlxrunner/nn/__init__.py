@@ -25,7 +25,7 @@ from .kernels import (
 )
 from .linear import Linear, QuantizedLinear, apply_linear, joined_linears, linears
 from .mlp import ACTIVATIONS, GatedMLP, gelu_tanh_mul, silu_mul, softcap
-from .moe import ExpertLinear, QuantizedExpertLinear, experts_glu
+from .moe import ExpertLinear, GatedExperts, QuantizedExpertLinear, experts_glu
 from .norm import RMSNorm, gated_rms_norm, rms_norm
 from .rope import RoPE, RopeConfigError
 from .taps import Taps
@@ -35,6 +35,7 @@ __all__ = [
     "KV",
     "Embedding",
     "ExpertLinear",
+    "GatedExperts",
     "GatedDeltaNet",
     "GatedMLP",
     "Linear",

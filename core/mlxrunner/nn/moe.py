@@ -86,3 +86,20 @@ def experts_glu(x: mx.array, indices: mx.array, weights: mx.array, gate_up: nn.M
         y = glu(x[:, None, None, :], idx, False).squeeze(-2)
     y = (y * weights.reshape(-1, k, 1).astype(y.dtype)).sum(axis=-2)
     return y.reshape(*lead, -1)
+
+
+class GatedExperts(nn.Module):
+    """``experts`` gated MLPs applied by index: ``gate_up_proj`` (gate and up side by side)
+    and ``down_proj``, as transformers' fused expert tensors name them; ``act_mul`` is the
+    gate's activation times up (``silu_mul``, ``gelu_tanh_mul``)."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int,
+                 act_mul: Callable[[mx.array, mx.array], mx.array]) -> None:
+        super().__init__()
+        self.gate_up_proj = ExpertLinear(experts, hidden, 2 * intermediate)
+        self.down_proj = ExpertLinear(experts, intermediate, hidden)
+        self._act_mul = act_mul
+
+    def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
+        return experts_glu(x, indices, weights, self.gate_up_proj, self.down_proj,
+                           self._act_mul)
