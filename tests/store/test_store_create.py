@@ -128,6 +128,7 @@ def test_each_quantization_is_what_mlx_gives(demo_model, store_root, name):
     assert entry.manifest.target_precision == name
     assert entry.manifest.draft_precision == "bfloat16"  # the draft as it was
     loaded = mlxrunner.load_model(entry.path)
+    assert loaded.weight_precision == {"q8": "8-bit affine"}.get(name, name)
     target = quantized_directly(mlxrunner.load_model(demo_model), name)
     assert_same_parameters(loaded, target)
     ids = mx.array([[5, 17, 300, 42, 7, 1000]])

@@ -118,8 +118,14 @@ def compute_dtype_of(module: nn.Module) -> mx.Dtype:
 
 
 def weight_precision_of(module: nn.Module) -> str:
-    """``4-bit affine`` for quantized modules, else the float dtype's name."""
-    bits = {m.bits for _, m in module.named_modules() if hasattr(m, "bits")}
-    if bits:
-        return "/".join(f"{b}-bit" for b in sorted(bits)) + " affine"
+    """``4-bit affine`` (or ``mxfp4``, ``nvfp4``, ...) for quantized modules, several joined
+    by ``/``; else the float dtype's name."""
+    kinds = set()
+    for _, m in module.named_modules():
+        if hasattr(m, "bits"):
+            mode = getattr(m, "mode", "affine") or "affine"
+            kinds.add((m.bits, mode))
+    if kinds:
+        return "/".join(f"{bits}-bit affine" if mode == "affine" else str(mode)
+                        for bits, mode in sorted(kinds))
     return str(compute_dtype_of(module)).replace("mlx.core.", "")
