@@ -145,6 +145,7 @@ def component_costs(model, draft, prompt: list[int], depth: int, repeats: int
     caches = model.make_cache()
     live = [c for c in caches if c is not None]
     session = draft.new_session(sampler)
+    session.extend_tokens(prompt)  # drafts that pair states with the next token (MTP) see ids
     _, tapped = prefill(model, prompt, caches, taps=list(draft.taps))
     session.prefill(tapped)
     pos, current = len(prompt), int(prompt[-1])
@@ -163,6 +164,7 @@ def component_costs(model, draft, prompt: list[int], depth: int, repeats: int
         for c in live:
             c.restore(pos + 1)
             c.discard_snapshots()
+        session.extend_tokens([current])
         session.commit(tapped[:, :1])
         pos += 1
         if i:  # the first repeat warms up
