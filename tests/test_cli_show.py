@@ -28,7 +28,7 @@ def test_show_reports_target_and_quantized_draft_precision_apart(tmp_path):
     import mlxrunner
     from mlxrunner import host as plugins
 
-    source = Path(plugins.host().registry("models")["default"].obj)
+    source = Path(plugins.host().registry("models")["demo-qwen3.5"].obj)
     folder = tmp_path / "pair"
     shutil.copytree(source, folder)
     bundle = mlxrunner.load(folder)

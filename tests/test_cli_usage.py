@@ -30,7 +30,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def demo_folder() -> Path:
     from mlxrunner import host as plugins
 
-    return Path(plugins.host().registry("models")["default"].obj)
+    return Path(plugins.host().registry("models")["demo-qwen3.5"].obj)
 
 
 def run_json(*args: str, cwd: Path) -> dict:
@@ -58,7 +58,7 @@ def test_a_usage_error_is_one_line_with_one_prefix(tmp_path, args, expected):
 
 
 def test_logprobs_follow_the_text_in_text_mode(tmp_path):
-    flags = ("default", PROMPT, "--max-tokens", "3", "--logprobs", "--top-logprobs", "2")
+    flags = ("demo-qwen3.5", PROMPT, "--max-tokens", "3", "--logprobs", "--top-logprobs", "2")
     expected = run_json(*flags, cwd=tmp_path)["logprobs"]
     result = cli("run", *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -77,9 +77,9 @@ def test_json_keys_are_the_ones_the_readme_lists(tmp_path):
     sentence = re.search(r"`run --json` prints one object: (.*?)\. ", text)
     assert sentence, "the README's sentence on run --json"
     documented = set(re.findall(r"`([a-z_]+)`", sentence.group(1)))
-    out = run_json("default", PROMPT, "--max-tokens", "4", "--compare", cwd=tmp_path)
+    out = run_json("demo-qwen3.5", PROMPT, "--max-tokens", "4", "--compare", cwd=tmp_path)
     assert set(out) | set(out["statistics"]) | set(out["message"]) <= documented, documented
-    out = run_json("default", PROMPT, "--max-tokens", "4", "--logprobs", cwd=tmp_path)
+    out = run_json("demo-qwen3.5", PROMPT, "--max-tokens", "4", "--logprobs", cwd=tmp_path)
     assert "logprobs" in out and set(out) <= documented
 
 
@@ -87,7 +87,7 @@ def test_json_keys_are_the_ones_the_readme_lists(tmp_path):
 def stop_bundle(tmp_path) -> tuple[Path, str, str]:
     """A Modelfile FROM the demo folder whose stop string falls inside the demo's greedy
     reply; with the reply up to it."""
-    plain = run_json("default", PROMPT, "--max-tokens", "16", cwd=tmp_path)["text"]
+    plain = run_json("demo-qwen3.5", PROMPT, "--max-tokens", "16", cwd=tmp_path)["text"]
     words = re.findall(r"[A-Za-z]{3,}", plain)
     assert len(words) >= 2, plain
     stop = words[1]  # some text before it, some after
@@ -151,12 +151,12 @@ def test_from_a_folder_builds_on_that_folders_modelfile(tmp_path):
 
 
 def test_show_says_stored_and_computed_precision(tmp_path):
-    result = cli("show", "default", cwd=tmp_path)
+    result = cli("show", "demo-qwen3.5", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     # The demo stores bfloat16 and its config.json declares float32.
     assert "target precision  bfloat16 (stored), computed in float32" in \
         result.stdout.splitlines()
-    info = json.loads(cli("show", "default", "--json", cwd=tmp_path).stdout)
+    info = json.loads(cli("show", "demo-qwen3.5", "--json", cwd=tmp_path).stdout)
     assert (info["target_stored_precision"], info["target_compute_dtype"]) == \
         ("bfloat16", "float32")
 

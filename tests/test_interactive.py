@@ -31,14 +31,14 @@ from mlxrunner.cli import (
 )
 from mlxrunner.decode import generate
 
-pytestmark = pytest.mark.skipif("default" not in plugins.host().registry("models"),
+pytestmark = pytest.mark.skipif("demo-qwen3.5" not in plugins.host().registry("models"),
                                 reason="the demo plugin (mlxrunner-demo) is not installed")
 GREEDY = mlxrunner.SamplerOptions(temperature=0)
 
 
 @pytest.fixture(scope="module")
 def bundle():
-    return mlxrunner.load("default")
+    return mlxrunner.load("demo-qwen3.5")
 
 
 def reply_to(bundle, messages, max_tokens):
@@ -126,7 +126,7 @@ def test_bye_leaves_at_once(bundle):
 
 
 def test_the_command_chats_over_piped_lines():
-    run = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "run", "default", "--chat",
+    run = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "run", "demo-qwen3.5", "--chat",
                           "--max-tokens", "8"], input="import os\n/bye\n", text=True,
                          capture_output=True, timeout=300)
     assert run.returncode == 0, run.stderr

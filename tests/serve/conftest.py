@@ -16,9 +16,9 @@ pytest.importorskip("fastapi")
 
 @pytest.fixture(scope="session")
 def demo_bundle() -> Any:
-    if "default" not in plugins.host().registry("models"):
+    if "demo-qwen3.5" not in plugins.host().registry("models"):
         pytest.skip("the demo plugin (mlxrunner-demo) is not installed")
-    return mlxrunner.load("default")
+    return mlxrunner.load("demo-qwen3.5")
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ def _loaded(url: str) -> list[str]:
 def test_a_model_is_loaded_by_name_and_listed(models_server: Any) -> None:
     url, _ = models_server
     names = [m["model"] for m in httpx.get(url + "/api/tags").json()["models"]]
-    assert names[0] == "demo" and {"tiny", "default"} <= set(names)
+    assert names[0] == "demo" and {"tiny", "demo-qwen3.5"} <= set(names)
     assert _loaded(url) == ["demo"]
     reply = httpx.post(url + "/v1/chat/completions", timeout=120, json={
         "model": "tiny", "messages": [{"role": "user", "content": "class Test"}],
@@ -48,10 +48,10 @@ def test_at_most_max_loaded_stay_and_keep_alive_0_unloads(models_server: Any) ->
     body = {"prompt": "import", "raw": True, "stream": False, "options": {"num_predict": 2}}
     assert httpx.post(url + "/api/generate", json={**body, "model": "tiny"},
                       timeout=120).status_code == 200
-    assert httpx.post(url + "/api/generate", json={**body, "model": "default"},
+    assert httpx.post(url + "/api/generate", json={**body, "model": "demo-qwen3.5"},
                       timeout=120).status_code == 200
-    assert _loaded(url) == ["demo", "default"]  # tiny made room (max_loaded 1)
-    unload = httpx.post(url + "/api/generate", json={"model": "default", "keep_alive": 0})
+    assert _loaded(url) == ["demo", "demo-qwen3.5"]  # tiny made room (max_loaded 1)
+    unload = httpx.post(url + "/api/generate", json={"model": "demo-qwen3.5", "keep_alive": 0})
     assert unload.json()["done_reason"] == "unload" and _loaded(url) == ["demo"]
     assert httpx.post(url + "/api/generate", json={"model": "demo", "keep_alive": 0}
                       ).json()["done_reason"] == "load"  # the starting model stays
@@ -83,7 +83,7 @@ def test_max_loaded_0_serves_the_one_model(demo_service: Any) -> None:
         assert [m["id"] for m in httpx.get(listener.url + "/v1/models").json()["data"]] == \
             ["demo"]
         reply = httpx.post(listener.url + "/v1/completions",
-                           json={"model": "default", "prompt": "x", "max_tokens": 1})
+                           json={"model": "demo-qwen3.5", "prompt": "x", "max_tokens": 1})
         assert reply.status_code == 404
     finally:
         listener.stop()

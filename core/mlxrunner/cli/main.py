@@ -20,7 +20,7 @@ from ..host import manager as plugins
 from . import bench, store
 from .arguments import count, port
 
-DEFAULT_PROMPT = "def fibonacci(n):"
+DEFAULT_PROMPT = "What is the capital of France?"
 
 
 class CommandRegistry:
@@ -333,7 +333,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         plain_tps = stats["plain"].get("tokens_per_second") or 0.0
         stats["speedup"] = round(run_tps / plain_tps, 3) if plain_tps else None
     if args.json:
-        reply = text.finish() if text.stopped else tok.decode(result.tokens)
+        # the text of the reply: an end-of-turn token that ended it is not part of it
+        shown = result.tokens[:-1] if result.tokens and result.tokens[-1] in stop_ids \
+            else result.tokens
+        reply = text.finish() if text.stopped else tok.decode(shown)
         out: dict[str, Any] = {"model": str(bundle.path), "prompt_tokens": len(prompt_ids),
                                "tokens": result.tokens, "text": reply,
                                "finish_reason": result.finish_reason, "statistics": stats}

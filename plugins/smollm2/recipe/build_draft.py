@@ -1,0 +1,158 @@
+"""Build the default model's DFlash2 draft: the target answers the recipe's prompts, the
+draft learns from those answers, and the pair is measured on held-out prompts.
+
+    python plugins/smollm2/recipe/build_draft.py TARGET.gguf --out DIR [--train-prompts 1500]
+        [--time-budget-s 360] [--max-tokens 256]
+
+1. Prompts (``prompts.py``: written from templates here; held-out ones share no subject with
+   the training ones) rendered with the target's chat template.
+2. The target's greedy answers, generated in batches of prompts of one length (one decode
+   step serves a whole batch; no padding, so every row is exactly what a one-prompt run
+   computes), written as ``DIR/answers-{train,heldout}.jsonl``.
+3. ``mlxrunner train-draft`` (its own process, as a user would run it) on the rendered
+   conversations, labels the target's own greedy tokens, into ``DIR/draft``.
+4. ``bench/default_model.py``'s measurement is separate (it times plain against
+   speculative decoding on the held-out prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+
+import mlxrunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prompts import prompts  # noqa: E402
+
+#: a control token chat text never contains, standing for the draft block's unknown tokens
+MASK_TOKEN = "<empty_output>"
+
+
+def greedy_batch(model: mlxrunner.Model, rows: list[list[int]], max_tokens: int,
+                 stop: frozenset[int]) -> list[list[int]]:
+    """Greedy continuations of equal-length prompts, each cut at its first stop token."""
+    cache = model.make_cache()
+    logits = model(mx.array(rows), cache=cache)
+    out: list[list[int]] = [[] for _ in rows]
+    finished = [False] * len(rows)
+    for _ in range(max_tokens):
+        nxt = mx.argmax(logits[:, -1, :], axis=-1)
+        values = nxt.tolist()
+        for i, token in enumerate(values):
+            if not finished[i]:
+                if token in stop:
+                    finished[i] = True
+                else:
+                    out[i].append(int(token))
+        if all(finished):
+            break
+        logits = model(nxt[:, None], cache=cache)
+    return out
+
+
+def answer(bundle: mlxrunner.Bundle, texts: list[str], max_tokens: int, path: Path,
+           batch: int) -> list[dict]:
+    if path.exists():  # answered before (a resumed build): the same prompts, the same answers
+        records = [json.loads(line) for line in path.read_text().splitlines() if line]
+        if [r["prompt"] for r in records] == texts:
+            return records
+    rendered = [bundle.renderer.render([{"role": "user", "content": t}]) for t in texts]
+    ids = [bundle.tokenizer.encode(r) for r in rendered]
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, row in enumerate(ids):
+        groups[len(row)].append(i)
+    stop = bundle.stop_token_ids()
+    answers: dict[int, list[int]] = {}
+    t0, tokens = time.perf_counter(), 0
+    for _, members in sorted(groups.items()):
+        for start in range(0, len(members), batch):
+            chunk = members[start:start + batch]
+            for i, toks in zip(chunk, greedy_batch(bundle.model, [ids[i] for i in chunk],
+                                                   max_tokens, stop), strict=True):
+                answers[i] = toks
+                tokens += len(toks)
+    seconds = time.perf_counter() - t0
+    print(f"{path.name}: {len(texts)} answers, {tokens} tokens in {seconds:.1f}s",
+          file=sys.stderr)
+    records = []
+    for i, text in enumerate(texts):
+        reply = bundle.tokenizer.decode(answers[i], skip_special_tokens=True)
+        records.append({"prompt": text, "answer": reply, "tokens": len(answers[i]),
+                        "text": rendered[i] + reply + "<|im_end|>\n"})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+    return records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("target")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--train-prompts", type=int, default=1500)
+    ap.add_argument("--heldout-prompts", type=int, default=80)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=64, help="prompts answered together")
+    ap.add_argument("--time-budget-s", type=float, default=360)
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=8)
+    # SmolLM2's own attention shape (9 query heads over 3 key/value heads of 64)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=384)
+    ap.add_argument("--train-batch", type=int, default=16)
+    ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    # rank 32: the selector's two vocabulary codebooks are most of a small draft's bytes
+    ap.add_argument("--selector-rank", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bundle = mlxrunner.load(args.target, use_draft=False)
+    mask_id = bundle.tokenizer.token_to_id(MASK_TOKEN)
+    if mask_id is None:
+        raise SystemExit(f"{args.target}: no {MASK_TOKEN} token to use as the mask")
+    texts = {"train": prompts("train", args.train_prompts, args.seed),
+             "heldout": prompts("heldout", args.heldout_prompts, args.seed)}
+    for split, chosen in texts.items():
+        records = answer(bundle, chosen, args.max_tokens, out / f"answers-{split}.jsonl",
+                         args.batch)
+        folder = out / f"corpus-{split}"
+        folder.mkdir(exist_ok=True)
+        for i, record in enumerate(records):
+            (folder / f"{i:05d}.txt").write_text(record["text"])
+    del bundle
+    mx.clear_cache()
+    command = [sys.executable, "-m", "mlxrunner_dflash.train", args.target,
+               "--corpus", str(out / "corpus-train"), "--glob", "*.txt",
+               "--heldout", str(out / "corpus-heldout"),
+               "--out", str(out / "draft"), "--kind", "dflash2", "--labels", "target",
+               "--steps", str(args.steps), "--batch", str(args.train_batch),
+               "--seq-len", str(args.seq_len), "--anchors", str(args.anchors),
+               "--lr", str(args.lr), "--layers", str(args.layers),
+               "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
+               "--head-dim", str(args.head_dim), "--selector-rank", str(args.selector_rank),
+               "--block-size", str(args.block_size), "--mask-token-id", str(mask_id),
+               "--save-dtype", "bfloat16", "--seed", str(args.seed),
+               "--log", str(out / "train-log.jsonl"), "--eval-prompts", "0",
+               "--save-every", "0", "--time-budget-s", str(args.time_budget_s)]
+    print(" ".join(command), file=sys.stderr)
+    completed = subprocess.run(command)
+    if completed.returncode:
+        raise SystemExit(f"train-draft failed with exit status {completed.returncode}")
+
+
+if __name__ == "__main__":
+    main()

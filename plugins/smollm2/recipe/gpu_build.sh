@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The default pair's draft, built and measured on the GPU machine (no package index there):
+# the GGUF file travels in three parts (.gguf-a/-b/-c, each under the device's 64 MiB a call),
+#   call: bash plugins/smollm2/recipe/gpu_build.sh part a|b|c   (moves a part to /tmp/gguf)
+#   call: bash plugins/smollm2/recipe/gpu_build.sh build        (answers, train-draft, q8 copy)
+#   call: bash plugins/smollm2/recipe/gpu_build.sh bench        (bench/default_model.py)
+# after `bash .mlx-cuda-a/stage.sh` and with .mlx-cuda-b .whl .gpu carried once.
+set -u
+out=${OUT:-/tmp/gpu-out}
+mkdir -p "$out" /tmp/gguf
+gguf=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+setup() {
+  source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
+  export PYTHONUNBUFFERED=1 MLXRUNNER_MODELS=/tmp/store MLX_PTX_CACHE_DIR=$PWD/.gpu/ptx-cache
+  export MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
+  mkdir -p "$MLX_PTX_CACHE_DIR"
+  [ -f .gpu/ptx-cache.tgz ] && [ ! -f /tmp/ptx-restored ] &&
+    tar xzf .gpu/ptx-cache.tgz -C "$MLX_PTX_CACHE_DIR" && touch /tmp/ptx-restored
+  if [ ! -f "$gguf" ]; then
+    cat /tmp/gguf/part-a /tmp/gguf/part-b /tmp/gguf/part-c > "$gguf"
+  fi
+  sha256sum "$gguf"
+}
+case "${1:-}" in
+  part)
+    cp ".gguf-$2/part" "/tmp/gguf/part-$2" && ls -la /tmp/gguf
+    if [ "$2" = a ]; then setup; python3 -c 'import mlxrunner, mlx.core as mx; print(mx.default_device())'; fi
+    ;;
+  build)
+    setup
+    timeout "${BUILD_TIMEOUT:-540}" python3 plugins/smollm2/recipe/build_draft.py "$gguf" \
+      --out /tmp/smolbuild --train-prompts "${PROMPTS:-4000}" --batch 128 \
+      --time-budget-s "${TRAIN_S:-330}" ${BUILD_ARGS:-} 2>&1 | tee "$out/build.log" |
+      grep -v "^step " | tail -30
+    # the shipped draft: 8-bit (a quarter of float32's bytes; the repository must stay small)
+    printf 'FROM %s\nDRAFT /tmp/smolbuild/draft\n' "$gguf" > /tmp/Modelfile.smol
+    python3 -m mlxrunner.cli create smol-q8 -f /tmp/Modelfile.smol --draft-quantize q8 2>&1 | tail -3
+    (cd /tmp/store && d=$(ls -d */ | grep -i smol | head -1) && tar czf /tmp/draft.tgz -C "$d" draft &&
+      split -b 15m /tmp/draft.tgz "$out/draft-q8.tgz.")
+    (cd /tmp/smolbuild && tar czf "$out/build-extra.tgz" draft/config.json train-log.jsonl answers-heldout.jsonl 2>/dev/null)
+    ls -la "$out"
+    ;;
+  bench)
+    setup
+    timeout "${BENCH_TIMEOUT:-300}" python3 bench/default_model.py smol-q8 --prompts "${BENCH_PROMPTS:-40}" \
+      --json "$out/default-model-gpu.json" 2>&1 | tee "$out/default-model-gpu.txt" | tail -6
+    if [ "${MTP:-1}" = 1 ]; then
+      timeout 150 python3 bench/mtp.py --json "$out/mtp-gpu.json" 2>&1 | tee "$out/mtp-gpu.txt" | tail -14
+    fi
+    ;;
+  moe)
+    setup
+    timeout "${BENCH_TIMEOUT:-400}" python3 bench/qwen3_5_moe.py --bits 4 --json "$out/qwen3_5-moe-gpu.json" \
+      2>&1 | tee "$out/qwen3_5-moe-gpu.txt" | tail -16
+    ;;
+esac

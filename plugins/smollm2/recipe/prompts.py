@@ -1,0 +1,124 @@
+"""Chat prompts for training and measuring the default model's draft: written here from
+templates and subjects (no outside data set), split so that held-out prompts share no subject
+with the training ones."""
+
+from __future__ import annotations
+
+import random
+
+TEMPLATES = [
+    "What is the capital of {place}?",
+    "Tell me about {place}.",
+    "What is {place} famous for?",
+    "Explain how {thing} works.",
+    "Explain {thing} to a ten-year-old.",
+    "What are the main parts of {thing}?",
+    "Why is {thing} important?",
+    "Write a Python function that {task}.",
+    "How do I {task} in Python?",
+    "Write a JavaScript function that {task}.",
+    "Write a short poem about {topic}.",
+    "Write a haiku about {topic}.",
+    "Write a short story about {topic}.",
+    "Give me three tips for {activity}.",
+    "How can I get better at {activity}?",
+    "What should a beginner know about {activity}?",
+    "What does the word '{word}' mean?",
+    "Use the word '{word}' in a sentence.",
+    "What is the difference between {pair}?",
+    "Compare {pair}.",
+    "List five {category}.",
+    "Name some {category} and describe one of them.",
+    "What is {a} plus {b}?",
+    "What is {a} times {b}?",
+    "If I have {a} apples and give away {b}, how many are left?",
+    "Summarize the history of {thing} in a few sentences.",
+    "Write an email to a friend about {topic}.",
+    "What are the pros and cons of {activity}?",
+    "Translate 'good morning' into {language}.",
+    "How do you say 'thank you' in {language}?",
+]
+
+SUBJECTS = {
+    "place": ["France", "Japan", "Brazil", "Canada", "Egypt", "Italy", "Kenya", "Peru",
+              "Norway", "India", "Mexico", "Spain", "Germany", "Australia", "Chile",
+              "Vietnam", "Greece", "Poland", "Morocco", "Sweden", "Argentina", "Turkey",
+              "Thailand", "Portugal", "Ireland", "Nigeria", "Finland", "Austria"],
+    "thing": ["a refrigerator", "the internet", "photosynthesis", "a car engine", "vaccines",
+              "a rainbow", "electricity", "the stock market", "a compass", "gravity",
+              "a bicycle", "the human heart", "solar panels", "a microwave oven", "democracy",
+              "the water cycle", "a telescope", "batteries", "recycling", "an airplane",
+              "the immune system", "a volcano", "money", "tides", "a camera", "wifi",
+              "earthquakes", "a thermometer"],
+    "task": ["reverses a string", "checks if a number is prime", "sorts a list of numbers",
+             "counts the words in a sentence", "finds the largest number in a list",
+             "computes the factorial of a number", "removes duplicates from a list",
+             "checks if a word is a palindrome", "converts Celsius to Fahrenheit",
+             "returns the Fibonacci numbers up to n", "reads a file line by line",
+             "merges two dictionaries", "counts vowels in a string", "flattens a nested list",
+             "computes the average of a list", "capitalizes every word in a sentence",
+             "finds the greatest common divisor of two numbers", "checks if a year is a leap year",
+             "generates a random password", "converts a list to a set",
+             "finds the second largest number in a list", "swaps two variables",
+             "sums the digits of a number", "checks if two strings are anagrams"],
+    "topic": ["the ocean", "autumn leaves", "a rainy day", "friendship", "the moon",
+              "a lost cat", "the mountains", "coffee", "a city at night", "the first snow",
+              "a garden", "an old library", "the stars", "a summer holiday", "a robot",
+              "the desert", "a river", "birthdays", "a train journey", "the forest",
+              "a lighthouse", "a thunderstorm", "music", "home"],
+    "activity": ["learning a language", "running", "cooking", "saving money", "gardening",
+                 "public speaking", "studying for exams", "sleeping well", "writing",
+                 "playing chess", "drawing", "working from home", "traveling cheaply",
+                 "swimming", "learning to code", "photography", "meditation", "hiking",
+                 "playing the guitar", "making friends", "time management", "baking bread"],
+    "word": ["serendipity", "ephemeral", "resilient", "ubiquitous", "eloquent", "meticulous",
+             "pragmatic", "benevolent", "candid", "diligent", "frugal", "gregarious",
+             "humble", "inevitable", "jubilant", "lucid", "nostalgia", "optimistic",
+             "reluctant", "tenacious"],
+    "pair": ["a virus and a bacterium", "weather and climate", "a lake and a sea",
+             "Python and JavaScript", "a list and a tuple", "speed and velocity",
+             "an alligator and a crocodile", "a democracy and a republic", "RAM and storage",
+             "a planet and a star", "baking soda and baking powder", "a frog and a toad",
+             "hardware and software", "a crow and a raven", "tea and coffee",
+             "mass and weight", "an ocean and a sea", "a hurricane and a tornado"],
+    "category": ["fruits", "programming languages", "musical instruments", "planets",
+                 "mammals", "board games", "vegetables", "famous painters", "sports",
+                 "kitchen tools", "birds", "colors", "countries in Africa", "flowers",
+                 "dog breeds", "types of clouds", "board games for children", "rivers"],
+    "language": ["French", "Spanish", "German", "Italian", "Japanese", "Portuguese",
+                 "Dutch", "Swedish", "Russian", "Chinese"],
+}
+
+
+def _fill(template: str, rng: random.Random, pools: dict[str, list[str]], low: int
+          ) -> str | None:
+    values = {}
+    for key in ("place", "thing", "task", "topic", "activity", "word", "pair", "category",
+                "language"):
+        if "{" + key + "}" in template:
+            if not pools[key]:
+                return None
+            values[key] = rng.choice(pools[key])
+    if "{a}" in template:
+        values["a"], values["b"] = str(rng.randint(low, low + 58)), str(rng.randint(1, 20))
+    return template.format(**values)
+
+
+def prompts(split: str, count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct prompts of ``split`` ("train" or "heldout"): held-out prompts use
+    the last fifth of every subject list, training prompts the rest."""
+    rng = random.Random(f"{split}-{seed}")
+    pools = {}
+    for key, values in SUBJECTS.items():
+        cut = len(values) - max(2, len(values) // 5)
+        pools[key] = values[:cut] if split == "train" else values[cut:]
+    out: list[str] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(out) < count and attempts < count * 50:
+        attempts += 1
+        text = _fill(rng.choice(TEMPLATES), rng, pools, 2 if split == "train" else 61)
+        if text is not None and text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
