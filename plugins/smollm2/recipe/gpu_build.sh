@@ -16,10 +16,11 @@ setup() {
   mkdir -p "$MLX_PTX_CACHE_DIR"
   [ -f .gpu/ptx-cache.tgz ] && [ ! -f /tmp/ptx-restored ] &&
     tar xzf .gpu/ptx-cache.tgz -C "$MLX_PTX_CACHE_DIR" && touch /tmp/ptx-restored
-  if [ ! -f "$gguf" ]; then
-    cat /tmp/gguf/part-a /tmp/gguf/part-b /tmp/gguf/part-c > "$gguf"
+  if [ ! -f "$gguf" ] && [ -f /tmp/gguf/part-a ] && [ -f /tmp/gguf/part-b ] &&
+     [ -f /tmp/gguf/part-c ]; then
+    cat /tmp/gguf/part-a /tmp/gguf/part-b /tmp/gguf/part-c > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
   fi
-  sha256sum "$gguf"
+  [ -f "$gguf" ] && sha256sum "$gguf"
 }
 case "${1:-}" in
   part)
