@@ -436,3 +436,22 @@ def test_a_kill_while_saving_the_draft_never_leaves_new_weights_under_an_old_con
     train.save_draft(other, config, out, mx.float32)
     assert mlxrunner.load(str(folder), draft=str(out)).draft is not None
     assert not list(out.glob(".draft.tmp-*"))
+
+
+def test_the_target_computes_in_the_dtype_asked_for(tiny_target, tmp_path):
+    """--target-dtype: the frozen target runs in that dtype while training (the draft saved
+    with --save-dtype auto takes it), whatever its folder declares."""
+    import json
+
+    import mlxrunner
+
+    folder, train_files, held_files = tiny_target
+    declared = str(mlxrunner.load(str(folder), use_draft=False).model.dtype)
+    wanted = "float16" if "float16" not in declared else "float32"
+    train.train_draft(_settings(folder, train_files, held_files, tmp_path / "d", steps=1,
+                                self_distill=0, eval_prompts=0, eval_blocks=8, save_every=0,
+                                target_dtype=wanted))
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["dtype"] == wanted
+    with pytest.raises(mlxrunner.MLXRunnerError, match="unknown dtype"):
+        train.train_draft(_settings(folder, train_files, held_files, tmp_path / "e", steps=1,
+                                    self_distill=0, eval_prompts=0, target_dtype="float8"))

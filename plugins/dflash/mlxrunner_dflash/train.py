@@ -927,7 +927,8 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
     elif settings.resume:
         raise TrainDraftError(f"--resume: no checkpoint in {ckpt_dir}")
 
-    bundle = mlxrunner.load(settings.target, use_draft=False)
+    target_dtype = None if settings.target_dtype == "auto" else settings.target_dtype
+    bundle = mlxrunner.load(settings.target, use_draft=False, dtype=target_dtype)
     target, tokenizer = bundle.model, bundle.tokenizer
     target.freeze()
     if not getattr(target, "supports_taps", True):
@@ -1092,7 +1093,7 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
                                   "draft": round(float(steady[2]), 4),
                                   "first_step": round(float(sum(phases[0])), 3)}
     # Held-out figures of the draft as saved (its dtype): reload it the way --draft does.
-    saved_draft = mlxrunner.load(settings.target, draft=str(out)).draft
+    saved_draft = mlxrunner.load(settings.target, draft=str(out), dtype=target_dtype).draft
     report.update(estimate_acceptance(saved_draft, target, taps, *evaluation_set(
         target, data, settings, eos_id), settings, mask_token_id))
     if settings.eval_prompts > 0:

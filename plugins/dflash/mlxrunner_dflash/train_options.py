@@ -60,6 +60,7 @@ class TrainSettings:
     eval_every: int = 0
     save_every: int = 500
     save_dtype: str = "auto"
+    target_dtype: str = "auto"  # what the target computes in while training: auto (declared)
     time_budget_s: float = 0.0
     compile: str = "auto"  # mx.compile the training step: auto (on except on the CPU), on, off
     stop_at: int = 0  # stop (checkpointed) at this step; --resume continues the schedule
@@ -135,6 +136,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint every N steps")
     parser.add_argument("--save-dtype", default=d.save_dtype,
                         help="dtype of the saved draft: auto (the target's), float32, bfloat16")
+    parser.add_argument("--target-dtype", default=d.target_dtype,
+                        help="what the frozen target computes in while training: auto (what "
+                             "its folder declares), float32, bfloat16, float16 (bfloat16 on "
+                             "a GPU: a float32 target makes each step several times slower)")
     parser.add_argument("--time-budget-s", type=float, default=d.time_budget_s,
                         help="stop training after this many seconds (0: no limit)")
     parser.add_argument("--distill-time-s", type=float, default=d.distill_time_s,

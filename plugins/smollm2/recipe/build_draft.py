@@ -117,10 +117,14 @@ def main() -> None:
     # rank 32: the selector's two vocabulary codebooks are most of a small draft's bytes
     ap.add_argument("--selector-rank", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    # bfloat16 on a GPU: float32 over the Q4 weights made answering and training several
+    # times slower there (the shipped model computes in float32)
+    ap.add_argument("--target-dtype", default="auto")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bundle = mlxrunner.load(args.target, use_draft=False)
+    bundle = mlxrunner.load(args.target, use_draft=False,
+                            dtype=None if args.target_dtype == "auto" else args.target_dtype)
     mask_id = bundle.tokenizer.token_to_id(MASK_TOKEN)
     if mask_id is None:
         raise SystemExit(f"{args.target}: no {MASK_TOKEN} token to use as the mask")
@@ -147,7 +151,8 @@ def main() -> None:
                "--block-size", str(args.block_size), "--mask-token-id", str(mask_id),
                "--save-dtype", "bfloat16", "--seed", str(args.seed),
                "--log", str(out / "train-log.jsonl"), "--eval-prompts", "0",
-               "--save-every", "0", "--time-budget-s", str(args.time_budget_s)]
+               "--save-every", "0", "--time-budget-s", str(args.time_budget_s),
+               "--target-dtype", args.target_dtype]
     print(" ".join(command), file=sys.stderr)
     completed = subprocess.run(command)
     if completed.returncode:

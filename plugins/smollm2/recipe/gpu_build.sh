@@ -31,7 +31,7 @@ case "${1:-}" in
     setup
     timeout "${BUILD_TIMEOUT:-540}" python3 plugins/smollm2/recipe/build_draft.py "$gguf" \
       --out /tmp/smolbuild --train-prompts "${PROMPTS:-4000}" --batch 128 \
-      --time-budget-s "${TRAIN_S:-330}" ${BUILD_ARGS:-} 2>&1 | tee "$out/build.log" |
+      --time-budget-s "${TRAIN_S:-330}" --target-dtype "${TARGET_DTYPE:-bfloat16}" ${BUILD_ARGS:-} 2>&1 | tee "$out/build.log" |
       grep -v "^step " | tail -30
     # the shipped draft: 8-bit (a quarter of float32's bytes; the repository must stay small)
     printf 'FROM %s\nDRAFT /tmp/smolbuild/draft\n' "$gguf" > /tmp/Modelfile.smol
