@@ -4,7 +4,11 @@
 #   call: bash plugins/smollm2/recipe/gpu_build.sh part a|b|c   (moves a part to /tmp/gguf)
 #   call: bash plugins/smollm2/recipe/gpu_build.sh build        (answers, train-draft, q8 copy)
 #   call: bash plugins/smollm2/recipe/gpu_build.sh bench        (bench/default_model.py)
-# after `bash .mlx-cuda-a/stage.sh` and with .mlx-cuda-b .whl .gpu carried once.
+# after `bash .mlx-cuda-a/stage.sh` and with .mlx-cuda-b .whl .gpu carried once (with part a).
+# The parts, here (each folder listed in .git/info/exclude), from the store's copy of the file:
+#   G=~/.mlxrunner/models/smollm2%3A135m/SmolLM2-135M-Instruct.Q4_1.gguf
+#   head -c 16000000 $G > .gguf-a/part; tail -c +16000001 $G | head -c 41000000 > .gguf-b/part
+#   tail -c +57000001 $G > .gguf-c/part
 set -u
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out" /tmp/gguf
