@@ -271,6 +271,8 @@ def test_modelfile_from_a_gguf_file(tmp_path, tokenizer):
     (tmp_path / "Modelfile").write_text("FROM ./missing.gguf\n")
     with pytest.raises(MLXRunnerError, match="no such GGUF file"):
         mlxrunner.load(tmp_path)
+    with pytest.raises(MLXRunnerError, match="missing.gguf: no such GGUF file"):
+        mlxrunner.load(tmp_path / "missing.gguf")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

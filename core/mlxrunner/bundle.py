@@ -175,6 +175,8 @@ def load(path: str | Path, draft: str | Path | None = None, renderer: str | None
     """
     p = Path(path).expanduser()
     gguf_path: Path | None = p if is_gguf(p) else None
+    if gguf_path is None and p.suffix.lower() == ".gguf" and not p.exists():
+        raise ModelFolderError(f"{p}: no such GGUF file")
     if gguf_path is not None:
         folder, modelfile_path = p.parent, None
     else:
