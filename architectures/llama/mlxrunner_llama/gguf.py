@@ -50,11 +50,12 @@ def gguf_config(metadata: dict[str, Any], tensors: dict[str, mx.array]) -> dict[
     heads = _number(metadata, p + "attention.head_count", int)
     hidden = _number(metadata, p + "embedding_length", int)
     tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab = metadata.get(p + "vocab_size", len(tokens) if isinstance(tokens, list) else None)
+    vocab = _number(metadata, p + "vocab_size", int,
+                    len(tokens) if isinstance(tokens, list) else None)
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": _number({"v": vocab}, "v", int),
+        "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": _number(metadata, p + "feed_forward_length", int),
         "num_hidden_layers": _number(metadata, p + "block_count", int),

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import mmap
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,19 +308,6 @@ def gguf_source(path: str | Path) -> tuple[GGUFFile, dict[str, Any], dict[str, m
     config.setdefault("dtype", "float32")
     return gguf, config, weights
 
-
-def metadata_value(metadata: Mapping[str, Any], key: str, kind: type | tuple[type, ...],
-                   default: Any = None) -> Any:
-    """One metadata value, checked to be of ``kind`` (ValueError names the key)."""
-    value = metadata.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) and kind is not bool and bool not in (
-            kind if isinstance(kind, tuple) else (kind,)):
-        raise ValueError(f"{key} is {value!r}")
-    if not isinstance(value, kind):
-        raise ValueError(f"{key} is {value!r:.80}")
-    return value
 
 
 # Byte-level BPE pre-tokenizers by ``tokenizer.ggml.pre``: the split llama.cpp applies before
