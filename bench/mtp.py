@@ -63,6 +63,31 @@ def random_head(target: Any, config: dict[str, Any], dtype: mx.Dtype) -> Any:
     return head
 
 
+def moe_target_and_head(quick: bool, dtype: mx.Dtype) -> tuple[Any, dict[str, Any], Any]:
+    """The 35B-A3B shape from bench/qwen3_5_moe.py (random 4-bit weights, routers 8-bit) and
+    a random MTP head of the same layer kind, quantized alike."""
+    import mlx.nn as nn
+
+    spec = importlib.util.spec_from_file_location("bench_qwen3_5_moe",
+                                                  REPO / "bench" / "qwen3_5_moe.py")
+    assert spec is not None and spec.loader is not None
+    moe = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO / "bench"))  # its own imports (harness, qwen3_5)
+    spec.loader.exec_module(moe)
+    text = dict(moe.A3B_TEXT, **(moe.TINY_CHANGES if quick else {}))
+    config = moe.composite(text)
+    model = moe.build_ours(config, 4, 64, dtype, 0)
+    model.eval()
+    text_config = moe.text_config(config)
+    head = random_head(model, text_config, dtype)
+    nn.quantize(head, 64, 4, class_predicate=moe.quant_predicate(64, 4))
+    for i, (_, module) in enumerate(head.named_modules()):
+        if hasattr(module, "scales"):
+            moe.fill_quantized(module, 0.02, mx.random.key(7_000_003 + i))
+    mx.eval(head.parameters())
+    return model, text_config, head
+
+
 def expected_tokens(acceptance: float, depth: int) -> float:
     return (1 - acceptance ** (depth + 1)) / (1 - acceptance)
 
@@ -157,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain-tokens", type=int, default=None)
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
     p.add_argument("--quick", action="store_true", help="small shapes for a CPU smoke run")
+    p.add_argument("--moe", action="store_true",
+                   help="the Qwen3.5-35B-A3B shape (bench/qwen3_5_moe.py's config, 4-bit "
+                        "target and head; with --quick its tiny form)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     defaults = {"context": 32 if args.quick else 1024, "repeats": 2 if args.quick else 20,
@@ -179,9 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         dtype_name = args.dtype or ("float32" if device == mx.cpu else "bfloat16")
         dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[
             dtype_name]
-        model, config = speculative_bench().build_target(TARGET, args.quick, dtype)
-        result = bench(TARGET + (" (quick)" if args.quick else ""), model,
-                       random_head(model, config, dtype), args, dtype)
+        if args.moe:
+            model, config, head = moe_target_and_head(args.quick, dtype)
+            name = "qwen3.5-35b-a3b 4-bit"
+        else:
+            model, config = speculative_bench().build_target(TARGET, args.quick, dtype)
+            head = random_head(model, config, dtype)
+            name = TARGET
+        result = bench(name + (" (quick)" if args.quick else ""), model, head, args, dtype)
     print_table(result)
     if args.json:
         out = {"device": str(device), "platform": platform.platform(), "mlx": mx.__version__,

@@ -113,7 +113,8 @@ def mlx_lm_weights(ours: Qwen3_5Moe) -> list[tuple[str, mx.array]]:
         if name == "model.norm.weight" or name.endswith(ZERO_CENTRED):
             value = value + 1.0
         if ".mlp.experts.gate_up_proj." in name:
-            gate, up = mx.split(value, 2, axis=-2)
+            # contiguous copies: MLX's CUDA gather_qmm has no kernel for strided weights
+            gate, up = (mx.contiguous(half) for half in mx.split(value, 2, axis=-2))
             out.append((name.replace("experts.gate_up_proj", "switch_mlp.gate_proj"), gate))
             out.append((name.replace("experts.gate_up_proj", "switch_mlp.up_proj"), up))
             continue

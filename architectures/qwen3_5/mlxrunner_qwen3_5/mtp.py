@@ -85,11 +85,9 @@ class Qwen3_5MTP(DraftModel):
         self.fc = mnn.Linear(2 * hidden, hidden, bias=False)
         # the head is a one-layer model of the target's kind: its feed-forward block is what
         # the target would give its layer 0 (a mixture of experts for qwen3_5_moe)
-        layer = DecoderLayer(cfg, FULL)
+        # (passed in: a mixture-of-experts config may have no dense intermediate_size)
         feed_forward = getattr(target, "layer_mlp", lambda index: None)(0)
-        if feed_forward is not None:
-            layer.mlp = feed_forward
-        self.layers = [layer]
+        self.layers = [DecoderLayer(cfg, FULL, feed_forward)]
         self.norm = mnn.RMSNorm(hidden, eps, offset=1.0)
 
     # -- loading -------------------------------------------------------------------------

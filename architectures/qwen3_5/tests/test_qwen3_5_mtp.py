@@ -370,6 +370,21 @@ def test_a_moe_target_gets_a_head_with_its_experts():
     assert all(sanitized[k].shape == want[k].shape for k in want)
 
 
+def test_a_moe_config_without_a_dense_width_gets_a_head():
+    """Mixture-of-experts configs need no ``intermediate_size`` (every layer sparse): the
+    head's layer is built with the target's experts, not a dense MLP of width 0."""
+    config = {k: v for k, v in SMALL.items() if k != "intermediate_size"}
+    config.update(architectures=["Qwen3_5MoeForCausalLM"], num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=8,
+                  shared_expert_intermediate_size=8)
+    try:
+        target = mlxrunner.build_model(config)
+    except mlxrunner.errors.UnknownNameError:
+        pytest.skip("this Qwen3.5 plugin has no qwen3_5_moe architecture")
+    draft = build_draft(Qwen3_5MTP, config, target)
+    assert type(draft.layers[0].mlp) is type(target.layers[-1].mlp)
+
+
 # -- the fixture ----------------------------------------------------------------------------
 
 
