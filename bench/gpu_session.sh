@@ -78,6 +78,9 @@ case "${1:-}" in
           qwen3_5-32k) one=qwen3_5; extra="--prompt 32768 --new 32 --repeats 1 --prefill-chunk 2048 --verify-block 0" ;;
           # Qwen3.5-35B-A3B's shape, 4-bit (random weights, ~18 GiB), against mlx-lm
           qwen3_5-moe) one=qwen3_5_moe; extra="--bits 4" ;;
+          # MTP round costs per depth: the 0.8B shape, and the 35B-A3B shape in 4-bit
+          mtp) extra="--context 1024" ;;
+          mtp-moe) one=mtp; extra="--moe --context 1024" ;;
           *) extra="" ;;
         esac
         # shellcheck disable=SC2086
