@@ -2,10 +2,11 @@
 stand in for themselves inside a traced forward (see :mod:`.frame`)."""
 
 from .base import Cache
+from .batched import BatchCaches, BatchedCache, RowFrame
 from .frame import TraceFrame, Untraceable
 from .kv import KVCache
 from .recurrent import RecurrentCache, StateCapture
 from .ring import RingCache
 
-__all__ = ["Cache", "KVCache", "RecurrentCache", "RingCache", "StateCapture", "TraceFrame",
-           "Untraceable"]
+__all__ = ["BatchCaches", "BatchedCache", "Cache", "KVCache", "RecurrentCache", "RingCache",
+           "RowFrame", "StateCapture", "TraceFrame", "Untraceable"]

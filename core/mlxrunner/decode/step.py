@@ -26,7 +26,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .. import settings
-from ..cache import TraceFrame
+from ..cache import RowFrame, TraceFrame
 from ..nn import attend
 from ..nn.attention import mlx_attention
 
@@ -50,7 +50,24 @@ def forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
         result = compiled_steps(model).forward(ids, caches, taps)
         if result is not None:
             return result[0] if taps is None else result
+    if caches is not None and _batched(caches):
+        # batched caches run only through their stand-ins (per-row masks): untraced here
+        logits, tapped = compiled_steps(model).through_stand_ins(ids, caches, taps)
+        return logits if taps is None else (logits, tapped)
     return model(ids, caches) if taps is None else model(ids, caches, taps=taps)
+
+
+def _batched(caches: Sequence[Any]) -> bool:
+    """Whether the caches hold several sequences of their own lengths (``row_offsets``:
+    see mlxrunner.cache.batched)."""
+    return any(getattr(c, "row_offsets", None) is not None for c in caches if c is not None)
+
+
+def _start_of(cache: Any) -> Hashable:
+    """Where a forward through the cache starts: its offset, or a batched cache's per-row
+    offsets."""
+    rows = getattr(cache, "row_offsets", None)
+    return cache.offset if rows is None else rows
 
 
 def compiled_steps(model: Any) -> CompiledSteps:
@@ -123,25 +140,13 @@ class CompiledSteps:
         checking = traced.calls < 2
         live = [(i, c) for i, c in enumerate(caches) if c is not None]
         shadows = [_detached(c) for _, c in live] if checking else None
-        inputs = [c.trace_inputs(ids.shape[1]) for _, c in live]
-        offset = mx.array(live[0][1].offset, dtype=mx.int32)
         try:
-            with _tracing(caches, [len(a) for a in inputs], traced):
-                out = traced.function(ids, offset, [a for arrays in inputs for a in arrays])
+            logits, tapped = self._run(traced, ids, caches, taps)
         except Exception as exc:
-            for (_, c), arrays in zip(live, inputs):
-                c.give_back(arrays)
             self._disable(key, f"traced forward unavailable ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else '?'})")
             return None
         traced.calls += 1
-        assert traced.records is not None and traced.counts is not None  # set while tracing
-        logits, tapped, rest = out[0], (out[1] if taps is not None else None), \
-            out[1 + (taps is not None):]
-        at = 0
-        for (_, c), arrays, record, count in zip(live, inputs, traced.records, traced.counts):
-            c.adopt(arrays, rest[at:at + count], ids.shape[1], record)
-            at += count
         if shadows is not None:
             eager = self._eager(ids, caches, live, shadows, taps)
             if not agree(logits, eager[0]):
@@ -151,11 +156,43 @@ class CompiledSteps:
                 return eager
         return logits, tapped
 
+    def _run(self, traced: _Traced, ids: mx.array, caches: Sequence[Any],
+             taps: tuple[int, ...] | None) -> Result:
+        """Run ``traced.function`` (compiled or not) on the caches' arrays and let each
+        cache adopt what its stand-in wrote; on an error the caches take their arrays
+        back and it propagates."""
+        live = [c for c in caches if c is not None]
+        inputs = [c.trace_inputs(ids.shape[1]) for c in live]
+        offset = mx.array(live[0].offset, dtype=mx.int32)
+        try:
+            with _tracing(caches, [len(a) for a in inputs], traced):
+                out = traced.function(ids, offset, [a for arrays in inputs for a in arrays])
+        except Exception:
+            for c, arrays in zip(live, inputs):
+                c.give_back(arrays)
+            raise
+        assert traced.records is not None and traced.counts is not None  # set while tracing
+        logits, tapped, rest = out[0], (out[1] if taps is not None else None), \
+            out[1 + (taps is not None):]
+        at = 0
+        for c, arrays, record, count in zip(live, inputs, traced.records, traced.counts):
+            c.adopt(arrays, rest[at:at + count], ids.shape[1], record)
+            at += count
+        return logits, tapped
+
+    def through_stand_ins(self, ids: mx.array, caches: Sequence[Any],
+                          taps: tuple[int, ...] | None) -> Result:
+        """The forward on the caches' stand-ins, untraced: what a batched cache runs when
+        no trace applies (see mlxrunner.cache.batched)."""
+        return self._run(_Traced(self._graph(ids.shape[1], taps)), ids, caches, taps)
+
     def _eager(self, ids: mx.array, caches: Sequence[Any], live: list[tuple[int, Any]],
                shadows: list[Any], taps: tuple[int, ...] | None) -> Result:
         stand = list(caches)
         for (i, _), shadow in zip(live, shadows):
             stand[i] = shadow
+        if _batched(stand):
+            return self.through_stand_ins(ids, stand, taps)
         out = self.model(ids, stand) if taps is None else self.model(ids, stand, taps=taps)
         return (out, None) if taps is None else out
 
@@ -179,7 +216,7 @@ class CompiledSteps:
             part = c.trace_key(length)
             if part is None:
                 return None
-            offsets.add(c.offset)
+            offsets.add(_start_of(c))
             parts.append((type(c), part))
         if len(offsets) != 1:
             return None
@@ -194,7 +231,7 @@ class CompiledSteps:
 
         def graph(ids: mx.array, offset: mx.array, arrays: list[mx.array]) -> list[mx.array]:
             caches, traced = _current["caches"], _current["traced"]
-            frame = TraceFrame(offset, length)
+            frame = (RowFrame if _batched(caches) else TraceFrame)(offset, length)
             stand: list[Any] = []
             at = 0
             counts = iter(_current["in_counts"])

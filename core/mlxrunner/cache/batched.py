@@ -1,0 +1,736 @@
+"""Caches that hold several sequences of different lengths, one row each (continuous
+batching): full keys/values, sliding rings and recurrent state.
+
+Every row has its own offset: ``offset`` is an int32 array ``[B]`` (what RoPE takes) and
+``row_offsets`` the same as Python ints. A forward of ``L`` tokens per row writes each row
+at its own positions and hands attention the whole buffer with a boolean mask
+``[B, 1, L, S]`` that says, per row, which slots its queries see.
+
+These caches always run inside a frame (:class:`TraceFrame` with a ``[B]`` offset): the
+core's step (:func:`mlxrunner.decode.step.forward`) runs the model on their stand-ins, traced
+or not, and finds the mask for keys they handed out, so an architecture written in plain
+``mlx.nn`` (``mx.fast.scaled_dot_product_attention`` with "causal" or None) attends
+exactly, as an architecture calling :func:`mlxrunner.nn.store` does.
+
+Rows join (:meth:`BatchCaches.add` copies one sequence's solo caches, after its prefill,
+into a free row) and leave (:meth:`BatchCaches.remove` frees the row; nothing is copied).
+Free rows keep offset 0 and never advance; what a forward writes there is never read.
+
+Rollback per row: after a forward of ``L`` tokens per row, ``restore(row_offsets)`` puts
+each row back to any offset in ``[start, start + L]`` of that forward (the speculative verify
+of a batch: every row keeps its accepted prefix). Full KV moves the offset; a ring rebuilds
+the row from the window before the write and the accepted part of the block; a recurrent
+layer takes, per row, the state after its accepted tokens from the forward's capture.
+Rollback must be asked for (:meth:`BatchedCache.keep_for_restore`) before the forward, which
+then keeps what it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from ..constants import arange_constant
+from .base import Cache
+from .frame import TraceFrame
+from .kv import KVCache, trace_capacity_step
+from .recurrent import RecurrentCache, StateCapture
+from .ring import RingCache
+
+
+class RowFrame(TraceFrame):
+    """One forward of ``length`` tokens per row over batched caches, the rows starting at
+    ``offset`` ``[B]`` (traced or not): the masks its layers share."""
+
+    def __init__(self, offset: mx.array, length: int) -> None:
+        if offset.ndim != 1:
+            raise ValueError(f"a batched forward takes one offset per row, got {offset.shape}")
+        super().__init__(offset.reshape(1, -1)[0, :1], length)  # (start: unused by rows)
+        self.offset = offset
+        self.made: dict[Hashable, Any] = {}
+
+    def row_queries(self) -> mx.array:
+        """Positions of each row's new tokens ``[B, L]``."""
+        if "queries" not in self.made:
+            self.made["queries"] = self.offset[:, None] + arange_constant(self.length)[None]
+        return self.made["queries"]
+
+    def buffer(self, size: int) -> tuple[mx.array, mx.array]:
+        """Slot ``j`` holds position ``j``: (causal ``[B, 1, L, size]``, written
+        ``[B, 1, 1, size]``)."""
+        key = ("buffer", size)
+        if key not in self.made:
+            slots = arange_constant(size)[None, None]
+            causal = slots <= self.row_queries()[:, :, None]
+            written = slots <= self.row_queries()[:, -1:, None]
+            self.made[key] = (causal[:, None], written[:, None])
+        return self.made[key]
+
+    def ring_step(self, window: int) -> mx.array:
+        """One token written at slot ``offset % window``, then attention over the ring:
+        the slots that hold a position ``[B, 1, 1, window]``."""
+        key = ("ring1", window)
+        if key not in self.made:
+            self.made[key] = (arange_constant(window)[None] <= self.offset[:, None]
+                              )[:, None, None]
+        return self.made[key]
+
+    def ring_block(self, window: int) -> mx.array:
+        """A block of ``L <= window`` tokens attends over the ring before its write (slot
+        ``s`` holds position ``(offset - 1) - ((offset - 1 - s) mod window)``, negative where
+        never written) followed by itself: ``[B, 1, L, window + L]``."""
+        key = ("ring", window)
+        if key not in self.made:
+            last = self.offset[:, None] - 1
+            held = last - mx.remainder(last - arange_constant(window)[None], window)
+            pos = mx.concatenate([held, self.row_queries()], axis=1)[:, None]  # [B, 1, W + L]
+            q = self.row_queries()[:, :, None]  # [B, L, 1]
+            self.made[key] = ((pos >= 0) & (pos <= q) & (pos > q - window))[:, None]
+        return self.made[key]
+
+
+def _row_frame(frame: TraceFrame) -> RowFrame:
+    if not isinstance(frame, RowFrame):
+        raise TypeError("a batched cache runs in a RowFrame (mlxrunner.decode.step.forward)")
+    return frame
+
+
+def _grow_rows(array: mx.array, rows: int) -> mx.array:
+    """``array`` with zero rows appended up to ``rows`` (axis 0)."""
+    extra = rows - array.shape[0]
+    if extra <= 0:
+        return array
+    return mx.concatenate([array, mx.zeros((extra, *array.shape[1:]), array.dtype)])
+
+
+def _row_select(rows: Sequence[int], n: int) -> mx.array:
+    """A boolean ``[n]`` array, True at ``rows``."""
+    chosen = set(rows)
+    return mx.array([i in chosen for i in range(n)], dtype=mx.bool_)
+
+
+class BatchedCache(Cache):
+    """Base of the batched caches: per-row offsets and the rows in use.
+
+    Only :class:`BatchCaches` changes the rows; a forward runs on a stand-in (see the
+    module) and the cache adopts what it wrote.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.row_offsets: tuple[int, ...] = ()
+        self.live: tuple[bool, ...] = ()
+        self.offset = mx.zeros((0,), dtype=mx.int32)  # type: ignore[assignment]
+        self.restorable = False
+        self._forward_starts: tuple[int, ...] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.row_offsets)
+
+    def _set_offsets(self, offsets: Sequence[int]) -> None:
+        self.row_offsets = tuple(int(o) for o in offsets)
+        self.offset = mx.array(self.row_offsets, dtype=mx.int32)  # type: ignore[assignment]
+
+    # -- rows (called by BatchCaches) ----------------------------------------------------
+    def set_rows(self, rows: int) -> None:
+        """Room for ``rows`` rows (more: free rows appended; never fewer, see compact)."""
+        if rows > self.rows:
+            self.live = self.live + (False,) * (rows - self.rows)
+            self._set_offsets(self.row_offsets + (0,) * (rows - self.rows))
+            self._grow_rows(rows)
+
+    def insert(self, row: int, solo: Cache) -> None:
+        """Copy a one-sequence cache (batch 1, after its prefill) into the free ``row``."""
+        if self.live[row]:
+            raise ValueError(f"row {row} is in use")
+        self.discard_snapshots()
+        self._copy_row(row, solo)
+        self.live = self.live[:row] + (True,) + self.live[row + 1:]
+        offsets = list(self.row_offsets)
+        offsets[row] = int(solo.offset)
+        self._set_offsets(offsets)
+
+    def remove(self, row: int) -> None:
+        """Free ``row`` (its contents stay where they are, unread, until a sequence joins)."""
+        self.discard_snapshots()
+        self.live = self.live[:row] + (False,) + self.live[row + 1:]
+        offsets = list(self.row_offsets)
+        offsets[row] = 0
+        self._set_offsets(offsets)
+
+    def compact(self, order: Sequence[int], length: int) -> None:
+        """Keep rows ``order`` (in that order) and room for ``length`` positions."""
+        self.discard_snapshots()
+        self._take_rows(mx.array(list(order), dtype=mx.int32), length)
+        self.live = tuple(self.live[r] for r in order)
+        self._set_offsets([self.row_offsets[r] for r in order])
+
+    def _grow_rows(self, rows: int) -> None:
+        raise NotImplementedError
+
+    def _copy_row(self, row: int, solo: Cache) -> None:
+        raise NotImplementedError
+
+    def _take_rows(self, order: mx.array, length: int) -> None:
+        raise NotImplementedError
+
+    # -- rollback ------------------------------------------------------------------------
+    def keep_for_restore(self) -> None:
+        """The next forward keeps what :meth:`restore_rows` needs."""
+        self.restorable = True
+
+    def restore_rows(self, offsets: Sequence[int]) -> None:
+        """Each live row back to ``offsets[row]``, within ``[start, start + L]`` of the last
+        forward of ``L`` tokens (which :meth:`keep_for_restore` preceded)."""
+        if len(offsets) != self.rows:
+            raise ValueError(f"restore_rows: {len(offsets)} offsets for {self.rows} rows")
+        offsets = [int(o) if self.live[r] else 0 for r, o in enumerate(offsets)]
+        if offsets != list(self.row_offsets):
+            starts = self._forward_starts
+            if starts is None:
+                raise ValueError("restore_rows: the last forward kept nothing to restore")
+            for r, (o, s, e) in enumerate(zip(offsets, starts, self.row_offsets)):
+                if self.live[r] and not s <= o <= e:
+                    raise ValueError(f"cannot restore row {r} to offset {o}: the last forward "
+                                     f"covered [{s}, {e}]")
+            self._restore(offsets, starts)
+        self._set_offsets(offsets)
+        self.discard_snapshots()
+
+    def _restore(self, offsets: list[int], starts: tuple[int, ...]) -> None:
+        """Rebuild the rows whose offset moves back (the offsets are set afterwards)."""
+
+    def restore(self, offset: int) -> None:
+        raise TypeError("a batched cache restores per row: restore_rows(offsets)")
+
+    def discard_snapshots(self) -> None:
+        super().discard_snapshots()
+        self.restorable = False
+        self._forward_starts = None
+
+    def _advanced(self, length: int) -> None:
+        """After a forward of ``length`` tokens: live rows move on, free rows stay at 0."""
+        self._forward_starts = self.row_offsets if self.restorable else None
+        self.restorable = False
+        self._set_offsets([o + length if live else 0
+                           for o, live in zip(self.row_offsets, self.live)])
+
+    # -- a batched cache is only ever used through its stand-in ---------------------------
+    def mask(self, n: int) -> mx.array | str | None:
+        raise TypeError("batched caches run through mlxrunner.decode.step.forward")
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        raise TypeError("batched caches run through mlxrunner.decode.step.forward")
+
+    def bytes_per_token(self) -> int:
+        """Bytes a row's buffer takes per cached position (0: a fixed size per row)."""
+        return 0
+
+    def bytes_per_row(self) -> int:
+        """Bytes a row takes whatever its length."""
+        return 0
+
+
+class BatchedKVCache(BatchedCache):
+    """Full attention: keys and values ``[B, H, S, D]``, slot ``j`` position ``j`` in each
+    row; ``S`` grows in steps (:func:`trace_capacity_step`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _room_for(self, length: int) -> int:
+        step = trace_capacity_step()
+        return -(-max(length, 1) // step) * step
+
+    def _ensure_length(self, length: int) -> None:
+        assert self.keys is not None and self.values is not None
+        if length <= self.capacity:
+            return
+        size = self._room_for(length)
+        B, H, S, Dk = self.keys.shape
+        self.keys = mx.concatenate([self.keys, mx.zeros((B, H, size - S, Dk), self.keys.dtype)],
+                                   axis=2)
+        self.values = mx.concatenate(
+            [self.values, mx.zeros((B, self.values.shape[1], size - S, self.values.shape[3]),
+                                   self.values.dtype)], axis=2)
+
+    def _grow_rows(self, rows: int) -> None:
+        if self.keys is not None and self.values is not None:
+            self.keys, self.values = _grow_rows(self.keys, rows), _grow_rows(self.values, rows)
+
+    def _copy_row(self, row: int, solo: Cache) -> None:
+        if not isinstance(solo, KVCache) or solo.keys is None or solo.values is None:
+            raise TypeError(f"a batched KV cache takes a filled KVCache, got {type(solo).__name__}")
+        n = int(solo.offset)
+        if self.keys is None or self.values is None:
+            B, (_, H, _, Dk), (_, Hv, _, Dv) = self.rows, solo.keys.shape, solo.values.shape
+            size = self._room_for(n + 1)
+            self.keys = mx.zeros((B, H, size, Dk), solo.keys.dtype)
+            self.values = mx.zeros((B, Hv, size, Dv), solo.values.dtype)
+        self._ensure_length(n + 1)
+        self.keys[row:row + 1, :, :n, :] = solo.keys[..., :n, :]
+        self.values[row:row + 1, :, :n, :] = solo.values[..., :n, :]
+
+    def _take_rows(self, order: mx.array, length: int) -> None:
+        if self.keys is None or self.values is None:
+            return
+        size = min(self.capacity, self._room_for(length))
+        self.keys = mx.contiguous(self.keys[order, :, :size])
+        self.values = mx.contiguous(self.values[order, :, :size])
+
+    def bytes_per_token(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        k, v = self.keys, self.values
+        return k.shape[1] * k.shape[3] * k.itemsize + v.shape[1] * v.shape[3] * v.itemsize
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
+
+    # -- forwards --------------------------------------------------------------------------
+    def trace_key(self, length: int) -> Hashable | None:
+        if self.keys is None:
+            return None
+        need = max(self.row_offsets) + length
+        return (self.rows, self.capacity if need <= self.capacity else self._room_for(need))
+
+    def trace_inputs(self, length: int) -> list[mx.array]:
+        self._ensure_length(max(self.row_offsets) + length)
+        assert self.keys is not None and self.values is not None
+        arrays = [self.keys, self.values]
+        self.keys = self.values = None  # the write may reuse the buffers
+        return arrays
+
+    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
+        return _RowKVCache(_row_frame(frame), arrays)
+
+    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
+              record: object) -> None:
+        self.keys, self.values = outputs
+        self._advanced(length)
+
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        self.keys, self.values = inputs
+
+
+class _RowKVCache(Cache):
+    """A :class:`BatchedKVCache` inside a forward: each row's ``L`` keys go to its own
+    positions; attention reads the whole buffer under the rows' causal mask."""
+
+    def __init__(self, frame: RowFrame, arrays: Sequence[mx.array]) -> None:
+        super().__init__()
+        self.frame = frame
+        self.offset = frame.offset  # type: ignore[assignment]
+        self.keys, self.values = arrays
+
+    def mask(self, n: int) -> mx.array:
+        return self.frame.buffer(self.keys.shape[2])[0]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        at = self.frame.row_queries()[:, None, :, None]  # [B, 1, L, 1]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values,
+                                        axis=2)
+        self.frame.hand_out(self.keys, *self.frame.buffer(self.keys.shape[2]))
+        return self.keys, self.values
+
+    def trace_outputs(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+
+class BatchedRingCache(BatchedCache):
+    """Sliding window: ``[B, H, window, D]``, position ``p`` of a row at slot
+    ``p % window``, as :class:`RingCache` keeps one sequence."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"sliding window must be positive, got {window}")
+        self.window = int(window)
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        # (ring keys, ring values before the last block write, the block's keys, values)
+        self._before: tuple[mx.array, mx.array, mx.array, mx.array] | None = None
+
+    def _grow_rows(self, rows: int) -> None:
+        if self.keys is not None and self.values is not None:
+            self.keys, self.values = _grow_rows(self.keys, rows), _grow_rows(self.values, rows)
+
+    def _copy_row(self, row: int, solo: Cache) -> None:
+        if not isinstance(solo, RingCache) or solo.keys is None or solo.values is None \
+                or solo.window != self.window:
+            raise TypeError(f"a batched ring of window {self.window} takes a filled RingCache "
+                            "of the same window")
+        if self.keys is None or self.values is None:
+            self.keys = mx.zeros((self.rows, *solo.keys.shape[1:]), solo.keys.dtype)
+            self.values = mx.zeros((self.rows, *solo.values.shape[1:]), solo.values.dtype)
+        self.keys[row:row + 1] = solo.keys
+        self.values[row:row + 1] = solo.values
+
+    def _take_rows(self, order: mx.array, length: int) -> None:
+        if self.keys is not None and self.values is not None:
+            self.keys, self.values = self.keys[order], self.values[order]
+
+    def bytes_per_row(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        return (self.keys.nbytes + self.values.nbytes) // max(self.rows, 1)
+
+    def discard_snapshots(self) -> None:
+        super().discard_snapshots()
+        self._before = None
+
+    def _restore(self, offsets: list[int], starts: tuple[int, ...]) -> None:
+        if self._before is None:
+            return  # one-token writes: every kept slot is still in place
+        ring_keys, ring_values, keys, values = self._before
+        # the block again, its token j written only where the row keeps it (else the slot
+        # keeps what it held before the block)
+        length = keys.shape[2]
+        start = mx.array(list(starts), dtype=mx.int32)[:, None]
+        kept = (mx.array(offsets, dtype=mx.int32)[:, None] - start)  # [B, 1]
+        j = arange_constant(length)[None]
+        slots = mx.remainder(start + j, self.window)[:, None, :, None]  # [B, 1, L, 1]
+        keep = (j < kept)[:, None, :, None]
+        self.keys = self._rewrite(ring_keys, keys, slots, keep)
+        self.values = self._rewrite(ring_values, values, slots, keep)
+
+    @staticmethod
+    def _rewrite(ring: mx.array, block: mx.array, slots: mx.array, keep: mx.array) -> mx.array:
+        at = mx.broadcast_to(slots, block.shape)
+        old = mx.take_along_axis(ring, at, axis=2)
+        return mx.put_along_axis(ring, at, mx.where(keep, block, old), axis=2)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
+
+    # -- forwards --------------------------------------------------------------------------
+    def trace_key(self, length: int) -> Hashable | None:
+        if self.keys is None or length > self.window:
+            return None
+        return (self.rows, self.window, length, length > 1 and self.restorable)
+
+    def trace_inputs(self, length: int) -> list[mx.array]:
+        assert self.keys is not None and self.values is not None
+        arrays = [self.keys, self.values]
+        if not (length > 1 and self.restorable):
+            self.keys = self.values = None  # the write may reuse the buffers
+        return arrays
+
+    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
+        if frame.length > self.window:
+            raise ValueError(f"a batched forward of {frame.length} tokens is longer than the "
+                             f"sliding window {self.window}")
+        return _RowRingCache(_row_frame(frame), arrays, self.window,
+                             frame.length > 1 and self.restorable)
+
+    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
+              record: object) -> None:
+        self._before = (inputs[0], inputs[1], outputs[2], outputs[3]) if len(outputs) == 4 \
+            else None
+        self.keys, self.values = outputs[0], outputs[1]
+        self._advanced(length)
+
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        self.keys, self.values = inputs
+
+
+class _RowRingCache(Cache):
+    """A :class:`BatchedRingCache` inside a forward: one token per row goes to its slot and
+    attends over the ring as it stands; a block attends over the ring before its write and
+    itself, then goes to its slots."""
+
+    def __init__(self, frame: RowFrame, arrays: Sequence[mx.array], window: int,
+                 keep_block: bool) -> None:
+        super().__init__()
+        self.frame = frame
+        self.offset = frame.offset  # type: ignore[assignment]
+        self.window = window
+        self.keys, self.values = arrays
+        self.keep_block = keep_block
+        self.block: list[mx.array] = []
+
+    def mask(self, n: int) -> mx.array:
+        return self.frame.ring_step(self.window) if n == 1 else self.frame.ring_block(self.window)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # [B, 1, L, 1]
+        slots = mx.remainder(self.frame.row_queries(), self.window)[:, None, :, None]
+        new_keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys,
+                                     axis=2)
+        new_values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape),
+                                       values, axis=2)
+        if self.frame.length == 1:
+            out_keys, out_values = new_keys, new_values
+        else:
+            out_keys = mx.concatenate([self.keys, keys], axis=2)
+            out_values = mx.concatenate([self.values, values], axis=2)
+            if self.keep_block:
+                self.block = [keys, values]
+        self.keys, self.values = new_keys, new_values
+        mask = self.mask(self.frame.length)
+        self.frame.hand_out(out_keys, mask, mask)
+        return out_keys, out_values
+
+    def trace_outputs(self) -> list[mx.array]:
+        return [self.keys, self.values, *self.block]
+
+
+class BatchedRecurrentCache(BatchedCache):
+    """Recurrent layers: conv tails ``[B, kernel - 1, C]`` and states ``[B, H, Dv, Dk]``
+    stacked by row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_tail: mx.array | None = None
+        self.recurrent_state: mx.array | None = None
+        self._capture: Callable[[int], tuple[mx.array, mx.array]] | None = None
+
+    def _grow_rows(self, rows: int) -> None:
+        if self.conv_tail is not None and self.recurrent_state is not None:
+            self.conv_tail = _grow_rows(self.conv_tail, rows)
+            self.recurrent_state = _grow_rows(self.recurrent_state, rows)
+
+    def _copy_row(self, row: int, solo: Cache) -> None:
+        if not isinstance(solo, RecurrentCache) or solo.conv_tail is None or \
+                solo.recurrent_state is None:
+            raise TypeError("a batched recurrent cache takes a filled RecurrentCache, got "
+                            f"{type(solo).__name__}")
+        if self.conv_tail is None or self.recurrent_state is None:
+            self.conv_tail = mx.zeros((self.rows, *solo.conv_tail.shape[1:]),
+                                      solo.conv_tail.dtype)
+            self.recurrent_state = mx.zeros((self.rows, *solo.recurrent_state.shape[1:]),
+                                            solo.recurrent_state.dtype)
+        self.conv_tail[row:row + 1] = solo.conv_tail
+        self.recurrent_state[row:row + 1] = solo.recurrent_state
+
+    def _take_rows(self, order: mx.array, length: int) -> None:
+        if self.conv_tail is not None and self.recurrent_state is not None:
+            self.conv_tail = self.conv_tail[order]
+            self.recurrent_state = self.recurrent_state[order]
+
+    def bytes_per_row(self) -> int:
+        if self.conv_tail is None or self.recurrent_state is None:
+            return 0
+        return (self.conv_tail.nbytes + self.recurrent_state.nbytes) // max(self.rows, 1)
+
+    def snapshot_positions(self, length: int) -> list[int]:
+        """Interior boundaries a capture must answer: every one, when a rollback may follow."""
+        return list(range(1, length)) if self.restorable else []
+
+    def discard_snapshots(self) -> None:
+        super().discard_snapshots()
+        self._capture = None
+
+    def _restore(self, offsets: list[int], starts: tuple[int, ...]) -> None:
+        assert self.conv_tail is not None and self.recurrent_state is not None
+        ends = self.row_offsets
+        wanted: dict[int, list[int]] = {}
+        for r, (o, s, e) in enumerate(zip(offsets, starts, ends)):
+            if self.live[r] and o != e:
+                wanted.setdefault(o - s, []).append(r)
+        if not wanted:
+            return
+        if self._capture is None:
+            raise ValueError("restore_rows: the last forward captured no recurrent state")
+        tail, state = self.conv_tail, self.recurrent_state
+        for j, rows in sorted(wanted.items()):
+            if j == 0:
+                raise ValueError("a recurrent row keeps at least one token of a forward")
+            tail_j, state_j = self._capture(j)
+            pick = _row_select(rows, self.rows)
+            tail = mx.where(pick[:, None, None], tail_j.astype(tail.dtype), tail)
+            state = mx.where(pick[:, None, None, None], state_j.astype(state.dtype), state)
+        self.conv_tail, self.recurrent_state = tail, state
+
+    @property
+    def state(self) -> list[mx.array]:
+        if self.conv_tail is None or self.recurrent_state is None:
+            return []
+        return [self.conv_tail, self.recurrent_state]
+
+    # -- forwards --------------------------------------------------------------------------
+    def trace_key(self, length: int) -> Hashable | None:
+        if self.recurrent_state is None:
+            return None
+        return (self.rows, tuple(self.snapshot_positions(length)))
+
+    def trace_inputs(self, length: int) -> list[mx.array]:
+        assert self.conv_tail is not None and self.recurrent_state is not None
+        arrays = [self.conv_tail, self.recurrent_state]
+        self.conv_tail = self.recurrent_state = None
+        return arrays
+
+    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
+        return _RowRecurrentCache(frame, arrays, self.snapshot_positions(frame.length))
+
+    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
+              record: object) -> None:
+        tail, state, *captured = outputs
+        positions = self.snapshot_positions(length)
+        self._capture = None
+        if positions and callable(record):  # the rebuild of a StateCapture
+            self._capture = StateCapture(record, tuple(captured))
+        elif positions:  # every boundary, computed inside the forward
+            states = {j: (captured[2 * i], captured[2 * i + 1]) for i, j in enumerate(positions)}
+            self._capture = states.__getitem__
+        self.conv_tail, self.recurrent_state = tail, state
+        self._advanced(length)
+
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        self.conv_tail, self.recurrent_state = inputs
+
+
+class _RowRecurrentCache(RecurrentCache):
+    """A :class:`BatchedRecurrentCache` inside a forward: the layer reads the stacked tails
+    and states and hands :meth:`advance` the new ones (and a capture when asked)."""
+
+    def __init__(self, frame: TraceFrame, arrays: Sequence[mx.array],
+                 positions: list[int]) -> None:
+        super().__init__()
+        self.offset = frame.offset  # type: ignore[assignment]
+        self.conv_tail, self.recurrent_state = arrays
+        self.positions = positions
+        self.outputs: list[mx.array] = []
+        self.rebuild: Callable[..., tuple[mx.array, mx.array]] | None = None
+
+    def snapshot_positions(self, length: int) -> list[int]:
+        return list(self.positions)
+
+    def advance(self, length: int, conv_tail: mx.array, recurrent_state: mx.array,
+                capture: Any = None) -> None:
+        self.outputs = [conv_tail, recurrent_state]
+        if not self.positions:
+            return
+        if capture is None:
+            raise ValueError("a forward over a rollback must hand advance a capture")
+        if isinstance(capture, StateCapture):
+            self.rebuild = capture.rebuild
+            self.outputs += list(capture.arrays)
+        else:
+            for j in self.positions:
+                self.outputs += list(capture(j))
+
+    def trace_outputs(self) -> list[mx.array]:
+        return list(self.outputs)
+
+    def trace_record(self) -> object:
+        return self.rebuild
+
+
+def batched_form(cache: Cache | None) -> BatchedCache | None:
+    """The batched cache that holds rows of what ``cache`` holds for one sequence."""
+    if cache is None:
+        return None
+    if isinstance(cache, RingCache):
+        return BatchedRingCache(cache.window)
+    if isinstance(cache, KVCache):
+        return BatchedKVCache()
+    if isinstance(cache, RecurrentCache):
+        return BatchedRecurrentCache()
+    raise TypeError(f"no batched form of {type(cache).__name__} (KVCache, RingCache and "
+                    "RecurrentCache have one)")
+
+
+class BatchCaches:
+    """A model's layers' batched caches and the rows they hold.
+
+    ``caches`` is what the model's forward takes (``None`` where ``make_cache`` gave None).
+    Rows are reused once freed; the row count grows by doubling (each count is its own
+    traced step) and :meth:`compact` shrinks it.
+    """
+
+    def __init__(self, template: Sequence[Cache | None]) -> None:
+        self.caches: list[BatchedCache | None] = [batched_form(c) for c in template]
+        self.layers = [c for c in self.caches if c is not None]
+        if not self.layers:
+            raise ValueError("a batch needs at least one layer with a cache")
+        self.live: list[bool] = []
+
+    @property
+    def rows(self) -> int:
+        return len(self.live)
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        return self.layers[0].row_offsets
+
+    def live_rows(self) -> list[int]:
+        return [r for r, live in enumerate(self.live) if live]
+
+    def add(self, solo: Sequence[Cache | None]) -> int:
+        """Copy one sequence's caches (batch 1, after its prefill) into a free row, made if
+        none is free; returns the row."""
+        if len(solo) != len(self.caches):
+            raise ValueError(f"{len(solo)} caches for a batch of {len(self.caches)} layers")
+        free = [r for r, live in enumerate(self.live) if not live]
+        if free:
+            row = free[0]
+        else:
+            row = self.rows
+            self._set_rows(max(1, 2 * self.rows))
+        for batched, one in zip(self.caches, solo):
+            if batched is None:
+                continue
+            if one is None:
+                raise ValueError("the sequence's caches differ from the batch's layers")
+            batched.insert(row, one)
+        self.live[row] = True
+        return row
+
+    def remove(self, row: int) -> None:
+        """Free ``row``; the others stay where they are."""
+        for c in self.layers:
+            c.remove(row)
+        self.live[row] = False
+
+    def compact(self) -> dict[int, int]:
+        """Move the live rows to the front of as few rows as hold them (a power of two) and
+        drop unneeded room; returns old row -> new row. Copies every live row: call rarely."""
+        keep = self.live_rows()
+        rows = 1
+        while rows < len(keep):
+            rows *= 2
+        free = [r for r in range(self.rows) if r not in keep][:rows - len(keep)]
+        order = keep + free
+        longest = max([self.row_offsets[r] for r in keep], default=0) + 1
+        for c in self.layers:
+            c.compact(order, longest)
+        self.live = [True] * len(keep) + [False] * len(free)
+        return {old: new for new, old in enumerate(keep)}
+
+    def _set_rows(self, rows: int) -> None:
+        for c in self.layers:
+            c.set_rows(rows)
+        self.live += [False] * (rows - self.rows)
+
+    # -- rollback --------------------------------------------------------------------------
+    def keep_for_restore(self) -> None:
+        for c in self.layers:
+            c.keep_for_restore()
+
+    def restore_rows(self, offsets: Sequence[int]) -> None:
+        for c in self.layers:
+            c.restore_rows(offsets)
+
+    # -- memory --------------------------------------------------------------------------
+    def bytes_per_token(self) -> int:
+        return sum(c.bytes_per_token() for c in self.layers)
+
+    def bytes_per_row(self) -> int:
+        return sum(c.bytes_per_row() for c in self.layers)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for c in self.layers for a in c.state]
