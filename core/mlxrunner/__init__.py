@@ -41,6 +41,7 @@ _USER_API: dict[str, str] = {
     "build_model": "model.loading",
     "read_config": "model.loading",
     "generate": "decode.generation",
+    "generate_batch": "batch.scheduler",
     "GenerationResult": "decode.plain",
     "SamplerOptions": "decode.options",
     "SamplerOptionError": "decode.options",

@@ -1,0 +1,379 @@
+"""Continuous batching: many sequences decoded together, joining and leaving between steps.
+
+A :class:`Scheduler` holds the requests waiting (FIFO), the ones whose prompts are being
+prefilled, and the running set, whose rows share one batch of caches
+(:class:`mlxrunner.cache.BatchCaches`). Each :meth:`Scheduler.step`:
+
+1. drops cancelled requests; admits waiting ones while the running set and the memory
+   budget allow (first come, first served: a request that does not fit blocks the ones
+   behind it, so none is starved);
+2. prefills one chunk of the oldest admitted prompt (batch 1, through the same prefill as
+   :func:`mlxrunner.generate`, at the same chunk boundaries): a long prompt takes several
+   steps and the running streams go on meanwhile; a finished prompt samples its first token
+   and its caches are copied into a free row;
+3. runs one batched forward over every running row (one token each, through the core's
+   compiled step) and samples each row with its own sampler, stop ids and token budget.
+
+Each sequence has its own :class:`mlxrunner.decode.Sampler` (its counter-based keys make a
+row's draws those it would make alone), so a sequence's output is what
+:func:`mlxrunner.generate` gives it alone, greedy or seeded.
+
+The synchronous API (:meth:`Scheduler.submit`, :meth:`Scheduler.step`,
+:meth:`Scheduler.run_until_idle`) is meant to be driven by one worker thread; ``submit``
+and :meth:`BatchRequest.cancel` may be called from others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import mlx.core as mx
+
+from ..cache import BatchCaches, Cache
+from ..decode import (
+    PREFILL_CHUNK,
+    GenerationResult,
+    GenerationStats,
+    Sampler,
+    SamplerOptions,
+    forward,
+    penalties_active,
+    prefill,
+    topk_indices,
+)
+from ..model.interface import Model
+
+log = logging.getLogger("mlxrunner.batch")
+
+#: what a per-token callback gets: the token and its logprob entry (None unless asked for);
+#: returning True ends the sequence after that token (finish reason "stop")
+TokenCallback = Callable[[int, "dict[str, Any] | None"], "bool | None"]
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One sequence to generate: its prompt (token ids), sampler options, token budget,
+    stop ids and callback; the scheduler fills in the result fields."""
+
+    prompt: Sequence[int]
+    options: SamplerOptions = field(default_factory=SamplerOptions)
+    max_tokens: int = 256
+    eos_ids: frozenset[int] = frozenset()
+    on_token: TokenCallback | None = None
+    #: a draft model for this sequence (reserved: drafts in a batch are not built yet)
+    draft: Any = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    #: None while running, then "stop" (a stop id or the callback), "length" or "cancel"
+    finish_reason: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this sequence before its next step (any thread)."""
+        self.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def result(self) -> GenerationResult:
+        if self.finish_reason is None:
+            raise ValueError("the request has not finished")
+        return GenerationResult(tokens=list(self.tokens), finish_reason=self.finish_reason,
+                                stats=self.stats, logprobs=list(self.logprobs))
+
+
+class _Sequence:
+    """A request's decoding state inside the scheduler."""
+
+    def __init__(self, request: BatchRequest, model: Model, admitted: float) -> None:
+        self.request = request
+        self.sampler = Sampler(request.options, model.vocab_size)
+        self.history = list(request.prompt)
+        self.want_logprobs = bool(request.options.logprobs or request.options.top_logprobs)
+        # the row argmax alone decides: one reduction over such rows together
+        self.plain_greedy = self.sampler.greedy and not penalties_active(request.options)
+        self.caches: list[Cache | None] | None = model.make_cache()
+        self.prefilled = 0
+        self.row = -1
+        self.admitted = admitted
+        self.decode_start = 0.0
+
+    @property
+    def prompt(self) -> Sequence[int]:
+        return self.request.prompt
+
+
+def _check(request: BatchRequest, vocab_size: int) -> None:
+    if not request.prompt:
+        raise ValueError("the prompt must hold at least one token")
+    if request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+    if request.draft is not None:
+        raise ValueError("drafts inside a batch are not supported yet: pass draft=None")
+    bad = [t for t in request.prompt if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+class Scheduler:
+    """Continuous batching over one model (see the module).
+
+    ``max_sequences`` bounds the sequences admitted at once (prefilling or running);
+    ``memory_budget`` (bytes, None: no bound) bounds what their caches are estimated to
+    take at their longest (prompt + max_tokens each, every row as long as the longest, as
+    the batch's buffers are); ``prefill_chunk`` is how many prompt tokens one step
+    prefills (the same as :func:`mlxrunner.generate`'s chunks by default, which keeps each
+    sequence's output exactly its solo output).
+    """
+
+    def __init__(self, model: Model, *, max_sequences: int = 32,
+                 memory_budget: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be at least 1, got {max_sequences}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        self.model = model
+        self.max_sequences = max_sequences
+        self.memory_budget = memory_budget
+        self.prefill_chunk = prefill_chunk
+        self._waiting: deque[BatchRequest] = deque()
+        self._lock = threading.Lock()
+        self._prefilling: deque[_Sequence] = deque()
+        self._running: dict[int, _Sequence] = {}  # row -> sequence
+        self.batch = BatchCaches(model.make_cache())
+        self.steps = 0
+
+    # -- the API -------------------------------------------------------------------------
+    def submit(self, request: BatchRequest) -> BatchRequest:
+        """Queue a request (FIFO); it runs from a later :meth:`step`."""
+        _check(request, self.model.vocab_size)
+        with self._lock:
+            self._waiting.append(request)
+        return request
+
+    @property
+    def idle(self) -> bool:
+        return not (self._waiting or self._prefilling or self._running)
+
+    @property
+    def running(self) -> int:
+        """Sequences decoding now (rows in use)."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self) -> bool:
+        """Admit, prefill one chunk, decode one token per running sequence; returns whether
+        work remains."""
+        self._drop_cancelled()
+        self._admit()
+        if self._prefilling:
+            self._prefill_chunk(self._prefilling[0])
+        if self._running:
+            self._decode_step()
+        self.steps += 1
+        return not self.idle
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    # -- admission -----------------------------------------------------------------------
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    return
+                request = self._waiting[0]
+                if request.cancelled:
+                    self._waiting.popleft()
+                    self._finish_unstarted(request)
+                    continue
+                if not self._fits(request):
+                    return
+                self._waiting.popleft()
+            self._prefilling.append(_Sequence(request, self.model, time.perf_counter()))
+
+    def _admitted(self) -> list[_Sequence]:
+        return [*self._prefilling, *self._running.values()]
+
+    def _fits(self, request: BatchRequest) -> bool:
+        admitted = self._admitted()
+        if len(admitted) >= self.max_sequences:
+            return False
+        if self.memory_budget is None or not admitted:
+            return True  # one sequence always runs, whatever its size
+        per_token, per_row = self.batch.bytes_per_token(), self.batch.bytes_per_row()
+        if not (per_token or per_row):
+            return False  # not known before a first sequence has its row
+        longest = max(len(s.prompt) + s.request.max_tokens for s in admitted)
+        longest = max(longest, len(request.prompt) + request.max_tokens)
+        need = (len(admitted) + 1) * (per_row + per_token * longest)
+        return need <= self.memory_budget
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            dropped = [r for r in self._waiting if r.cancelled]
+            for request in dropped:
+                self._waiting.remove(request)
+                self._finish_unstarted(request)
+        for seq in [s for s in self._prefilling if s.request.cancelled]:
+            self._prefilling.remove(seq)
+            self._finish(seq, "cancel")
+        for seq in list(self._running.values()):
+            if seq.request.cancelled:
+                self._finish(seq, "cancel")
+
+    # -- prefill -------------------------------------------------------------------------
+    def _prefill_chunk(self, seq: _Sequence) -> None:
+        assert seq.caches is not None
+        start = seq.prefilled
+        end = min(len(seq.prompt), start + self.prefill_chunk)
+        logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches, chunk=end - start)
+        seq.prefilled = end
+        if end < len(seq.prompt):
+            return
+        self._prefilling.popleft()
+        stats = seq.request.stats
+        stats.prompt_tokens = len(seq.prompt)
+        stats.target_forwards += 1
+        token = seq.sampler.sample(logits, seq.history)
+        info = seq.sampler.logprobs(logits.reshape(1, -1), token.reshape(1)) \
+            if seq.want_logprobs else None
+        mx.eval(token, *(info or ()))
+        stats.prefill_seconds = time.perf_counter() - seq.admitted
+        seq.decode_start = time.perf_counter()
+        if self._deliver(seq, int(token), info):
+            row = self.batch.add(seq.caches)
+            seq.caches = None
+            seq.row = row
+            self._running[row] = seq
+
+    # -- decoding ------------------------------------------------------------------------
+    def _decode_step(self) -> None:
+        rows = self.batch.rows
+        last = [0] * rows
+        for row, seq in self._running.items():
+            last[row] = seq.history[-1]
+        ids = mx.array(last, dtype=mx.int32)[:, None]
+        logits = forward(self.model, ids, self.batch.caches)[:, -1, :]
+        chosen: dict[int, mx.array] = {}
+        greedy = sorted(r for r, s in self._running.items() if s.plain_greedy)
+        if greedy:
+            picked = topk_indices(logits[mx.array(greedy, dtype=mx.int32)], 1)[:, 0]
+            for i, row in enumerate(greedy):
+                self._running[row].sampler.skip(1)  # the key a point mass consumes
+                chosen[row] = picked[i]
+        infos: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
+        for row, seq in self._running.items():
+            if row not in chosen:
+                chosen[row] = seq.sampler.sample(logits[row], seq.history)
+            if seq.want_logprobs:
+                infos[row] = seq.sampler.logprobs(logits[row:row + 1], chosen[row].reshape(1))
+        order = sorted(chosen)
+        tokens = mx.stack([chosen[r] for r in order]) if order else mx.zeros((0,), mx.int32)
+        mx.eval(tokens, *[a for info in infos.values() for a in info],
+                *self.batch.state)
+        values = cast("list[int]", tokens.tolist())
+        for row, value in zip(order, values):
+            seq = self._running[row]
+            seq.request.stats.target_forwards += 1
+            self._deliver(seq, value, infos.get(row))
+        self._maybe_compact()
+
+    def _deliver(self, seq: _Sequence, token: int, info: Any) -> bool:
+        """Hand a sampled token to its request; returns whether the sequence goes on (else
+        it is finished and its row freed)."""
+        request = seq.request
+        seq.history.append(token)
+        request.tokens.append(token)
+        request.stats.generated_tokens += 1
+        entry = _logprob_entry(info)
+        if entry is not None:
+            request.logprobs.append(entry)
+        stop = False
+        if request.on_token is not None:
+            try:
+                stop = bool(request.on_token(token, entry))
+            except Exception:
+                log.exception("a token callback failed; its sequence is cancelled")
+                self._finish(seq, "cancel")
+                return False
+        if stop or token in request.eos_ids:
+            self._finish(seq, "stop")
+            return False
+        if len(request.tokens) >= request.max_tokens:
+            self._finish(seq, "length")
+            return False
+        return True
+
+    def _finish(self, seq: _Sequence, reason: str) -> None:
+        request = seq.request
+        if seq.decode_start:
+            request.stats.decode_seconds = max(time.perf_counter() - seq.decode_start, 1e-9)
+        request.finish_reason = reason
+        seq.caches = None
+        if seq.row >= 0 and self._running.get(seq.row) is seq:
+            del self._running[seq.row]
+            self.batch.remove(seq.row)
+            seq.row = -1
+
+    def _finish_unstarted(self, request: BatchRequest) -> None:
+        request.finish_reason = "cancel"
+
+    def _maybe_compact(self) -> None:
+        """Shrink the batch once few of its rows are in use (a copy of the live rows; the
+        row count only halves after it has been used at a quarter)."""
+        rows = self.batch.rows
+        if rows < 8 or 4 * len(self._running) > rows:
+            return
+        moved = self.batch.compact()
+        self._running = {moved[row]: seq for row, seq in self._running.items()}
+        for row, seq in self._running.items():
+            seq.row = row
+
+
+def _logprob_entry(info: Any) -> dict[str, Any] | None:
+    """The logprob entry of one token (as :func:`mlxrunner.generate` reports it)."""
+    if info is None:
+        return None
+    chosen, top_ids, top_lp = info
+    return {"logprob": float(chosen[0].item()),
+            "top_logprobs": [(int(i), float(v)) for i, v in
+                             zip(top_ids[0].tolist(), top_lp[0].tolist())]}
+
+
+def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *,
+                   options: SamplerOptions | Sequence[SamplerOptions] | None = None,
+                   max_tokens: int | Sequence[int] = 256,
+                   eos_ids: frozenset[int] | set[int] = frozenset(),
+                   max_sequences: int = 32, memory_budget: int | None = None
+                   ) -> list[GenerationResult]:
+    """Generate after each of ``prompts`` (token ids) in one continuous batch; each result
+    is what :func:`mlxrunner.generate` gives that prompt alone with the same options.
+
+    ``options`` and ``max_tokens``: one for all, or one per prompt.
+    """
+    n = len(prompts)
+    if isinstance(options, SamplerOptions) or options is None:
+        per_options = [options or SamplerOptions()] * n
+    else:
+        per_options = list(options)
+    per_max = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    if len(per_options) != n or len(per_max) != n:
+        raise ValueError(f"{n} prompts need one options and max_tokens each (or one for all)")
+    scheduler = Scheduler(model, max_sequences=max_sequences, memory_budget=memory_budget)
+    requests = [scheduler.submit(BatchRequest(list(p), o, m, frozenset(eos_ids)))
+                for p, o, m in zip(prompts, per_options, per_max)]
+    scheduler.run_until_idle()
+    return [r.result() for r in requests]

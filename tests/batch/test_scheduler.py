@@ -1,0 +1,137 @@
+"""The batch scheduler (mlxrunner.batch): sequences with their own prompts, options, budgets
+and stop ids, joining and leaving a running batch, each give exactly what
+``mlxrunner.generate`` gives them alone, greedy and sampled with seeds (logprobs included);
+a long prompt is prefilled in chunks while the running streams go on; cancellation, stop
+callbacks, stop ids, the running-set bound and the memory budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlxrunner
+from mlxrunner import SamplerOptions
+from mlxrunner.batch import BatchRequest, Scheduler, generate_batch
+from mlxrunner.decode import compiled_steps
+
+OPTIONS = [
+    SamplerOptions(temperature=0),
+    SamplerOptions(temperature=0.9, seed=3),
+    SamplerOptions(temperature=0.7, top_k=20, seed=5, repeat_penalty=1.3, repeat_last_n=8),
+    SamplerOptions(temperature=0, logprobs=True, top_logprobs=2),
+    SamplerOptions(temperature=1.0, top_p=0.9, min_p=0.05, seed=9, presence_penalty=0.5),
+]
+LENGTHS = [5, 13, 9, 3, 20]  # Gemma 4's rings (window 8) wrap in prompts and in decoding
+BUDGETS = [12, 7, 15, 4, 10]
+
+
+def _prompts(vocab, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def _alone(model, prompt, options, max_tokens, eos_ids=frozenset()):
+    return mlxrunner.generate(model, prompt, options=options, max_tokens=max_tokens,
+                              eos_ids=eos_ids)
+
+
+def test_each_sequence_gets_its_solo_output(model):
+    prompts = _prompts(model.vocab_size, LENGTHS)
+    alone = [_alone(model, p, o, m) for p, o, m in zip(prompts, OPTIONS, BUDGETS)]
+    steps = compiled_steps(model)
+    steps.clear()
+    # three rows at most: later sequences join as earlier ones leave, into their rows
+    together = generate_batch(model, prompts, options=OPTIONS, max_tokens=BUDGETS,
+                              max_sequences=3)
+    for a, t in zip(alone, together):
+        assert t.tokens == a.tokens
+        assert t.logprobs == a.logprobs
+        assert t.finish_reason == "length"
+    assert steps.enabled and steps.replays() > 0  # the batched steps were traced
+
+
+def test_stop_ids_and_callbacks_end_one_sequence(model):
+    prompts = _prompts(model.vocab_size, [6, 4, 8], seed=1)
+    greedy = SamplerOptions(temperature=0)
+    first = _alone(model, prompts[0], greedy, 10)
+    eos = frozenset({first.tokens[4]})
+    scheduler = Scheduler(model)
+    seen = []
+    stopped = scheduler.submit(BatchRequest(prompts[1], greedy, 10,
+                                            on_token=lambda t, _: seen.append(t) or
+                                            len(seen) == 3))
+    by_eos = scheduler.submit(BatchRequest(prompts[0], greedy, 10, eos_ids=eos))
+    other = scheduler.submit(BatchRequest(prompts[2], OPTIONS[1], 9))
+    scheduler.run_until_idle()
+    assert scheduler.idle
+    assert stopped.finish_reason == "stop" and stopped.tokens == seen
+    assert seen == _alone(model, prompts[1], greedy, 3).tokens
+    assert by_eos.finish_reason == "stop"
+    assert by_eos.tokens == _alone(model, prompts[0], greedy, 10, eos).tokens
+    assert other.tokens == _alone(model, prompts[2], OPTIONS[1], 9).tokens
+
+
+def test_a_cancelled_sequence_leaves_and_the_others_go_on(model):
+    prompts = _prompts(model.vocab_size, [7, 5, 9], seed=2)
+    scheduler = Scheduler(model)
+    requests = [scheduler.submit(BatchRequest(p, OPTIONS[i], 12)) for i, p in enumerate(prompts)]
+    waiting = scheduler.submit(BatchRequest(prompts[0], OPTIONS[0], 5))
+    waiting.cancel()
+    for _ in range(6):
+        scheduler.step()
+    requests[1].cancel()
+    scheduler.run_until_idle()
+    assert requests[1].finish_reason == "cancel" and 0 < len(requests[1].tokens) < 12
+    assert waiting.finish_reason == "cancel" and waiting.tokens == []
+    for i in (0, 2):
+        assert requests[i].tokens == _alone(model, prompts[i], OPTIONS[i], 12).tokens
+
+
+def test_a_long_prompt_does_not_stall_the_running_streams(model):
+    prompts = _prompts(model.vocab_size, [4, 30], seed=3)
+    greedy = SamplerOptions(temperature=0)
+    scheduler = Scheduler(model, prefill_chunk=8)
+    streaming = scheduler.submit(BatchRequest(prompts[0], greedy, 12))
+    scheduler.step()  # the short prompt is prefilled and has its first token
+    long = scheduler.submit(BatchRequest(prompts[1], greedy, 3))
+    counts = []
+    while not long.tokens:
+        scheduler.step()
+        counts.append(len(streaming.tokens))
+    # four chunks of 8: the stream decoded a token at each step meanwhile
+    assert len(counts) == 4 and counts == sorted(set(counts))
+    scheduler.run_until_idle()
+    assert streaming.tokens == _alone(model, prompts[0], greedy, 12).tokens
+
+
+@pytest.mark.parametrize("budget", ["rows", "memory"])
+def test_admission_is_bounded_and_first_come_first_served(model, budget):
+    prompts = _prompts(model.vocab_size, [5, 6, 7], seed=4)
+    greedy = SamplerOptions(temperature=0)
+    if budget == "rows":
+        scheduler = Scheduler(model, max_sequences=2)
+    else:  # room for about one sequence
+        scheduler = Scheduler(model, memory_budget=1)
+    requests = [scheduler.submit(BatchRequest(p, greedy, 6)) for p in prompts]
+    most, order, more = 0, [], True
+    while more:
+        more = scheduler.step()
+        most = max(most, scheduler.running)
+        order += [i for i, r in enumerate(requests) if r.tokens and i not in order]
+    assert most == (2 if budget == "rows" else 1)
+    assert order == [0, 1, 2]
+    for p, r in zip(prompts, requests):
+        assert r.tokens == _alone(model, p, greedy, 6).tokens
+
+
+def test_bad_requests_say_what_is_wrong(model):
+    scheduler = Scheduler(model)
+    with pytest.raises(ValueError, match="at least one token"):
+        scheduler.submit(BatchRequest([]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        scheduler.submit(BatchRequest([model.vocab_size]))
+    with pytest.raises(ValueError, match="max_tokens"):
+        scheduler.submit(BatchRequest([1], max_tokens=0))
+    with pytest.raises(ValueError, match="one options and max_tokens each"):
+        generate_batch(model, [[1], [2]], max_tokens=[3])
+    assert scheduler.idle
