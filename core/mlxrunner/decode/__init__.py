@@ -1,4 +1,4 @@
-"""Decoding: sampler options, the sampler pipeline, top-k, plain and speculative loops.
+"""Decoding: sampler options, the sampler pipeline, top-k, grammars, plain and speculative loops.
 
 Names resolve lazily (``options`` is plain Python: the CLI builds its flags from it without
 importing MLX).
@@ -39,6 +39,15 @@ _EXPORTS: dict[str, str] = {
     "run_round": "speculative",
     "speculative_generate": "speculative",
     "speculative_stream": "speculative",
+    # structured output (a grammar's token mask)
+    "Constraint": "grammar",
+    "Format": "grammar",
+    "Grammar": "grammar",
+    "GrammarError": "grammar",
+    "MAX_WHITESPACE": "grammar",
+    "allowed_rows": "grammar",
+    "compile_format": "grammar",
+    "constrain_proposal": "speculative",
     # the compiled step
     "forward": "step",
     "compiled_steps": "step",

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..model.interface import Model
+from .grammar import Constraint
 from .options import SamplerOptions
 from .plain import GenerationResult, GenerationStats, stream_plain
 from .sampler import Sampler
@@ -19,14 +20,17 @@ from .speculative import speculative_generate
 def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | None = None,
              max_tokens: int = 256, eos_ids: frozenset[int] | set[int] = frozenset(),
              on_token: Callable[[int], bool | None] | None = None, draft: Any = None,
-             draft_options: dict[str, Any] | None = None) -> GenerationResult:
+             draft_options: dict[str, Any] | None = None,
+             constraint: Constraint | None = None) -> GenerationResult:
     """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids).
 
     ``on_token`` sees each token as it is decided; returning True ends generation after
     that token (finish reason "stop": e.g. a stop string has appeared), with the tokens,
     logprobs and stats so far. With a ``draft`` (and no logprobs requested) the
     speculative loop runs; its output equals what plain decoding would give, and its
-    stats say how it went.
+    stats say how it went. A ``constraint`` (structured output,
+    :meth:`mlxrunner.decode.grammar.Grammar.constraint`; one per generation) masks every
+    token, the draft's proposals included, and generation ends once it is complete.
     """
     options = options or SamplerOptions()
     sampler = Sampler(options, model.vocab_size)
@@ -36,17 +40,19 @@ def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | N
     if draft is not None and not want_logprobs:
         result = speculative_generate(model, draft, prompt, sampler=sampler,
                                       max_tokens=max_tokens, eos_ids=eos_ids,
-                                      on_token=on_token, **(draft_options or {}))
+                                      on_token=on_token, constraint=constraint,
+                                      **(draft_options or {}))
         return result
     stats = GenerationStats()
     stopped = False
     for token, info in stream_plain(model, prompt, sampler, max_tokens, eos_ids, stats,
-                                    want_logprobs):
+                                    want_logprobs, constraint):
         tokens.append(token)
         if info is not None:
             logprobs.append(info)
         if on_token is not None and on_token(token):
             stopped = True
             break
-    finish = "stop" if stopped or (tokens and tokens[-1] in eos_ids) else "length"
+    finish = "stop" if stopped or (tokens and tokens[-1] in eos_ids) or (
+        constraint is not None and constraint.complete) else "length"
     return GenerationResult(tokens=tokens, finish_reason=finish, stats=stats, logprobs=logprobs)

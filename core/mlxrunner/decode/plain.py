@@ -9,6 +9,7 @@ between steps (unless repetition penalties need the history on the host first).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from ..model.interface import Model
+from .grammar import Constraint, allowed_rows
 from .sampler import Sampler, penalties_active
 from .step import forward
 
@@ -100,8 +102,11 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
 def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_tokens: int,
                  eos_ids: frozenset[int] | set[int] = frozenset(),
                  stats: GenerationStats | None = None,
-                 want_logprobs: bool = False) -> Iterator[tuple[int, dict[str, Any] | None]]:
-    """Yield ``(token, logprob_info)`` one at a time; stops after an EOS token or ``max_tokens``."""
+                 want_logprobs: bool = False, constraint: Constraint | None = None
+                 ) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """Yield ``(token, logprob_info)`` one at a time; stops after an EOS token or ``max_tokens``,
+    or once ``constraint`` (structured output) is complete. Each token is drawn under the
+    constraint's mask and commits to it."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     stats = stats if stats is not None else GenerationStats()
@@ -113,15 +118,18 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
     stats.target_forwards += 1
 
     def pick(logits_row: mx.array) -> tuple[mx.array, Any]:
-        token = sampler.sample(logits_row, history)
-        info = sampler.logprobs(logits_row.reshape(1, -1), token.reshape(1)) \
+        allowed = None if constraint is None else \
+            allowed_rows([constraint.words()], logits_row.shape[-1])
+        token = sampler.sample(logits_row, history, allowed)
+        info = sampler.logprobs(logits_row.reshape(1, -1), token.reshape(1), allowed) \
             if want_logprobs else None
         return token, info
 
     token, info = pick(logits)
     mx.async_eval(token)
-    # without penalties a step needs no token on the host: queue it from the lazy one
-    pipelined = not penalties_active(sampler.options)
+    # without penalties a step needs no token on the host: queue it from the lazy one (a
+    # grammar's next mask needs the token on the host)
+    pipelined = not penalties_active(sampler.options) and constraint is None
 
     def step(ids: mx.array) -> tuple[mx.array, Any]:
         stats.target_forwards += 1
@@ -142,7 +150,10 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
             history.append(value)
             if value in eos_ids:
                 more = False
-            elif more and following is None:
+            elif constraint is not None:
+                constraint.advance(value)
+                more = more and not constraint.complete
+            if more and following is None:
                 following = step(mx.array([[value]], dtype=mx.int32))
             stats.generated_tokens += 1
             yield value, _logprob_dict(info)
@@ -158,6 +169,7 @@ def _logprob_dict(info: Any) -> dict[str, Any] | None:
     if info is None:
         return None
     chosen, top_ids, top_lp = info
+    # a grammar's forbidden tokens (-inf) are no alternatives
     return {"logprob": float(chosen[0].item()),
             "top_logprobs": [(int(i), float(v)) for i, v in
-                             zip(top_ids[0].tolist(), top_lp[0].tolist())]}
+                             zip(top_ids[0].tolist(), top_lp[0].tolist()) if v > -math.inf]}

@@ -1,6 +1,8 @@
 """The one sampler pipeline for plain and speculative decoding.
 
-Order (speculative.md, "Sampler"): (1) penalties on the raw logits over the last
+Order (speculative.md, "Sampler"): (0) a grammar's mask (structured output): tokens it
+does not allow get -inf logits, so every later stage sees the constrained distribution;
+(1) penalties on the raw logits over the last
 ``repeat_last_n`` tokens of the history; (2) temperature <= 0: a point mass on
 the argmax; (3) top_k (0 < k < V): keep the k best, as a sparse distribution;
 (4) softmax(x / T) in float32; (5) top_p: keep, in descending order, while the
@@ -165,9 +167,14 @@ class Sampler:
         return mx.where(counts > 0, changed, x)
 
     def distributions(
-        self, logits: mx.array, histories: Sequence[Sequence[int] | mx.array]
+        self, logits: mx.array, histories: Sequence[Sequence[int] | mx.array],
+        allowed: mx.array | None = None,
     ) -> Distribution:
-        """Steps 1-7 for each row: [R, V] raw logits -> R distributions.
+        """Steps 0-7 for each row: [R, V] raw logits -> R distributions.
+
+        ``allowed`` [R, V] bool (a grammar's mask per row,
+        :func:`mlxrunner.decode.grammar.allowed_rows`) sets the other tokens' logits to -inf
+        first; each row must allow at least one token.
 
         Row r is penalised with ``histories[r]`` (the committed tokens plus any
         in-flight drafts): a sequence of Python ints, or a 1-D int array for
@@ -181,6 +188,7 @@ class Sampler:
                 f"distributions: {logits.shape[0]} rows of logits but {len(histories)} histories"
             )
         o = self.options
+        logits = masked(logits, allowed)
         # Without penalties the logits stay in their dtype (order is exact in any
         # float type); only the k kept values are converted to float32.
         x = self._penalised(logits, histories)
@@ -250,21 +258,28 @@ class Sampler:
         probs = mx.where(total > 0, left / mx.where(total > 0, total, 1.0), p.probs)
         return Distribution(probs, p.ids)
 
-    def sample(self, logits: mx.array, history: Sequence[int]) -> mx.array:
-        """Plain decoding: logits [V] or [1, V] -> a scalar int32 token (lazy)."""
-        return self.draw(self.distributions(logits.reshape(1, -1), [history]))[0]
+    def sample(self, logits: mx.array, history: Sequence[int],
+               allowed: mx.array | None = None) -> mx.array:
+        """Plain decoding: logits [V] or [1, V] -> a scalar int32 token (lazy); ``allowed``
+        [1, V] or [V] is a grammar's mask."""
+        if allowed is not None:
+            allowed = allowed.reshape(1, -1)
+        return self.draw(self.distributions(logits.reshape(1, -1), [history], allowed))[0]
 
     def logprobs(
-        self, raw_logits: mx.array, tokens: mx.array
+        self, raw_logits: mx.array, tokens: mx.array, allowed: mx.array | None = None
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """Log-softmax of the raw logits (no penalties, no temperature).
+        """Log-softmax of the raw logits (no penalties, no temperature), after a grammar's
+        mask ``allowed`` when there is one (the tokens it forbids have logprob -inf).
 
         Returns the chosen tokens' logprobs [R], the top ``top_logprobs`` ids [R, n]
         (in ``topk_indices`` order) and their logprobs [R, n].
         """
         if raw_logits.ndim == 1:
             raw_logits = raw_logits[None]
-        x = raw_logits.astype(mx.float32)
+        if allowed is not None:
+            allowed = allowed.reshape(raw_logits.shape)
+        x = masked(raw_logits, allowed).astype(mx.float32)
         logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(logp, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
         n = min(self.options.top_logprobs, x.shape[-1])
@@ -273,6 +288,13 @@ class Sampler:
             return chosen, empty_ids, mx.zeros((x.shape[0], 0), dtype=mx.float32)
         top_ids = topk_indices(x, n)
         return chosen, top_ids, mx.take_along_axis(logp, top_ids, axis=-1)
+
+
+def masked(logits: mx.array, allowed: mx.array | None) -> mx.array:
+    """``logits`` with -inf where ``allowed`` is False (unchanged without a mask)."""
+    if allowed is None:
+        return logits
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 def _padding_copies(changed: mx.array, present: mx.array) -> mx.array:

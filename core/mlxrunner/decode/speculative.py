@@ -11,9 +11,16 @@ The round (speculative.md, "The speculative round"), with ``pos`` the slot of
 5. accept d_i with probability ``min(1, p_i(d_i) / q_i(d_i))`` in order; the
    residual ``normalise(max(p_i - q_i, 0))`` of every row and the bonus from
    p_N are drawn before the round's one host sync, which then picks one;
-6. an accepted EOS ends generation;
+6. an accepted EOS ends generation (so does a structured-output grammar once complete);
 7. every cache rolls back to ``pos + 1 + accepted``; the taps of the committed
    rows become the draft's context.
+
+Under a grammar (structured output) the proposals are masked on the host before the verify
+forward: row i keeps the draft's d_i when the grammar allows it after ``d[:i]``, else
+redraws from q_i restricted to the allowed tokens (so d_i ~ q_i | allowed either way), and
+drafting stops at a row whose q_i has no allowed token; the target's p_i are the sampler's
+distributions under the same masks, so verification stays exact, and the grammar is
+rolled back to the committed prefix after the round.
 
 Only the Model, Cache and DraftSession interfaces are used: any target with
 taps and restorable caches gets speculative decoding.
@@ -27,9 +34,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
+import numpy as np
 
 from ..model.builtin_draft import describe_checkpoint_draft
 from ..model.distribution import Distribution
+from .grammar import Constraint, allowed_rows
 from .options import SamplerOptions
 from .plain import GenerationResult, prefill
 from .sampler import Sampler, penalties_active
@@ -37,7 +46,7 @@ from .step import forward
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..cache import Cache
-    from ..model.draft import DraftModel, DraftSession
+    from ..model.draft import DraftModel, DraftProposal, DraftSession
     from ..model.interface import Model
 
 
@@ -280,7 +289,7 @@ def decide(sampler: Sampler, p: Distribution, q: Distribution | None,
 
 @dataclass
 class RoundOutcome:
-    drafts: list[int]
+    drafts: list[int]  # what the round verified (under a grammar, maybe fewer than asked)
     accepted: int
     fix: int
     tapped: mx.array  # [1, N + 1, taps * hidden], lazy
@@ -290,19 +299,96 @@ class RoundOutcome:
         return self.drafts[:self.accepted] + [self.fix]
 
 
+def _bit_set(words: np.ndarray, token: int) -> bool:
+    return bool((int(words.view(np.uint32)[token >> 5]) >> (token & 31)) & 1)
+
+
+def _dense_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+def constrain_proposal(sampler: Sampler, constraint: Constraint, proposal: DraftProposal
+                       ) -> tuple[list[int], Distribution | None, list[np.ndarray]]:
+    """Mask a proposal with ``constraint`` (left as it was): the drafts kept (row i: d_i if
+    allowed after the kept ``d[:i]``, else a draw from q_i restricted to the allowed tokens;
+    rows stop at one whose q_i allows nothing, or once the grammar is complete), the q rows
+    they follow (restricted and renormalised) and the allowed-token words of every verify
+    row (one more than the drafts: the bonus row)."""
+    tokens = [int(t) for t in cast("list[int]", proposal.tokens.reshape(-1).tolist())]
+    q = proposal.distribution()
+    probs = np.array(q.probs, dtype=np.float32)
+    ids = None if q.ids is None else np.array(q.ids, dtype=np.int64)
+    vocab = constraint.vocab_size
+    kept: list[int] = []
+    rows: list[np.ndarray] = []
+    words: list[np.ndarray] = []
+    for i, token in enumerate(tokens):
+        allowed = constraint.words()
+        words.append(allowed)
+        if ids is None:
+            ok = _dense_bits(allowed, probs.shape[-1] if probs.shape[-1] <= vocab else vocab)
+            row = np.where(ok, probs[i, :ok.shape[0]], 0.0)
+            row = np.concatenate([row, np.zeros(probs.shape[-1] - row.shape[0], np.float32)])
+        else:
+            ok = np.array([0 <= t < vocab and _bit_set(allowed, int(t)) for t in ids[i]])
+            row = np.where(ok, probs[i], 0.0)
+        mass = float(row.sum())
+        if mass <= 0.0:
+            words.pop()  # this row becomes the bonus row, whose words follow the loop
+            break
+        row = (row / mass).astype(np.float32)
+        if not (0 <= token < vocab and _bit_set(allowed, token)):
+            # q_i given "allowed": keeping an allowed d_i and redrawing a forbidden one from
+            # the restricted q_i gives q_i(t) + (1 - mass) * q_i(t) / mass = q_i(t) / mass
+            u = cast("list[float]", sampler.uniform(1).tolist())[0]
+            slot = min(int(np.searchsorted(np.cumsum(row), u * float(row.sum()), "right")),
+                       int(np.flatnonzero(row > 0)[-1]))
+            token = int(slot if ids is None else ids[i, slot])
+        constraint.advance(token)
+        kept.append(token)
+        rows.append(row)
+        if constraint.complete:
+            break
+    words.append(constraint.words())
+    constraint.rollback(len(kept))
+    if not kept:
+        return [], None, words
+    q_kept = Distribution(mx.array(np.stack(rows)),
+                          None if ids is None else mx.array(ids[:len(kept)], dtype=mx.int32))
+    return kept, q_kept, words
+
+
 def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSession,
               sampler: Sampler, taps: Sequence[int], history: Sequence[int], current: int,
-              pos: int, n: int) -> RoundOutcome:
-    """Steps 1-5 and the host sync of one round (rollback and commit are the caller's)."""
+              pos: int, n: int, constraint: Constraint | None = None) -> RoundOutcome:
+    """Steps 1-5 and the host sync of one round (rollback and commit are the caller's).
+
+    ``constraint`` (at ``current``, which it has committed) masks the proposals and the
+    target's distributions; the round leaves it as it found it."""
     live = [c for c in caches if c is not None]
     proposal = session.propose(current, pos, n) if n > 0 else None
-    if proposal is not None:
+    allowed = None
+    q: Distribution | None = None
+    if constraint is not None:
+        words = [constraint.words()]
+        if proposal is not None:
+            kept, q, words = constrain_proposal(sampler, constraint, proposal)
+            proposal = None
+            n = len(kept)
+            drafts = mx.array(kept, dtype=mx.int32) if kept else None
+        else:
+            drafts = None
+        allowed = allowed_rows(words, model.vocab_size)
+    elif proposal is not None:
         # the device runs the draft while the host builds the verify forward
         mx.async_eval(proposal.tokens)
         drafts = proposal.tokens.reshape(-1).astype(mx.int32)
-        ids = mx.concatenate([mx.array([current], dtype=mx.int32), drafts])[None]
+        q = proposal.distribution()
     else:
         drafts = None
+    if drafts is not None:
+        ids = mx.concatenate([mx.array([current], dtype=mx.int32), drafts])[None]
+    else:
         ids = mx.array([[current]], dtype=mx.int32)
     offsets = range(pos + 1, pos + n + 1)
     for cache in live:
@@ -323,8 +409,7 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
     else:
         base = list(history[-options.repeat_last_n:]) if options.repeat_last_n > 0 else []
         histories = [base] * (n + 1)
-    p = sampler.distributions(logits, histories)
-    q = proposal.distribution() if proposal is not None else None
+    p = sampler.distributions(logits, histories, allowed)
     decision = decide(sampler, p, q, drafts)
     # the round's one host sync: everything the host needs in one array, read once (each
     # read of a device array is a synchronisation, which costs a small model a decode step)
@@ -356,11 +441,13 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
                        sampler: Sampler, max_tokens: int = 256,
                        eos_ids: frozenset[int] | set[int] = frozenset(),
                        depth: int | None = None, stats: SpeculativeStats | None = None,
-                       controller: DepthController | None = None
+                       controller: DepthController | None = None,
+                       constraint: Constraint | None = None
                        ) -> Generator[list[int], None, None]:
     """Yield the tokens each step commits: the first token, then each round's.
 
-    Stops after an EOS token or ``max_tokens`` tokens. ``depth`` fixes the
+    Stops after an EOS token or ``max_tokens`` tokens, or once ``constraint`` (structured
+    output: every token drawn under its mask) is complete. ``depth`` fixes the
     drafts per round (clipped to the draft's ``block_size - 1`` and to the
     budget); by default a DFlash2-style draft (``adaptive_depth`` False) drafts
     ``block_size - 1`` every round and a DFlash one follows a
@@ -388,7 +475,9 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
 
     t0 = time.perf_counter()
     logits = _prefill(model, prompt, caches, session, taps)
-    first = int(sampler.sample(logits, history))
+    first_allowed = None if constraint is None else \
+        allowed_rows([constraint.words()], model.vocab_size)
+    first = int(sampler.sample(logits, history, first_allowed))
     stats.prompt_tokens = len(prompt)
     stats.target_forwards += 1
     stats.prefill_seconds = time.perf_counter() - t0
@@ -398,8 +487,10 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
         session.extend_tokens([first])
         stats.generated_tokens = 1
         stats.decode_seconds = time.perf_counter() - t_decode
+        if constraint is not None and first not in eos:
+            constraint.advance(first)
         yield [first]
-        if first in eos:
+        if first in eos or (constraint is not None and constraint.complete):
             return
         pos, current = len(prompt), first
         while stats.generated_tokens < max_tokens:
@@ -411,14 +502,21 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
             else:
                 n = max(0, limit)
             t_round = time.perf_counter()
-            outcome = run_round(model, caches, session, sampler, taps, history, current, pos, n)
+            outcome = run_round(model, caches, session, sampler, taps, history, current, pos, n,
+                                constraint)
             seconds = time.perf_counter() - t_round
+            n = len(outcome.drafts)  # a grammar may have cut the proposal
             emitted = outcome.emitted
             finished = False
             for i, token in enumerate(emitted):
                 if token in eos:
                     emitted, finished = emitted[:i + 1], True
                     break
+                if constraint is not None:
+                    constraint.advance(token)
+                    if constraint.complete:
+                        emitted, finished = emitted[:i + 1], True
+                        break
             stats.record_round(n, outcome.accepted, len(outcome.emitted), seconds)
             if controller is not None:
                 controller.update(n, outcome.accepted, seconds)
@@ -446,7 +544,8 @@ def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int],
                          sampler: Sampler | None = None, options: SamplerOptions | None = None,
                          max_tokens: int = 256, eos_ids: frozenset[int] | set[int] = frozenset(),
                          on_token: Callable[[int], bool | None] | None = None,
-                         depth: int | None = None) -> GenerationResult:
+                         depth: int | None = None,
+                         constraint: Constraint | None = None) -> GenerationResult:
     """Generate with ``draft``; the output has plain decoding's distribution (greedy: its
     very tokens). Returns :class:`mlxrunner.GenerationResult` with
     :class:`SpeculativeStats` as ``stats``. ``on_token`` returning True ends generation
@@ -457,7 +556,8 @@ def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int],
     tokens: list[int] = []
     stopped = False
     stream = speculative_stream(model, draft, prompt, sampler=sampler, max_tokens=max_tokens,
-                                eos_ids=eos_ids, depth=depth, stats=stats)
+                                eos_ids=eos_ids, depth=depth, stats=stats,
+                                constraint=constraint)
     for chunk in stream:
         for token in chunk:
             tokens.append(token)
@@ -468,5 +568,6 @@ def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int],
             stream.close()
             stats.generated_tokens = len(tokens)  # what the caller keeps
             break
-    finish = "stop" if stopped or (tokens and tokens[-1] in eos_ids) else "length"
+    finish = "stop" if stopped or (tokens and tokens[-1] in eos_ids) or (
+        constraint is not None and constraint.complete) else "length"
     return GenerationResult(tokens=tokens, finish_reason=finish, stats=stats)
