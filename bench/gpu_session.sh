@@ -66,6 +66,7 @@ case "${1:-}" in
     fi
     for name in "${@:-topk qwen3_5 gemma4 speculative}"; do
       for one in $name; do
+        label=$one  # the file names (a case below may change $one)
         echo "== $one"
         # second instances with one thing off each: what it saves, in the same run
         case $one in
@@ -84,8 +85,8 @@ case "${1:-}" in
           *) extra="" ;;
         esac
         # shellcheck disable=SC2086
-        timeout "${BENCH_TIMEOUT:-200}" python3 "bench/$one.py" $extra --json "$out/$name-gpu.json" \
-          2>&1 | tee "$out/$name-gpu.txt" | grep -v "^\s*$" | tail -"${TAIL_LINES:-12}"
+        timeout "${BENCH_TIMEOUT:-200}" python3 "bench/$one.py" $extra --json "$out/$label-gpu.json" \
+          2>&1 | tee "$out/$label-gpu.txt" | grep -v "^\s*$" | tail -"${TAIL_LINES:-12}"
       done
     done
     if [ "${DEMO:-1}" = 1 ]; then

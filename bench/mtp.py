@@ -5,7 +5,8 @@ real folder that carries ``mtp.*`` (``--model``), after a prefill of ``--context
 
 - plain decoding: milliseconds per token (one-token forward, sample, sync);
 - per depth d = 1..3: the head's proposal (d chained steps), the verify forward over d + 1
-  tokens (snapshots scheduled, rollback after), and the real loop's round
+  tokens (the core's compiled step, as the loop runs it; snapshots scheduled, rollback
+  after), and the real loop's round (after a few warm-up rounds)
   (``speculative_stream`` at fixed depth, greedy; a random head is rejected, so each round
   commits one token);
 - the speedup predicted at per-position acceptance a = 0.6 and 0.8: expected tokens per
@@ -96,7 +97,7 @@ def component_costs(model: Any, head: Any, prompt: list[int], depth: int, repeat
                     ) -> tuple[float, float]:
     """(proposal seconds, verify forward seconds) of one round at ``depth`` (medians)."""
     from mlxrunner import Sampler, SamplerOptions
-    from mlxrunner.decode import prefill
+    from mlxrunner.decode import forward, prefill
 
     sampler = Sampler(SamplerOptions(temperature=0), model.vocab_size)
     caches = model.make_cache()
@@ -116,7 +117,7 @@ def component_costs(model: Any, head: Any, prompt: list[int], depth: int, repeat
         ids = mx.concatenate([mx.array([current], dtype=mx.int32), proposal.tokens])[None]
         for c in live:
             c.schedule_snapshots(range(pos + 1, pos + depth + 1))
-        logits, tapped = model(ids, caches, taps=list(head.taps))
+        logits, tapped = forward(model, ids, caches, taps=list(head.taps))
         mx.eval(logits, tapped, *[s for c in live for s in c.state])
         t2 = time.perf_counter()
         for c in live:
