@@ -16,6 +16,9 @@ is not noticed halfway through a generation, and a bad value is one clear error 
   point names, as ``mlxrunner plugins`` lists them, compared as PEP 503 normalises them;
   empty: none; unset: all; a name no installed plugin has is one warning). The core's
   built-ins always load.
+- ``MLXRUNNER_PREFIX_CACHE`` (``1``/``0``, default 1): ``serve`` and the chat keep model state
+  across requests and turns (:class:`mlxrunner.cache.PrefixCache`), holding at most
+  ``MLXRUNNER_PREFIX_CACHE_MIB`` MiB of arrays per model (default 2048).
 - ``MLXRUNNER_API_KEY``: the bearer token ``mlxrunner serve`` requires (unset: none).
 - ``MLXRUNNER_ORIGINS``: browser origins ``mlxrunner serve`` accepts beyond this machine's
   (comma-separated glob patterns, as Ollama's ``OLLAMA_ORIGINS``; ``*``: any).
@@ -46,6 +49,8 @@ class Settings:
     attention: str = "kernel"
     row_products: bool = True
     load_plugins: tuple[str, ...] | None = None
+    prefix_cache: bool = True
+    prefix_cache_mib: int = 2048
     api_key: str | None = field(default=None, repr=False)  # a secret: not in reprs
     origins: tuple[str, ...] = ()
 
@@ -63,6 +68,8 @@ class Settings:
             row_products=_flag(env, "MLXRUNNER_ROW_PRODUCTS", True),
             load_plugins=None if plugins is None else tuple(
                 p.strip() for p in plugins.split(",") if p.strip()),
+            prefix_cache=_flag(env, "MLXRUNNER_PREFIX_CACHE", True),
+            prefix_cache_mib=_mib(env, "MLXRUNNER_PREFIX_CACHE_MIB", 2048),
             api_key=env.get("MLXRUNNER_API_KEY") or None,
             origins=tuple(o.strip() for o in env.get("MLXRUNNER_ORIGINS", "").split(",")
                           if o.strip()),
@@ -74,6 +81,13 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if value not in ("0", "1"):
         raise SettingsError(f"{name}={value!r}: use 0 or 1")
     return value == "1"
+
+
+def _mib(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name, str(default)).strip()
+    if not value.isdigit():
+        raise SettingsError(f"{name}={value!r}: use a whole number of MiB")
+    return int(value)
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, options: tuple[str, ...]) -> str:

@@ -5,8 +5,10 @@ from .base import Cache
 from .batched import BatchCaches, BatchedCache, RowFrame
 from .frame import TraceFrame, Untraceable
 from .kv import KVCache
+from .prefix import PrefixCache, PrefixHit, prefix_cache_for
 from .recurrent import RecurrentCache, StateCapture
 from .ring import RingCache
 
-__all__ = ["BatchCaches", "BatchedCache", "Cache", "KVCache", "RecurrentCache", "RingCache",
-           "RowFrame", "StateCapture", "TraceFrame", "Untraceable"]
+__all__ = ["BatchCaches", "BatchedCache", "Cache", "KVCache", "PrefixCache", "PrefixHit",
+           "RecurrentCache", "RingCache", "RowFrame", "StateCapture", "TraceFrame", "Untraceable",
+           "prefix_cache_for"]

@@ -1,9 +1,10 @@
 """``mlxrunner run [MODEL]`` without a prompt, at a terminal: a conversation, as ``ollama run``.
 
 Each turn renders the whole conversation with the model's renderer, decodes the reply
-(speculatively when the model has a draft), streams it through the model's parser (thinking
-shown dimmed, tool calls as JSON lines) and keeps the parsed reply as the assistant's
-message for the next turn.
+(speculatively when the model has a draft; the model's prefix cache holds the conversation
+so far, so a turn prefills only what is new: see :class:`mlxrunner.cache.PrefixCache`),
+streams it through the model's parser (thinking shown dimmed, tool calls as JSON lines)
+and keeps the parsed reply as the assistant's message for the next turn.
 
 A message is one line, or the lines between a line opening with ``\"\"\"`` and one ending
 with it (``\"\"\"text\"\"\"`` on one line too). Lines starting with ``/`` are commands (see
@@ -26,6 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ..cache import prefix_cache_for
 from ..chat.formats import ParsedMessage
 from ..chat.streaming import TextStream
 from ..decode.generation import generate
@@ -177,6 +179,7 @@ class ChatSession:
         self.messages: list[dict[str, Any]] = \
             [{"role": "system", "content": system}] if system else []
         self._explained = False
+        self.prefix_cache = prefix_cache_for(bundle.model.make_cache)
 
     # -- the conversation ------------------------------------------------------
     @property
@@ -206,7 +209,7 @@ class ChatSession:
         try:
             reply = stream_reply(bundle, prompt, self.options, self.max_tokens,
                                  bundle.stop_token_ids(), self.write, self.color,
-                                 stops=self.stops)
+                                 stops=self.stops, prefix_cache=self.prefix_cache)
         except KeyboardInterrupt:
             self.messages.pop()
             self.write("\n(reply abandoned; the conversation is as before it)\n")
@@ -458,9 +461,11 @@ def chat_loop(bundle: Any, options: Any, *, max_tokens: int, think: bool | None 
 
 def stream_reply(bundle: Any, prompt: str, options: Any, max_tokens: int,
                  stop_ids: frozenset[int], write: Callable[[str], Any],
-                 color: bool, *, stops: list[str] | None = None) -> Reply:
+                 color: bool, *, stops: list[str] | None = None,
+                 prefix_cache: Any = None) -> Reply:
     """Decode one reply to the rendered ``prompt``, writing it as it comes; returns it parsed
-    with its statistics. Ctrl-C ends it early (see the module's text)."""
+    with its statistics. Ctrl-C ends it early (see the module's text). ``prefix_cache``: the
+    conversation's (:class:`mlxrunner.cache.PrefixCache`), or None."""
     parser, tok = bundle.parser, bundle.tokenizer
     reply = ParsedMessage()
     in_thinking = False
@@ -496,7 +501,7 @@ def stream_reply(bundle: Any, prompt: str, options: Any, max_tokens: int,
     ids = tok.encode(prompt, add_special_tokens=False)
     with _ReplyInterrupt() as interrupt:
         result = generate(bundle.model, ids, options=options, max_tokens=max_tokens,
-                          eos_ids=stop_ids, draft=bundle.draft,
+                          eos_ids=stop_ids, draft=bundle.draft, prefix_cache=prefix_cache,
                           on_token=lambda token: text.add(token) or interrupt.requested)
     text.finish()
     if parser is not None:

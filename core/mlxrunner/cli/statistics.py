@@ -14,7 +14,8 @@ LOW_TAU = 1.5
 
 MEANINGS = {
     "tokens/s": "tokens/s: for the prompt, tokens read per second (all of them in one "
-                "pass); for the reply, tokens written per second after that",
+                "pass; those cached from an earlier turn are not read again); for the "
+                "reply, tokens written per second after that",
     "round": "round: the draft guesses the next few tokens, then the model checks all "
              "of them in a single forward pass and keeps the ones it agrees with",
     "accepted": "accepted: the share of guessed tokens the model agreed with",
@@ -39,8 +40,10 @@ def describe_run(stats: dict[str, Any], *, explain: bool = False) -> list[str]:
     speculative = stats.get("mode") == "speculative"
     how = f"speculative, draft {stats['draft']}" if speculative and stats.get("draft") else \
         ("speculative" if speculative else "plain decoding")
+    cached = int(stats.get("cached_tokens") or 0)
+    held = f" ({cached} prompt tokens cached)" if cached else ""
     lines = [f"prompt: {_tokens(stats['prompt_tokens'])} read at "
-             f"{_rate(stats.get('prefill_tokens_per_second'))}",
+             f"{_rate(stats.get('prefill_tokens_per_second'))}{held}",
              f"reply: {_tokens(stats['generated_tokens'])} at "
              f"{_rate(stats.get('tokens_per_second'))} ({how})"]
     if speculative:

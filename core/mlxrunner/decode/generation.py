@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..cache.prefix import PrefixCache
 from ..model.interface import Model
 from .grammar import Constraint
 from .options import SamplerOptions
@@ -21,7 +22,8 @@ def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | N
              max_tokens: int = 256, eos_ids: frozenset[int] | set[int] = frozenset(),
              on_token: Callable[[int], bool | None] | None = None, draft: Any = None,
              draft_options: dict[str, Any] | None = None,
-             constraint: Constraint | None = None) -> GenerationResult:
+             constraint: Constraint | None = None,
+             prefix_cache: PrefixCache | None = None) -> GenerationResult:
     """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids).
 
     ``on_token`` sees each token as it is decided; returning True ends generation after
@@ -31,6 +33,9 @@ def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | N
     stats say how it went. A ``constraint`` (structured output,
     :meth:`mlxrunner.decode.grammar.Grammar.constraint`; one per generation) masks every
     token, the draft's proposals included, and generation ends once it is complete.
+    A ``prefix_cache`` (:class:`mlxrunner.cache.PrefixCache` of this model) skips the
+    prefill of the prompt's longest cached prefix and keeps this generation's state for
+    the next (``stats.cached_tokens`` says how many prompt tokens it held).
     """
     options = options or SamplerOptions()
     sampler = Sampler(options, model.vocab_size)
@@ -41,12 +46,12 @@ def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | N
         result = speculative_generate(model, draft, prompt, sampler=sampler,
                                       max_tokens=max_tokens, eos_ids=eos_ids,
                                       on_token=on_token, constraint=constraint,
-                                      **(draft_options or {}))
+                                      prefix_cache=prefix_cache, **(draft_options or {}))
         return result
     stats = GenerationStats()
     stopped = False
     for token, info in stream_plain(model, prompt, sampler, max_tokens, eos_ids, stats,
-                                    want_logprobs, constraint):
+                                    want_logprobs, constraint, prefix_cache):
         tokens.append(token)
         if info is not None:
             logprobs.append(info)

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from ..cache.prefix import PrefixCache
 from ..model.interface import Model
 from .grammar import Constraint, allowed_rows
 from .sampler import Sampler, penalties_active
@@ -32,10 +33,14 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     target_forwards: int = 0
+    #: prompt tokens a prefix cache held (not prefilled again)
+    cached_tokens: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        """Prompt tokens prefilled (those not cached) per second."""
+        read = self.prompt_tokens - self.cached_tokens
+        return read / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -45,6 +50,7 @@ class GenerationStats:
         return {
             "mode": "plain",
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "target_forwards": self.target_forwards,
             "prefill_tokens_per_second": round(self.prefill_tokens_per_second, 2),
@@ -67,16 +73,28 @@ class GenerationResult:
 
 def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[int] | None = None,
             on_taps: Callable[[mx.array], Sequence[mx.array]] | None = None,
-            chunk: int = PREFILL_CHUNK) -> tuple[mx.array, mx.array | None]:
-    """Run all prompt tokens through the model in chunks; return the last row's logits and,
-    with ``taps``, all tapped states. ``on_taps(chunk_taps)`` sees each chunk's taps as they
-    come (a draft building its context) and returns arrays to evaluate with that chunk."""
+            chunk: int = PREFILL_CHUNK, start: int = 0,
+            on_chunk: Callable[[int], None] | None = None) -> tuple[mx.array, mx.array | None]:
+    """Run the prompt tokens from ``start`` on (the caches already hold ``prompt[:start]``)
+    through the model in chunks; return the last row's logits and, with ``taps``, the tapped
+    states of the rows run. ``on_taps(chunk_taps)`` sees each chunk's taps as they come (a
+    draft building its context) and returns arrays to evaluate with that chunk;
+    ``on_chunk(end)`` is called once each chunk is evaluated, the caches holding
+    ``prompt[:end]`` (a prefix cache storing them).
+
+    Chunks end at multiples of ``chunk`` (absolute positions): a prefill resumed at such a
+    boundary runs the very chunks, so the very arithmetic, of one from the start."""
     ids = mx.array(list(prompt), dtype=mx.int32)[None]
     tapped_parts = []
     logits = None
     total = ids.shape[1]
-    for start in range(0, total, chunk):
-        chunk_ids = ids[:, start:start + chunk]
+    if total == 0:
+        raise ValueError("the prompt must hold at least one token")
+    if not 0 <= start < total:
+        raise ValueError(f"prefill must start inside the prompt (start {start}, {total} tokens)")
+    bounds = [start, *range((start // chunk + 1) * chunk, total, chunk), total]
+    for begin, end in zip(bounds, bounds[1:]):
+        chunk_ids = ids[:, begin:end]
         extra: Sequence[mx.array] = ()
         if taps:
             out, tapped = cast("tuple[mx.array, mx.array]", model(chunk_ids, cache, taps=taps))
@@ -87,12 +105,13 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
         # Only the last chunk's logits are wanted: earlier chunks evaluate the caches alone,
         # so their vocabulary head (the widest matmul) is never computed.
         wanted = []
-        if start + chunk >= total:
+        if end >= total:
             logits = out[:, -1, :]
             wanted = [logits]
         mx.eval(*wanted, *[c.state for c in cache if c is not None], *extra)
-    if logits is None:
-        raise ValueError("the prompt must hold at least one token")
+        if on_chunk is not None:
+            on_chunk(end)
+    assert logits is not None  # the last chunk ends at total
     tapped_all = None
     if tapped_parts and on_taps is None:
         tapped_all = mx.concatenate(tapped_parts, axis=1)
@@ -102,18 +121,36 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
 def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_tokens: int,
                  eos_ids: frozenset[int] | set[int] = frozenset(),
                  stats: GenerationStats | None = None,
-                 want_logprobs: bool = False, constraint: Constraint | None = None
+                 want_logprobs: bool = False, constraint: Constraint | None = None,
+                 prefix_cache: PrefixCache | None = None
                  ) -> Iterator[tuple[int, dict[str, Any] | None]]:
     """Yield ``(token, logprob_info)`` one at a time; stops after an EOS token or ``max_tokens``,
     or once ``constraint`` (structured output) is complete. Each token is drawn under the
-    constraint's mask and commits to it."""
+    constraint's mask and commits to it.
+
+    With a ``prefix_cache``, the longest cached prefix of the prompt is not prefilled again,
+    and the caches are stored there at each prefill chunk's end and once generation ends
+    (the next chat turn starts with this prompt and its reply)."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     stats = stats if stats is not None else GenerationStats()
-    cache = model.make_cache()
-    history = list(prompt)
     t0 = time.perf_counter()
-    logits, _ = prefill(model, prompt, cache)
+    history = list(prompt)
+    hit = prefix_cache.lookup(prompt) if prefix_cache is not None else None
+    cache = hit.caches if hit is not None else model.make_cache()
+    stats.cached_tokens = hit.length if hit is not None else 0
+
+    def keep(end: int) -> None:
+        assert prefix_cache is not None
+        prefix_cache.store(history[:end], cache)
+
+    if hit is not None and hit.logits is not None:  # the whole prompt, met before
+        logits = hit.logits
+    else:
+        logits, _ = prefill(model, prompt, cache, start=stats.cached_tokens,
+                            on_chunk=keep if prefix_cache is not None else None)
+        if prefix_cache is not None:
+            prefix_cache.store(prompt, cache, logits=logits)
     stats.prompt_tokens = len(prompt)
     stats.target_forwards += 1
 
@@ -138,6 +175,7 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
         return following
 
     t_decode = time.perf_counter()
+    completed = False
     try:
         for n in range(max_tokens):
             more = n + 1 < max_tokens
@@ -161,8 +199,17 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
                 break
             assert following is not None  # stepped above when more
             token, info = following
+        completed = True
+    except GeneratorExit:  # the consumer stopped early: the caches are whole
+        completed = True
+        raise
     finally:  # also when the consumer stops early
         stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
+        if prefix_cache is not None and completed:
+            # the caches hold the tokens fed so far (a queued step's included)
+            fed = [c.offset for c in cache if c is not None]
+            if fed and fed[0] <= len(history):
+                keep(fed[0])
 
 
 def _logprob_dict(info: Any) -> dict[str, Any] | None:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
+from ..cache.prefix import PrefixCache
 from ..model.builtin_draft import describe_checkpoint_draft
 from ..model.distribution import Distribution
 from .grammar import Constraint, allowed_rows
@@ -79,6 +80,8 @@ class SpeculativeStats:
     drafted: int = 0
     accepted: int = 0
     committed_in_rounds: int = 0
+    #: prompt tokens a prefix cache held (not prefilled again)
+    cached_tokens: int = 0
     depths: dict[int, int] = field(default_factory=dict)
     accepted_lengths: dict[int, int] = field(default_factory=dict)
     seconds_by_depth: dict[int, float] = field(default_factory=dict)
@@ -99,7 +102,9 @@ class SpeculativeStats:
 
     @property
     def prefill_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        """Prompt tokens prefilled (those not cached) per second."""
+        read = self.prompt_tokens - self.cached_tokens
+        return read / self.prefill_seconds if self.prefill_seconds else 0.0
 
     def round_ms(self) -> dict[int, float]:
         """Mean wall time of a round per depth, in milliseconds (draft + verify + sync)."""
@@ -121,6 +126,7 @@ class SpeculativeStats:
             "mode": "speculative",
             "draft": self.draft,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "target_forwards": self.target_forwards,
             "rounds": self.rounds,
@@ -426,14 +432,19 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
 
 
 def _prefill(model: Model, prompt: Sequence[int], caches: list, session: DraftSession,
-             taps: Sequence[int]) -> mx.array:
+             taps: Sequence[int], start: int = 0, tapped_rows: list[mx.array] | None = None,
+             on_chunk: Callable[[int], None] | None = None) -> mx.array:
     """Plain decoding's chunked prefill (same chunks, so the same arithmetic), each chunk's
-    tapped states handed to the draft as they come; returns the last row's logits."""
+    tapped states handed to the draft as they come (and kept in ``tapped_rows``); returns the
+    last row's logits. The caches already hold ``prompt[:start]``."""
     def to_draft(tapped: mx.array) -> list[mx.array]:
         session.prefill(tapped)
+        if tapped_rows is not None:
+            tapped_rows.append(tapped)
         return list(session.state)
 
-    logits, _ = prefill(model, prompt, caches, taps=taps, on_taps=to_draft)
+    logits, _ = prefill(model, prompt, caches, taps=taps, on_taps=to_draft, start=start,
+                        on_chunk=on_chunk)
     return logits
 
 
@@ -442,7 +453,8 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
                        eos_ids: frozenset[int] | set[int] = frozenset(),
                        depth: int | None = None, stats: SpeculativeStats | None = None,
                        controller: DepthController | None = None,
-                       constraint: Constraint | None = None
+                       constraint: Constraint | None = None,
+                       prefix_cache: PrefixCache | None = None
                        ) -> Generator[list[int], None, None]:
     """Yield the tokens each step commits: the first token, then each round's.
 
@@ -466,15 +478,40 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
         measured = sampler.greedy or sampler.options.seed is None
         controller = DepthController(draft.max_depth, measured=measured)
     taps = tuple(draft.taps)
-    caches = model.make_cache()
+    t0 = time.perf_counter()
+    # A prefix cache hit rebuilds the draft's session from the tapped states it kept with
+    # the target's caches: the session then holds what a prefill of those tokens gives.
+    hit = prefix_cache.lookup(prompt, taps) if prefix_cache is not None else None
+    caches = hit.caches if hit is not None else model.make_cache()
     live = [c for c in caches if c is not None]
     session = draft.new_session(sampler)
     session.extend_tokens(prompt)
     history = list(prompt)
     eos = frozenset(eos_ids)
+    # the tapped states of every row the caches hold, for the prefix cache
+    tapped_rows: list[mx.array] = []
+    if hit is not None and hit.length:
+        assert hit.tapped is not None  # asked for with the taps
+        session.prefill(hit.tapped)
+        mx.eval(*session.state)
+        tapped_rows.append(hit.tapped)
+        stats.cached_tokens = hit.length
 
-    t0 = time.perf_counter()
-    logits = _prefill(model, prompt, caches, session, taps)
+    def keep(end: int) -> None:
+        if prefix_cache is not None:
+            rows = mx.concatenate(tapped_rows, axis=1) if len(tapped_rows) > 1 else \
+                tapped_rows[0]
+            tapped_rows[:] = [rows]
+            prefix_cache.store(history[:end], caches, (taps, rows[:, :end]))
+
+    if hit is not None and hit.logits is not None:  # the whole prompt, met before
+        logits = hit.logits
+    else:
+        logits = _prefill(model, prompt, caches, session, taps, stats.cached_tokens,
+                          tapped_rows if prefix_cache is not None else None,
+                          keep if prefix_cache is not None else None)
+        if prefix_cache is not None:
+            prefix_cache.store(prompt, caches, (taps, tapped_rows[0]), logits)
     first_allowed = None if constraint is None else \
         allowed_rows([constraint.words()], model.vocab_size)
     first = int(sampler.sample(logits, history, first_allowed))
@@ -482,6 +519,9 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
     stats.target_forwards += 1
     stats.prefill_seconds = time.perf_counter() - t0
     t_decode = time.perf_counter()
+    # a round whose rollback was skipped (the last): (pos, accepted, its tapped states)
+    unsettled: tuple[int, int, mx.array] | None = None
+    completed = False
     try:
         history.append(first)
         session.extend_tokens([first])
@@ -530,14 +570,32 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
                     cache.discard_snapshots()
                 session.extend_tokens(emitted)
                 session.commit(outcome.tapped[:, :outcome.accepted + 1])
+                if prefix_cache is not None:
+                    tapped_rows.append(outcome.tapped[:, :outcome.accepted + 1])
                 pos += outcome.accepted + 1
                 current = emitted[-1]
+            else:
+                unsettled = (pos, outcome.accepted, outcome.tapped)
             stats.decode_seconds = time.perf_counter() - t_decode
             yield emitted
             if finished:
+                completed = True
                 return
+        completed = True
+    except GeneratorExit:  # the consumer stopped early: the caches are whole
+        completed = True
+        raise
     finally:
         stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
+        if prefix_cache is not None and completed:
+            if unsettled is not None:
+                # the last round kept its whole verify block: back to what it committed
+                at, accepted, tapped = unsettled
+                end = min(at + 1 + accepted, len(history))
+                for cache in live:
+                    cache.restore(end)
+                tapped_rows.append(tapped[:, :end - at])
+            keep(live[0].offset if live else 0)
 
 
 def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int], *,
@@ -545,7 +603,8 @@ def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int],
                          max_tokens: int = 256, eos_ids: frozenset[int] | set[int] = frozenset(),
                          on_token: Callable[[int], bool | None] | None = None,
                          depth: int | None = None,
-                         constraint: Constraint | None = None) -> GenerationResult:
+                         constraint: Constraint | None = None,
+                         prefix_cache: PrefixCache | None = None) -> GenerationResult:
     """Generate with ``draft``; the output has plain decoding's distribution (greedy: its
     very tokens). Returns :class:`mlxrunner.GenerationResult` with
     :class:`SpeculativeStats` as ``stats``. ``on_token`` returning True ends generation
@@ -557,7 +616,7 @@ def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int],
     stopped = False
     stream = speculative_stream(model, draft, prompt, sampler=sampler, max_tokens=max_tokens,
                                 eos_ids=eos_ids, depth=depth, stats=stats,
-                                constraint=constraint)
+                                constraint=constraint, prefix_cache=prefix_cache)
     for chunk in stream:
         for token in chunk:
             tokens.append(token)
