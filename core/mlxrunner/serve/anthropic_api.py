@@ -186,7 +186,9 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     return Response(dumps({"id": message_id, "type": "message", "role": "assistant",
                            "model": service.name, "content": _blocks(parsed),
                            "stop_reason": reason, "stop_sequence": sequence,
-                           "usage": {"input_tokens": reply.prompt_tokens,
+                           # Anthropic's input_tokens leave out those read from a cache
+                           "usage": {"input_tokens": reply.prompt_tokens - reply.cached_tokens,
+                                     "cache_read_input_tokens": reply.cached_tokens,
                                      "output_tokens": len(reply.tokens)}}),
                     media_type="application/json")
 
@@ -252,5 +254,6 @@ async def _events(request: Request, service: Service, turn: ChatTurn,
     request.state.tokens = len(reply.tokens)
     reason, sequence = _stop_reason(reply, calls)
     yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                   "usage": {"output_tokens": len(reply.tokens)}})
+                                   "usage": {"output_tokens": len(reply.tokens),
+                                             "cache_read_input_tokens": reply.cached_tokens}})
     yield _event("message_stop", {})

@@ -20,6 +20,7 @@ from http import HTTPStatus
 from typing import Any
 
 from ..bundle import Bundle
+from ..cache import prefix_cache_for
 from ..chat.streaming import TextStream
 from ..decode.generation import generate
 from ..decode.options import SamplerOptionError, SamplerOptions
@@ -75,6 +76,8 @@ class Reply:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"
     prompt_tokens: int = 0
+    #: prompt tokens the model's prefix cache held (not prefilled again)
+    cached_tokens: int = 0
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     queued_seconds: float = 0.0
@@ -103,6 +106,8 @@ class Engine:
                  request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> None:
         self.bundle = bundle
         self.stop_ids = bundle.stop_token_ids()
+        #: state kept across requests (None: off, or a model whose caches it cannot keep)
+        self.prefix_cache = prefix_cache_for(bundle.model.make_cache)
         self.request_timeout = request_timeout
         self.queue_size = queue_size
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -176,7 +181,8 @@ class Engine:
 
         result = generate(bundle.model, request.ids, options=request.options,
                           max_tokens=request.max_tokens, eos_ids=self.stop_ids,
-                          on_token=on_token, draft=bundle.draft)
+                          on_token=on_token, draft=bundle.draft,
+                          prefix_cache=self.prefix_cache)
         reply.text = text.finish()
         reply.finish_reason = result.finish_reason
         if text.stopped:
@@ -188,6 +194,7 @@ class Engine:
                      "went away)" if job.cancel.is_set() else "timed out", len(reply.tokens))
         reply.logprobs = result.logprobs[:len(reply.tokens)]
         reply.stats = result.stats.as_dict()
+        reply.cached_tokens = int(getattr(result.stats, "cached_tokens", 0))
         reply.prefill_seconds = float(getattr(result.stats, "prefill_seconds", 0.0))
         reply.decode_seconds = float(getattr(result.stats, "decode_seconds", 0.0))
         reply.total_seconds = time.monotonic() - job.submitted

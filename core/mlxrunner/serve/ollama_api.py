@@ -152,7 +152,10 @@ def _ns(seconds: float) -> int:
 
 
 def counters(reply: Reply) -> dict[str, Any]:
-    """The final chunk's counters, as Ollama reports them (nanoseconds)."""
+    """The final chunk's counters, as Ollama reports them (nanoseconds). Ollama counts the
+    whole prompt in ``prompt_eval_count`` even where its runner's cache held most of it
+    (``prompt_eval_duration`` is then the time of the rest) and has no counter of cached
+    tokens: ``statistics.cached_tokens`` says how many there were."""
     return {"total_duration": _ns(reply.total_seconds), "load_duration": 0,
             "prompt_eval_count": reply.prompt_tokens,
             "prompt_eval_duration": _ns(reply.prefill_seconds),

@@ -126,9 +126,10 @@ def _envelope(service: Service, kind: str, request_id: str) -> dict[str, Any]:
             "model": service.name}
 
 
-def usage(reply: Reply) -> dict[str, int]:
+def usage(reply: Reply) -> dict[str, Any]:
     return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": len(reply.tokens),
-            "total_tokens": reply.prompt_tokens + len(reply.tokens)}
+            "total_tokens": reply.prompt_tokens + len(reply.tokens),
+            "prompt_tokens_details": {"cached_tokens": reply.cached_tokens}}
 
 
 def _tool_call_entries(parsed: ParsedMessage, start: int = 0) -> list[dict[str, Any]]:

@@ -175,7 +175,7 @@ def _response(service: Service, body: ResponsesRequest, response_id: str, create
         status = "completed" if done else "incomplete"
         incomplete = None if done else {"reason": "max_output_tokens"}
         usage = {"input_tokens": reply.prompt_tokens,
-                 "input_tokens_details": {"cached_tokens": 0},
+                 "input_tokens_details": {"cached_tokens": reply.cached_tokens},
                  "output_tokens": len(reply.tokens),
                  "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": reply.prompt_tokens + len(reply.tokens)}
