@@ -111,14 +111,22 @@ def test_each_row_rolls_back_to_its_own_offset(model, block):
                                atol=ATOL), (round_, row)
 
 
-def test_batched_steps_are_traced(model):
+def test_batched_steps_are_traced_where_solo_steps_are(model):
+    # (the step machinery may decide to run a model's steps eagerly, e.g. products on the
+    # host BLAS: then both run eagerly)
     steps = compiled_steps(model)
+    steps.clear()
+    solo = Solo(model, _prompt(model.vocab_size, 6, seed=6))
+    for _ in range(4):
+        solo.feed([3])
+    solo_replays = steps.replays()
     steps.clear()
     batch = BatchCaches(model.make_cache())
     rows = [batch.add(Solo(model, _prompt(model.vocab_size, n, seed=n)).caches) for n in (5, 8)]
     for _ in range(4):
         _step(model, batch, {row: [3] for row in rows})
-    assert steps.enabled and steps.replays() >= 2
+    assert steps.enabled
+    assert (steps.replays() >= 2) == (solo_replays >= 2)
 
 
 def test_bad_restores_say_what_is_wrong(model):
@@ -132,3 +140,23 @@ def test_bad_restores_say_what_is_wrong(model):
         batch.keep_for_restore()
         _step(model, batch, {0: [4, 5]})
         batch.restore_rows([7])
+
+
+def test_folded_attention_takes_a_mask_per_row():
+    # what a CUDA decode step of a batch attends with (mlxrunner.nn.attend folds short
+    # blocks there): one mask per row, against MLX's own function
+    from mlxrunner.nn import folded_attention
+
+    rng = np.random.default_rng(0)
+    B, Hq, Hk, L, S, D = 3, 8, 2, 2, 11, 16
+    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
+               for shape in ((B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, D)))
+    ends = np.array([4, 11, 7])[:, None, None, None]
+    mask = mx.array(np.arange(S)[None, None, None] <= ends - L + np.arange(L)[:, None])
+    got = folded_attention(q, k, v, scale=D ** -0.5, mask=mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=mask)
+    assert np.allclose(np.array(got), np.array(want), atol=1e-5)
+    # each row saw only its own keys: row 0 is unchanged by its masked tail
+    k2 = k.at[0, :, 5:].add(100.0)
+    again = folded_attention(q, k2, v, scale=D ** -0.5, mask=mask)
+    assert np.allclose(np.array(again[0]), np.array(got[0]), atol=1e-6)

@@ -172,6 +172,11 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def prefilling(self) -> int:
+        """Sequences admitted whose prompts are not all prefilled yet."""
+        return len(self._prefilling)
+
     def step(self) -> bool:
         """Admit, prefill one chunk, decode one token per running sequence; returns whether
         work remains."""

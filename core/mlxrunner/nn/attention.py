@@ -44,7 +44,8 @@ def mode() -> str:
 
 class KV(NamedTuple):
     """What a layer's queries attend over: keys ``[B, Hk, S, D]``, values ``[B, Hk, S, Dv]``
-    and the mask for :func:`attend` (None, "causal" or a boolean ``[L, S]`` array). A layer
+    and the mask for :func:`attend` (None, "causal", a boolean ``[L, S]`` array, or
+    ``[B, 1, L, S]`` from a batch of sequences: mlxrunner.cache.batched). A layer
     that shares another layer's keys and values reuses that layer's ``KV``."""
 
     keys: mx.array
@@ -90,19 +91,24 @@ _cuda_default = on_cuda  # (tests stand in for it here)
 
 def _short_block_on_cuda(q: mx.array, keys: mx.array, mask: mx.array | str | None) -> bool:
     """Whether :func:`attend` may take this case off MLX's function: CUDA, a short query
-    block, whole groups of query heads, no mask or a boolean one of at most two dims."""
+    block, whole groups of query heads, no mask or a boolean one of at most two dims or
+    one per batch row (``[B, 1, L, S]``: a batch of sequences of their own lengths)."""
     return (_cuda_default() and q.ndim == 4 and q.shape[2] <= FOLD_MAX_QUERIES
             and keys.ndim == 4 and q.shape[1] % keys.shape[1] == 0
             and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
-                                  and mask.ndim <= 2)))
+                                  and (mask.ndim <= 2 or _per_row(mask)))))
+
+
+def _per_row(mask: mx.array) -> bool:
+    return mask.ndim == 4 and mask.shape[1] == 1
 
 
 def folded_attention(q: mx.array, keys: mx.array, values: mx.array, *, scale: float,
                      mask: mx.array | None = None) -> mx.array:
     """``softmax(q keys^T * scale, masked) values`` with each key/value head's query heads
-    folded into the rows of one batched matmul (see the module). ``mask``: None or a
-    boolean array broadcastable to ``[L, S]`` (True: attend); every query row must keep
-    at least one key."""
+    folded into the rows of one batched matmul (see the module). ``mask``: None, a
+    boolean array broadcastable to ``[L, S]`` or one per batch row ``[B, 1, L, S]`` (True:
+    attend); every query row must keep at least one key."""
     B, Hq, L, D = q.shape
     Hk, S = keys.shape[1], keys.shape[2]
     rep = Hq // Hk
@@ -111,6 +117,8 @@ def folded_attention(q: mx.array, keys: mx.array, values: mx.array, *, scale: fl
     if mask is not None:
         # row r * L + l of a group is query head r at position l: the mask's row l
         grouped = scores.reshape(B, Hk, rep, L, S)
+        if mask.ndim == 4:  # [B, 1, L, S]: the same for every head of a row
+            mask = mask[:, :, None]
         scores = mx.where(mask, grouped, mx.array(-mx.inf, dtype=scores.dtype)).reshape(
             B, Hk, rep * L, S)
     probs = mx.softmax(scores, axis=-1, precise=True)
@@ -369,6 +377,7 @@ def _merge(part_o: mx.array, part_max: mx.array, part_sum: mx.array) -> mx.array
 def _kernel_applies(q: mx.array, keys: mx.array, values: mx.array,
                     mask: mx.array | None) -> bool:
     return (mode() == "kernel" and _short_block_on_cuda(q, keys, mask)
+            and (mask is None or mask.ndim <= 2)
             and q.dtype == keys.dtype == values.dtype
             and q.dtype in (mx.float32, mx.float16, mx.bfloat16)
             and 0 < q.shape[3] <= 1024 and 0 < values.shape[3] <= 512
