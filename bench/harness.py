@@ -204,7 +204,7 @@ def _setting(text: str) -> tuple[str, Any]:
     if name not in fields or not value:
         raise SystemExit(f"--switched {text!r}: use NAME=VALUE with NAME one of "
                          f"{', '.join(sorted(fields))}")
-    if name in ("compile", "row_products"):
+    if name in ("compile", "row_products", "host_products"):
         return name, value == "1"
     if name == "kernels":
         return name, frozenset() if value == "0" else (

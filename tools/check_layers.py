@@ -41,6 +41,7 @@ WHITE_BOX = {
     "tests/core/test_attention.py": {"mlxrunner.nn.attention", "mlxrunner.nn.kernels"},
     "tests/test_folded_attention_models.py": {"mlxrunner.nn.attention", "mlxrunner.nn.kernels"},
     "tests/core/test_kernels.py": {"mlxrunner.nn.kernels"},
+    "tests/core/test_cpu_products.py": {"mlxrunner.nn.kernels"},
     "tests/core/test_nn_deltanet.py": {"mlxrunner.nn.cuda_deltanet", "mlxrunner.nn.deltanet",
                                        "mlxrunner.nn.kernels"},
 }

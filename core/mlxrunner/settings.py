@@ -12,6 +12,9 @@ is not noticed halfway through a generation, and a bad value is one clear error 
   CUDA through the fused kernel, folded batched products, or MLX's own function.
 - ``MLXRUNNER_ROW_PRODUCTS`` (``1``/``0``): on CUDA, products of 2-16 rows as one-row
   products (see ``mlxrunner.nn.project``).
+- ``MLXRUNNER_HOST_PRODUCTS`` (``1``/``0``): on MLX's CPU device off macOS, float32 products
+  through numpy's BLAS, quantized weights dequantized once for them, decode steps eager (see
+  ``mlxrunner.nn.host_products``).
 - ``MLXRUNNER_LOAD_PLUGINS``: the plugins that load (comma-separated distribution or entry
   point names, as ``mlxrunner plugins`` lists them, compared as PEP 503 normalises them;
   empty: none; unset: all; a name no installed plugin has is one warning). The core's
@@ -48,6 +51,7 @@ class Settings:
     kernels: frozenset[str] = frozenset(KERNELS)
     attention: str = "kernel"
     row_products: bool = True
+    host_products: bool = True
     load_plugins: tuple[str, ...] | None = None
     prefix_cache: bool = True
     prefix_cache_mib: int = 2048
@@ -66,6 +70,7 @@ class Settings:
             kernels=_kernels(env.get("MLXRUNNER_KERNELS", "1")),
             attention=_choice(env, "MLXRUNNER_ATTENTION", "kernel", ATTENTION_MODES),
             row_products=_flag(env, "MLXRUNNER_ROW_PRODUCTS", True),
+            host_products=_flag(env, "MLXRUNNER_HOST_PRODUCTS", True),
             load_plugins=None if plugins is None else tuple(
                 p.strip() for p in plugins.split(",") if p.strip()),
             prefix_cache=_flag(env, "MLXRUNNER_PREFIX_CACHE", True),

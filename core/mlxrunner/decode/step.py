@@ -12,7 +12,9 @@ Each traced forward is checked against the eager forward at its first call and a
 first replay (a Python value the trace baked in shows only then); any error while tracing,
 or any disagreement, turns tracing off for that model with one warning, and the eager
 forward's result is used. ``MLXRUNNER_COMPILE=0`` (:mod:`mlxrunner.settings`) runs every
-forward eagerly.
+forward eagerly. A model whose products run on the host BLAS
+(:func:`mlxrunner.nn.host_products`), which a traced graph cannot call, runs eagerly after its
+first trace meets one: a decision, so no warning.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import mlx.core as mx
 
 from .. import settings
 from ..cache import RowFrame, TraceFrame
-from ..nn import attend
+from ..nn import attend, host_declined
 from ..nn.attention import mlx_attention
 
 log = logging.getLogger("mlxrunner.decode")
@@ -106,6 +108,8 @@ class CompiledSteps:
         self.model = model
         self.enabled = True
         self._traced: dict[Hashable, _Traced] = {}
+        #: the settings under which a trace met host products: those forwards run eagerly
+        self._host_bound: set[Hashable] = set()
         self._fingerprint: tuple[int, ...] | None = None
 
     def clear(self) -> None:
@@ -130,7 +134,7 @@ class CompiledSteps:
         if not self.enabled:
             return None
         key = self._key(ids, caches, taps)
-        if key is None:
+        if key is None or _switches() in self._host_bound:
             return None
         traced = self._traced.get(key)
         if traced is None:
@@ -140,6 +144,7 @@ class CompiledSteps:
         checking = traced.calls < 2
         live = [(i, c) for i, c in enumerate(caches) if c is not None]
         shadows = [_detached(c) for _, c in live] if checking else None
+        declined = host_declined()
         try:
             logits, tapped = self._run(traced, ids, caches, taps)
         except Exception as exc:
@@ -147,6 +152,9 @@ class CompiledSteps:
                           f"{str(exc).splitlines()[0] if str(exc) else '?'})")
             return None
         traced.calls += 1
+        if host_declined() != declined:  # (this result is right: MLX's products)
+            self._host_bound.add(_switches())
+            self._traced.clear()
         if shadows is not None:
             eager = self._eager(ids, caches, live, shadows, taps)
             if not agree(logits, eager[0]):
@@ -220,9 +228,7 @@ class CompiledSteps:
             parts.append((type(c), part))
         if len(offsets) != 1:
             return None
-        s = settings.current()
-        return (ids.shape, str(ids.dtype), taps, tuple(parts),
-                (s.kernels, s.attention, s.row_products))
+        return (ids.shape, str(ids.dtype), taps, tuple(parts), _switches())
 
     # -- the traced function --------------------------------------------------------------
     def _graph(self, length: int, taps: tuple[int, ...] | None
@@ -253,6 +259,12 @@ class CompiledSteps:
             return head + [a for o in outputs for a in o]
 
         return graph
+
+
+def _switches() -> Hashable:
+    """The settings a trace depends on."""
+    s = settings.current()
+    return (s.kernels, s.attention, s.row_products, s.host_products)
 
 
 _current: dict[str, Any] = {}

@@ -16,6 +16,8 @@ from .derived import derived
 from .embedding import Embedding, QuantizedEmbedding
 from .kernels import (
     check_kernel,
+    host_declined,
+    host_products,
     kernel_allowed,
     on_cuda,
     outputs_agree,
@@ -57,6 +59,8 @@ __all__ = [
     "folded_attention",
     "gated_rms_norm",
     "gelu_tanh_mul",
+    "host_declined",
+    "host_products",
     "joined_linears",
     "kernel_allowed",
     "linears",

@@ -35,9 +35,13 @@ class Embedding(nn.Embedding):
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
-    """``mlx.nn.QuantizedEmbedding`` with :class:`Embedding`'s ``scale``."""
+    """``mlx.nn.QuantizedEmbedding`` with :class:`Embedding`'s ``scale``, whose
+    :meth:`as_linear` runs where a quantized linear layer's product does."""
 
     scale: float | None = None
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return apply_linear(self, x)
 
     def __call__(self, ids: mx.array) -> mx.array:
         h = super().__call__(ids)

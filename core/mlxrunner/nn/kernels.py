@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 from collections.abc import Callable, Collection, Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 
 from .. import settings
 from ..constants import constant
@@ -37,11 +40,21 @@ def on_cuda() -> bool:
 
 #: on CUDA, products of 2..this many rows run as one-row products (see :func:`project`)
 ROW_PRODUCT_MAX_ROWS = 16
+#: on the host (see :func:`host_products`), weights of at least this many elements (in x
+#: out); a smaller product costs MLX less than the host's round trip (an evaluation)
+HOST_PRODUCT_MIN_SIZE = 1 << 16
+#: the tolerance of the host product's first-use check against MLX's product (float32
+#: rounding of another summation order: measured within 2e-6 of the largest output)
+HOST_PRODUCT_TOLERANCE = 1e-5
+
+
 def project(x: mx.array, weight_t: mx.array, residual: mx.array | None = None) -> mx.array:
     """``x @ weight_t`` (``+ residual``): activation rows ``x [..., K]`` times a weight held as
     the transposed view of a row-major ``[N, K]`` matrix (``linear.weight.T``), giving
     ``[..., N]``.
 
+    On MLX's CPU device off macOS a float32 product of a weight of at least
+    ``HOST_PRODUCT_MIN_SIZE`` elements runs on the host BLAS (see :func:`host_products`).
     On CUDA a product of 2 to ``ROW_PRODUCT_MAX_ROWS`` rows (a speculative verify block, a
     draft block) runs as that many one-row products: one GatherMM over the one weight,
     which MLX serves with the matrix-vector kernel of a one-token decode step. cuBLAS
@@ -52,6 +65,9 @@ def project(x: mx.array, weight_t: mx.array, residual: mx.array | None = None) -
     CUDA AddMM costs 12-19 us of host time against 5-10 for a product and an add (H200,
     bench/op_costs.py), and a small model's decode step is bound by host time.
     """
+    hosted = host_project(x, weight_t)
+    if hosted is not None:
+        return hosted if residual is None else hosted + residual
     cuda = on_cuda()
     if residual is not None:
         return project(x, weight_t) + residual if cuda else mx.addmm(residual, x, weight_t)
@@ -64,6 +80,91 @@ def project(x: mx.array, weight_t: mx.array, residual: mx.array | None = None) -
     rhs = constant((0,) * rows, mx.uint32)
     out = mx.gather_mm(x.reshape(rows, 1, x.shape[-1]), weight_t[None], lhs, rhs)
     return out.reshape(*x.shape[:-1], weight_t.shape[-1])
+
+
+def host_products() -> bool:
+    """Whether float32 products run on the host BLAS: on MLX's CPU device off macOS, unless
+    ``MLXRUNNER_HOST_PRODUCTS=0``. MLX's Linux CPU build multiplies through the reference
+    BLAS it bundles (a [16, 576] x [576, 1536] product: 19 ms, against 0.8 ms in numpy's
+    OpenBLAS; bench/cpu_products.py), and its quantized products through loops as slow;
+    numpy, which MLX itself depends on, brings an optimised one. A traced graph cannot call
+    the host: a decode step or draft block whose trace met such a product runs eagerly from
+    then on (:func:`host_declined`)."""
+    return (settings.current().host_products and sys.platform != "darwin"
+            and mx.default_device() == mx.cpu)
+
+
+def host_eligible(x: mx.array, in_dims: int, out_dims: int) -> bool:
+    """Whether a product of ``x`` with a weight ``[out_dims, in_dims]`` is one the host
+    takes (see :func:`host_products`): float32 rows, a weight of at least
+    ``HOST_PRODUCT_MIN_SIZE`` elements."""
+    return (x.dtype == mx.float32 and x.ndim > 0 and x.shape[-1] == in_dims and x.size > 0
+            and in_dims * out_dims >= HOST_PRODUCT_MIN_SIZE and host_products())
+
+
+@mx.custom_function
+def _host_matmul(x: mx.array, weight_t: mx.array) -> mx.array:
+    # np.asarray is a view of an evaluated array (it evaluates x); mx.array copies the result
+    return mx.array(np.matmul(np.asarray(x), np.asarray(weight_t)))
+
+
+@_host_matmul.vjp
+def _host_matmul_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.array
+                     ) -> tuple[mx.array, mx.array]:
+    # a gradient through a host product (a draft trained on the CPU) is MLX's
+    x, weight_t = primals
+    return cotangent @ weight_t.T, x.T @ cotangent
+
+
+_declined = threading.local()
+
+
+def host_declined() -> int:
+    """How many host products traced functions have asked for so far (each ran as MLX's
+    product inside the trace): a trace that raised this count is one that should not be
+    replayed where speed matters (see mlxrunner.decode.step)."""
+    return getattr(_declined, "count", 0)
+
+
+def host_matmul(x: mx.array, weight_t: mx.array) -> mx.array | None:
+    """``x @ weight_t`` computed by numpy's BLAS (any float dtype numpy multiplies; rows
+    flattened into one matrix), None inside a traced function (``mx.compile``), where the
+    host cannot read the arrays (counted: :func:`host_declined`). Gradients flow through
+    it as through MLX's product."""
+    rows = x.size // x.shape[-1]
+    try:
+        y = cast(mx.array, _host_matmul(x.reshape(rows, x.shape[-1]), weight_t))
+    except ValueError:  # "[eval] ... not allowed" while tracing
+        _declined.count = host_declined() + 1
+        return None
+    return y.reshape(*x.shape[:-1], weight_t.shape[-1])
+
+
+def host_project(x: mx.array, weight_t: mx.array) -> mx.array | None:
+    """:func:`project`'s product on the host where it applies (:func:`host_eligible`, not
+    traced) and its first-use check for this weight shape passed; None otherwise."""
+    if weight_t.ndim != 2 or weight_t.dtype != mx.float32:
+        return None
+    in_dims, out_dims = weight_t.shape
+    if not host_eligible(x, in_dims, out_dims):
+        return None
+    if not _host_serves(in_dims, out_dims):
+        return None
+    return host_matmul(x, weight_t)
+
+
+def _host_serves(in_dims: int, out_dims: int) -> bool:
+    def probe() -> tuple[mx.array, mx.array]:
+        key = mx.random.key(in_dims * 100003 + out_dims)
+        kx, kw = mx.random.split(key)
+        return (mx.random.normal((3, in_dims), key=kx),
+                mx.random.normal((out_dims, in_dims), key=kw).T)
+
+    # one row (numpy's matrix-vector path) and three (its matrix product)
+    return serves("host product", (in_dims, out_dims),
+                  lambda p: [host_matmul(p[0][:1], p[1]), host_matmul(p[0], p[1])],
+                  lambda p: [p[0][:1] @ p[1], p[0] @ p[1]], probe, HOST_PRODUCT_TOLERANCE,
+                  against="MLX's product", label="mlxrunner: host BLAS product")
 
 
 def _as_list(outputs: Outputs) -> list[mx.array | None]:
@@ -121,17 +222,18 @@ def kernel_allowed(name: str) -> bool:
 
 def serves(name: str, case: Hashable, kernel: Callable[[Any], Outputs],
            reference: Callable[[Any], Outputs], probe: Callable[[], Any], tolerance: float,
-           against: str = "MLX's operations") -> bool:
+           against: str = "MLX's operations", label: str | None = None) -> bool:
     """Whether fused kernel ``name`` may serve ``case``: settled once per case, the first
     time it is asked, by :func:`check_kernel` on ``kernel(probe())`` beside
     ``reference(probe())`` (the probe: random inputs with the case's shapes and dtypes).
-    The caller checks :func:`kernel_allowed` first."""
+    The caller checks :func:`kernel_allowed` first. ``label`` names it in the warning
+    (default ``mlxrunner: fused {name} kernel``)."""
     key = (name, case)
     verdict = _verdicts.get(key)
     if verdict is None:
         inputs = probe()
         verdict = _verdicts[key] = check_kernel(
-            f"mlxrunner: fused {name} kernel", lambda: kernel(inputs),
+            label or f"mlxrunner: fused {name} kernel", lambda: kernel(inputs),
             lambda: reference(inputs), tolerance, against)
     return verdict
 

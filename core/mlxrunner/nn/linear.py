@@ -6,19 +6,34 @@ product whose output one split cuts into the layers' outputs. The layers keep th
 checkpoint names and shapes: on first use their weights are concatenated along the output
 rows and each layer's arrays are rebound to row views of the concatenation, so memory is not
 doubled; new weights loaded later (other array objects) are noticed and packed again.
+
+Where products run on the host BLAS (:func:`mlxrunner.nn.host_products`), a quantized
+layer's weights are dequantized to float32 once, on first use, and its products read that
+copy: on these CPUs MLX's quantized loops cost as much as its reference float product,
+several times the host's (bench/cpu_products.py). The copy costs 4 bytes per weight (the
+default model's 135M: 540 MB beside its 98 MB of quantized weights); copies stop while
+MLX's memory would pass ``DEQUANTIZED_MEMORY_SHARE`` of the machine's, and the layers past
+that keep MLX's quantized product.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .derived import derived
-from .kernels import project
+from .kernels import host_eligible, host_project, project
+
+log = logging.getLogger("mlxrunner.nn")
 
 _PACK = "_mlxrunner_pack"
+_DEQUANTIZED = "_mlxrunner_dequantized"
+#: dequantized copies are made while MLX's memory stays under this share of the machine's
+DEQUANTIZED_MEMORY_SHARE = 0.5
 
 
 def _transposed(layer: nn.Module) -> mx.array:
@@ -37,17 +52,75 @@ def _is_quantized(layer: nn.Module) -> bool:
 
 
 def apply_linear(layer: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
-    """``layer(x)`` (``+ residual``) for any linear layer of MLX or this module: float
-    weights through :func:`project` on their held transposed view, quantized ones through
-    MLX's quantized product."""
+    """``layer(x)`` (``+ residual``) for any linear layer of MLX or this module (a quantized
+    embedding: its ``as_linear``): float weights through :func:`project` on their held
+    transposed view, quantized ones through MLX's quantized product, or on the host from
+    their dequantized copy (see the module)."""
     if _is_float(layer) and "scales" not in layer:
         bias = layer.get("bias")
         if bias is not None:
-            y = mx.addmm(bias, x, _transposed(layer))
+            w_t = _transposed(layer)
+            hosted = host_project(x, w_t)
+            y = mx.addmm(bias, x, w_t) if hosted is None else hosted + bias
             return y if residual is None else y + residual
         return project(x, _transposed(layer), residual)
-    y = layer(x)
+    y = _quantized_product(layer, x) if _is_quantized(layer) else layer(x)
     return y if residual is None else residual + y
+
+
+def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
+    """``x`` times a quantized layer's weights, transposed (``nn.QuantizedLinear`` and
+    ``nn.QuantizedEmbedding.as_linear``), plus its bias."""
+    w_t = _dequantized_t(layer, x)
+    y = None if w_t is None else host_project(x, w_t)
+    if y is None:
+        y = mx.quantized_matmul(x, layer["weight"], scales=layer["scales"],
+                                biases=layer.get("biases"), transpose=True,
+                                group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+    bias = layer.get("bias")
+    return y if bias is None else y + bias
+
+
+_over_budget_said = False
+
+
+def _dequantized_t(layer: nn.Module, x: mx.array) -> mx.array | None:
+    """The float32 transposed copy of a quantized layer's weights that host products of
+    ``x`` read, made once (see the module); None where none applies: not a host product,
+    traced weights, or the memory share reached."""
+    weight = layer["weight"]
+    out_dims, in_dims = weight.shape[0], weight.shape[1] * 32 // layer.bits
+    if not host_eligible(x, in_dims, out_dims):
+        return None
+    sources = (weight, layer["scales"], layer.get("biases"))
+    held = layer.__dict__.get(_DEQUANTIZED)
+    if held is not None and all(a is b for a, b in zip(held[0], sources)):
+        return held[1]
+    if not _dequantized_fits(4 * in_dims * out_dims):
+        return None
+    w = mx.dequantize(weight, sources[1], sources[2], group_size=layer.group_size,
+                      bits=layer.bits, mode=layer.mode, dtype=mx.float32)
+    try:
+        mx.eval(w)
+    except ValueError:  # traced weights (a compiled step): the host cannot run there
+        return None
+    object.__setattr__(layer, _DEQUANTIZED, (sources, w.T))
+    return w.T
+
+
+def _dequantized_fits(size: int) -> bool:
+    global _over_budget_said
+    try:
+        machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf: no budget known
+        return True
+    if mx.get_active_memory() + size <= DEQUANTIZED_MEMORY_SHARE * machine:
+        return True
+    if not _over_budget_said:
+        _over_budget_said = True
+        log.info("mlxrunner: quantized layers past %.0f%% of memory keep MLX's quantized "
+                 "product", 100 * DEQUANTIZED_MEMORY_SHARE)
+    return False
 
 
 class Linear(nn.Linear):
@@ -67,11 +140,11 @@ class Linear(nn.Linear):
 
 
 class QuantizedLinear(nn.QuantizedLinear):
-    """``mlx.nn.QuantizedLinear`` that takes a residual like :class:`Linear`."""
+    """``mlx.nn.QuantizedLinear`` that takes a residual like :class:`Linear` (and runs on
+    the host where :class:`Linear` does, from a dequantized copy: see the module)."""
 
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
-        y = super().__call__(x)
-        return y if residual is None else residual + y
+        return apply_linear(self, x, residual)
 
 
 class _Pack:
