@@ -77,7 +77,7 @@ def test_a_tool_round_trip_is_rendered(client: Any) -> None:
 
 @pytest.mark.parametrize("call, status, needle", [
     (lambda c: c.chat("no-such-model", MESSAGES), 404, "no-such-model"),
-    (lambda c: c.chat("demo", MESSAGES, format="json"), 400, "format"),
+    (lambda c: c.chat("demo", MESSAGES, format={"type": "strin"}), 400, "format"),
     (lambda c: c.chat("demo", MESSAGES, options={"temperature": -1}), 400,
      "options.temperature"),
     (lambda c: c.chat("demo", MESSAGES, options={"no_such_option": 1}), 400,

@@ -103,7 +103,7 @@ def test_logprobs_come_back_per_token(client: Any) -> None:
     ({"n": 2}, "n"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"tool_choice": "required", "tools": [{"type": "function",
                                             "function": {"name": "f"}}]}, "tool_choice"),
     ({"extra_body": {"no_such_field": 1}}, "no_such_field"),

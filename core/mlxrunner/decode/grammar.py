@@ -60,6 +60,28 @@ class Format:
             return cls("json_schema", value)
         raise GrammarError(f"{field} must be 'json' or a JSON Schema object, got {value!r:.80}")
 
+    @classmethod
+    def from_openai(cls, value: Any, *, field: str = "response_format") -> Format | None:
+        """OpenAI's ``response_format`` (chat: the schema under ``json_schema``) or
+        ``text.format`` (responses: beside ``type``): None for ``{"type": "text"}``."""
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            raise GrammarError(f"{field} must be an object, got {value!r:.80}")
+        kind = value.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls("json")
+        if kind == "json_schema":
+            holder = value.get("json_schema", value)
+            schema = holder.get("schema") if isinstance(holder, Mapping) else None
+            if not isinstance(schema, Mapping):
+                raise GrammarError(f"{field}: a 'json_schema' format needs a 'schema' object")
+            return cls("json_schema", schema)
+        raise GrammarError(f"{field}: type {kind!r} is not one of 'text', 'json_object', "
+                           "'json_schema'")
+
     def grammar_text(self, *, max_whitespace: int = MAX_WHITESPACE) -> str:
         """llguidance's grammar for this format (JSON text), before checking."""
         schema: Any = {"type": "object"} if self.kind == "json" else self.schema
@@ -192,6 +214,12 @@ class Constraint:
         """Whether ``token`` may come next (without committing it)."""
         return self._matcher.validate_tokens([int(token)]) == 1
 
+    def forced_token(self) -> int | None:
+        """The next token when the grammar leaves only one way on (a key's remaining bytes,
+        say), else None."""
+        forced = self._matcher.compute_ff_tokens()
+        return int(forced[0]) if forced else None
+
     def advance(self, token: int) -> None:
         """Commit ``token``; one the grammar does not allow is a bug in the caller."""
         if not self._matcher.consume_token(int(token)):
@@ -227,11 +255,10 @@ class Constraint:
             raise RuntimeError(f"grammar engine error: {self._matcher.get_error()}")
 
 
-_BITS = mx.arange(32, dtype=mx.uint32)
-
-
 def allowed_rows(words: Sequence[np.ndarray], vocab_size: int) -> mx.array:
-    """Bit words of several positions -> their [R, vocab_size] bool masks (on the device)."""
+    """Bit words of several positions -> their [R, vocab_size] bool masks (on the device: a
+    32nd of the bytes crosses over). Arrays are made per call, on the caller's thread (MLX
+    streams belong to the thread that made them: the server decodes on its own)."""
     packed = mx.array(np.stack(words).view(np.uint32))
-    bits = (packed[:, :, None] >> _BITS) & 1
+    bits = (packed[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
     return bits.reshape(packed.shape[0], -1)[:, :vocab_size].astype(mx.bool_)

@@ -340,16 +340,32 @@ def constrain_proposal(sampler: Sampler, constraint: Constraint, proposal: Draft
             row = np.where(ok, probs[i], 0.0)
         mass = float(row.sum())
         if mass <= 0.0:
-            words.pop()  # this row becomes the bonus row, whose words follow the loop
-            break
-        row = (row / mass).astype(np.float32)
-        if not (0 <= token < vocab and _bit_set(allowed, token)):
+            # q_i allows nothing (a greedy draft's point mass, often): propose the token the
+            # grammar forces, if it forces one, as a point mass; else stop drafting here
+            forced = constraint.forced_token()
+            if forced is None or not (0 <= forced < vocab and _bit_set(allowed, forced)):
+                words.pop()  # this row becomes the bonus row, whose words follow the loop
+                break
+            token = forced
+            row = np.zeros_like(row)
+            if ids is None:
+                row[token] = 1.0
+            else:
+                # in the row's own slots (ids stay unique): where it is listed, else slot 0
+                slot = int(np.flatnonzero(ids[i] == token)[0]) if (ids[i] == token).any() \
+                    else 0
+                ids[i, slot] = token
+                row[slot] = 1.0
+        elif not (0 <= token < vocab and _bit_set(allowed, token)):
             # q_i given "allowed": keeping an allowed d_i and redrawing a forbidden one from
             # the restricted q_i gives q_i(t) + (1 - mass) * q_i(t) / mass = q_i(t) / mass
+            row = (row / mass).astype(np.float32)
             u = cast("list[float]", sampler.uniform(1).tolist())[0]
             slot = min(int(np.searchsorted(np.cumsum(row), u * float(row.sum()), "right")),
                        int(np.flatnonzero(row > 0)[-1]))
             token = int(slot if ids is None else ids[i, slot])
+        else:
+            row = (row / mass).astype(np.float32)
         constraint.advance(token)
         kept.append(token)
         rows.append(row)
@@ -426,6 +442,10 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
     fix = int(values[1 + accepted])
     draft_list = [int(t) for t in values[2 + n:]] if drafts is not None else []
     return RoundOutcome(draft_list, accepted, fix, tapped)
+
+
+#: the most rounds in a row that a grammar makes skip drafting
+_MAX_IDLE_ROUNDS = 15
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -533,6 +553,7 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
         if first in eos or (constraint is not None and constraint.complete):
             return
         pos, current = len(prompt), first
+        idle_rounds = backoff = 0
         while stats.generated_tokens < max_tokens:
             limit = min(draft.max_depth, max_tokens - stats.generated_tokens - 1)
             if depth is not None:
@@ -541,10 +562,19 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
                 n = controller.choose(limit)
             else:
                 n = max(0, limit)
+            if idle_rounds > 0:  # the grammar kept none of the last proposals: no draft
+                idle_rounds -= 1
+                n = 0
             t_round = time.perf_counter()
             outcome = run_round(model, caches, session, sampler, taps, history, current, pos, n,
                                 constraint)
             seconds = time.perf_counter() - t_round
+            if constraint is not None and n > 0:
+                # A proposal the grammar cut to nothing cost a draft forward for no token (a
+                # greedy draft whose choice the grammar forbids): skip drafting for a while,
+                # longer each time in a row.
+                backoff = 0 if outcome.drafts else min(2 * backoff + 1, _MAX_IDLE_ROUNDS)
+                idle_rounds = backoff
             n = len(outcome.drafts)  # a grammar may have cut the proposal
             emitted = outcome.emitted
             finished = False

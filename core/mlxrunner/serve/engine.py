@@ -23,6 +23,7 @@ from ..bundle import Bundle
 from ..cache import prefix_cache_for
 from ..chat.streaming import TextStream
 from ..decode.generation import generate
+from ..decode.grammar import Format, Grammar, GrammarError, compile_format
 from ..decode.options import SamplerOptionError, SamplerOptions
 from ..errors import MLXRunnerError
 
@@ -64,6 +65,8 @@ class Generation:
     options: SamplerOptions
     max_tokens: int
     stops: list[str] = field(default_factory=list)
+    #: structured output: each run starts its own constraint on it
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -179,9 +182,10 @@ class Engine:
                 return True
             return text.add(token)  # True at a stop string: generation ends, logprobs kept
 
+        constraint = request.grammar.constraint() if request.grammar is not None else None
         result = generate(bundle.model, request.ids, options=request.options,
                           max_tokens=request.max_tokens, eos_ids=self.stop_ids,
-                          on_token=on_token, draft=bundle.draft,
+                          on_token=on_token, draft=bundle.draft, constraint=constraint,
                           prefix_cache=self.prefix_cache)
         reply.text = text.finish()
         reply.finish_reason = result.finish_reason
@@ -305,10 +309,22 @@ class Service:
         return ids
 
     def generation(self, ids: list[int], sampler: Mapping[str, Any], *,
-                   max_tokens: int | None, stops: list[str] | None = None) -> Generation:
+                   max_tokens: int | None, stops: list[str] | None = None,
+                   output_format: Format | None = None,
+                   format_field: str = "format") -> Generation:
         """A checked :class:`Generation`: ``sampler`` (the request's options by our names)
         over the model's defaults, ``max_tokens`` capped by the context and the server's
-        limit, ``stops`` (none given: the Modelfile's)."""
+        limit, ``stops`` (none given: the Modelfile's), ``output_format`` compiled for the
+        model (a schema it cannot take is a 400 naming ``format_field``)."""
+        grammar = None
+        if output_format is not None:
+            bundle = self.bundle
+            try:
+                grammar = compile_format(output_format, bundle.tokenizer,
+                                         bundle.model.vocab_size, self.engine.stop_ids,
+                                         field=format_field)
+            except GrammarError as exc:
+                raise RequestError(str(exc), param=format_field) from None
         try:
             options = self.bundle.defaults.merged(
                 {k: v for k, v in sampler.items() if v is not None})
@@ -321,7 +337,7 @@ class Service:
             room = min(room, self.context - len(ids))
         # A request's stop strings replace the Modelfile's, as its options replace defaults.
         return Generation(ids=ids, options=options, max_tokens=max(1, min(wanted, room)),
-                          stops=list(stops or self.bundle.stop_strings()))
+                          stops=list(stops or self.bundle.stop_strings()), grammar=grammar)
 
     def logprobs_content(self, reply: Reply) -> list[dict[str, Any]] | None:
         """OpenAI's per-token logprobs, or None when none were asked for."""

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..bundle import parameter_count
 from ..chat.formats import ParsedMessage
+from ..decode.grammar import Format, GrammarError
 from .chat import ChatTurn, chat_prompt, raw_prompt
 from .common import Streamed, complete, dumps, models_of, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
@@ -103,8 +104,6 @@ class _Request(BaseModel):
 
     async def service(self, request: Request) -> Service:
         """The model asked for, loaded (after the checks that need none)."""
-        if self.format not in (None, ""):
-            raise RequestError("format (structured output) is not supported", param="format")
         return await service_for(request, self.model, self.keep_alive)
 
     def unloads(self, request: Request) -> bool:
@@ -113,6 +112,12 @@ class _Request(BaseModel):
             models = models_of(request)
             return models.unload(models.known(self.model))
         return False
+
+    def output_format(self) -> Format | None:
+        try:
+            return Format.parse(self.format)
+        except GrammarError as exc:
+            raise RequestError(str(exc), param="format") from None
 
     def thinking(self) -> bool | None:
         if isinstance(self.think, str):  # "low" / "medium" / "high": thinking on
@@ -321,7 +326,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     turn, ids = await chat_prompt(service, _messages(body.messages), body.tools,
                                   body.thinking())
     generation = service.generation(ids, body.sampler(), max_tokens=options.max_tokens(),
-                                    stops=options.stop)
+                                    stops=options.stop, output_format=body.output_format())
     if body.stream:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503
         return streamed(request, _chat_lines(request, service, turn, items),
@@ -377,7 +382,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             {"role": "user", "content": body.prompt}]
         turn, ids = await chat_prompt(service, messages, None, body.thinking())
     generation = service.generation(ids, body.sampler(), max_tokens=options.max_tokens(),
-                                    stops=options.stop)
+                                    stops=options.stop, output_format=body.output_format())
     if body.stream:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503
         return streamed(request, _generate_lines(request, service, turn, items),

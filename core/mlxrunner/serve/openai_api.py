@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from ..chat.formats import ParsedMessage
+from ..decode.grammar import Format, GrammarError
 from .chat import ChatTurn, arguments_json, call_id, chat_prompt, raw_prompt
 from .common import Streamed, complete, dumps, models_of, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
@@ -98,11 +99,13 @@ class CompletionRequest(SamplerFields):
     best_of: Annotated[int, Field(ge=1)] | None = None
 
 
-def check_format(response_format: dict[str, Any] | None) -> None:
-    """Structured output is not implemented: refuse anything but plain text."""
-    if response_format is not None and response_format.get("type", "text") != "text":
-        raise RequestError(f"response_format {response_format.get('type')!r} is not supported "
-                           "(only 'text')", param="response_format")
+def output_format(value: Any, field: str) -> Format | None:
+    """OpenAI's ``response_format`` (chat) or ``text.format`` (responses) as a format: None
+    for text; a shape that is none of OpenAI's is a 400 naming ``field``."""
+    try:
+        return Format.from_openai(value, field=field)
+    except GrammarError as exc:
+        raise RequestError(str(exc), param=field) from None
 
 
 def tools_for(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None
@@ -177,7 +180,7 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
 @router.post("/v1/chat/completions", tags=["openai"])
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     body.check_supported()
-    check_format(body.response_format)
+    form = output_format(body.response_format, "response_format")
     service = await service_for(request, body.model)
     turn, ids = await chat_prompt(service, body.messages,
                                   tools_for(body.tools, body.tool_choice),
@@ -185,7 +188,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     sampler = {**body.sampler(), "logprobs": body.logprobs, "top_logprobs": body.top_logprobs}
     generation = service.generation(ids, sampler,
                                     max_tokens=body.max_completion_tokens or body.max_tokens,
-                                    stops=body.stops())
+                                    stops=body.stops(), output_format=form,
+                                    format_field="response_format")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503

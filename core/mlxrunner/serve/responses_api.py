@@ -17,7 +17,7 @@ from ..chat.formats import ParsedMessage
 from .chat import ChatTurn, arguments_json, call_id, chat_prompt
 from .common import Streamed, complete, dumps, no_reply, service_for, streamed
 from .engine import Reply, RequestError, Service
-from .openai_api import think_of, tools_for
+from .openai_api import output_format, think_of, tools_for
 
 router = APIRouter()
 
@@ -133,11 +133,6 @@ def _check(body: ResponsesRequest) -> None:
                            "whole conversation in input", param="previous_response_id")
     if body.background:
         raise RequestError("background responses are not supported", param="background")
-    form = (body.text or {}).get("format")
-    kind = form.get("type", "text") if isinstance(form, dict) else form
-    if kind not in (None, "text"):
-        raise RequestError(f"text.format {kind!r} is not supported (only 'text')",
-                           param="text")
 
 
 def _ident(prefix: str) -> str:
@@ -185,7 +180,8 @@ def _response(service: Service, body: ResponsesRequest, response_id: str, create
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
-            "text": {"format": {"type": "text"}}, "truncation": body.truncation or "disabled",
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+            "truncation": body.truncation or "disabled",
             "reasoning": body.reasoning or {"effort": None, "summary": None},
             "store": False, "metadata": body.metadata or {}, "usage": usage}
 
@@ -199,7 +195,9 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
                                   think_of(None, effort))
     sampler = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                "min_p": body.min_p, "seed": body.seed}
-    generation = service.generation(ids, sampler, max_tokens=body.max_output_tokens)
+    form = output_format((body.text or {}).get("format"), "text.format")
+    generation = service.generation(ids, sampler, max_tokens=body.max_output_tokens,
+                                    output_format=form, format_field="text.format")
     response_id, created = _ident("resp"), int(time.time())
     if body.stream:
         items = service.engine.stream(generation)  # queued now: a full queue is a 503
