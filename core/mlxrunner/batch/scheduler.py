@@ -99,7 +99,8 @@ class _Sequence:
         self.history = list(request.prompt)
         self.want_logprobs = bool(request.options.logprobs or request.options.top_logprobs)
         # the row argmax alone decides: one reduction over such rows together
-        self.plain_greedy = self.sampler.greedy and not penalties_active(request.options)
+        self.penalised = penalties_active(request.options)
+        self.plain_greedy = self.sampler.greedy and not self.penalised
         self.caches: list[Cache | None] | None = model.make_cache()
         self.prefilled = 0
         self.row = -1
@@ -109,6 +110,16 @@ class _Sequence:
     @property
     def prompt(self) -> Sequence[int]:
         return self.request.prompt
+
+
+@dataclass
+class _Step:
+    """A queued batched step: (row, sequence, index in ``tokens``) per row it sampled, the
+    tokens (lazy) and the logprob arrays of the rows that asked for them."""
+
+    rows: list[tuple[int, _Sequence, int]]
+    tokens: mx.array
+    infos: dict[int, tuple[mx.array, mx.array, mx.array]]
 
 
 def _check(request: BatchRequest, vocab_size: int) -> None:
@@ -148,6 +159,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._prefilling: deque[_Sequence] = deque()
         self._running: dict[int, _Sequence] = {}  # row -> sequence
+        self._pending: _Step | None = None  # queued, its tokens not handed out yet
         self.batch = BatchCaches(model.make_cache())
         self.steps = 0
 
@@ -161,7 +173,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self._waiting or self._prefilling or self._running)
+        return not (self._waiting or self._prefilling or self._running or self._pending)
 
     @property
     def running(self) -> int:
@@ -184,7 +196,7 @@ class Scheduler:
         self._admit()
         if self._prefilling:
             self._prefill_chunk(self._prefilling[0])
-        if self._running:
+        if self._running or self._pending:
             self._decode_step()
         self.steps += 1
         return not self.idle
@@ -266,12 +278,35 @@ class Scheduler:
 
     # -- decoding ------------------------------------------------------------------------
     def _decode_step(self) -> None:
-        rows = self.batch.rows
-        last = [0] * rows
+        """Queue the next batched step, then hand out the tokens of the step queued before
+        (read while the new one runs). A step is queued from the previous one's tokens
+        still on the device unless a running row applies penalties (its history must be
+        on the host first)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and not any(s.penalised for s in self._running.values()):
+            self._pending = self._launch(pending)
+            self._collect(pending)
+        else:
+            if pending is not None:
+                self._collect(pending)
+            if self._running:
+                self._pending = self._launch(None)
+        self._maybe_compact()
+
+    def _launch(self, previous: _Step | None) -> _Step | None:
+        """One batched forward over the running rows, sampled lazily; a row's input is its
+        last token, taken from ``previous`` (still lazy) where that step covered it."""
+        last = [0] * self.batch.rows
         for row, seq in self._running.items():
             last[row] = seq.history[-1]
-        ids = mx.array(last, dtype=mx.int32)[:, None]
-        logits = forward(self.model, ids, self.batch.caches)[:, -1, :]
+        ids = mx.array(last, dtype=mx.int32)
+        if previous is not None:
+            carried = [(row, at) for row, seq, at in previous.rows
+                       if self._running.get(row) is seq]
+            if carried:
+                ids[mx.array([r for r, _ in carried], dtype=mx.int32)] = \
+                    previous.tokens[mx.array([a for _, a in carried], dtype=mx.int32)]
+        logits = forward(self.model, ids[:, None], self.batch.caches)[:, -1, :]
         chosen: dict[int, mx.array] = {}
         greedy = sorted(r for r, s in self._running.items() if s.plain_greedy)
         if greedy:
@@ -286,15 +321,22 @@ class Scheduler:
             if seq.want_logprobs:
                 infos[row] = seq.sampler.logprobs(logits[row:row + 1], chosen[row].reshape(1))
         order = sorted(chosen)
-        tokens = mx.stack([chosen[r] for r in order]) if order else mx.zeros((0,), mx.int32)
-        mx.eval(tokens, *[a for info in infos.values() for a in info],
-                *self.batch.state)
-        values = cast("list[int]", tokens.tolist())
-        for row, value in zip(order, values):
-            seq = self._running[row]
+        if not order:
+            return None
+        tokens = mx.stack([chosen[r] for r in order])
+        mx.async_eval(tokens, *[a for info in infos.values() for a in info],
+                      *self.batch.state)
+        return _Step([(row, self._running[row], i) for i, row in enumerate(order)], tokens,
+                     infos)
+
+    def _collect(self, step: _Step) -> None:
+        """Hand out a step's tokens to the sequences still running in its rows."""
+        values = cast("list[int]", step.tokens.tolist())
+        for row, seq, at in step.rows:
+            if self._running.get(row) is not seq:
+                continue  # finished or cancelled since the step was queued
             seq.request.stats.target_forwards += 1
-            self._deliver(seq, value, infos.get(row))
-        self._maybe_compact()
+            self._deliver(seq, values[at], step.infos.get(row))
 
     def _deliver(self, seq: _Sequence, token: int, info: Any) -> bool:
         """Hand a sampled token to its request; returns whether the sequence goes on (else
@@ -346,6 +388,9 @@ class Scheduler:
         self._running = {moved[row]: seq for row, seq in self._running.items()}
         for row, seq in self._running.items():
             seq.row = row
+        if self._pending is not None:  # its rows, where they are now
+            self._pending.rows = [(moved[row], seq, at) for row, seq, at in self._pending.rows
+                                  if row in moved]
 
 
 def _logprob_entry(info: Any) -> dict[str, Any] | None:
