@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 
 def count(minimum: int) -> Callable[[str], int]:
@@ -28,3 +31,24 @@ def port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
     return port
+
+
+def output_format(text: str) -> Any:
+    """An argparse type: ``json`` (any JSON object) or a JSON Schema file (its object)."""
+    if text == "json":
+        return text
+    path = Path(text)
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'json' nor a schema file "
+                                         "that exists") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be read ({err})") from None
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err.msg} at line "
+                                         f"{err.lineno} column {err.colno})") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} holds a {type(schema).__name__}, not a "
+                                         "JSON Schema object")
+    return schema

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from ..errors import MLXRunnerError, PluginError
 from ..host import manager as plugins
 from . import bench, store
-from .arguments import count, port
+from .arguments import count, output_format, port
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -169,6 +169,9 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", action="store_true", default=None,
                    help=OPTION_HELP["logprobs"] + " (decodes without drafting)")
     _add_model_arguments(p)
+    p.add_argument("--format", type=output_format, metavar="json|SCHEMA_FILE",
+                   help="structured output: any JSON object, or JSON matching a JSON Schema "
+                        "file")
     p.add_argument("--think", choices=["on", "off"], help="thinking on or off (template default)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--raw", action="store_true", help="send the prompt as is (no chat format)")
@@ -275,6 +278,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = bundle.defaults.merged(_sampler_overrides(args))
     max_tokens = args.max_tokens or bundle.extra.get("max_tokens") or 256
     think = None if args.think is None else args.think == "on"
+    if chat and args.format is not None:
+        raise MLXRunnerError("--format applies to one prompt, not to a conversation: give "
+                             "the prompt on the command line or pipe it in")
     if chat:
         from .chat import COMPLETIONS, chat_loop
         from .history import LineEditor, conversations_folder, history_path
@@ -295,6 +301,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     tok = bundle.tokenizer
     stop_ids = bundle.stop_token_ids()
     stream = not args.json
+    from ..decode.grammar import compile_format
+
+    grammar = compile_format(args.format, tok, bundle.model.vocab_size, stop_ids,
+                             field="--format")
+
+    def constraint() -> Any:
+        """A fresh constraint for each generation (None without --format)."""
+        return grammar.constraint() if grammar is not None else None
 
     def write(piece: str) -> None:
         sys.stdout.write(piece)
@@ -315,17 +329,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         # measures decoding, not compilation.
         for warm_draft in (bundle.draft, None):
             generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                     eos_ids=stop_ids, on_token=until_stop_string(), draft=warm_draft)
+                     eos_ids=stop_ids, on_token=until_stop_string(), draft=warm_draft,
+                     constraint=constraint())
     result = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
                       eos_ids=stop_ids, on_token=text.add if stream or stops else None,
-                      draft=bundle.draft)
+                      draft=bundle.draft, constraint=constraint())
     if stream:  # --json decodes the whole reply once, at the end
         text.finish()
         write("\n")
     stats = {"run": result.stats.as_dict()}
     if args.compare and bundle.draft is not None:
         plain = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
-                         eos_ids=stop_ids, on_token=until_stop_string())
+                         eos_ids=stop_ids, on_token=until_stop_string(),
+                         constraint=constraint())
         stats["plain"] = plain.stats.as_dict()
         same = plain.tokens == result.tokens
         stats["identical_to_plain"] = same
