@@ -117,6 +117,39 @@ def _host_matmul_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.ar
 
 
 _declined = threading.local()
+_threads_set = False
+
+
+def _limit_blas_threads() -> None:
+    """numpy's OpenBLAS to half the cores (one on two), unless the environment chose
+    (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``). Host products alternate with MLX's
+    own thread, and OpenBLAS workers spin while they wait: on a busy 2-core machine two
+    of them made a decode step's products 15x slower (bench/cpu_products.py)."""
+    global _threads_set
+    if _threads_set or any(v in os.environ for v in ("OPENBLAS_NUM_THREADS",
+                                                     "OMP_NUM_THREADS")):
+        return
+    _threads_set = True
+    import ctypes
+
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:  # not Linux: OpenBLAS's own choice
+        return
+    for path in sorted(paths):
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            setter = getattr(library, name, None)
+            if setter is not None:
+                setter(threads)
+                log.debug("mlxrunner: numpy's OpenBLAS (%s) set to %d threads", path, threads)
+                break
 
 
 def host_declined() -> int:
@@ -154,6 +187,7 @@ def host_project(x: mx.array, weight_t: mx.array) -> mx.array | None:
 
 
 def _host_serves(in_dims: int, out_dims: int) -> bool:
+    _limit_blas_threads()
     def probe() -> tuple[mx.array, mx.array]:
         key = mx.random.key(in_dims * 100003 + out_dims)
         kx, kw = mx.random.split(key)
