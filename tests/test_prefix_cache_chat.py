@@ -46,3 +46,15 @@ def test_the_second_turn_reads_only_the_new_tokens():
     assert len(held) == 1  # the first turn had nothing to reuse
     cached = int(held[0].split("(")[1].split()[0])
     assert cached >= first_len  # at least the first prompt, without prefilling it again
+
+
+def test_the_statistics_say_how_much_of_the_prompt_was_cached():
+    from mlxrunner.cli import describe_run
+
+    stats = {"mode": "plain", "prompt_tokens": 100, "cached_tokens": 90,
+             "generated_tokens": 3, "prefill_tokens_per_second": 50.0,
+             "tokens_per_second": 9.0}
+    assert describe_run(stats)[0] == \
+        "prompt: 100 tokens (90 prompt tokens cached, 10 read at 50.0 tokens/s)"
+    assert describe_run({**stats, "cached_tokens": 0})[0] == \
+        "prompt: 100 tokens read at 50.0 tokens/s"

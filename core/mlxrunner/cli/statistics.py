@@ -41,9 +41,11 @@ def describe_run(stats: dict[str, Any], *, explain: bool = False) -> list[str]:
     how = f"speculative, draft {stats['draft']}" if speculative and stats.get("draft") else \
         ("speculative" if speculative else "plain decoding")
     cached = int(stats.get("cached_tokens") or 0)
-    held = f" ({cached} prompt tokens cached)" if cached else ""
-    lines = [f"prompt: {_tokens(stats['prompt_tokens'])} read at "
-             f"{_rate(stats.get('prefill_tokens_per_second'))}{held}",
+    rate = _rate(stats.get("prefill_tokens_per_second"))
+    prompt = f"prompt: {_tokens(stats['prompt_tokens'])} read at {rate}" if not cached else \
+        (f"prompt: {_tokens(stats['prompt_tokens'])} ({cached} prompt tokens cached, "
+         f"{stats['prompt_tokens'] - cached} read at {rate})")
+    lines = [prompt,
              f"reply: {_tokens(stats['generated_tokens'])} at "
              f"{_rate(stats.get('tokens_per_second'))} ({how})"]
     if speculative:
