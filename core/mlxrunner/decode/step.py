@@ -12,9 +12,10 @@ Each traced forward is checked against the eager forward at its first call and a
 first replay (a Python value the trace baked in shows only then); any error while tracing,
 or any disagreement, turns tracing off for that model with one warning, and the eager
 forward's result is used. ``MLXRUNNER_COMPILE=0`` (:mod:`mlxrunner.settings`) runs every
-forward eagerly. A model whose products run on the host BLAS
-(:func:`mlxrunner.nn.host_products`), which a traced graph cannot call, runs eagerly after its
-first trace meets one: a decision, so no warning.
+forward eagerly. A forward whose products run on the host BLAS
+(:func:`mlxrunner.nn.host_products`), which a traced graph cannot call, runs eagerly once its
+first trace met enough of them (:func:`mlxrunner.nn.host_bound`): a decision, so no
+warning.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import mlx.core as mx
 
 from .. import settings
 from ..cache import RowFrame, TraceFrame
-from ..nn import attend, host_declined
+from ..nn import attend, host_bound, host_declined
 from ..nn.attention import mlx_attention
 
 log = logging.getLogger("mlxrunner.decode")
@@ -108,7 +109,7 @@ class CompiledSteps:
         self.model = model
         self.enabled = True
         self._traced: dict[Hashable, _Traced] = {}
-        #: the settings under which a trace met host products: those forwards run eagerly
+        #: (input shape, settings) of forwards whose traces met host products: run eagerly
         self._host_bound: set[Hashable] = set()
         self._fingerprint: tuple[int, ...] | None = None
 
@@ -134,7 +135,7 @@ class CompiledSteps:
         if not self.enabled:
             return None
         key = self._key(ids, caches, taps)
-        if key is None or _switches() in self._host_bound:
+        if key is None or (ids.shape, _switches()) in self._host_bound:
             return None
         traced = self._traced.get(key)
         if traced is None:
@@ -152,9 +153,9 @@ class CompiledSteps:
                           f"{str(exc).splitlines()[0] if str(exc) else '?'})")
             return None
         traced.calls += 1
-        if host_declined() != declined:  # (this result is right: MLX's products)
-            self._host_bound.add(_switches())
-            self._traced.clear()
+        if host_bound(declined):  # (this result is right)
+            self._host_bound.add((ids.shape, _switches()))
+            del self._traced[key]
         if shadows is not None:
             eager = self._eager(ids, caches, live, shadows, taps)
             if not agree(logits, eager[0]):

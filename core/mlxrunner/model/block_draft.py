@@ -14,9 +14,9 @@ The core keeps one :class:`~mlxrunner.cache.context.ContextCache` per layer and 
 round's block and each commit through a traced graph (one ``mx.compile`` graph per drafted
 length or committed row count, shared by the draft's sessions: a new generation replays
 them), the stores standing in as :class:`~mlxrunner.cache.context.TracedContext` over
-fixed-size buffers; with ``MLXRUNNER_COMPILE=0``, or once a trace met products that run on
-the host BLAS (:func:`mlxrunner.nn.host_products`), both run eagerly. Either way they compute
-the same thing.
+fixed-size buffers; with ``MLXRUNNER_COMPILE=0`` both run eagerly, and so does a graph whose
+trace met enough products that run on the host BLAS (:func:`mlxrunner.nn.host_products`).
+Either way they compute the same thing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from .. import settings
 from ..cache.context import ContextCache, TracedContext
-from ..nn import host_declined
+from ..nn import host_bound, host_declined
 from .draft import DraftModel, DraftProposal, DraftSession
 
 
@@ -38,8 +38,8 @@ class BlockDraft(DraftModel):
     def __init__(self, config: dict[str, Any], target: Any) -> None:
         super().__init__(config, target)
         self._graphs: dict[tuple[Any, ...], Callable[..., Any]] = {}
-        #: a traced graph met products on the host BLAS: rounds run eagerly
-        self.host_bound = False
+        #: keys of graphs whose traces met products on the host BLAS: run eagerly
+        self._host_bound: set[tuple[Any, ...]] = set()
 
     # -- the subclass's math ----------------------------------------------------------------
     @property
@@ -71,7 +71,8 @@ class BlockDraft(DraftModel):
             def first(*args: Any) -> Any:  # the tracing call
                 declined = host_declined()
                 out = compiled(*args)
-                self.host_bound = self.host_bound or host_declined() != declined
+                if host_bound(declined):
+                    self._host_bound.add(key)
                 self._graphs[key] = compiled
                 return out
 
@@ -123,9 +124,9 @@ class BlockDraft(DraftModel):
         return BlockDraftSession(self, sampler)
 
 
-def _traced(draft: BlockDraft) -> bool:
-    """Whether rounds run through traced graphs (see the module)."""
-    return settings.current().compile and not draft.host_bound
+def _traced(draft: BlockDraft, key: tuple[Any, ...]) -> bool:
+    """Whether graph ``key`` runs traced (see the module)."""
+    return settings.current().compile and key not in draft._host_bound
 
 
 def _traced_context(state: list[mx.array], i: int, window: int | None,
@@ -166,7 +167,7 @@ class BlockDraftSession(DraftSession):
     def _append(self, tapped: mx.array) -> None:
         draft = self.draft
         rows = tapped.shape[1]
-        if _traced(draft) and rows <= draft.block_size and self.context_length:
+        if _traced(draft, ("append", rows)) and rows <= draft.block_size and self.context_length:
             # a commit (a few rows): through a traced graph, one per row count
             graph = draft.traced(("append", rows), draft._append_graph)
             self._take_state(graph(tapped, self._graph_state(rows, appending=True)))
@@ -215,7 +216,7 @@ class BlockDraftSession(DraftSession):
         self._check_block(pos, n)
         greedy = self.temperature <= 0
         anchor = mx.array([current], dtype=mx.int32)
-        if _traced(self.draft):
+        if _traced(self.draft, ("block", n, greedy)):
             rows = self.traced_rows(anchor, pos, n, greedy)
         else:
             hidden = self.draft.block_rows(anchor, pos, n, self.stores)

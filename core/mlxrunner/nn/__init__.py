@@ -16,6 +16,7 @@ from .derived import derived
 from .embedding import Embedding, QuantizedEmbedding
 from .kernels import (
     check_kernel,
+    host_bound,
     host_declined,
     host_products,
     kernel_allowed,
@@ -59,6 +60,7 @@ __all__ = [
     "folded_attention",
     "gated_rms_norm",
     "gelu_tanh_mul",
+    "host_bound",
     "host_declined",
     "host_products",
     "joined_linears",

@@ -88,8 +88,8 @@ def host_products() -> bool:
     BLAS it bundles (a [16, 576] x [576, 1536] product: 19 ms, against 0.8 ms in numpy's
     OpenBLAS; bench/cpu_products.py), and its quantized products through loops as slow;
     numpy, which MLX itself depends on, brings an optimised one. A traced graph cannot call
-    the host: a decode step or draft block whose trace met such a product runs eagerly from
-    then on (:func:`host_declined`)."""
+    the host: a decode step or draft block whose trace met enough such products runs
+    eagerly from then on (:func:`host_declined`)."""
     return (settings.current().host_products and sys.platform != "darwin"
             and mx.default_device() == mx.cpu)
 
@@ -152,11 +152,25 @@ def _limit_blas_threads() -> None:
                 break
 
 
+#: a traced forward whose products would have run on the host for at least this many
+#: multiply-adds runs eagerly instead (:func:`host_declined`): MLX's reference product
+#: does about 1e9 a second on these CPUs, and leaving the trace costs a small model's step
+#: a few milliseconds (the demo pair's one-token step: 13 ms traced, 22 eager)
+HOST_TRACE_MIN_WORK = 1 << 22
+
+
 def host_declined() -> int:
-    """How many host products traced functions have asked for so far (each ran as MLX's
-    product inside the trace): a trace that raised this count is one that should not be
-    replayed where speed matters (see mlxrunner.decode.step)."""
+    """The multiply-adds of the host products that traced functions have asked for so far
+    in this thread (each ran as MLX's product inside the trace): a trace that raised this
+    by ``HOST_TRACE_MIN_WORK`` or more should not be replayed where speed matters (see
+    mlxrunner.decode.step)."""
     return getattr(_declined, "count", 0)
+
+
+def host_bound(declined: int) -> bool:
+    """Whether the host products traced since :func:`host_declined` returned ``declined``
+    add up to ``HOST_TRACE_MIN_WORK``: that trace should give way to eager forwards."""
+    return host_declined() - declined >= HOST_TRACE_MIN_WORK
 
 
 def host_matmul(x: mx.array, weight_t: mx.array) -> mx.array | None:
@@ -168,7 +182,7 @@ def host_matmul(x: mx.array, weight_t: mx.array) -> mx.array | None:
     try:
         y = cast(mx.array, _host_matmul(x.reshape(rows, x.shape[-1]), weight_t))
     except ValueError:  # "[eval] ... not allowed" while tracing
-        _declined.count = host_declined() + 1
+        _declined.count = host_declined() + rows * x.shape[-1] * weight_t.shape[-1]
         return None
     return y.reshape(*x.shape[:-1], weight_t.shape[-1])
 
