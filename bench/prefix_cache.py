@@ -1,0 +1,155 @@
+"""A chat's second turn with the prefix cache: its time to first token against the first turn's.
+
+The first turn is a conversation of about ``--tokens`` prompt tokens (a system message and a
+long user message, rendered by the model's renderer as the chat renders it); its reply is
+kept as the assistant's message and a short second question follows, as in
+``mlxrunner run MODEL``. Both turns go through one :class:`mlxrunner.cache.PrefixCache`, so
+the second prefills only what is new; the second turn is also run cold (no prefix cache) for
+reference, and its tokens compared with the cached run's (greedy: they must be the same).
+Issue 20's goals: the second turn's time to first token at most 20% of the first's on a
+CPU (2k tokens), at most 10% on a GPU (4k tokens).
+
+    python bench/prefix_cache.py [MODEL] [--tokens 2048] [--reply 32] [--json F]
+
+MODEL defaults to ``default`` (the default model, when the store has it or can pull it);
+where it cannot be loaded the embedded demo pair (``demo-qwen3.5``) runs, and the JSON says
+which ran. The model's draft, if it has one, decodes (the speculative path's prefix cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+import mlxrunner
+from mlxrunner.cache import PrefixCache
+
+GOALS = {"cpu": 0.20, "gpu": 0.10}
+SYSTEM = "You are a careful assistant who answers questions about the records below."
+QUESTION = "Which city has the most records, and what is its largest measurement?"
+CITIES = ["Lyon", "Porto", "Turku", "Ghent", "Brno", "Cork", "Split", "Graz", "Bari", "Pecs"]
+THINGS = ["river level", "rainfall", "wind speed", "air pressure", "snow depth", "humidity"]
+
+
+def records(count: int) -> str:
+    """``count`` lines of made-up measurements (varied, so no two lines tokenize alike)."""
+    return "\n".join(
+        f"Record {i}: in {CITIES[(i * 7) % len(CITIES)]} the {THINGS[(i * 5) % len(THINGS)]} "
+        f"was {(i * 37) % 1000 / 10:.1f} units on day {(i * 13) % 365 + 1}."
+        for i in range(count))
+
+
+def first_messages(bundle: Any, tokens: int) -> list[dict[str, str]]:
+    """A conversation whose rendered prompt holds about ``tokens`` tokens."""
+    def length(count: int) -> int:
+        return len(encode(bundle, messages(count)))
+
+    def messages(count: int) -> list[dict[str, str]]:
+        return [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"{records(count)}\n\n{QUESTION}"}]
+
+    per_line = max(1.0, (length(40) - length(0)) / 40)
+    count = max(1, int((tokens - length(0)) / per_line))
+    while count > 1 and length(count) > tokens:
+        count -= 1
+    return messages(count)
+
+
+def encode(bundle: Any, messages: list[dict[str, str]]) -> list[int]:
+    prompt = bundle.renderer.render(messages, None, add_generation_prompt=True)
+    return list(bundle.tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def timed_turn(bundle: Any, ids: list[int], reply: int, cache: PrefixCache | None
+               ) -> tuple[Any, float, float]:
+    """(result, seconds to the first token, seconds in all)."""
+    first: list[float] = []
+    t0 = time.perf_counter()
+
+    def on_token(token: int) -> None:
+        if not first:
+            first.append(time.perf_counter() - t0)
+
+    result = mlxrunner.generate(bundle.model, ids, options=mlxrunner.SamplerOptions(
+        temperature=0), max_tokens=reply, eos_ids=bundle.stop_token_ids(), draft=bundle.draft,
+        on_token=on_token, prefix_cache=cache)
+    return result, first[0], time.perf_counter() - t0
+
+
+def load(name: str) -> tuple[Any, str]:
+    try:
+        return mlxrunner.load(name), name
+    except mlxrunner.MLXRunnerError as exc:
+        print(f"{name}: {exc}; running demo-qwen3.5 instead", file=sys.stderr)
+        return mlxrunner.load("demo-qwen3.5"), "demo-qwen3.5"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default="default")
+    ap.add_argument("--tokens", type=int, default=2048, help="the first turn's prompt tokens")
+    ap.add_argument("--reply", type=int, default=32, help="tokens each reply may have")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    bundle, ran = load(args.model)
+    if bundle.renderer is None:
+        print(f"{ran}: no chat format to chat with", file=sys.stderr)
+        return 1
+    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+    # warm-up: traces and kernels made once, outside the timed turns
+    warm = encode(bundle, first_messages(bundle, 96))
+    timed_turn(bundle, warm, 4, None)
+    timed_turn(bundle, warm, 4, PrefixCache(bundle.model.make_cache))
+
+    cache = PrefixCache(bundle.model.make_cache)
+    messages = first_messages(bundle, args.tokens)
+    first_ids = encode(bundle, messages)
+    first, first_ttft, _ = timed_turn(bundle, first_ids, args.reply, cache)
+    stops = bundle.stop_token_ids()
+    answer = bundle.tokenizer.decode([t for t in first.tokens if t not in stops])
+    messages += [{"role": "assistant", "content": answer},
+                 {"role": "user", "content": "And which city has the fewest?"}]
+    second_ids = encode(bundle, messages)
+    second, second_ttft, _ = timed_turn(bundle, second_ids, args.reply, cache)
+    cold, cold_ttft, _ = timed_turn(bundle, second_ids, args.reply, None)
+    ratio = second_ttft / first_ttft
+    report = {
+        "model": ran, "model_folder": bundle.path.name,
+        "draft": type(bundle.draft).__name__ if bundle.draft else None,
+        "device": device, "platform": platform.platform(), "mlx": mx.__version__,
+        "first_turn": {"prompt_tokens": len(first_ids), "cached_tokens":
+                       first.stats.cached_tokens, "ttft_s": round(first_ttft, 4)},
+        "second_turn": {"prompt_tokens": len(second_ids),
+                        "cached_tokens": second.stats.cached_tokens,
+                        "ttft_s": round(second_ttft, 4)},
+        "second_turn_cold": {"prompt_tokens": len(second_ids), "ttft_s": round(cold_ttft, 4)},
+        "second_over_first": round(ratio, 4), "goal": GOALS[device],
+        "goal_met": ratio <= GOALS[device],
+        "same_tokens_as_cold": second.tokens == cold.tokens,
+        "prefix_cache_mib": round(cache.bytes / 2**20, 2),
+    }
+    print(f"prefix cache, {ran} on {device} (draft: {report['draft'] or 'none'})")
+    print(f"  {'turn':18} {'prompt':>7} {'cached':>7} {'TTFT ms':>9}")
+    print(f"  {'first':18} {len(first_ids):7d} {first.stats.cached_tokens:7d} "
+          f"{1e3 * first_ttft:9.1f}")
+    print(f"  {'second (cached)':18} {len(second_ids):7d} {second.stats.cached_tokens:7d} "
+          f"{1e3 * second_ttft:9.1f}")
+    print(f"  {'second (cold)':18} {len(second_ids):7d} {0:7d} {1e3 * cold_ttft:9.1f}")
+    print(f"  second/first TTFT {ratio:.3f} (goal <= {GOALS[device]}: "
+          f"{'met' if report['goal_met'] else 'not met'}); same tokens as cold: "
+          f"{report['same_tokens_as_cold']}; cache holds {report['prefix_cache_mib']} MiB")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
