@@ -85,10 +85,15 @@ class PlainModel(Model):
 
     def __call__(self, ids, cache=None, *, taps=None):
         cache = cache or [None] * len(self.layers)
-        h = self.embed(ids)
-        for layer, c in zip(self.layers, cache):
+        h, tapped = self.embed(ids), []
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, c)
-        return self.embed.as_linear(self.norm(h))
+            if taps and i in taps:
+                tapped.append(h)
+        logits = self.embed.as_linear(self.norm(h))
+        if taps is None:
+            return logits
+        return logits, mx.concatenate(tapped, axis=-1)
 
     def embed_tokens(self, ids):
         return self.embed(ids)
@@ -123,3 +128,10 @@ def tiny_model(name: str) -> Model:
 def model(request) -> Model:
     mx.set_default_device(mx.cpu)
     return tiny_model(request.param)
+
+
+@pytest.fixture
+def tiny():
+    """``tiny(name)``: one of the models above by name."""
+    mx.set_default_device(mx.cpu)
+    return tiny_model

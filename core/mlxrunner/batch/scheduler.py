@@ -42,6 +42,8 @@ from ..decode import (
     GenerationStats,
     Sampler,
     SamplerOptions,
+    can_speculate,
+    decide,
     forward,
     penalties_active,
     prefill,
@@ -66,7 +68,8 @@ class BatchRequest:
     max_tokens: int = 256
     eos_ids: frozenset[int] = frozenset()
     on_token: TokenCallback | None = None
-    #: a draft model for this sequence (reserved: drafts in a batch are not built yet)
+    #: a draft model (mlxrunner.plugin.DraftModel): the sequence decodes speculatively, its
+    #: blocks verified in the batch's forwards (no logprobs with a draft)
     draft: Any = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
@@ -102,6 +105,11 @@ class _Sequence:
         self.penalised = penalties_active(request.options)
         self.plain_greedy = self.sampler.greedy and not self.penalised
         self.caches: list[Cache | None] | None = model.make_cache()
+        draft = request.draft
+        self.session = None if draft is None else draft.new_session(self.sampler)
+        self.taps: tuple[int, ...] = () if draft is None else tuple(draft.taps)
+        if self.session is not None:
+            self.session.extend_tokens(self.history)
         self.prefilled = 0
         self.row = -1
         self.admitted = admitted
@@ -127,8 +135,8 @@ def _check(request: BatchRequest, vocab_size: int) -> None:
         raise ValueError("the prompt must hold at least one token")
     if request.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
-    if request.draft is not None:
-        raise ValueError("drafts inside a batch are not supported yet: pass draft=None")
+    if request.draft is not None and not can_speculate(request.options):
+        raise ValueError("logprob requests decode without a draft: pass draft=None")
     bad = [t for t in request.prompt if not 0 <= int(t) < vocab_size]
     if bad:
         raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
@@ -256,7 +264,17 @@ class Scheduler:
         assert seq.caches is not None
         start = seq.prefilled
         end = min(len(seq.prompt), start + self.prefill_chunk)
-        logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches, chunk=end - start)
+        session = seq.session
+        if session is None:
+            logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches,
+                                chunk=end - start)
+        else:
+            def to_draft(tapped: mx.array) -> list[mx.array]:
+                session.prefill(tapped)
+                return list(session.state)
+
+            logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches, taps=seq.taps,
+                                on_taps=to_draft, chunk=end - start)
         seq.prefilled = end
         if end < len(seq.prompt):
             return
@@ -270,6 +288,8 @@ class Scheduler:
         mx.eval(token, *(info or ()))
         stats.prefill_seconds = time.perf_counter() - seq.admitted
         seq.decode_start = time.perf_counter()
+        if session is not None:
+            session.extend_tokens([int(token)])
         if self._deliver(seq, int(token), info):
             row = self.batch.add(seq.caches)
             seq.caches = None
@@ -283,7 +303,12 @@ class Scheduler:
         still on the device unless a running row applies penalties (its history must be
         on the host first)."""
         pending, self._pending = self._pending, None
-        if pending is not None and not any(s.penalised for s in self._running.values()):
+        if any(s.session is not None for s in self._running.values()):
+            if pending is not None:
+                self._collect(pending)
+            if self._running:
+                self._round()
+        elif pending is not None and not any(s.penalised for s in self._running.values()):
             self._pending = self._launch(pending)
             self._collect(pending)
         else:
@@ -328,6 +353,113 @@ class Scheduler:
                       *self.batch.state)
         return _Step([(row, self._running[row], i) for i, row in enumerate(order)], tokens,
                      infos)
+
+    def _round(self) -> None:
+        """A speculative round over the batch: each sequence with a draft proposes a block,
+        one target forward verifies every block (rows padded to the longest; a row without
+        a draft decodes its one token), each row accepts with its own sampler as
+        :func:`mlxrunner.decode.speculative.run_round` does alone, and each row rolls back
+        to what it committed."""
+        running = sorted(self._running.items())
+        depth: dict[int, int] = {}
+        proposals: dict[int, tuple[mx.array, Any]] = {}
+        for row, seq in running:
+            n = 0
+            if seq.session is not None:
+                left = seq.request.max_tokens - len(seq.request.tokens)
+                n = max(0, min(seq.request.draft.max_depth, left - 1))
+            depth[row] = n
+            if n:
+                assert seq.session is not None  # only a drafted sequence drafts
+                proposal = seq.session.propose(seq.history[-1], len(seq.history) - 1, n)
+                mx.async_eval(proposal.tokens)
+                proposals[row] = (proposal.tokens.reshape(-1).astype(mx.int32),
+                                  proposal.distribution())
+        length = 1 + max(depth.values())
+        pad = mx.zeros((length,), dtype=mx.int32)
+        rows = []
+        for row in range(self.batch.rows):
+            member = self._running.get(row)
+            if member is None:
+                rows.append(pad)
+                continue
+            parts = [mx.array([member.history[-1]], dtype=mx.int32)]
+            if row in proposals:
+                parts.append(proposals[row][0])
+            parts.append(pad[:length - 1 - depth[row]])
+            rows.append(mx.concatenate(parts))
+        taps = sorted({t for _, seq in running for t in seq.taps})
+        self.batch.keep_for_restore()
+        starts = self.batch.row_offsets
+        out = forward(self.model, mx.stack(rows), self.batch.caches, taps or None)
+        logits, tapped = (out, None) if not taps else out
+        mx.async_eval(logits, *([] if tapped is None else [tapped]))
+        reads: list[mx.array] = []
+        spans: dict[int, tuple[int, int]] = {}
+        for row, seq in running:
+            n = depth[row]
+            if seq.session is None:
+                parts = [seq.sampler.sample(logits[row, 0], seq.history).reshape(1)]
+            else:
+                drafts, q = proposals.get(row, (None, None))
+                histories = self._histories(seq, drafts, n)
+                p = seq.sampler.distributions(logits[row, :n + 1], histories)
+                decision = decide(seq.sampler, p, q, drafts)
+                parts = [decision.accepted.reshape(1), decision.fix_tokens]
+                if drafts is not None:
+                    parts.append(drafts)
+            at = sum(r.shape[0] for r in reads)
+            joined = mx.concatenate(parts)
+            reads.append(joined)
+            spans[row] = (at, joined.shape[0])
+        values = cast("list[int]", mx.concatenate(reads).tolist())
+        offsets = list(starts)
+        emitted: dict[int, tuple[list[int], int]] = {}
+        for row, seq in running:
+            at, size = spans[row]
+            got = values[at:at + size]
+            n = depth[row]
+            if seq.session is None:
+                emitted[row] = ([got[0]], 0)
+            else:
+                accepted = got[0]
+                emitted[row] = (got[2 + n:][:accepted] + [got[1 + accepted]], accepted)
+            offsets[row] = starts[row] + 1 + emitted[row][1]
+        self.batch.restore_rows(offsets)
+        for row, seq in running:
+            tokens, accepted = emitted[row]
+            seq.request.stats.target_forwards += 1
+            going = True
+            for token in tokens:
+                going = self._deliver(seq, token, None)
+                if not going:
+                    break
+            if going and seq.session is not None:
+                assert tapped is not None  # the drafted rows asked for taps
+                seq.session.extend_tokens(tokens)
+                seq.session.commit(self._own_taps(tapped[row:row + 1, :accepted + 1], taps,
+                                                  seq.taps))
+
+    @staticmethod
+    def _histories(seq: _Sequence, drafts: mx.array | None, n: int) -> list[list[int]]:
+        """The penalty histories of a round's rows, as the solo round builds them."""
+        options = seq.sampler.options
+        history = seq.history
+        if drafts is not None and penalties_active(options):
+            draft_list = [int(t) for t in cast("list[int]", drafts.tolist())]
+            keep = options.repeat_last_n
+            base = list(history) if keep < 0 else list(history[-keep:]) if keep else []
+            return [base + draft_list[:i] for i in range(n + 1)]
+        base = list(history[-options.repeat_last_n:]) if options.repeat_last_n > 0 else []
+        return [base] * (n + 1)
+
+    def _own_taps(self, tapped: mx.array, taps: list[int], own: tuple[int, ...]) -> mx.array:
+        """A draft's taps out of the batch's (the union of its drafts' taps)."""
+        if list(own) == taps:
+            return tapped
+        hidden = tapped.shape[-1] // len(taps)
+        return mx.concatenate([tapped[..., taps.index(t) * hidden:(taps.index(t) + 1) * hidden]
+                               for t in own], axis=-1)
 
     def _collect(self, step: _Step) -> None:
         """Hand out a step's tokens to the sequences still running in its rows."""

@@ -1,0 +1,73 @@
+"""Speculative decoding inside the batch (mlxrunner.batch): every drafted sequence's block is
+verified in one batched target forward, each row accepts with its own sampler and rolls back
+to what it committed (full KV, rings, recurrent state), sequences without a draft share the
+batch; each sequence gives exactly what it gives alone (greedy: plain decoding's tokens;
+seeded sampling: its solo speculative draws)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlxrunner
+from mlxrunner import SamplerOptions
+from mlxrunner.batch import BatchRequest, Scheduler
+from mlxrunner.testing.speculative import ScriptedDraft, random_draft, speculative_tokens
+
+GREEDY = SamplerOptions(temperature=0)
+SAMPLED = SamplerOptions(temperature=0.8, seed=11)
+
+
+def _prompts(vocab, lengths, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def _run(model, requests, max_sequences):
+    scheduler = Scheduler(model, max_sequences=max_sequences)
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.run_until_idle()
+    return requests
+
+
+def test_scripted_drafts_roll_back_every_length_in_a_batch(model):
+    # the script is each prompt's greedy continuation: the draft is right except where
+    # it is wrong on purpose (every accepted length occurs)
+    prompts = _prompts(model.vocab_size, [6, 11, 4], seed=5)
+    budgets = [14, 9, 12]
+    alone = [mlxrunner.generate(model, p, options=GREEDY, max_tokens=m).tokens
+             for p, m in zip(prompts, budgets)]
+    drafts = [ScriptedDraft.for_script(model, p + a + [0] * 16, block_size=5)
+              for p, a in zip(prompts, alone)]
+    requests = [BatchRequest(prompts[0], GREEDY, budgets[0], draft=drafts[0]),
+                BatchRequest(prompts[1], GREEDY, budgets[1]),  # no draft: shares the batch
+                BatchRequest(prompts[2], GREEDY, budgets[2], draft=drafts[2])]
+    for request, want in zip(_run(model, requests, 2), alone):
+        assert request.tokens == want
+    for drafted in (requests[0], requests[2]):  # rounds committed several tokens
+        assert drafted.stats.target_forwards < len(drafted.tokens)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma4"])
+def test_random_dflash2_drafts_in_a_batch_give_solo_outputs(tiny, name):
+    pytest.importorskip("mlxrunner_dflash", reason="the dflash plugin is not installed")
+    model = tiny(name)
+    draft = random_draft(model, "DFlash2DraftModel", seed=3)
+    prompts = _prompts(model.vocab_size, [7, 12, 5], seed=6)
+    options = [GREEDY, SAMPLED, SamplerOptions(temperature=0.6, top_k=30, seed=4)]
+    budgets = [12, 10, 9]
+    alone = [speculative_tokens(model, draft, p, m, options=o)[0]
+             for p, o, m in zip(prompts, options, budgets)]
+    assert alone[0] == mlxrunner.generate(model, prompts[0], options=GREEDY,
+                                          max_tokens=budgets[0]).tokens
+    requests = [BatchRequest(p, o, m, draft=draft) for p, o, m in zip(prompts, options, budgets)]
+    for request, want in zip(_run(model, requests, 3), alone):
+        assert request.tokens == want and request.finish_reason == "length"
+
+
+def test_a_draft_with_logprobs_is_refused(model):
+    draft = ScriptedDraft.for_script(model, [1] * 32)
+    with pytest.raises(ValueError, match="without a draft"):
+        Scheduler(model).submit(BatchRequest([1, 2], SamplerOptions(logprobs=True), 4,
+                                             draft=draft))
