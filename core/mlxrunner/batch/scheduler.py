@@ -18,6 +18,10 @@ Each sequence has its own :class:`mlxrunner.decode.Sampler` (its counter-based k
 row's draws those it would make alone), so a sequence's output is what
 :func:`mlxrunner.generate` gives it alone, greedy or seeded.
 
+A sequence with a draft decodes speculatively inside the batch: while one runs, each step is
+a round (:meth:`Scheduler._round`) whose one batched target forward verifies every drafted
+row's block, each row accepting and rolling back on its own (docs/batching.md).
+
 The synchronous API (:meth:`Scheduler.submit`, :meth:`Scheduler.step`,
 :meth:`Scheduler.run_until_idle`) is meant to be driven by one worker thread; ``submit``
 and :meth:`BatchRequest.cancel` may be called from others.
