@@ -13,6 +13,11 @@ runs is kept.
 
     python bench/batch.py --tiny                       # CPU: 4 layers, small vocabulary
     python bench/batch.py --json out.json              # GPU: the 0.8B shape, bfloat16
+    python bench/batch.py --pair demo-qwen3.5          # a shipped pair: drafts in the batch
+
+``--pair NAME`` loads a model with the draft it ships (a registered name or a folder) and
+measures the same streams decoding with their drafts in the batch against without (Python
+source prompts, which the demo pair's draft was trained on: its acceptance is the pair's).
 
 On this CPU the figures say little: MLX's Linux CPU wheel links reference BLAS, whose
 matrix products cost about linearly in their rows, so batching saves little there.
@@ -46,22 +51,23 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return mx.random.randint(0, vocab, (n, length), key=key).tolist()
 
 
-def run_ours(model: Any, prompts: list[list[int]], new: int) -> dict[str, float]:
+def run_ours(model: Any, prompts: list[list[int]], new: int,
+             draft: Any = None) -> dict[str, float]:
     scheduler = Scheduler(model, max_sequences=len(prompts))
-    for prompt in prompts:
-        scheduler.submit(BatchRequest(prompt, GREEDY, new))
+    requests = [scheduler.submit(BatchRequest(prompt, GREEDY, new, draft=draft))
+                for prompt in prompts]
     decode_tokens, decode_s = 0, 0.0
     mx.synchronize()
     start = time.perf_counter()
     more = True
     while more:
         decoding_only = not (scheduler.waiting or scheduler.prefilling)
-        rows = scheduler.running
+        before = sum(len(r.tokens) for r in requests)
         t0 = time.perf_counter()
         more = scheduler.step()
-        if decoding_only and rows:
+        if decoding_only:
             decode_s += time.perf_counter() - t0
-            decode_tokens += rows
+            decode_tokens += sum(len(r.tokens) for r in requests) - before
     wall_s = time.perf_counter() - start
     total = len(prompts) * new
     return {"decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
@@ -113,6 +119,45 @@ def best_of(fn: Any, repeats: int) -> dict[str, float]:
     return dict(best, decode_runs=runs)
 
 
+SOURCE_STARTS = ["def fibonacci(n):", "class Stack:", "import os\n\ndef walk(path):",
+                 "def quicksort(items):", "def read_config(path):", "class LinkedList:",
+                 "def parse_args():", "def merge(a, b):"]
+
+
+def main_pair(args: argparse.Namespace) -> int:
+    """Streams with their drafts in the batch against the same streams without."""
+    try:
+        bundle = mlxrunner.load(args.pair)
+    except mlxrunner.MLXRunnerError as exc:
+        print(f"batch bench: {exc}", file=sys.stderr)
+        return 2
+    if bundle.draft is None:
+        print(f"batch bench: {args.pair} ships no draft (--pair needs a pair)", file=sys.stderr)
+        return 2
+    model, draft = bundle.model, bundle.draft
+    streams = args.streams or [1, 4, 16, 32]
+    new = args.new or 128
+    print(f"Batch bench, drafts in the batch: {args.pair} ({type(model).__name__}, "
+          f"{type(draft).__name__}), {new} new per stream, device {mx.default_device()}",
+          flush=True)
+    rows = []
+    for n in streams:
+        prompts = [bundle.tokenizer.encode(SOURCE_STARTS[i % len(SOURCE_STARTS)])
+                   for i in range(n)]
+        row = {"streams": n,
+               "plain": best_of(lambda p=prompts: run_ours(model, p, new), args.repeats),
+               "drafts": best_of(lambda p=prompts: run_ours(model, p, new, draft),
+                                 args.repeats)}
+        rows.append(row)
+        plain, drafted = row["plain"]["decode_tok_s"], row["drafts"]["decode_tok_s"]
+        print(f"  {n:3d} streams: without drafts {plain:9.1f} tok/s, with drafts "
+              f"{drafted:9.1f} tok/s ({drafted / plain if plain else 0:5.2f}x)", flush=True)
+    harness.write_json(args.json, {"bench": "batch-pair", "pair": args.pair, "new": new,
+                                   "device": str(mx.default_device()), "mlx": mx.__version__,
+                                   "rows": rows})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
@@ -131,8 +176,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="a CPU-sized run: 4 layers, vocabulary 4096, float32, fewer tokens")
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's BatchGenerator")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pair", help="a model with the draft it ships (e.g. demo-qwen3.5): "
+                        "streams with their drafts in the batch against without")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if args.pair:
+        return main_pair(args)
     if not args.config.exists():
         print(f"batch bench: config not found: {args.config}", file=sys.stderr)
         return 2
