@@ -68,6 +68,53 @@ def test_target_labels_count_only_while_the_corpus_follows_the_greedy_chain():
     assert valid[0, 0].tolist() == [False, True, True, True]
 
 
+def test_anchors_where_allowed_fill_short_windows_with_weightless_slots():
+    rng = np.random.default_rng(2)
+    allowed = np.zeros((3, 16), dtype=bool)
+    allowed[0, [0, 3, 5, 8, 12, 13]] = True  # 0 has no context, 13 no room (bs 4)
+    allowed[1, :] = True
+    anchors, real = train.sample_anchors_where(rng, allowed, block_size=4, count=3)
+    assert set(anchors[0].tolist()) <= {3, 5, 8, 12} and real[0].all()
+    assert len(set(anchors[1].tolist())) == 3 and real[1].all()
+    assert (anchors[1] >= 1).all() and (anchors[1] <= 12).all()
+    assert not real[2].any()  # nothing allowed: shape kept, no weight
+    anchors, real = train.sample_anchors_where(rng, allowed[:1], block_size=4, count=6)
+    assert sorted(anchors[0, real[0]].tolist()) == [3, 5, 8, 12]
+    ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12]])
+    greedy = np.array([[6, 7, 0, 9, 10, 11, 12, 13]])  # position 3 is not the target's pick
+    assert train.in_target_text(ids, greedy).tolist() == [
+        [False, True, True, False, True, True, True, True]]
+
+
+def test_continuations_are_measured_only_up_to_their_first_eos():
+    """Decoding stops at the stop token: the estimate's blocks anchor between the prompt and
+    the first EOS of each continuation, and no label after that EOS counts (what the target
+    writes past the end of its reply is no text a round ever verifies)."""
+    vocab, bs = 64, 4
+    target = ToyTarget({"vocab_size": vocab, "hidden_size": 32, "seed": 3})
+    stream = np.random.default_rng(0).integers(0, vocab, size=200).astype(np.int32)
+    settings = train.TrainSettings(target="", corpus=[], out="", batch=1, seq_len=40,
+                                   prompt_len=8, anchors=6, eval_blocks=6, block_size=bs)
+    plain = train.heldout_continuations(target, stream, settings, None)
+    row = plain.sequences[0]
+    assert plain.start.tolist() == [8] and plain.end.tolist() == [39]
+    eos = int(row[20])  # a token of the continuation taken for EOS: it ends there
+    first = 8 + int(np.flatnonzero(row[8:] == eos)[0])
+    cut = train.heldout_continuations(target, stream, settings, eos)
+    assert (cut.sequences == plain.sequences).all() and cut.end.tolist() == [first]
+    after_start, live = cut.spans(slice(0, 1))
+    _, greedy = train.target_forward(target, mx.array(cut.sequences), [0])
+    greedy = np.array(greedy)
+    allowed = train.in_target_text(cut.sequences, greedy) & after_start & live
+    batch, anchors, labels, valid = train.make_batch(
+        cut.sequences, greedy, np.random.default_rng(1), settings, 0,
+        train.position_weights(bs, 2.0), False, None, allowed=allowed, live=live)
+    rows = anchors[:, :, None] + np.arange(bs)
+    assert (rows[valid] <= first).all() and valid[..., 1:].any()
+    assert (anchors[valid[:, :, 1]] >= 8).all()
+    assert (np.array(batch.weights)[~valid] == 0).all()
+
+
 def test_position_weights_decay_from_the_first_draft_row():
     w = train.position_weights(5, gamma=2.0)
     np.testing.assert_allclose(w, [0.0, 1.0, np.exp(-0.5), np.exp(-1.0), np.exp(-1.5)],
@@ -213,11 +260,9 @@ def test_train_draft_learns_loss_falls_and_acceptance_rises(tiny_target, tmp_pat
     untrained = train.build_draft(settings, config, target)
     train.save_draft(untrained, config, tmp_path / "untrained", mx.bfloat16)
     data = train.load_data(settings, tok, tok.eos_id)
-    sequences, prompt_len = train.heldout_continuations(target, data.heldout, settings,
-                                                        tok.eos_id)
+    evaluation = train.heldout_continuations(target, data.heldout, settings, tok.eos_id)
     untrained = mlxrunner.load(str(folder), draft=str(tmp_path / "untrained")).draft
-    before = train.estimate_acceptance(untrained, target, taps, sequences, prompt_len,
-                                       settings, mask_id)
+    before = train.estimate_acceptance(untrained, target, taps, evaluation, settings, mask_id)
     prompts = train.heldout_prompts(data.heldout, 2, tok.eos_id, 0)
     before_loop = train.measure_speculative(str(folder), tmp_path / "untrained", prompts, 24)
 
@@ -231,11 +276,21 @@ def test_train_draft_learns_loss_falls_and_acceptance_rises(tiny_target, tmp_pat
     assert report["final_loss_ce"] < 0.5 * report["first_loss_ce"], report["history"]
     assert report["heldout_loss"] < before["heldout_loss"] - 1.0, (before, report)
     assert report["tau_estimate"] > before["tau_estimate"] + 0.5, (before, report)
+    # On its own training text the estimate gives the training batches' figures (the first
+    # H200 build's estimate read what the target wrote past its replies' ends: held-out loss
+    # 8.41 against 3.06 in training)
+    trained = mlxrunner.load(str(folder), draft=str(saved := tmp_path / "draft")).draft
+    own_text = train.heldout_documents(
+        train.encode_documents(tok, train.read_documents(train_files)), settings, tok.eos_id)
+    on_train = train.estimate_acceptance(trained, target, taps, own_text, settings, mask_id)
+    final_acc = float(np.mean([h["accuracy"] for h in report["history"][-3:]]))
+    assert abs(on_train["heldout_loss"] - report["final_loss_ce"]) < \
+        0.5 + 0.3 * report["final_loss_ce"], (on_train, report["history"][-3:])
+    assert abs(on_train["heldout_accuracy"] - final_acc) < 0.15, (on_train, final_acc)
     loop = report["speculative"]
     assert loop["identical_to_plain"] and before_loop["identical_to_plain"]
     assert loop["tau"] > before_loop["tau"] + 0.5, (before_loop, loop)
     # The folder --draft loads: config and plain-named weights.
-    saved = tmp_path / "draft"
     assert (saved / "config.json").exists() and (saved / "model.safetensors").exists()
     names = set(mx.load(str(saved / "model.safetensors")))
     assert {"fc.weight", "hidden_norm.weight", "norm.weight",

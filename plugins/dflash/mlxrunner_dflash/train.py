@@ -25,6 +25,10 @@ DFlash2 adds a candidate-selector loss: for each row the head's top-K candidates
 with the pairwise term given the previous label (teacher forcing; the anchor for row 1), and
 the correct candidate's slot is trained with cross-entropy.
 
+``--anchor-on target`` anchors blocks only on tokens the target wrote itself (the corpus
+token is its greedy pick after the one before), where a round's anchor always is: in a corpus
+of its own replies, the replies, not the prompts around them.
+
 The draft is built by this plugin's classes and its context, projections, norms and
 convolutions are called as they are at inference; only the attention runs in this
 block-masked form. ``tests/test_dflash_train.py`` checks one block against the plugin's own
@@ -36,7 +40,11 @@ steps and at the end, each checkpoint written to a temporary folder and swapped 
 draft is ``OUT/config.json`` + ``OUT/model.safetensors``, which ``--draft OUT`` loads. The
 final report measures the mean accepted length (tau) on held-out text: the greedy-agreement
 estimate over held-out blocks, and the real speculative loop (``mlxrunner.generate``) on a
-few held-out prompts with its speedup over plain decoding.
+few held-out prompts with its speedup over plain decoding. The estimate's blocks are anchored
+as rounds are, on the target's own tokens, and its loss is weighted as training's is, so on
+the training text it gives the training batches' figures. Its text (``--eval-text``): the
+target's continuations of held-out windows, each up to its first EOS (decoding stops there),
+or the held-out documents as they are, one per row (a corpus of the target's replies).
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -126,16 +134,21 @@ def is_heldout(key: str, seed: int, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64 < fraction
 
 
-def token_stream(tokenizer: Any, docs: Sequence[str], eos_id: int) -> np.ndarray:
-    """Every document's ids followed by EOS, concatenated (int32)."""
+def encode_documents(tokenizer: Any, docs: Sequence[str]) -> list[np.ndarray]:
+    """Each document's ids (int32), no special tokens added."""
     backend = getattr(tokenizer, "backend", None)
     if backend is not None and hasattr(backend, "encode_batch"):
         encoded = [e.ids for e in backend.encode_batch(list(docs), add_special_tokens=False)]
     else:
         encoded = [tokenizer.encode(d) for d in docs]
+    return [np.asarray(ids, dtype=np.int32) for ids in encoded]
+
+
+def token_stream(tokenizer: Any, docs: Sequence[str], eos_id: int) -> np.ndarray:
+    """Every document's ids followed by EOS, concatenated (int32)."""
     parts = []
-    for ids in encoded:
-        parts.append(np.asarray(ids, dtype=np.int32))
+    for ids in encode_documents(tokenizer, docs):
+        parts.append(ids)
         parts.append(np.asarray([eos_id], dtype=np.int32))
     return np.concatenate(parts) if parts else np.zeros((0,), dtype=np.int32)
 
@@ -168,6 +181,42 @@ def sample_anchors(rng: np.random.Generator, batch: int, seq_len: int, block_siz
     out = np.empty((batch, count), dtype=np.int32)
     for b in range(batch):
         out[b] = np.sort(rng.choice(choices, size=count, replace=False)) + low
+    return out
+
+
+def sample_anchors_where(rng: np.random.Generator, allowed: np.ndarray, block_size: int,
+                         count: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` distinct anchors per window among the positions ``allowed`` [B, L] marks
+    (those leaving room for a block, ``1 <= a <= L - block_size``), sorted, and which of them
+    are real: ([B, count] int32, [B, count] bool). A window with fewer allowed positions
+    takes them all and fills its other slots with its first one, marked not real (the batch
+    keeps its shape; those blocks carry no weight)."""
+    B, L = allowed.shape
+    if L - block_size < 1:
+        raise TrainDraftError(f"--seq-len {L} is too short for blocks of {block_size}")
+    room = allowed.copy()
+    room[:, 0] = False
+    room[:, L - block_size + 1:] = False
+    anchors = np.ones((B, count), dtype=np.int32)
+    real = np.zeros((B, count), dtype=bool)
+    for b in range(B):
+        positions = np.flatnonzero(room[b])
+        if positions.size == 0:
+            continue
+        take = min(count, positions.size)
+        picked = np.sort(rng.choice(positions, size=take, replace=False))
+        anchors[b, :take] = picked
+        anchors[b, take:] = picked[0]
+        real[b, :take] = True
+    return anchors, real
+
+
+def in_target_text(ids: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+    """Positions whose token is the target's own greedy token after the one before: [B, L]
+    bool. A round's anchor is always such a token (the target's last pick), so these are
+    where inference puts blocks."""
+    out = np.zeros(ids.shape, dtype=bool)
+    out[:, 1:] = ids[:, 1:] == greedy[:, :-1]
     return out
 
 
@@ -761,7 +810,8 @@ class Data:
     train: np.ndarray
     heldout: np.ndarray
     pool: np.ndarray | None = None
-    evaluation: tuple[np.ndarray, int] | None = None  # held-out continuations, prompt length
+    heldout_docs: list[np.ndarray] = field(default_factory=list)  # each held-out document
+    evaluation: EvaluationSet | None = None
     documents: int = 0
     heldout_documents: int = 0
     pool_seconds: float = 0.0
@@ -787,18 +837,32 @@ def load_data(settings: TrainSettings, tokenizer: Any, eos_id: int) -> Data:
     if not train_docs:
         raise TrainDraftError("no UTF-8 text in the corpus files")
     train = token_stream(tokenizer, train_docs, eos_id)
+    held_ids = encode_documents(tokenizer, held_docs)
     heldout = token_stream(tokenizer, held_docs, eos_id) if held_docs else train[-4096:]
-    return Data(train, heldout, documents=len(train_docs), heldout_documents=len(held_docs))
+    return Data(train, heldout, heldout_docs=held_ids, documents=len(train_docs),
+                heldout_documents=len(held_docs))
 
 
 def make_batch(ids: np.ndarray, greedy: np.ndarray | None, rng: np.random.Generator,
                settings: TrainSettings, mask_token_id: int, weights_by_row: np.ndarray,
-               causal: bool, window: int | None, low: int = 1
+               causal: bool, window: int | None, allowed: np.ndarray | None = None,
+               live: np.ndarray | None = None
                ) -> tuple[Batch, np.ndarray, np.ndarray, np.ndarray]:
+    """One step's batch from windows ``ids`` [B, L]. ``allowed`` [B, L]: where anchors may
+    sit (default anywhere); ``live`` [B, L]: which positions' labels count (default all; a
+    continuation ends at its stop token, a padded document at its last token)."""
     B, L = ids.shape
     bs = settings.block_size
-    anchors = sample_anchors(rng, B, L, bs, settings.anchors, low=low)
+    if allowed is None:
+        anchors = sample_anchors(rng, B, L, bs, settings.anchors)
+        real = np.ones(anchors.shape, dtype=bool)
+    else:
+        anchors, real = sample_anchors_where(rng, allowed, bs, settings.anchors)
     labels, valid = block_labels(ids, greedy, anchors, bs, settings.labels)
+    valid &= real[:, :, None]
+    if live is not None:
+        rows = anchors[:, :, None] + np.arange(bs)[None, None]
+        valid &= live[np.arange(B)[:, None, None], rows]
     block_ids = np.full(labels.shape, mask_token_id, dtype=np.int32)
     block_ids[:, :, 0] = labels[:, :, 0]
     previous = np.concatenate([labels[:, :, :1], labels[:, :, :-1]], axis=-1)
@@ -811,10 +875,36 @@ def make_batch(ids: np.ndarray, greedy: np.ndarray | None, rng: np.random.Genera
     return batch, anchors, labels, valid
 
 
+def training_anchors(ids: np.ndarray, greedy: np.ndarray | None, settings: TrainSettings
+                     ) -> np.ndarray | None:
+    """Where a training step may anchor blocks: anywhere (``--anchor-on all``) or only in
+    text the target wrote itself (``target``: the answers of a corpus of its own replies,
+    not the prompts around them)."""
+    if settings.anchor_on == "all" or greedy is None:
+        return None
+    return in_target_text(ids, greedy)
+
+
+@dataclass
+class EvaluationSet:
+    """Held-out sequences [n, L] to anchor blocks in, and each one's live span: anchors at
+    ``start <= a``, labels up to position ``end`` (inclusive)."""
+
+    sequences: np.ndarray
+    start: np.ndarray  # [n]
+    end: np.ndarray  # [n]
+
+    def spans(self, rows: slice) -> tuple[np.ndarray, np.ndarray]:
+        """(allowed-from, live) masks [b, L] of the rows ``rows``."""
+        positions = np.arange(self.sequences.shape[1])[None]
+        return (positions >= self.start[rows, None]), (positions <= self.end[rows, None])
+
+
 def heldout_continuations(target: mlxrunner.Model, stream: np.ndarray,
                           settings: TrainSettings, eos_id: int | None, seed: int = 1234
-                          ) -> tuple[np.ndarray, int]:
-    """Held-out prompts and the target's greedy continuations: ([n, seq_len], prompt_len).
+                          ) -> EvaluationSet:
+    """Held-out prompts and the target's greedy continuations, each live up to its first
+    EOS (decoding stops there: what the target writes after it is never drafted against).
 
     This is the text a greedy speculative run verifies drafts against, so blocks anchored in
     the continuations measure acceptance the way decoding sees it.
@@ -826,43 +916,87 @@ def heldout_continuations(target: mlxrunner.Model, stream: np.ndarray,
     count = max(1, math.ceil(settings.eval_blocks / max(1, settings.anchors)))
     seq_len = max(settings.seq_len, prompt_len + bs + 1)
     prompts = sample_windows(rng, stream, count, prompt_len)
-    return generate_greedy(target, prompts, seq_len, eos_id), prompt_len
+    sequences = generate_greedy(target, prompts, seq_len, eos_id)
+    assert sequences is not None  # no deadline
+    end = np.full(count, seq_len - 1)
+    if eos_id is not None:
+        for i, row in enumerate(sequences):
+            stops = np.flatnonzero(row[prompt_len:] == eos_id)
+            if stops.size:
+                end[i] = prompt_len + stops[0]
+    return EvaluationSet(sequences, np.full(count, prompt_len), end)
+
+
+def heldout_documents(docs: Sequence[np.ndarray], settings: TrainSettings, eos_id: int,
+                      seed: int = 1234) -> EvaluationSet:
+    """Held-out documents as they are, one per row from its start (cut at ``seq_len``, padded
+    with EOS past its end): for a corpus that is the target's own output (``--eval-text
+    corpus``), where the blocks land in its replies, each in its own conversation."""
+    usable = [d for d in docs if d.size > settings.block_size]
+    if not usable:
+        raise TrainDraftError("--eval-text corpus: no held-out document is longer than a "
+                              "block")
+    rng = np.random.default_rng(seed)
+    count = min(len(usable), max(1, math.ceil(settings.eval_blocks / max(1, settings.anchors))))
+    picked = sorted(rng.choice(len(usable), size=count, replace=False).tolist())
+    L = settings.seq_len
+    sequences = np.full((count, L), eos_id, dtype=np.int32)
+    end = np.zeros(count, dtype=np.int64)
+    for row, i in enumerate(picked):
+        doc = usable[i][:L]
+        sequences[row, :doc.size] = doc
+        end[row] = doc.size - 1
+    return EvaluationSet(sequences, np.ones(count, dtype=np.int64), end)
 
 
 def estimate_acceptance(draft: DFlashDraftModel, target: mlxrunner.Model, taps: list[int],
-                        sequences: np.ndarray, prompt_len: int, settings: TrainSettings,
+                        evaluation: EvaluationSet, settings: TrainSettings,
                         mask_token_id: int, seed: int = 1234) -> dict[str, float]:
-    """Held-out loss, top-1 accuracy and the greedy-agreement tau estimate.
+    """Held-out cross-entropy (weighted as training weighs it; the DFlash2 selector's apart),
+    top-1 accuracy and the greedy-agreement tau estimate.
 
-    ``sequences`` are held-out prompts with the target's greedy continuations
-    (:func:`heldout_continuations`); blocks are anchored in the continuations. Each block's
-    accepted length is the number of leading proposals (DFlash2: the selector's path) equal
-    to the target's greedy chain; tau = 1 + its mean, what a greedy run with full-depth
-    rounds would see.
+    Blocks are anchored as a round anchors them: on a token the target wrote itself, inside
+    each sequence's live span. Each block's accepted length is the number of leading
+    proposals (DFlash2: the selector's path) equal to the target's greedy chain; tau = 1 + its
+    mean, what a greedy run with full-depth rounds sees (``bench/default_model.py``'s
+    committed tokens per round).
     """
     rng = np.random.default_rng(seed)
     bs = settings.block_size
     weights_by_row = position_weights(bs, settings.decay_gamma or bs / 2)
     attn0 = draft.layers[0].self_attn
     eval_settings = TrainSettings(**{**asdict(settings), "labels": "target"})
-    lengths, losses, accs = [], [], []
+    lengths, ces, sels, accs, sizes = [], [], [], [], []
     per_batch = max(1, settings.batch)
+    sequences = evaluation.sequences
     for start in range(0, sequences.shape[0], per_batch):
-        ids = sequences[start:start + per_batch]
+        rows = slice(start, start + per_batch)
+        ids = sequences[rows]
         tapped, greedy = target_forward(target, mx.array(ids), taps)
+        greedy_np = np.array(greedy)
+        after_start, live = evaluation.spans(rows)
+        allowed = in_target_text(ids, greedy_np) & after_start & live
         batch, anchors, labels, valid = make_batch(
-            ids, np.array(greedy), rng, eval_settings, mask_token_id, weights_by_row,
-            attn0.causal, attn0.window, low=prompt_len)
-        loss, (_, _, acc) = draft_loss(draft, tapped, batch, settings.selector_weight)
+            ids, greedy_np, rng, eval_settings, mask_token_id, weights_by_row,
+            attn0.causal, attn0.window, allowed=allowed, live=live)
+        _, (ce, sel, acc) = draft_loss(draft, tapped, batch, settings.selector_weight)
         hidden = draft_hidden_train(draft, tapped, batch.block_ids, batch.q_pos, batch.mask)
         B, N = anchors.shape
         proposals = greedy_proposals(draft, hidden.reshape(B, N, bs, -1),
                                      mx.array(labels[:, :, 0]))
-        lengths.append(accepted_lengths(np.array(proposals), labels, valid).reshape(-1))
-        losses.append(float(loss.item()))
+        real = valid[:, :, 1]  # a real block: its first draft row has a live label
+        lengths.append(accepted_lengths(np.array(proposals), labels, valid)[real])
+        ces.append(float(ce.item()))
+        sels.append(float(sel.item()))
         accs.append(float(acc.item()))
+        sizes.append(float(valid.sum()))
     accepted = np.concatenate(lengths)
-    return {"heldout_loss": float(np.mean(losses)), "heldout_accuracy": float(np.mean(accs)),
+    if accepted.size == 0:
+        raise TrainDraftError("no held-out block to measure: the held-out text has no "
+                              "token the target writes itself")
+    w = np.asarray(sizes) / max(sum(sizes), 1.0)
+    return {"heldout_loss": float(np.dot(w, ces)), "heldout_loss_selector": float(np.dot(w, sels)),
+            "heldout_accuracy": float(np.dot(w, accs)),
             "tau_estimate": float(1.0 + accepted.mean()), "blocks": int(accepted.size)}
 
 
@@ -910,6 +1044,13 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         raise TrainDraftError(f"--kind {settings.kind!r}: choose dflash or dflash2")
     if settings.labels not in ("target", "corpus"):
         raise TrainDraftError(f"--labels {settings.labels!r}: choose target or corpus")
+    if settings.anchor_on not in ("all", "target"):
+        raise TrainDraftError(f"--anchor-on {settings.anchor_on!r}: choose all or target")
+    if settings.anchor_on == "target" and settings.labels != "target":
+        raise TrainDraftError("--anchor-on target needs --labels target (the target's greedy "
+                              "tokens say which text it wrote)")
+    if settings.eval_text not in ("generated", "corpus"):
+        raise TrainDraftError(f"--eval-text {settings.eval_text!r}: choose generated or corpus")
     if settings.block_size < 2:
         raise TrainDraftError("--block-size must be at least 2")
     for flag, share in (("--distill-mix", settings.distill_mix),
@@ -1013,7 +1154,8 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         greedy_np = np.array(greedy) if settings.labels == "target" else None
         t1 = time.perf_counter()
         batch, _, _, _ = make_batch(ids, greedy_np, rng, settings, mask_token_id,
-                                    weights_by_row, attn0.causal, attn0.window)
+                                    weights_by_row, attn0.causal, attn0.window,
+                                    allowed=training_anchors(ids, greedy_np, settings))
         optimizer.learning_rate = learning_rate(step, total, settings)
         t2 = time.perf_counter()
         try:
@@ -1057,7 +1199,7 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         progress.record(event)
         progress.step(step, event["loss"], event["accuracy"], rate, eta)
         if settings.eval_every and step % settings.eval_every == 0:
-            last_eval = estimate_acceptance(draft, target, taps, *evaluation_set(
+            last_eval = estimate_acceptance(draft, target, taps, evaluation_set(
                 target, data, settings, eos_id), settings, mask_token_id)
             progress.record({"event": "eval", "step": step, **last_eval})
             progress.note(f"step {step}: held-out loss {last_eval['heldout_loss']:.4f}, "
@@ -1067,6 +1209,9 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
                 settings, step, tokens_seen, elapsed_before + time.perf_counter() - started,
                 rng, history))
     train_seconds = elapsed_before + time.perf_counter() - started
+    # the pace after the first step (which traces and compiles): what more steps would cost
+    steps_per_second = ((timed_steps - 1) / max(time.perf_counter() - t_start, 1e-9)
+                        if timed_steps > 1 else None)
     save_checkpoint(ckpt_dir, draft, optimizer, checkpoint_state(
         settings, step, tokens_seen, train_seconds, rng, history))
     save_draft(draft, config, out, save_dtype)
@@ -1085,6 +1230,7 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         "history": history,
         "compiled": compiled,
         "pool_seconds": round(data.pool_seconds, 1),
+        "steps_per_second": round(steps_per_second, 3) if steps_per_second else None,
     }
     if len(phases) > 1:  # steady state: the first step (tracing, kernel builds) left out
         steady = np.median(np.array(phases[1:]), axis=0)
@@ -1094,7 +1240,7 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
                                   "first_step": round(float(sum(phases[0])), 3)}
     # Held-out figures of the draft as saved (its dtype): reload it the way --draft does.
     saved_draft = mlxrunner.load(settings.target, draft=str(out), dtype=target_dtype).draft
-    report.update(estimate_acceptance(saved_draft, target, taps, *evaluation_set(
+    report.update(estimate_acceptance(saved_draft, target, taps, evaluation_set(
         target, data, settings, eos_id), settings, mask_token_id))
     if settings.eval_prompts > 0:
         prompts = heldout_prompts(data.heldout, settings.eval_prompts, eos_id, settings.seed)
@@ -1111,10 +1257,13 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
 
 
 def evaluation_set(target: mlxrunner.Model, data: Data, settings: TrainSettings,
-                   eos_id: int | None) -> tuple[np.ndarray, int]:
-    """The held-out continuations, generated once per run."""
+                   eos_id: int) -> EvaluationSet:
+    """The held-out text blocks are measured on (``--eval-text``), built once per run."""
     if data.evaluation is None:
-        data.evaluation = heldout_continuations(target, data.heldout, settings, eos_id)
+        if settings.eval_text == "corpus":
+            data.evaluation = heldout_documents(data.heldout_docs, settings, eos_id)
+        else:
+            data.evaluation = heldout_continuations(target, data.heldout, settings, eos_id)
     return data.evaluation
 
 
@@ -1206,12 +1355,15 @@ def heldout_prompts(stream: np.ndarray, count: int, eos_id: int, seed: int,
 
 
 def format_report(report: dict[str, Any]) -> str:
+    pace = report.get("steps_per_second")
     lines = [f"draft: {report['kind']}, {report['draft_parameters'] / 1e6:.2f}M parameters, "
              f"{report['steps']} steps, {report['tokens_seen']} tokens, "
-             f"{report['train_seconds']}s",
+             f"{report['train_seconds']}s" + (f" ({pace:.2f} steps/s after the first)"
+                                              if pace else ""),
              f"loss: cross-entropy {report['first_loss_ce']:.4f} -> "
              f"{report['final_loss_ce']:.4f} (train, weighted), "
-             f"held-out {report['heldout_loss']:.4f}, accuracy {report['heldout_accuracy']:.3f}",
+             f"held-out {report['heldout_loss']:.4f}, accuracy {report['heldout_accuracy']:.3f}"
+             f" (selector loss {report['heldout_loss_selector']:.4f})",
              f"acceptance: tau estimate {report['tau_estimate']:.2f} "
              f"(greedy agreement over {report['blocks']} held-out blocks)"]
     spec = report.get("speculative")

@@ -41,6 +41,8 @@ class TrainSettings:
     mask_token_id: int | None = None
     decay_gamma: float = 0.0  # 0: block_size / 2
     labels: str = "target"
+    # where blocks are anchored: anywhere, or only in text the target wrote (needs target labels)
+    anchor_on: str = "all"
     self_distill: int = 0
     distill_mix: float = 0.5
     distill_batch: int = 64  # sequences generated together (one forward per token for all)
@@ -55,6 +57,9 @@ class TrainSettings:
     selector_weight: float = 1.0
     heldout_fraction: float = 0.02
     eval_blocks: int = 512
+    # the held-out text blocks are measured on: the target's continuations of held-out
+    # windows, or the held-out documents themselves (a corpus of the target's own replies)
+    eval_text: str = "generated"
     eval_prompts: int = 4
     eval_tokens: int = 96
     eval_every: int = 0
@@ -113,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="loss weight exp(-(k-1)/gamma) of block row k (0: block / 2)")
     parser.add_argument("--labels", choices=["target", "corpus"], default=d.labels,
                         help="train on the target's greedy tokens (default) or corpus tokens")
+    parser.add_argument("--anchor-on", choices=["all", "target"], default=d.anchor_on,
+                        help="where training blocks are anchored: anywhere in a window, or "
+                             "only on tokens the target writes itself (with --labels target: "
+                             "in a corpus of its replies, the replies, not the prompts)")
     parser.add_argument("--self-distill", type=int, default=d.self_distill, metavar="N",
                         help="first generate N greedy sequences with the target and mix them in")
     parser.add_argument("--distill-mix", type=float, default=d.distill_mix,
@@ -126,6 +135,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conv-group-size", type=int, default=d.conv_group_size)
     parser.add_argument("--selector-rank", type=int, default=d.selector_rank)
     parser.add_argument("--selector-top-k", type=int, default=d.selector_top_k)
+    parser.add_argument("--eval-text", choices=["generated", "corpus"], default=d.eval_text,
+                        help="held-out text of the tau estimate: the target's continuations "
+                             "of held-out windows (to their first EOS), or the held-out "
+                             "documents as they are, one per row (a corpus of the target's "
+                             "own replies)")
     parser.add_argument("--eval-prompts", type=int, default=d.eval_prompts,
                         help="held-out prompts for the real speculative loop (0: skip)")
     parser.add_argument("--eval-tokens", type=int, default=d.eval_tokens,
