@@ -144,11 +144,15 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
         assert prefix_cache is not None
         prefix_cache.store(history[:end], cache)
 
+    def keep_chunk(end: int) -> None:
+        if end < len(prompt):  # the prompt's end is stored below, with its logits
+            keep(end)
+
     if hit is not None and hit.logits is not None:  # the whole prompt, met before
         logits = hit.logits
     else:
         logits, _ = prefill(model, prompt, cache, start=stats.cached_tokens,
-                            on_chunk=keep if prefix_cache is not None else None)
+                            on_chunk=keep_chunk if prefix_cache is not None else None)
         if prefix_cache is not None:
             prefix_cache.store(prompt, cache, logits=logits)
     stats.prompt_tokens = len(prompt)

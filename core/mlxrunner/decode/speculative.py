@@ -517,21 +517,28 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
         tapped_rows.append(hit.tapped)
         stats.cached_tokens = hit.length
 
+    def rows() -> mx.array:
+        joined = mx.concatenate(tapped_rows, axis=1) if len(tapped_rows) > 1 else \
+            tapped_rows[0]
+        tapped_rows[:] = [joined]
+        return joined
+
     def keep(end: int) -> None:
         if prefix_cache is not None:
-            rows = mx.concatenate(tapped_rows, axis=1) if len(tapped_rows) > 1 else \
-                tapped_rows[0]
-            tapped_rows[:] = [rows]
-            prefix_cache.store(history[:end], caches, (taps, rows[:, :end]))
+            prefix_cache.store(history[:end], caches, (taps, rows()[:, :end]))
+
+    def keep_chunk(end: int) -> None:
+        if end < len(prompt):  # the prompt's end is stored below, with its logits
+            keep(end)
 
     if hit is not None and hit.logits is not None:  # the whole prompt, met before
         logits = hit.logits
     else:
         logits = _prefill(model, prompt, caches, session, taps, stats.cached_tokens,
                           tapped_rows if prefix_cache is not None else None,
-                          keep if prefix_cache is not None else None)
+                          keep_chunk if prefix_cache is not None else None)
         if prefix_cache is not None:
-            prefix_cache.store(prompt, caches, (taps, tapped_rows[0]), logits)
+            prefix_cache.store(prompt, caches, (taps, rows()), logits)
     first_allowed = None if constraint is None else \
         allowed_rows([constraint.words()], model.vocab_size)
     first = int(sampler.sample(logits, history, first_allowed))
