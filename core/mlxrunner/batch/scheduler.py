@@ -30,6 +30,7 @@ and :meth:`BatchRequest.cancel` may be called from others.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -46,6 +47,7 @@ from ..decode import (
     GenerationStats,
     Sampler,
     SamplerOptions,
+    allowed_rows,
     can_speculate,
     decide,
     forward,
@@ -75,6 +77,12 @@ class BatchRequest:
     #: a draft model (mlxrunner.plugin.DraftModel): the sequence decodes speculatively, its
     #: blocks verified in the batch's forwards (no logprobs with a draft)
     draft: Any = None
+    #: structured output (:class:`mlxrunner.decode.grammar.Constraint`, one per request):
+    #: every token is drawn under its mask, and the sequence ends once it is complete
+    constraint: Any = None
+    #: a :class:`mlxrunner.cache.PrefixCache` of this model: the prompt's longest cached
+    #: prefix is not prefilled again, and the prompt's chunks are stored as generate does
+    prefix_cache: Any = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     #: None while running, then "stop" (a stop id or the callback), "length" or "cancel"
@@ -107,14 +115,26 @@ class _Sequence:
         self.want_logprobs = bool(request.options.logprobs or request.options.top_logprobs)
         # the row argmax alone decides: one reduction over such rows together
         self.penalised = penalties_active(request.options)
-        self.plain_greedy = self.sampler.greedy and not self.penalised
-        self.caches: list[Cache | None] | None = model.make_cache()
+        self.constraint = request.constraint
+        # its next step needs this one's token on the host (a penalty's history, a mask)
+        self.needs_host = self.penalised or self.constraint is not None
+        self.plain_greedy = self.sampler.greedy and not self.needs_host
+        self.prefilled = 0
+        #: the whole prompt's logits, where the prefix cache held all of it
+        self.cached_logits: mx.array | None = None
+        self.caches: list[Cache | None] | None
+        if request.prefix_cache is not None:
+            hit = request.prefix_cache.lookup(request.prompt)
+            self.caches, self.prefilled = hit.caches, hit.length
+            self.cached_logits = hit.logits
+            request.stats.cached_tokens = hit.length
+        else:
+            self.caches = model.make_cache()
         draft = request.draft
         self.session = None if draft is None else draft.new_session(self.sampler)
         self.taps: tuple[int, ...] = () if draft is None else tuple(draft.taps)
         if self.session is not None:
             self.session.extend_tokens(self.history)
-        self.prefilled = 0
         self.row = -1
         self.admitted = admitted
         self.decode_start = 0.0
@@ -122,6 +142,12 @@ class _Sequence:
     @property
     def prompt(self) -> Sequence[int]:
         return self.request.prompt
+
+    def allowed(self, vocab_size: int) -> mx.array | None:
+        """The constraint's mask of the next token ([1, V]), or None."""
+        if self.constraint is None:
+            return None
+        return allowed_rows([self.constraint.words()], vocab_size)
 
 
 @dataclass
@@ -141,6 +167,10 @@ def _check(request: BatchRequest, vocab_size: int) -> None:
         raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
     if request.draft is not None and not can_speculate(request.options):
         raise ValueError("logprob requests decode without a draft: pass draft=None")
+    if request.draft is not None and (request.constraint is not None or
+                                      request.prefix_cache is not None):
+        raise ValueError("a sequence with a draft takes no constraint or prefix cache in "
+                         "the batch (mlxrunner.generate decodes it alone with them)")
     bad = [t for t in request.prompt if not 0 <= int(t) < vocab_size]
     if bad:
         raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
@@ -267,9 +297,13 @@ class Scheduler:
     def _prefill_chunk(self, seq: _Sequence) -> None:
         assert seq.caches is not None
         start = seq.prefilled
-        end = min(len(seq.prompt), start + self.prefill_chunk)
+        # chunks end at multiples of the chunk, as generate's prefill after a prefix hit
+        end = min(len(seq.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
         session = seq.session
-        if session is None:
+        cache = seq.request.prefix_cache
+        if seq.cached_logits is not None:  # the whole prompt was cached
+            logits, end = seq.cached_logits, len(seq.prompt)
+        elif session is None:
             logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches,
                                 chunk=end - start)
         else:
@@ -280,14 +314,18 @@ class Scheduler:
             logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches, taps=seq.taps,
                                 on_taps=to_draft, chunk=end - start)
         seq.prefilled = end
+        if cache is not None and seq.cached_logits is None:
+            cache.store(seq.prompt[:end], seq.caches,
+                        logits=logits if end == len(seq.prompt) else None)
         if end < len(seq.prompt):
             return
         self._prefilling.popleft()
         stats = seq.request.stats
         stats.prompt_tokens = len(seq.prompt)
         stats.target_forwards += 1
-        token = seq.sampler.sample(logits, seq.history)
-        info = seq.sampler.logprobs(logits.reshape(1, -1), token.reshape(1)) \
+        allowed = seq.allowed(self.model.vocab_size)
+        token = seq.sampler.sample(logits, seq.history, allowed)
+        info = seq.sampler.logprobs(logits.reshape(1, -1), token.reshape(1), allowed) \
             if seq.want_logprobs else None
         mx.eval(token, *(info or ()))
         stats.prefill_seconds = time.perf_counter() - seq.admitted
@@ -312,7 +350,7 @@ class Scheduler:
                 self._collect(pending)
             if self._running:
                 self._round()
-        elif pending is not None and not any(s.penalised for s in self._running.values()):
+        elif pending is not None and not any(s.needs_host for s in self._running.values()):
             self._pending = self._launch(pending)
             self._collect(pending)
         else:
@@ -345,10 +383,12 @@ class Scheduler:
                 chosen[row] = picked[i]
         infos: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
         for row, seq in self._running.items():
+            allowed = seq.allowed(self.model.vocab_size)
             if row not in chosen:
-                chosen[row] = seq.sampler.sample(logits[row], seq.history)
+                chosen[row] = seq.sampler.sample(logits[row], seq.history, allowed)
             if seq.want_logprobs:
-                infos[row] = seq.sampler.logprobs(logits[row:row + 1], chosen[row].reshape(1))
+                infos[row] = seq.sampler.logprobs(logits[row:row + 1], chosen[row].reshape(1),
+                                                  allowed)
         order = sorted(chosen)
         if not order:
             return None
@@ -403,7 +443,8 @@ class Scheduler:
         for row, seq in running:
             n = depth[row]
             if seq.session is None:
-                parts = [seq.sampler.sample(logits[row, 0], seq.history).reshape(1)]
+                parts = [seq.sampler.sample(logits[row, 0], seq.history,
+                                            seq.allowed(self.model.vocab_size)).reshape(1)]
             else:
                 drafts, q = proposals.get(row, (None, None))
                 histories = self._histories(seq, drafts, n)
@@ -495,6 +536,11 @@ class Scheduler:
         if stop or token in request.eos_ids:
             self._finish(seq, "stop")
             return False
+        if seq.constraint is not None:
+            seq.constraint.advance(token)
+            if seq.constraint.complete:
+                self._finish(seq, "stop")
+                return False
         if len(request.tokens) >= request.max_tokens:
             self._finish(seq, "length")
             return False
@@ -534,9 +580,10 @@ def _logprob_entry(info: Any) -> dict[str, Any] | None:
     if info is None:
         return None
     chosen, top_ids, top_lp = info
+    # a grammar's forbidden tokens (-inf) are no alternatives
     return {"logprob": float(chosen[0].item()),
             "top_logprobs": [(int(i), float(v)) for i, v in
-                             zip(top_ids[0].tolist(), top_lp[0].tolist())]}
+                             zip(top_ids[0].tolist(), top_lp[0].tolist()) if v > -math.inf]}
 
 
 def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *,

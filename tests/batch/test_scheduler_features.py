@@ -1,0 +1,97 @@
+"""What generate takes, through the scheduler: a grammar's constraint per sequence and a
+prefix cache. Each sequence's output (tokens, logprobs, finish reason, cached tokens) is what
+``mlxrunner.generate`` gives it alone with the same constraint or a cache in the same state."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mlxrunner
+from mlxrunner import SamplerOptions
+from mlxrunner import host as plugins
+from mlxrunner.batch import BatchRequest, Scheduler
+from mlxrunner.cache import PrefixCache
+from mlxrunner.decode import compile_format
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
+                                           "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def demo() -> Any:
+    if "demo-qwen3.5" not in plugins.host().registry("models"):
+        pytest.skip("the demo plugin (mlxrunner-demo) is not installed")
+    return mlxrunner.load("demo-qwen3.5")
+
+
+def test_constrained_rows_match_generate_beside_free_rows(demo: Any) -> None:
+    model, eos = demo.model, frozenset(demo.stop_token_ids())
+    grammar = compile_format(SCHEMA, demo.tokenizer, model.vocab_size, eos)
+    prompts = [demo.tokenizer.encode(t) for t in ("def parse(line):", "x = {", "import os")]
+    options = [SamplerOptions(temperature=0), SamplerOptions(temperature=0.9, seed=4),
+               SamplerOptions(temperature=0.8, seed=2, logprobs=True, top_logprobs=3)]
+    constrained = [True, True, False]
+    budget = 24
+    alone = [mlxrunner.generate(model, p, options=o, max_tokens=budget, eos_ids=eos,
+                                constraint=grammar.constraint() if c else None)
+             for p, o, c in zip(prompts, options, constrained)]
+    scheduler = Scheduler(model, max_sequences=4)
+    requests = [scheduler.submit(BatchRequest(p, o, budget, eos,
+                                              constraint=grammar.constraint() if c else None))
+                for p, o, c in zip(prompts, options, constrained)]
+    scheduler.run_until_idle()
+    for a, r, c in zip(alone, requests, constrained):
+        assert r.tokens == a.tokens
+        # a batched product over several rows rounds apart from a one-row one (BLAS blocks)
+        assert [e["logprob"] for e in r.logprobs] == \
+            pytest.approx([e["logprob"] for e in a.logprobs], abs=1e-4)
+        assert [[i for i, _ in e["top_logprobs"]] for e in r.logprobs] == \
+            [[i for i, _ in e["top_logprobs"]] for e in a.logprobs]
+        assert r.finish_reason == a.finish_reason
+        if c and r.finish_reason == "stop":
+            text = demo.tokenizer.decode([t for t in r.tokens if t not in eos])
+            assert set(json.loads(text)) == {"n", "ok"}
+
+
+def test_a_prefix_hit_fills_the_caches_and_gives_the_cold_output(tiny: Any) -> None:
+    for name in ("qwen3_5", "gemma4"):
+        model = tiny(name)
+        rng = np.random.default_rng(1)
+        base = rng.integers(0, model.vocab_size, 11).tolist()
+        follow = [base + rng.integers(0, model.vocab_size, n).tolist() for n in (6, 3)]
+        options = [SamplerOptions(temperature=0), SamplerOptions(temperature=0.9, seed=7)]
+        alone_cache = PrefixCache(model.make_cache, block=4)
+        batch_cache = PrefixCache(model.make_cache, block=4)
+        # the first prompt fills each cache the same way
+        first = mlxrunner.generate(model, base, options=options[0], max_tokens=5,
+                                   prefix_cache=alone_cache)
+        scheduler = Scheduler(model, max_sequences=4)
+        warm = scheduler.submit(BatchRequest(base, options[0], 5,
+                                               prefix_cache=batch_cache))
+        scheduler.run_until_idle()
+        assert warm.tokens == first.tokens
+        alone = [mlxrunner.generate(model, p, options=o, max_tokens=6,
+                                    prefix_cache=alone_cache)
+                 for p, o in zip([base, *follow], [options[0], *options])]
+        cold = [mlxrunner.generate(model, p, options=o, max_tokens=6)
+                for p, o in zip([base, *follow], [options[0], *options])]
+        requests = [scheduler.submit(BatchRequest(p, o, 6, prefix_cache=batch_cache))
+                    for p, o in zip([base, *follow], [options[0], *options])]
+        scheduler.run_until_idle()
+        for a, c, r in zip(alone, cold, requests):
+            assert r.tokens == a.tokens == c.tokens
+            assert r.stats.cached_tokens > 0
+        assert requests[0].stats.cached_tokens == len(base)  # met whole: no prefill
+
+
+def test_a_draft_with_a_constraint_or_cache_is_refused(tiny: Any) -> None:
+    model = tiny("qwen3_5")
+    scheduler = Scheduler(model)
+    with pytest.raises(ValueError, match="decodes it alone"):
+        scheduler.submit(BatchRequest([1, 2, 3], draft=object(),
+                                      prefix_cache=PrefixCache(model.make_cache)))
