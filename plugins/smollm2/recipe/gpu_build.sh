@@ -2,6 +2,7 @@
 # The default pair's draft, built and measured on the GPU machine (no package index there):
 # the GGUF file travels in three parts (.gguf-a/-b/-c, each under the device's 64 MiB a call),
 #   call: bash plugins/smollm2/recipe/gpu_build.sh part a|b|c   (moves a part to /tmp/gguf)
+#   call: bash plugins/smollm2/recipe/gpu_build.sh answers      (the target's answers alone)
 #   call: bash plugins/smollm2/recipe/gpu_build.sh build        (answers, train-draft, q8 copy)
 #   call: bash plugins/smollm2/recipe/gpu_build.sh bench        (bench/default_model.py)
 # after `bash .mlx-cuda-a/stage.sh` and with .mlx-cuda-b .whl .gpu carried once (with part a).
@@ -25,24 +26,36 @@ setup() {
     cat /tmp/gguf/part-a /tmp/gguf/part-b /tmp/gguf/part-c > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
   fi
   [ -f "$gguf" ] && sha256sum "$gguf"
+  # the kernels MLX compiled come back whatever happens (cat $OUT/ptx-cache.tgz.* into
+  # .gpu/ptx-cache.tgz here: the next machine starts with them, the trainer's first step too)
+  trap '(cd "$MLX_PTX_CACHE_DIR" && tar czf /tmp/ptx-cache.tgz --exclude="*.cu" . &&
+         split -b 15m /tmp/ptx-cache.tgz "$out/ptx-cache.tgz.")' EXIT
+}
+build_args() {
+  echo plugins/smollm2/recipe/build_draft.py "$gguf" --out /tmp/smolbuild \
+    --train-prompts "${PROMPTS:-4000}" --batch "${ANSWER_BATCH:-256}" \
+    --max-tokens "${MAX_TOKENS:-256}" --target-dtype "${TARGET_DTYPE:-bfloat16}"
 }
 case "${1:-}" in
   part)
     cp ".gguf-$2/part" "/tmp/gguf/part-$2" && ls -la /tmp/gguf
     if [ "$2" = a ]; then setup; python3 -c 'import mlxrunner, mlx.core as mx; print(mx.default_device())'; fi
     ;;
+  answers)
+    setup
+    timeout "${BUILD_TIMEOUT:-540}" python3 $(build_args) --answers-only 2>&1 | tee "$out/answers.log" | tail -5
+    ;;
   build)
     setup
-    timeout "${BUILD_TIMEOUT:-540}" python3 plugins/smollm2/recipe/build_draft.py "$gguf" \
-      --out /tmp/smolbuild --train-prompts "${PROMPTS:-4000}" --batch 128 \
-      --time-budget-s "${TRAIN_S:-330}" --target-dtype "${TARGET_DTYPE:-bfloat16}" ${BUILD_ARGS:-} 2>&1 | tee "$out/build.log" |
-      grep -v "^step " | tail -30
+    # answers already written by an `answers` call on this machine are reused
+    timeout "${BUILD_TIMEOUT:-540}" python3 $(build_args) --time-budget-s "${TRAIN_S:-420}" \
+      ${BUILD_ARGS:-} 2>&1 | tee "$out/build.log" | grep -v "^step " | tail -30
     # the shipped draft: 8-bit (a quarter of float32's bytes; the repository must stay small)
     printf 'FROM %s\nDRAFT /tmp/smolbuild/draft\n' "$gguf" > /tmp/Modelfile.smol
     python3 -m mlxrunner.cli create smol-q8 -f /tmp/Modelfile.smol --draft-quantize q8 2>&1 | tail -3
     (cd /tmp/store && d=$(ls -d */ | grep -i smol | head -1) && tar czf /tmp/draft.tgz -C "$d" draft &&
       split -b 15m /tmp/draft.tgz "$out/draft-q8.tgz.")
-    (cd /tmp/smolbuild && tar czf "$out/build-extra.tgz" draft/config.json train-log.jsonl answers-heldout.jsonl 2>/dev/null)
+    (cd /tmp/smolbuild && tar czf "$out/build-extra.tgz" draft/config.json draft/report.json train-log.jsonl answers-heldout.jsonl 2>/dev/null)
     ls -la "$out"
     ;;
   bench)
