@@ -312,3 +312,55 @@ def test_bad_formats_are_one_clear_line(demo, value, message) -> None:
 
 def test_free_text_has_no_grammar(demo) -> None:
     assert grammar_for(demo, None) is None and grammar_for(demo, "") is None
+
+
+def test_speculative_sampling_is_exact_under_the_mask(demo) -> None:
+    """Sampled speculative decoding under a grammar follows plain decoding's exact masked
+    distribution: the second and third tokens' joint (enumerated over the grammar's support)
+    against seeded runs, by chi-square (the first token comes from the prefill, before any
+    draft). The draft proposes the script '"def"' (point masses): a proposal the grammar
+    allows is verified against the masked p (accepted with probability p, else the masked
+    residual), one it forbids gives way to the grammar's forced token or ends the proposal."""
+    from mlxrunner.testing.speculative import ScriptedDraft, chi_square
+
+    grammar = grammar_for(demo, {"enum": ["def", "class", "import", "return", "if x"]},
+                          max_whitespace=0)
+    options = SamplerOptions(temperature=1.5, top_k=0, top_p=1.0)
+    prompt = prompt_of(demo)
+    draft = ScriptedDraft.for_script(demo.model, prompt + demo.tokenizer.encode('"def"'),
+                                     wrong_every_round=False)
+    vocab = demo.model.vocab_size
+    sampler = Sampler(options, vocab)
+    ends = demo.stop_token_ids()
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(3):
+        grown: dict[tuple[int, ...], float] = {}
+        for prefix, mass in joint.items():
+            constraint = grammar.constraint()
+            for token in prefix:
+                constraint.advance(token)
+            if prefix and (prefix[-1] in ends or constraint.complete):
+                grown[prefix] = mass  # ended: nothing follows
+                continue
+            logits = demo.model(mx.array([prompt + list(prefix)]))[:, -1, :]
+            dist = sampler.distributions(logits, [prompt + list(prefix)],
+                                         allowed_rows([constraint.words()], vocab))
+            probs = np.array(dist.dense(vocab), dtype=np.float64)[0]
+            for token in np.flatnonzero(probs > 0):
+                grown[prefix + (int(token),)] = mass * probs[token]
+        joint = grown
+    tails = sorted({key[1:3] for key in joint})
+    expected = np.array([sum(m for k, m in joint.items() if k[1:3] == tail) for tail in tails])
+    counts = np.zeros(len(tails))
+    drafted = accepted = 0
+    for seed in range(150):
+        result = generate(demo.model, prompt, options=options.merged({"seed": seed}),
+                          max_tokens=3, eos_ids=ends, constraint=grammar.constraint(),
+                          draft=draft)
+        drafted += result.stats.drafted
+        accepted += result.stats.accepted
+        counts[tails.index(tuple(result.tokens[1:3]))] += 1
+    assert 0 < accepted < drafted, (accepted, drafted)  # both verdicts were exercised
+    _, dof, p = chi_square(counts, expected / expected.sum())
+    assert dof >= 2, "too few outcomes to test anything"
+    assert p > 1e-3, (p, dict(zip(tails, counts)), expected)

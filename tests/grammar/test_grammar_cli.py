@@ -36,7 +36,7 @@ def test_a_schema_file_makes_the_reply_valid_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("content, needle", [
-    (None, "is neither 'json' nor a schema file that exists"),
+    (None, "argument --format: 'schema.json' is neither 'json' nor a schema file"),
     ("[1, 2]", "holds a list, not a JSON Schema object"),
     ("{oops", "is not JSON"),
     ('{"type": "strin"}', "--format: the JSON Schema is not supported"),
