@@ -152,6 +152,8 @@ def main() -> None:
                # blocks where decoding puts them: in the replies (not the prompts), measured
                # on the held-out replies themselves, one conversation per row
                "--anchor-on", "target", "--eval-text", "corpus",
+               # every held-out reply (the estimate takes one per --anchors blocks)
+               "--eval-blocks", str(args.heldout_prompts * args.anchors),
                "--steps", str(args.steps), "--batch", str(args.train_batch),
                "--seq-len", str(args.seq_len), "--anchors", str(args.anchors),
                "--lr", str(args.lr), "--layers", str(args.layers),
