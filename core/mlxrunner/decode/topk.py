@@ -87,8 +87,10 @@ def _index(n: int) -> mx.array:
     if index is None:
         if len(_index_cache) > 16:
             _index_cache.clear()
-        # Left lazy: the first graph that uses it computes it, once.
+        # Evaluated now: a lazy array belongs to its thread's stream, and another engine's
+        # thread would have to compute it there.
         index = _index_cache[n] = mx.arange(n, dtype=mx.int64)
+        mx.eval(index)
     return index
 
 
