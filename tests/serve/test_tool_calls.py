@@ -45,15 +45,17 @@ class ScriptedModel(Model):
 
     def __call__(self, ids: mx.array, cache: Any = None, *, taps: Any = None) -> mx.array:
         batch, length = ids.shape
-        offset = 0
+        starts: Any = [0] * batch
         if cache:
-            offset = cache[0].offset
+            # one offset, or one per row in serve's batch
+            starts = mx.array(cache[0].offset).tolist()
+            starts = starts if isinstance(starts, list) else [starts] * batch
             dummy = mx.zeros((batch, 1, length, 1))
             cache[0].update_and_fetch(dummy, dummy)
-        said = [self._script[min(max(q - self._start + 1, 0), len(self._script) - 1)]
-                for q in range(offset, offset + length)]
-        chosen = mx.arange(self._vocab)[None, :] == mx.array(said)[:, None]
-        return mx.broadcast_to(mx.where(chosen, 100.0, 0.0), (batch, length, self._vocab))
+        said = [[self._script[min(max(q - self._start + 1, 0), len(self._script) - 1)]
+                 for q in range(start, start + length)] for start in starts]
+        chosen = mx.arange(self._vocab)[None, None, :] == mx.array(said)[:, :, None]
+        return mx.where(chosen, 100.0, 0.0)
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
         return self.embed(ids)
