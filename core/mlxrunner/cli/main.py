@@ -490,7 +490,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          origins=tuple(o.strip() for o in (args.origins or "").split(",")
                                        if o.strip()) or current.origins)
     given = {k: v for k, v in (("queue_size", args.max_queue),
-                               ("request_timeout", args.request_timeout)) if v is not None}
+                               ("request_timeout", args.request_timeout),
+                               ("max_batch", args.max_batch)) if v is not None}
     limits = Limits() if args.max_tokens_limit is None else Limits(
         max_tokens_limit=args.max_tokens_limit)
     service = Service(bundle, name=args.name or model_arg, limits=limits, **given)
@@ -533,8 +534,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--origins", help="browser origins accepted beyond this machine's, "
                                      "comma-separated globs (default: MLXRUNNER_ORIGINS)")
     p.add_argument("--max-queue", type=count(1),
-                   help="requests waiting beyond the one decoding; more get status 503 "
+                   help="requests waiting beyond those decoding; more get status 503 "
                         "(default 64)")
+    p.add_argument("--max-batch", type=count(1),
+                   help="requests decoded together at most, joining and leaving between "
+                        "steps (default 16; 1: one at a time)")
     p.add_argument("--max-tokens-limit", type=count(1),
                    help="the most tokens one request may generate (default 32768; the "
                         "context caps it too)")

@@ -1,9 +1,13 @@
 """The model side of the server: checked requests in, replies (or streamed text) out.
 
-Generation is blocking MLX work. It runs on one worker thread, one request at a time, fed by a
-bounded queue: MLX's streams belong to the thread that made them, so a forward traced on one
-thread cannot be replayed on another. The event loop only waits for it (``asyncio`` futures),
-and a request whose client has gone is cancelled between two tokens.
+Generation is blocking MLX work. It runs on one worker thread, fed by a bounded queue: MLX's
+streams belong to the thread that made them, so a forward traced on one thread cannot be
+replayed on another. The worker drives one :class:`mlxrunner.batch.Scheduler`: requests join
+the running batch between its steps (up to ``max_batch`` at once), each decoded exactly as
+:func:`mlxrunner.generate` decodes it alone. A request the batch cannot take exactly (a draft
+together with a grammar or the prefix cache) runs alone through ``generate`` between two
+steps. The event loop only waits for it (``asyncio`` futures), and a request whose client has
+gone is cancelled between two tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from ..batch import BatchRequest, Scheduler
 from ..bundle import Bundle
 from ..cache import prefix_cache_for
 from ..chat.streaming import TextStream
@@ -33,6 +38,8 @@ DEFAULT_MAX_TOKENS = 1024
 #: the most tokens one request may generate, whatever it asks (``--max-tokens-limit``)
 MAX_TOKENS_LIMIT = 32768
 DEFAULT_QUEUE_SIZE = 64
+#: requests decoded together at most (``--max-batch``; 1: one at a time)
+DEFAULT_MAX_BATCH = 16
 #: seconds one request may generate before it is ended (``--request-timeout``)
 DEFAULT_REQUEST_TIMEOUT = 600.0
 
@@ -98,6 +105,11 @@ class _Job:
         self.cancel = threading.Event()
         self.future: Future[Reply] = Future()
         self.submitted = time.monotonic()
+        #: in the batch: its request, its reply so far, its text stream
+        self.request: BatchRequest | None = None
+        self.reply = Reply(prompt_tokens=len(generation.ids))
+        self.text: TextStream | None = None
+        self.ended_early = False
 
 
 class Engine:
@@ -106,8 +118,14 @@ class Engine:
     0.32.4 a joined worker that ran traced forwards aborted the process at exit."""
 
     def __init__(self, bundle: Bundle, *, queue_size: int = DEFAULT_QUEUE_SIZE,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> None:
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.bundle = bundle
+        self.max_batch = max_batch
+        #: the worker's scheduler (made on the worker thread, whose streams its forwards use)
+        self.scheduler: Scheduler | None = None
         self.stop_ids = bundle.stop_token_ids()
         #: state kept across requests (None: off, or a model whose caches it cannot keep)
         self.prefix_cache = prefix_cache_for(bundle.model.make_cache)
@@ -115,7 +133,7 @@ class Engine:
         self.queue_size = queue_size
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self.running = 0  # 1 while a job decodes
+        self.running = 0  # jobs in the batch or decoding alone
         #: jobs so far: submitted, done, cancelled (their client left midway), skipped (their
         #: client left before they began), failed
         self.counts = dict.fromkeys(("submitted", "done", "cancelled", "skipped", "failed"), 0)
@@ -123,7 +141,9 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        """Jobs not decoding yet: queued for the worker or waiting for a row."""
+        scheduler = self.scheduler
+        return self._jobs.qsize() + (scheduler.waiting if scheduler is not None else 0)
 
     @property
     def busy(self) -> bool:
@@ -138,30 +158,124 @@ class Engine:
         called on the worker thread with each decided piece of text."""
         job = _Job(generation, on_text, time.monotonic() + self.request_timeout)
         with self._lock:
-            if self._jobs.qsize() >= self.queue_size:
-                raise BusyError(self._jobs.qsize())
+            waiting = self.waiting
+            if waiting >= self.queue_size:
+                raise BusyError(waiting)
             self._jobs.put_nowait(job)
             self.counts["submitted"] += 1
         return job
 
     def _serve(self) -> None:
+        scheduler = self.scheduler = Scheduler(self.bundle.model, max_sequences=self.max_batch)
+        active: list[_Job] = []  # in the batch
+        closing = False
         while True:
-            job = self._jobs.get()
-            if job is None:  # closed
-                return
-            if job.cancel.is_set() or not job.future.set_running_or_notify_cancel():
-                self.counts["skipped"] += 1
+            jobs: list[_Job | None] = []
+            if scheduler.idle:
+                if closing:
+                    return
+                jobs.append(self._jobs.get())  # nothing to step: wait for work
+            while True:
+                try:
+                    jobs.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            for job in jobs:
+                if job is None:  # closed: the jobs queued before still run
+                    closing = True
+                elif job.cancel.is_set() or not job.future.set_running_or_notify_cancel():
+                    self.counts["skipped"] += 1
+                elif self._joins_batch(job):
+                    job.request = self._batch_request(job)
+                    scheduler.submit(job.request)
+                    active.append(job)
+                else:
+                    self._run_alone(job, len(active))
+            for job in active:
+                if job.cancel.is_set():
+                    assert job.request is not None
+                    job.request.cancel()
+            self.running = len(active)
+            if scheduler.idle:
                 continue
-            self.running = 1
             try:
-                reply = self._run(job)
-                self.counts["cancelled" if reply.finish_reason == "cancelled" else "done"] += 1
-                job.future.set_result(reply)
-            except BaseException as exc:  # the request's side raises it
-                self.counts["failed"] += 1
-                job.future.set_exception(exc)
-            finally:
-                self.running = 0
+                scheduler.step()
+            except BaseException as exc:  # the batch's state is lost: its requests fail
+                log.exception("mlxrunner: a batched step failed")
+                for job in active:
+                    self.counts["failed"] += 1
+                    job.future.set_exception(exc)
+                active.clear()
+                scheduler = self.scheduler = Scheduler(self.bundle.model,
+                                                       max_sequences=self.max_batch)
+                continue
+            for job in [j for j in active if j.request is not None and j.request.done]:
+                active.remove(job)
+                self._end(job)
+            self.running = len(active)
+
+    def _joins_batch(self, job: _Job) -> bool:
+        """Whether the batch decodes ``job`` exactly as generate would: a draft decodes
+        there without a grammar or the prefix cache only."""
+        options = job.generation.options
+        drafted = self.bundle.draft is not None and not (options.logprobs or
+                                                         options.top_logprobs)
+        return not drafted or (job.generation.grammar is None and self.prefix_cache is None)
+
+    def _batch_request(self, job: _Job) -> BatchRequest:
+        request = job.generation
+        job.reply.queued_seconds = time.monotonic() - job.submitted
+        job.text = text = TextStream(self.bundle.tokenizer, self.stop_ids, request.stops,
+                                     job.on_text)
+        reply = job.reply
+
+        def on_token(token: int, _: Any) -> bool:
+            reply.tokens.append(token)
+            if job.cancel.is_set() or time.monotonic() > job.deadline:
+                job.ended_early = True
+                return True
+            return text.add(token)  # True at a stop string: generation ends, logprobs kept
+
+        options = request.options
+        drafted = self.bundle.draft is not None and not (options.logprobs or
+                                                         options.top_logprobs)
+        return BatchRequest(request.ids, options, request.max_tokens,
+                            frozenset(self.stop_ids), on_token,
+                            draft=self.bundle.draft if drafted else None,
+                            constraint=request.grammar.constraint()
+                            if request.grammar is not None else None,
+                            prefix_cache=self.prefix_cache)
+
+    def _end(self, job: _Job) -> None:
+        """A batched job's reply, from its finished request."""
+        request, reply, text = job.request, job.reply, job.text
+        assert request is not None and text is not None
+        reply.text = text.finish()
+        reply.finish_reason = "cancelled" if request.finish_reason == "cancel" \
+            else str(request.finish_reason)
+        if text.stopped:
+            reply.stop_string = _first_stop(self.bundle.tokenizer.decode(reply.tokens),
+                                            job.generation.stops)
+        if job.ended_early:
+            reply.finish_reason = "cancelled" if job.cancel.is_set() else "length"
+        if reply.finish_reason == "cancelled" or job.ended_early:
+            log.info("mlxrunner: generation %s after %d tokens", "cancelled (the client "
+                     "went away)" if job.cancel.is_set() else "timed out", len(reply.tokens))
+        self._fill(reply, request.logprobs, request.stats, job)
+        self.counts["cancelled" if reply.finish_reason == "cancelled" else "done"] += 1
+        job.future.set_result(reply)
+
+    def _run_alone(self, job: _Job, batched: int) -> None:
+        self.running = batched + 1
+        try:
+            reply = self._run(job)
+            self.counts["cancelled" if reply.finish_reason == "cancelled" else "done"] += 1
+            job.future.set_result(reply)
+        except BaseException as exc:  # the request's side raises it
+            self.counts["failed"] += 1
+            job.future.set_exception(exc)
+        finally:
+            self.running = batched
 
     def close(self) -> None:
         """End the worker thread once the jobs queued before have run."""
@@ -196,13 +310,17 @@ class Engine:
             reply.finish_reason = "cancelled" if job.cancel.is_set() else "length"
             log.info("mlxrunner: generation %s after %d tokens", "cancelled (the client "
                      "went away)" if job.cancel.is_set() else "timed out", len(reply.tokens))
-        reply.logprobs = result.logprobs[:len(reply.tokens)]
-        reply.stats = result.stats.as_dict()
-        reply.cached_tokens = int(getattr(result.stats, "cached_tokens", 0))
-        reply.prefill_seconds = float(getattr(result.stats, "prefill_seconds", 0.0))
-        reply.decode_seconds = float(getattr(result.stats, "decode_seconds", 0.0))
-        reply.total_seconds = time.monotonic() - job.submitted
+        self._fill(reply, result.logprobs, result.stats, job)
         return reply
+
+    @staticmethod
+    def _fill(reply: Reply, logprobs: list[dict[str, Any]], stats: Any, job: _Job) -> None:
+        reply.logprobs = logprobs[:len(reply.tokens)]
+        reply.stats = stats.as_dict()
+        reply.cached_tokens = int(getattr(stats, "cached_tokens", 0))
+        reply.prefill_seconds = float(getattr(stats, "prefill_seconds", 0.0))
+        reply.decode_seconds = float(getattr(stats, "decode_seconds", 0.0))
+        reply.total_seconds = time.monotonic() - job.submitted
 
     # -- the event loop's side ---------------------------------------------------------
     async def complete(self, generation: Generation,
@@ -280,6 +398,7 @@ class Service:
     def __init__(self, bundle: Bundle, name: str | None = None, *,
                  limits: Limits | None = None, queue_size: int = DEFAULT_QUEUE_SIZE,
                  request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+                 max_batch: int = DEFAULT_MAX_BATCH,
                  engine: Engine | None = None) -> None:
         """``engine``: one already running for this bundle's model (another service over the
         same model must share it)."""
@@ -290,7 +409,7 @@ class Service:
         self.default_max_tokens = int(bundle.extra.get("max_tokens")
                                       or self.limits.default_max_tokens)
         self.engine = engine or Engine(bundle, queue_size=queue_size,
-                                       request_timeout=request_timeout)
+                                       request_timeout=request_timeout, max_batch=max_batch)
         self.loaded_at = time.time()
 
     def encode(self, prompt_text: str, *, rendered: bool) -> list[int]:
