@@ -87,6 +87,18 @@ def test_a_prefix_hit_fills_the_caches_and_gives_the_cold_output(tiny: Any) -> N
             assert r.tokens == a.tokens == c.tokens
             assert r.stats.cached_tokens > 0
         assert requests[0].stats.cached_tokens == len(base)  # met whole: no prefill
+        # the next turn: the first reply's end was stored too, as generate stores it
+        turn = follow[0] + requests[1].tokens + [3, 4]
+        again = mlxrunner.generate(model, turn, options=options[0], max_tokens=4,
+                                   prefix_cache=alone_cache)
+        request = scheduler.submit(BatchRequest(turn, options[0], 4, prefix_cache=batch_cache))
+        scheduler.run_until_idle()
+        assert request.tokens == again.tokens
+        # the batch may have fed the reply's last token too (a step queued before the
+        # budget ended it), which generate's last step leaves out
+        assert again.stats.cached_tokens <= request.stats.cached_tokens <= \
+            again.stats.cached_tokens + 1
+        assert again.stats.cached_tokens > len(follow[0])
 
 
 def test_a_draft_with_a_constraint_or_cache_is_refused(tiny: Any) -> None:

@@ -40,7 +40,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ..cache import BatchCaches, Cache
+from ..cache import BatchCaches, Cache, KVCache, RecurrentCache, RingCache
 from ..decode import (
     PREFILL_CHUNK,
     GenerationResult,
@@ -553,9 +553,38 @@ class Scheduler:
         request.finish_reason = reason
         seq.caches = None
         if seq.row >= 0 and self._running.get(seq.row) is seq:
+            if request.prefix_cache is not None and reason != "cancel":
+                # what the row was fed (a queued step's token included), as generate keeps
+                fed = self.batch.row_offsets[seq.row]
+                solo = self._row_caches(seq.row)
+                if solo is not None and fed <= len(seq.history):
+                    request.prefix_cache.store(seq.history[:fed], solo)
             del self._running[seq.row]
             self.batch.remove(seq.row)
             seq.row = -1
+
+    def _row_caches(self, row: int) -> list[Cache | None] | None:
+        """One row's caches as a solo sequence's, in arrays of their own (the batch writes
+        its buffers on); None for a cache kind the prefix cache does not keep."""
+        solo = self.model.make_cache()
+        for mine, batched in zip(solo, self.batch.caches):
+            if mine is None or batched is None:
+                continue
+            held = cast(Any, batched)
+            n = self.batch.row_offsets[row]
+            if type(mine) is RecurrentCache:
+                mine.conv_tail = mx.array(held.conv_tail[row:row + 1])
+                mine.recurrent_state = mx.array(held.recurrent_state[row:row + 1])
+            elif type(mine) is KVCache:
+                mine.keys = mx.array(held.keys[row:row + 1, :, :n])
+                mine.values = mx.array(held.values[row:row + 1, :, :n])
+            elif type(mine) is RingCache:
+                mine.keys = mx.array(held.keys[row:row + 1])
+                mine.values = mx.array(held.values[row:row + 1])
+            else:
+                return None
+            mine.offset = n
+        return solo
 
     def _finish_unstarted(self, request: BatchRequest) -> None:
         request.finish_reason = "cancel"
