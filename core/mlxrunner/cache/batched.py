@@ -36,7 +36,7 @@ from ..constants import arange_constant
 from .base import Cache
 from .frame import TraceFrame
 from .kv import KVCache, trace_capacity_step
-from .recurrent import RecurrentCache, StateCapture
+from .recurrent import RecurrentCache, TracedRecurrentCache, adopted_capture
 from .ring import RingCache
 
 
@@ -573,60 +573,17 @@ class BatchedRecurrentCache(BatchedCache):
         return arrays
 
     def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
-        return _RowRecurrentCache(frame, arrays, self.snapshot_positions(frame.length))
+        return TracedRecurrentCache(frame, arrays, self.snapshot_positions(frame.length))
 
     def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
               record: object) -> None:
         tail, state, *captured = outputs
-        positions = self.snapshot_positions(length)
-        self._capture = None
-        if positions and callable(record):  # the rebuild of a StateCapture
-            self._capture = StateCapture(record, tuple(captured))
-        elif positions:  # every boundary, computed inside the forward
-            states = {j: (captured[2 * i], captured[2 * i + 1]) for i, j in enumerate(positions)}
-            self._capture = states.__getitem__
+        self._capture = adopted_capture(self.snapshot_positions(length), captured, record)
         self.conv_tail, self.recurrent_state = tail, state
         self._advanced(length)
 
     def give_back(self, inputs: Sequence[mx.array]) -> None:
         self.conv_tail, self.recurrent_state = inputs
-
-
-class _RowRecurrentCache(RecurrentCache):
-    """A :class:`BatchedRecurrentCache` inside a forward: the layer reads the stacked tails
-    and states and hands :meth:`advance` the new ones (and a capture when asked)."""
-
-    def __init__(self, frame: TraceFrame, arrays: Sequence[mx.array],
-                 positions: list[int]) -> None:
-        super().__init__()
-        self.offset = frame.offset  # type: ignore[assignment]
-        self.conv_tail, self.recurrent_state = arrays
-        self.positions = positions
-        self.outputs: list[mx.array] = []
-        self.rebuild: Callable[..., tuple[mx.array, mx.array]] | None = None
-
-    def snapshot_positions(self, length: int) -> list[int]:
-        return list(self.positions)
-
-    def advance(self, length: int, conv_tail: mx.array, recurrent_state: mx.array,
-                capture: Any = None) -> None:
-        self.outputs = [conv_tail, recurrent_state]
-        if not self.positions:
-            return
-        if capture is None:
-            raise ValueError("a forward over a rollback must hand advance a capture")
-        if isinstance(capture, StateCapture):
-            self.rebuild = capture.rebuild
-            self.outputs += list(capture.arrays)
-        else:
-            for j in self.positions:
-                self.outputs += list(capture(j))
-
-    def trace_outputs(self) -> list[mx.array]:
-        return list(self.outputs)
-
-    def trace_record(self) -> object:
-        return self.rebuild
 
 
 def batched_form(cache: Cache | None) -> BatchedCache | None:

@@ -104,35 +104,44 @@ class RecurrentCache(Cache):
         return arrays
 
     def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> RecurrentCache:
-        return _TracedRecurrentCache(self, frame, arrays)
+        return TracedRecurrentCache(frame, arrays, self.snapshot_positions(frame.length),
+                                    self.scheduled)
 
     def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
               record: object) -> None:
         tail, state, *captured = outputs
-        positions = self.snapshot_positions(length)
-        capture: Capture | None = None
-        if positions and callable(record):  # the rebuild of a StateCapture
-            capture = StateCapture(record, tuple(captured))
-        elif positions:  # every scheduled boundary, computed inside the trace
-            states = {j: (captured[2 * i], captured[2 * i + 1]) for i, j in enumerate(positions)}
-            capture = states.__getitem__
+        capture = adopted_capture(self.snapshot_positions(length), captured, record)
         self.advance(length, tail, state, capture)
+
+
+def adopted_capture(positions: Sequence[int], captured: Sequence[mx.array],
+                    record: object) -> Capture | None:
+    """The capture a traced forward's extra outputs stand for (see
+    :class:`TracedRecurrentCache`): a :class:`StateCapture` over them when the trace
+    recorded its rebuild, else the states at every boundary it computed."""
+    if not positions:
+        return None
+    if callable(record):  # the rebuild of a StateCapture
+        return StateCapture(record, tuple(captured))
+    states = {j: (captured[2 * i], captured[2 * i + 1]) for i, j in enumerate(positions)}
+    return states.__getitem__
 
     def give_back(self, inputs: Sequence[mx.array]) -> None:
         self.conv_tail, self.recurrent_state = inputs
 
 
-class _TracedRecurrentCache(RecurrentCache):
-    """A :class:`RecurrentCache` inside a traced forward: the tail and state are traced
-    inputs, and :meth:`advance` records the outputs (and what a rollback needs)."""
+class TracedRecurrentCache(RecurrentCache):
+    """A recurrent cache inside a traced forward (a :class:`RecurrentCache`'s or a batched
+    one's): the tail and state are traced inputs, and :meth:`advance` records the outputs
+    and what a rollback to ``positions`` (the forward's boundaries to capture) needs."""
 
-    def __init__(self, source: RecurrentCache, frame: TraceFrame,
-                 arrays: Sequence[mx.array]) -> None:
+    def __init__(self, frame: TraceFrame, arrays: Sequence[mx.array],
+                 positions: Sequence[int], scheduled: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.offset = frame.offset  # type: ignore[assignment]
-        self.scheduled = source.scheduled
+        self.scheduled = scheduled
         self.conv_tail, self.recurrent_state = arrays
-        self.positions = source.snapshot_positions(frame.length)
+        self.positions = list(positions)
         self.outputs: list[mx.array] = []
         self.rebuild: Callable[..., tuple[mx.array, mx.array]] | None = None
 
