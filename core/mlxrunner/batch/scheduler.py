@@ -30,7 +30,6 @@ and :meth:`BatchRequest.cancel` may be called from others.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -51,6 +50,7 @@ from ..decode import (
     can_speculate,
     decide,
     forward,
+    logprob_entry,
     penalties_active,
     prefill,
     topk_indices,
@@ -522,7 +522,7 @@ class Scheduler:
         seq.history.append(token)
         request.tokens.append(token)
         request.stats.generated_tokens += 1
-        entry = _logprob_entry(info)
+        entry = logprob_entry(info)
         if entry is not None:
             request.logprobs.append(entry)
         stop = False
@@ -602,17 +602,6 @@ class Scheduler:
         if self._pending is not None:  # its rows, where they are now
             self._pending.rows = [(moved[row], seq, at) for row, seq, at in self._pending.rows
                                   if row in moved]
-
-
-def _logprob_entry(info: Any) -> dict[str, Any] | None:
-    """The logprob entry of one token (as :func:`mlxrunner.generate` reports it)."""
-    if info is None:
-        return None
-    chosen, top_ids, top_lp = info
-    # a grammar's forbidden tokens (-inf) are no alternatives
-    return {"logprob": float(chosen[0].item()),
-            "top_logprobs": [(int(i), float(v)) for i, v in
-                             zip(top_ids[0].tolist(), top_lp[0].tolist()) if v > -math.inf]}
 
 
 def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *,

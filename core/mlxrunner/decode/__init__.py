@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "GenerationResult": "plain",
     "GenerationStats": "plain",
     "PREFILL_CHUNK": "plain",
+    "logprob_entry": "plain",
     "prefill": "plain",
     "stream_plain": "plain",
     # speculative decoding

@@ -198,7 +198,7 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
             if more and following is None:
                 following = step(mx.array([[value]], dtype=mx.int32))
             stats.generated_tokens += 1
-            yield value, _logprob_dict(info)
+            yield value, logprob_entry(info)
             if not more:
                 break
             assert following is not None  # stepped above when more
@@ -216,7 +216,9 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
                 keep(fed[0])
 
 
-def _logprob_dict(info: Any) -> dict[str, Any] | None:
+def logprob_entry(info: Any) -> dict[str, Any] | None:
+    """One token's logprob entry as generation reports it, from the sampler's
+    ``(chosen, top ids, top logprobs)`` of one row."""
     if info is None:
         return None
     chosen, top_ids, top_lp = info
