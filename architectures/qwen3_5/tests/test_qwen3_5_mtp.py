@@ -338,16 +338,21 @@ def test_show_and_stats_name_the_draft(tmp_path):
 # -- a mixture-of-experts target ------------------------------------------------------------
 
 
-def test_a_moe_target_gets_a_head_with_its_experts():
-    """The head of a qwen3_5_moe target: its layer's feed-forward block is the target's
-    experts, and per-expert checkpoint tensors are packed by the target's own sanitize."""
-    config = dict(SMALL, architectures=["Qwen3_5MoeForCausalLM"], num_experts=4,
+def moe_target(base: dict) -> tuple[dict, object]:
+    """A tiny qwen3_5_moe config over ``base`` and its target (skipped without the MoE)."""
+    config = dict(base, architectures=["Qwen3_5MoeForCausalLM"], num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=8,
                   shared_expert_intermediate_size=8)
     try:
-        target = mlxrunner.build_model(config)
+        return config, mlxrunner.build_model(config)
     except mlxrunner.errors.UnknownNameError:
         pytest.skip("this Qwen3.5 plugin has no qwen3_5_moe architecture")
+
+
+def test_a_moe_target_gets_a_head_with_its_experts():
+    """The head of a qwen3_5_moe target: its layer's feed-forward block is the target's
+    experts, and per-expert checkpoint tensors are packed by the target's own sanitize."""
+    config, target = moe_target(SMALL)
     draft = build_draft(Qwen3_5MTP, config, target)
     assert type(draft.layers[0].mlp) is type(target.layers[-1].mlp)
     from mlx.utils import tree_flatten
@@ -373,14 +378,7 @@ def test_a_moe_target_gets_a_head_with_its_experts():
 def test_a_moe_config_without_a_dense_width_gets_a_head():
     """Mixture-of-experts configs need no ``intermediate_size`` (every layer sparse): the
     head's layer is built with the target's experts, not a dense MLP of width 0."""
-    config = {k: v for k, v in SMALL.items() if k != "intermediate_size"}
-    config.update(architectures=["Qwen3_5MoeForCausalLM"], num_experts=4,
-                  num_experts_per_tok=2, moe_intermediate_size=8,
-                  shared_expert_intermediate_size=8)
-    try:
-        target = mlxrunner.build_model(config)
-    except mlxrunner.errors.UnknownNameError:
-        pytest.skip("this Qwen3.5 plugin has no qwen3_5_moe architecture")
+    config, target = moe_target({k: v for k, v in SMALL.items() if k != "intermediate_size"})
     draft = build_draft(Qwen3_5MTP, config, target)
     assert type(draft.layers[0].mlp) is type(target.layers[-1].mlp)
 
