@@ -57,6 +57,9 @@ class Settings:
     prefix_cache_mib: int = 2048
     api_key: str | None = field(default=None, repr=False)  # a secret: not in reprs
     origins: tuple[str, ...] = ()
+    #: every decision is a function of the tokens alone (no wall-clock timing): set on the
+    #: ranks of a distributed job, which must all make the same ones (mlxrunner.distributed)
+    lockstep: bool = False
 
     def kernel_allowed(self, name: str) -> bool:
         return name in self.kernels

@@ -203,14 +203,16 @@ class Attention(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.window = cfg.sliding_window if layer_type == SLIDING else None
         bias, hidden = cfg.attention_bias, cfg.hidden_size
-        self.q_proj = mnn.Linear(hidden, self.n_heads * d, bias=bias)
+        # tensor-parallel: heads split over the ranks (mlxrunner.nn.parallel)
+        heads, kv_heads = mnn.Column(self.n_heads), mnn.Column(self.n_kv_heads)
+        self.q_proj = mnn.Linear(hidden, self.n_heads * d, bias, heads)
         self.q_norm = mnn.RMSNorm(d, cfg.rms_norm_eps)
         if self.has_kv:
-            self.k_proj = mnn.Linear(hidden, self.n_kv_heads * d, bias=bias)
+            self.k_proj = mnn.Linear(hidden, self.n_kv_heads * d, bias, kv_heads)
             if not self.k_eq_v:
-                self.v_proj = mnn.Linear(hidden, self.n_kv_heads * d, bias=bias)
+                self.v_proj = mnn.Linear(hidden, self.n_kv_heads * d, bias, kv_heads)
             self.k_norm = mnn.RMSNorm(d, cfg.rms_norm_eps)
-        self.o_proj = mnn.Linear(self.n_heads * d, hidden, bias=bias)
+        self.o_proj = mnn.Linear(self.n_heads * d, hidden, bias, mnn.Row())
         self.rope = mnn.RoPE.from_config(d, {}, cfg.rope[layer_type])
 
     def __call__(self, x: mx.array, cache: KVCache | RingCache | None, offset: int | mx.array,
@@ -219,8 +221,8 @@ class Attention(nn.Module):
         KV-sharing layer's, from the layer it shares them with)."""
         B, L, _ = x.shape
 
-        def heads(y: mx.array, n: int) -> mx.array:
-            return y.reshape(B, L, n, self.head_dim)
+        def heads(y: mx.array) -> mx.array:  # -1: this rank's heads when sharded
+            return y.reshape(B, L, -1, self.head_dim)
 
         if self.has_kv:
             if self.k_eq_v:  # the value is the raw key projection, normed like any value
@@ -228,13 +230,13 @@ class Attention(nn.Module):
                 v = k
             else:
                 q, k, v = mnn.linears(x, self.q_proj, self.k_proj, self.v_proj)
-            k = self.rope(self.k_norm(heads(k, self.n_kv_heads)).transpose(0, 2, 1, 3), offset)
-            v = mnn.rms_norm(heads(v, self.n_kv_heads), self.eps).transpose(0, 2, 1, 3)
+            k = self.rope(self.k_norm(heads(k)).transpose(0, 2, 1, 3), offset)
+            v = mnn.rms_norm(heads(v), self.eps).transpose(0, 2, 1, 3)
             shared = mnn.store(cache, k, v, self.window)
         else:
             q = self.q_proj(x)
         assert shared is not None
-        q = self.rope(self.q_norm(heads(q, self.n_heads)).transpose(0, 2, 1, 3), offset)
+        q = self.rope(self.q_norm(heads(q)).transpose(0, 2, 1, 3), offset)
         out = mnn.attend(q, *shared, scale=1.0)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), shared
 
@@ -301,6 +303,12 @@ class DecoderLayer(nn.Module):
             gate = mnn.gelu_tanh_mul(self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return h * self.layer_scalar, kv
+
+    @staticmethod
+    def pipeline_passthrough(x: mx.array, cache: Any, offset: Any, shared: mnn.KV | None,
+                             per_layer_input: Any) -> tuple[mx.array, mnn.KV | None]:
+        """What stands for this layer on a pipeline stage that does not hold it."""
+        return x, shared
 
 
 class TextModel(nn.Module):
@@ -391,6 +399,12 @@ class Gemma4Model(Model):
     @property
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
+
+    @property
+    def layer_kv_sources(self) -> list[int]:
+        """For each layer, the layer whose keys and values it attends over (a pipeline split
+        keeps them on one rank)."""
+        return list(self.args.kv_source)
 
     # -- loading ---------------------------------------------------------------
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -82,26 +82,28 @@ class LlamaConfig:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, rope: mnn.RoPE) -> None:
         super().__init__()
-        self.heads, self.kv_heads = cfg.heads, cfg.kv_heads
+        self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         q_width, kv_width = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.q_proj = mnn.Linear(cfg.hidden_size, q_width, bias=cfg.attention_bias)
-        self.k_proj = mnn.Linear(cfg.hidden_size, kv_width, bias=cfg.attention_bias)
-        self.v_proj = mnn.Linear(cfg.hidden_size, kv_width, bias=cfg.attention_bias)
-        self.o_proj = mnn.Linear(q_width, cfg.hidden_size, bias=cfg.attention_bias)
+        bias = cfg.attention_bias
+        # tensor-parallel: heads split over the ranks (mlxrunner.nn.parallel)
+        self.q_proj = mnn.Linear(cfg.hidden_size, q_width, bias, mnn.Column(cfg.heads))
+        self.k_proj = mnn.Linear(cfg.hidden_size, kv_width, bias, mnn.Column(cfg.kv_heads))
+        self.v_proj = mnn.Linear(cfg.hidden_size, kv_width, bias, mnn.Column(cfg.kv_heads))
+        self.o_proj = mnn.Linear(q_width, cfg.hidden_size, bias, mnn.Row())
         self.rope = rope
 
     def __call__(self, n: mx.array, cache: KVCache | None, residual: mx.array) -> mx.array:
         B, L, _ = n.shape
 
-        def heads(x: mx.array, count: int) -> mx.array:  # [B, L, H*D] -> [B, H, L, D]
-            return x.reshape(B, L, count, -1).swapaxes(1, 2)
+        def heads(x: mx.array) -> mx.array:  # [B, L, H*D] -> [B, H, L, D]
+            return x.reshape(B, L, -1, self.head_dim).swapaxes(1, 2)
 
         q, k, v = mnn.linears(n, self.q_proj, self.k_proj, self.v_proj)
         position = 0 if cache is None else cache.offset
-        q = self.rope(heads(q, self.heads), position)
-        k = self.rope(heads(k, self.kv_heads), position)
-        keys, values, mask = mnn.store(cache, k, heads(v, self.kv_heads))
+        q = self.rope(heads(q), position)
+        k = self.rope(heads(k), position)
+        keys, values, mask = mnn.store(cache, k, heads(v))
         out = mnn.attend(q, keys, values, mask, scale=self.scale)
         return self.o_proj(out.swapaxes(1, 2).reshape(B, L, -1), residual)
 

@@ -144,10 +144,12 @@ class Attention(nn.Module):
         self.head_dim = d = cfg.head_dim
         self.scale = d ** -0.5
         hidden, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = mnn.Linear(hidden, self.heads * d * 2, bias=bias)  # query and gate
-        self.k_proj = mnn.Linear(hidden, self.kv_heads * d, bias=bias)
-        self.v_proj = mnn.Linear(hidden, self.kv_heads * d, bias=bias)
-        self.o_proj = mnn.Linear(self.heads * d, hidden, bias=bias)
+        # tensor-parallel: heads split over the ranks (mlxrunner.nn.parallel)
+        heads, kv_heads = mnn.Column(self.heads), mnn.Column(self.kv_heads)
+        self.q_proj = mnn.Linear(hidden, self.heads * d * 2, bias, heads)  # query and gate
+        self.k_proj = mnn.Linear(hidden, self.kv_heads * d, bias, kv_heads)
+        self.v_proj = mnn.Linear(hidden, self.kv_heads * d, bias, kv_heads)
+        self.o_proj = mnn.Linear(self.heads * d, hidden, bias, mnn.Row())
         self.q_norm = mnn.RMSNorm(d, cfg.rms_norm_eps, offset=1.0)
         self.k_norm = mnn.RMSNorm(d, cfg.rms_norm_eps, offset=1.0)
         self.rope = mnn.RoPE(cfg.rotary_dims, base=cfg.rope_theta)
@@ -156,12 +158,12 @@ class Attention(nn.Module):
         """``residual + attention(x)``."""
         B, L, _ = x.shape
         q_gate, k, v = mnn.linears(x, self.q_proj, self.k_proj, self.v_proj)
-        q, gate = mx.split(q_gate.reshape(B, L, self.heads, 2 * self.head_dim), 2, axis=-1)
+        d = self.head_dim
+        q, gate = mx.split(q_gate.reshape(B, L, -1, 2 * d), 2, axis=-1)
         offset = cache.offset if cache is not None else 0
         q = self.rope(self.q_norm(q).transpose(0, 2, 1, 3), offset)
-        k = self.rope(self.k_norm(k.reshape(B, L, self.kv_heads, -1)).transpose(0, 2, 1, 3),
-                      offset)
-        v = v.reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        k = self.rope(self.k_norm(k.reshape(B, L, -1, d)).transpose(0, 2, 1, 3), offset)
+        v = v.reshape(B, L, -1, d).transpose(0, 2, 1, 3)
         out = mnn.attend(q, *mnn.store(cache, k, v), scale=self.scale)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate.reshape(B, L, -1))
         return self.o_proj(out, residual)

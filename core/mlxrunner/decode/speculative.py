@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
+from .. import settings
 from ..cache.prefix import PrefixCache
 from ..model.builtin_draft import describe_checkpoint_draft
 from ..model.distribution import Distribution
@@ -495,7 +496,9 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
     if max_tokens <= 0:
         return
     if depth is None and controller is None and draft.adaptive_depth:
-        measured = sampler.greedy or sampler.options.seed is None
+        # (timed depths differ between the ranks of a distributed job: lockstep drops them)
+        measured = (sampler.greedy or sampler.options.seed is None) \
+            and not settings.current().lockstep
         controller = DepthController(draft.max_depth, measured=measured)
     taps = tuple(draft.taps)
     t0 = time.perf_counter()

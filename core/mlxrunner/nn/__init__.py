@@ -30,12 +30,14 @@ from .linear import Linear, QuantizedLinear, apply_linear, joined_linears, linea
 from .mlp import ACTIVATIONS, GatedMLP, gelu_tanh_mul, silu_mul, softcap
 from .moe import ExpertLinear, GatedExperts, QuantizedExpertLinear, experts_glu
 from .norm import RMSNorm, gated_rms_norm, rms_norm
+from .parallel import Column, Row, ShardError, Split
 from .rope import RoPE, RopeConfigError
 from .taps import Taps
 
 __all__ = [
     "ACTIVATIONS",
     "KV",
+    "Column",
     "Embedding",
     "ExpertLinear",
     "GatedExperts",
@@ -48,6 +50,9 @@ __all__ = [
     "RMSNorm",
     "RoPE",
     "RopeConfigError",
+    "Row",
+    "ShardError",
+    "Split",
     "Taps",
     "apply_linear",
     "arange_constant",

@@ -27,6 +27,7 @@ from ..cache import RecurrentCache, StateCapture
 from . import cuda_deltanet
 from .linear import Linear, apply_linear, joined_linears
 from .norm import gated_rms_norm
+from .parallel import Row, ShardError, Split
 
 #: forwards of up to this many tokens run the per-token recurrence; longer ones (prompts)
 #: the chunked form
@@ -308,7 +309,9 @@ class GatedDeltaNet(nn.Module):
     ``in_proj_b``, ``in_proj_a``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``,
     ``out_proj``): a causal depthwise convolution and the gated delta rule, over a
     :class:`mlxrunner.RecurrentCache`. ``layer(x, cache, residual)`` returns ``residual
-    + mixer(x)`` (the residual rides in the output projection)."""
+    + mixer(x)`` (the residual rides in the output projection). Tensor-parallel: its value
+    heads split with the key heads they read (key heads replicated where fewer than the
+    ranks), ``out_proj`` by rows."""
 
     def __init__(self, hidden: int, key_heads: int, value_heads: int, key_dim: int,
                  value_dim: int, conv_kernel: int = 4, eps: float = 1e-6) -> None:
@@ -331,7 +334,25 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = mx.ones((value_heads,))
         self.A_log = mx.log(mx.random.uniform(1.0, 16.0, (value_heads,)))
         self.norm = nn.RMSNorm(value_dim, eps=eps)  # holds the gated norm's weight
-        self.out_proj = Linear(value_heads * value_dim, hidden, bias=False)
+        self.out_proj = Linear(value_heads * value_dim, hidden, bias=False, parallel=Row())
+
+    def shard_splits(self) -> dict[str, Split]:
+        """How its parameters split by heads (see :mod:`mlxrunner.nn.parallel`)."""
+        qk = (self.hk * self.dk, self.hk)
+        channels = Split(0, (qk, qk, (self.hv * self.dv, self.hv)))
+        values = Split(0, ((self.hv * self.dv, self.hv),))
+        heads = Split(0, ((self.hv, self.hv),))
+        return {"in_proj_qkv.weight": channels, "conv1d.weight": channels,
+                "in_proj_z.weight": values, "in_proj_b.weight": heads,
+                "in_proj_a.weight": heads, "dt_bias": heads, "A_log": heads}
+
+    def shard_heads(self, size: int) -> None:
+        """Keep this rank's head counts (after :meth:`shard_splits` cut the weights)."""
+        if self.hv % size:
+            raise ShardError(f"Gated DeltaNet: {self.hv} value heads do not split over "
+                             f"{size} ranks")
+        self.hk, self.hv = Split.local_units(self.hk, size), self.hv // size
+        self.channels = 2 * self.hk * self.dk + self.hv * self.dv
 
     def _dims(self) -> tuple[int, int, int, int, float]:
         return (self.hk, self.hv, self.dk, self.dv, self.eps)

@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from .derived import derived
 from .kernels import host_eligible, host_project, project
+from .parallel import REDUCE, Parallel
 
 log = logging.getLogger("mlxrunner.nn")
 
@@ -55,7 +56,11 @@ def apply_linear(layer: nn.Module, x: mx.array, residual: mx.array | None = None
     """``layer(x)`` (``+ residual``) for any linear layer of MLX or this module (a quantized
     embedding: its ``as_linear``): float weights through :func:`project` on their held
     transposed view, quantized ones through MLX's quantized product, or on the host from
-    their dequantized copy (see the module)."""
+    their dequantized copy (see the module). A row-parallel layer the core sharded sums its
+    product over its group before the bias and the residual (:mod:`mlxrunner.nn.parallel`)."""
+    group = layer.__dict__.get(REDUCE)
+    if group is not None:
+        return _reduced(layer, x, residual, group)
     if _is_float(layer) and "scales" not in layer:
         bias = layer.get("bias")
         if bias is not None:
@@ -68,7 +73,24 @@ def apply_linear(layer: nn.Module, x: mx.array, residual: mx.array | None = None
     return y if residual is None else residual + y
 
 
-def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
+def _reduced(layer: nn.Module, x: mx.array, residual: mx.array | None,
+             group: object) -> mx.array:
+    """A row-parallel product: this rank's share, summed over the group, then the bias (added
+    once, not once per rank) and the residual."""
+    if _is_float(layer) and "scales" not in layer:
+        y = project(x, _transposed(layer))
+    elif _is_quantized(layer):
+        y = _quantized_product(layer, x, with_bias=False)
+    else:
+        raise TypeError(f"{type(layer).__name__} cannot run row-parallel")
+    y = mx.distributed.all_sum(y, group=group)  # type: ignore[arg-type]
+    bias = layer.get("bias")
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else y + residual
+
+
+def _quantized_product(layer: nn.Module, x: mx.array, with_bias: bool = True) -> mx.array:
     """``x`` times a quantized layer's weights, transposed (``nn.QuantizedLinear`` and
     ``nn.QuantizedEmbedding.as_linear``), plus its bias."""
     w_t = _dequantized_t(layer, x)
@@ -77,7 +99,7 @@ def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
         y = mx.quantized_matmul(x, layer["weight"], scales=layer["scales"],
                                 biases=layer.get("biases"), transpose=True,
                                 group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
-    bias = layer.get("bias")
+    bias = layer.get("bias") if with_bias else None
     return y if bias is None else y + bias
 
 
@@ -126,7 +148,13 @@ def _dequantized_fits(size: int) -> bool:
 class Linear(nn.Linear):
     """``mlx.nn.Linear`` (same parameters, same checkpoint names) whose product runs through
     :func:`mlxrunner.nn.project`, with an optional residual added the cheapest way per
-    backend: ``layer(x, residual)``."""
+    backend: ``layer(x, residual)``. ``parallel``: how it shards for tensor parallelism
+    (:class:`mlxrunner.nn.Column`, :class:`mlxrunner.nn.Row`; None: replicated)."""
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool = True,
+                 parallel: Parallel | None = None) -> None:
+        super().__init__(input_dims, output_dims, bias=bias)
+        self.parallel = parallel
 
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         return apply_linear(self, x, residual)

@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .linear import Linear, apply_linear, linears
+from .parallel import Column, Row
 
 
 @partial(mx.compile, shapeless=True)
@@ -42,7 +43,8 @@ ACTIVATIONS = {"silu": silu_mul, "swish": silu_mul, "gelu_pytorch_tanh": gelu_ta
 
 class GatedMLP(nn.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``; gate and up run as one product.
-    ``activation``: a config's ``hidden_act`` (silu, gelu_pytorch_tanh)."""
+    ``activation``: a config's ``hidden_act`` (silu, gelu_pytorch_tanh). Tensor-parallel:
+    gate and up by columns, down by rows."""
 
     def __init__(self, hidden: int, intermediate: int, activation: str = "silu",
                  bias: bool = False) -> None:
@@ -50,9 +52,9 @@ class GatedMLP(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {activation!r} "
                              f"(known: {', '.join(sorted(ACTIVATIONS))})")
-        self.gate_proj = Linear(hidden, intermediate, bias=bias)
-        self.up_proj = Linear(hidden, intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias, parallel=Column())
+        self.up_proj = Linear(hidden, intermediate, bias=bias, parallel=Column())
+        self.down_proj = Linear(intermediate, hidden, bias=bias, parallel=Row())
         self._act = ACTIVATIONS[activation]
 
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:

@@ -1,0 +1,68 @@
+"""Sharded tiny targets over two processes (MLX's ring backend on loopback) give exactly the
+one-process greedy tokens, plain and speculative (random DFlash and DFlash2 drafts
+replicated on every rank, and a scripted draft that makes every rollback length happen on
+the sharded caches), in tensor and in pipeline mode, in float32.
+
+Pipeline mode runs the same operations on the same values as one process: its logits are
+the same bits. Tensor mode sums row-parallel partial products over the ranks, which
+changes the order of additions: its logits agree to ``TENSOR_ATOL`` (seen: up to 1.1e-5)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlxrunner_dflash", reason="the dflash plugin is not installed")
+
+HERE = Path(__file__).resolve().parent
+ARCHITECTURES = HERE.parent.parent / "architectures"
+TENSOR_ATOL = 1e-4
+DRAFTS = ("DFlashDraftModel", "DFlash2DraftModel")
+TOKENS = 24
+
+CASES = [
+    # key/value heads fewer than ranks (1: replicated), Gated DeltaNet heads split
+    pytest.param("qwen3_5", "tiny_fullfirst_untied", id="qwen3.5"),
+    # sliding rings that wrap (window 8), KV-shared layers, per-layer inputs, 1 KV head
+    pytest.param("gemma4", "e2b", id="gemma4"),
+    # 8 query heads over 2 key/value heads, untied head, yarn RoPE
+    pytest.param("llama", "mistral_gqa4_yarn", id="llama"),
+]
+
+
+def _worker(folder: Path, mode: str, out: Path) -> list[str]:
+    return [sys.executable, str(HERE / "rank_worker.py"), str(folder), mode, str(out),
+            "--tokens", str(TOKENS), *(a for d in DRAFTS for a in ("--draft", d))]
+
+
+@pytest.mark.parametrize(("plugin", "fixture"), CASES)
+def test_sharded_greedy_equals_one_process(ring, tmp_path, plugin, fixture):
+    pytest.importorskip(f"mlxrunner_{plugin}", reason=f"the {plugin} plugin is not installed")
+    folder = ARCHITECTURES / plugin / "tests" / "fixtures" / fixture
+    if not (folder / "config.json").exists():
+        pytest.skip(f"no tiny checkpoint at {folder}")
+    single_out = tmp_path / "single.json"
+    subprocess.run(_worker(folder, "tensor", single_out), check=True, timeout=60, cwd=HERE)
+    single = json.loads(single_out.read_text())
+    assert single["size"] == 1
+    for mode in ("tensor", "pipeline"):
+        out = tmp_path / f"{mode}.json"
+        job = ring(_worker(folder, mode, out))
+        assert job.returncodes == [0, 0], "\n".join(job.outputs)
+        ranks = [json.loads(out.read_text()), json.loads(Path(f"{out}.rank1").read_text())]
+        for got in ranks:
+            assert got["size"] == 2
+            assert got["parameters"] < single["parameters"], f"{mode}: not sharded"
+            for run in ("plain", "scripted", *DRAFTS):
+                assert got[run] == single["plain"], f"{mode}, {run}, rank {got['rank']}"
+        for got in ranks:
+            diff = np.abs(np.array(got["logits"]) - np.array(single["logits"])).max()
+            if mode == "pipeline":
+                assert diff == 0.0, f"pipeline logits differ by {diff}"
+            else:
+                assert diff <= TENSOR_ATOL, f"tensor logits differ by {diff}"
