@@ -168,10 +168,13 @@ def find_draft(folder: Path, explicit: str | Path | None, modelfile_draft: str |
 
 def load(path: str | Path, draft: str | Path | None = None, renderer: str | None = None, *,
          parser: str | None = None, dtype: str | mx.Dtype | None = None,
-         use_draft: bool = True) -> Bundle:
+         use_draft: bool = True, distributed: str | None = None) -> Bundle:
     """Model, tokenizer, renderer, parser, draft and generation defaults of a model folder.
 
     ``path`` is a model folder, a Modelfile, a GGUF file or a registered model name.
+    ``distributed`` (``tensor`` or ``pipeline``): this process is one rank of a job and
+    loads its part of the target (:func:`mlxrunner.distributed.load_sharded`); the draft
+    is replicated.
     """
     p = Path(path).expanduser()
     gguf_path: Path | None = p if is_gguf(p) else None
@@ -208,13 +211,21 @@ def load(path: str | Path, draft: str | Path | None = None, renderer: str | None
         current = read_modelfile(base_path)
         modelfile = inherit_modelfile(cast(Modelfile, modelfile), current)
     gguf = None
+    if gguf_path is not None and distributed is not None:
+        raise ModelFolderError(f"{gguf_path}: a GGUF file does not load sharded (convert it "
+                               "to a safetensors folder)")
     if gguf_path is not None:
         gguf, config, model = load_gguf_model(gguf_path, dtype)
         tokenizer = gguf_tokenizer(gguf)
         name = str(gguf.metadata.get("general.name") or gguf_path.stem)
     else:
         config = read_config(folder)
-        model = load_model(folder, dtype=dtype)
+        if distributed is not None:
+            from .distributed import load_sharded, world
+
+            model = load_sharded(folder, distributed, world(), dtype=dtype)
+        else:
+            model = load_model(folder, dtype=dtype)
         tokenizer = Tokenizer.from_folder(folder)
         name = str(config.get("_name_or_path") or folder.name)
 

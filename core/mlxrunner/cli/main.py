@@ -195,6 +195,12 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft folder (DFlash/DFlash2) for speculative decoding")
     p.add_argument("--no-draft", action="store_true", help="decode without the model's draft")
     p.add_argument("--dtype", help="cast weights: float32, float16, bfloat16")
+    p.add_argument("--distributed", choices=["tensor", "pipeline"],
+                   help="one rank of a job of several processes (mlx.launch, or --ranks): "
+                        "the target split by heads (tensor) or by layers (pipeline); rank 0 "
+                        "alone talks (docs/distributed.md)")
+    p.add_argument("--ranks", type=count(2), default=None,
+                   help="with --distributed: start that many ranks on this machine")
 
 
 def _load_model_arguments(model: str, args: argparse.Namespace) -> Any:
@@ -202,7 +208,23 @@ def _load_model_arguments(model: str, args: argparse.Namespace) -> Any:
     from ..bundle import load
 
     return load(model, draft=args.draft, renderer=args.renderer, parser=args.parser,
-                dtype=args.dtype, use_draft=not args.no_draft)
+                dtype=args.dtype, use_draft=not args.no_draft,
+                distributed=getattr(args, "distributed", None))
+
+
+def _join_job(args: argparse.Namespace) -> Any:
+    """With ``--distributed``: join the job's group, rank 0 alone talking (None without)."""
+    if getattr(args, "distributed", None) is None:
+        if getattr(args, "ranks", None) is not None:
+            raise MLXRunnerError("--ranks starts ranks of a distributed job: add "
+                                 "--distributed tensor or --distributed pipeline")
+        return None
+    from ..distributed import world
+    from ..distributed.ranks import speak_only_on_rank_0
+
+    group = world()
+    speak_only_on_rank_0(group)
+    return group
 
 
 def _read_piped_line(prompt: str) -> str:
@@ -249,6 +271,7 @@ def build_prompt(bundle: Any, prompt: str, *, raw: bool, system: str | None,
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    group = _join_job(args)
     model_arg, prompt = _split_model_and_prompt(args.args)
     model_given = model_arg is not None
     if model_arg is None:
@@ -271,6 +294,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         # The default model's point is the comparison: its statistics beside plain decoding.
         args.compare = True
     prompt = prompt if prompt is not None else DEFAULT_PROMPT
+    if group is not None:
+        if chat:
+            raise MLXRunnerError("--distributed runs one prompt, not a conversation: give "
+                                 "the prompt on the command line or pipe it in")
+        from ..distributed.ranks import broadcast_text
+
+        prompt = broadcast_text(prompt, group)  # what rank 0 was given, on every rank
     from ..chat.streaming import TextStream
     from ..decode.generation import generate
 
@@ -460,6 +490,9 @@ def _serve_logging(verbose: bool) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if getattr(args, "distributed", None) is not None:
+        raise MLXRunnerError("serve does not run distributed yet: `mlxrunner run "
+                             "--distributed` does (docs/distributed.md)")
     from .. import settings
     from ..serve import Limits, Listener, ServeConfig, Service, bind, create_app, is_loopback
     from ..serve.models import Models, keep_alive_seconds
@@ -655,6 +688,16 @@ def log_to_stderr() -> None:
         logger.addHandler(_StderrLines(logging.WARNING))
 
 
+def _lost_rank(exc: BaseException) -> Exception | None:
+    """The one-line error of a distributed job whose other rank is gone (None: not that)."""
+    if "mlxrunner.distributed" not in sys.modules:
+        return None
+    from ..distributed import world
+    from ..distributed.ranks import is_lost_rank, lost_rank
+
+    return lost_rank(world()) if is_lost_rank(exc) else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -668,6 +711,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.command:
             parser.print_help()
             return 0
+        if getattr(args, "ranks", None) and getattr(args, "distributed", None):
+            from ..distributed import launched
+            from ..distributed.ranks import launch_local
+
+            if not launched():  # the launcher: each rank runs this same command line
+                return launch_local(args.ranks, argv)
         return int(registry.handlers[args.command](args) or 0)
     except MLXRunnerError as exc:
         if debug:
@@ -681,6 +730,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug, not a user error: still one line unless --debug
         if debug:
             raise
+        lost = _lost_rank(exc)
+        if lost is not None:
+            print(f"mlxrunner: error: {lost}", file=sys.stderr)
+            return 1
         print(f"mlxrunner: internal error: {type(exc).__name__}: {exc} "
               "(rerun with --debug for the traceback)", file=sys.stderr)
         return 1

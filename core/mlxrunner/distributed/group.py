@@ -26,18 +26,26 @@ def launched() -> bool:
     return "MLX_RANK" in os.environ
 
 
+_joined: dict[str, Any] = {}
+
+
 def world(backend: str = "ring") -> Any:
     """The group of every process of this job (one rank of its own when not launched as a
-    job). Joining waits for the other ranks, as MLX does."""
+    job), joined once per process. Joining waits for the other ranks, as MLX does."""
+    if backend in _joined:
+        return _joined[backend]
     if not launched():
-        return mx.distributed.init(strict=False, backend=backend)
-    if not mx.distributed.is_available():
+        group = mx.distributed.init(strict=False, backend=backend)
+    elif not mx.distributed.is_available():
         raise DistributedError("this MLX build has no distributed backend")
-    try:
-        return mx.distributed.init(strict=True, backend=backend)
-    except RuntimeError as exc:
-        raise DistributedError(f"cannot join the {backend} group as rank "
-                               f"{os.environ.get('MLX_RANK')}: {exc}") from None
+    else:
+        try:
+            group = mx.distributed.init(strict=True, backend=backend)
+        except RuntimeError as exc:
+            raise DistributedError(f"cannot join the {backend} group as rank "
+                                   f"{os.environ.get('MLX_RANK')}: {exc}") from None
+    _joined[backend] = group
+    return group
 
 
 def check_mode(mode: str) -> str:
