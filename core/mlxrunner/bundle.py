@@ -261,6 +261,11 @@ def load(path: str | Path, draft: str | Path | None = None, renderer: str | None
             draft_obj = load_draft(folder, model, bundle=True)  # None when no draft.* tensors
         if draft_obj is None:  # a draft the checkpoint itself carries (an MTP head), if any
             draft_obj = load_checkpoint_draft(folder, model, dtype=dtype)
+        if distributed is not None and getattr(draft_obj, "reads_target_caches", False):
+            raise ModelFolderError(
+                f"{draft_path or folder}: the draft {type(draft_obj).__name__} attends over "
+                "the target's caches, which a distributed target splits over its ranks "
+                "(--no-draft, or a DFlash draft)")
     return Bundle(path=folder, config=config, model=model, tokenizer=tokenizer,
                   renderer=renderer_obj, renderer_name=renderer_name, parser=parser_obj,
                   parser_name=parser_name, draft=draft_obj, draft_path=draft_path,

@@ -115,6 +115,7 @@ class Gemma4AssistantDraft(DraftModel):
     """``Gemma4AssistantForCausalLM`` as a draft of a Gemma 4 target (see the module)."""
 
     adaptive_depth = True
+    reads_target_caches = True  # the target's last full and sliding layers' keys and values
     config_bounds = {
         "backbone_hidden_size": ConfigBound(int, 1, 2**17),
         "num_centroids": ConfigBound(int, 1, 2**20),

@@ -181,6 +181,9 @@ class DraftModel(nn.Module):
     #: a session may change its depth from round to round (the DFlash depth
     #: controller); False: always draft ``block_size - 1`` (budget permitting)
     adaptive_depth: bool = False
+    #: the draft attends over the target's own caches (a Gemma 4 assistant): it cannot run
+    #: beside a target sharded over several processes, whose caches each hold a part
+    reads_target_caches: bool = False
 
     def __init__(self, config: dict[str, Any], target: Model) -> None:
         super().__init__()
