@@ -3,6 +3,7 @@ third forward: rank 0 must end with one line and a non-zero status."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
@@ -29,6 +30,8 @@ def dying_load(*args, **kwargs):
 
 
 distributed.load_sharded = dying_load
+# a rank 0 that never notices says where it waits before the test's job is killed
+faulthandler.dump_traceback_later(30, exit=True)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

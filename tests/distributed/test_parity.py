@@ -1,7 +1,8 @@
 """Sharded tiny targets over two processes (MLX's ring backend on loopback) give exactly the
 one-process greedy tokens, plain and speculative (random DFlash and DFlash2 drafts
 replicated on every rank, and a scripted draft that makes every rollback length happen on
-the sharded caches), in tensor and in pipeline mode, in float32.
+the sharded caches), in tensor and in pipeline mode, in float32. Each rank holds fewer
+parameters than one process.
 
 Pipeline mode runs the same operations on the same values as one process: its logits are
 the same bits. Tensor mode sums row-parallel partial products over the ranks, which
@@ -32,6 +33,9 @@ CASES = [
     pytest.param("gemma4", "e2b", id="gemma4"),
     # 8 query heads over 2 key/value heads, untied head, yarn RoPE
     pytest.param("llama", "mistral_gqa4_yarn", id="llama"),
+    # experts split over the ranks (routed and shared experts; Gemma 4's beside its MLP)
+    pytest.param("qwen3_5", "../moe_fixtures/tiny_moe", id="qwen3.5-moe"),
+    pytest.param("gemma4", "moe", id="gemma4-moe"),
 ]
 
 

@@ -732,7 +732,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         lost = _lost_rank(exc)
         if lost is not None:
-            print(f"mlxrunner: error: {lost}", file=sys.stderr)
+            from ..distributed.ranks import say_once
+
+            say_once(f"mlxrunner: error: {lost}")
             return 1
         print(f"mlxrunner: internal error: {type(exc).__name__}: {exc} "
               "(rerun with --debug for the traceback)", file=sys.stderr)

@@ -49,7 +49,7 @@ def load_sharded(path: str | Path, mode: str, group: Any,
     dropped: set[str] = set()
     try:
         if size > 1 and mode == "tensor":
-            plan = apply_tensor(model, size)
+            plan = apply_tensor(model, rank, size)
         elif size > 1:
             dropped = apply_pipeline(model, group)
     except ShardError as exc:

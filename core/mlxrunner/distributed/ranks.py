@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,8 +30,9 @@ import numpy as np
 
 from .group import DistributedError
 
-#: what MLX's collectives raise when a peer is gone
-_LOST = ("connection to a peer was lost", "[ring]", "Too many send/recv errors")
+#: what MLX's collectives raise, and its ring prints, when a peer is gone
+_LOST = ("connection to a peer was lost", "closed by the peer", "Too many send/recv errors",
+         "failed with errno")
 
 
 def speak_only_on_rank_0(group: Any) -> None:
@@ -46,17 +48,57 @@ def speak_only_on_rank_0(group: Any) -> None:
 
 
 def _mute_native_stderr() -> None:
-    """Point file descriptor 2 (where MLX's C++ side writes) at /dev/null and keep Python's
-    ``sys.stderr`` on a copy of it: one line of ours on failure, not MLX's ten."""
+    """Read file descriptor 2 (where MLX's C++ side writes) through a pipe, keeping Python's
+    ``sys.stderr`` on a copy of the original: MLX's lines pass on, except the ring's
+    complaints about a lost peer, which become our one line. A collective that was already
+    queued when the peer went can wait forever instead of raising; so once the ring has
+    said a peer is gone, a process that has not ended by itself within ``LOST_GRACE``
+    seconds prints the line and exits with status 1."""
     try:
         sys.stderr.flush()
         kept = os.dup(2)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-        os.close(devnull)
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
         sys.stderr = os.fdopen(kept, "w", buffering=1, encoding="utf-8", errors="replace")
     except (OSError, ValueError, AttributeError):  # no real stderr (captured): leave it
         return
+    threading.Thread(target=_watch_native_stderr, args=(read,), daemon=True,
+                     name="mlxrunner-ranks").start()
+
+
+#: seconds a rank waits for its own error after MLX's ring said a peer is gone
+LOST_GRACE = 3.0
+_said = threading.Lock()
+_said_once: list[str] = []
+
+
+def say_once(line: str) -> None:
+    """Print the job's one line about its end on stderr (a second call prints nothing)."""
+    with _said:
+        if _said_once:
+            return
+        _said_once.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def _watch_native_stderr(fd: int) -> None:
+    with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            if not any(s in line for s in _LOST):
+                sys.stderr.write(line)
+                continue
+            threading.Timer(LOST_GRACE, _end_lost).start()
+            for _ in lines:  # the rest of the ring's complaints
+                pass
+            return
+
+
+def _end_lost() -> None:
+    from .group import world
+
+    say_once(f"mlxrunner: error: {lost_rank(world())}")
+    os._exit(1)
 
 
 def broadcast_text(text: str, group: Any) -> str:

@@ -40,7 +40,7 @@ class TensorPlan:
         return None
 
 
-def apply_tensor(model: nn.Module, size: int) -> TensorPlan:
+def apply_tensor(model: nn.Module, rank: int, size: int) -> TensorPlan:
     """Give every declared layer of ``model`` its local shapes and head counts."""
     plan = TensorPlan()
     found = list(sharded_modules(model))
@@ -51,7 +51,7 @@ def apply_tensor(model: nn.Module, size: int) -> TensorPlan:
         if is_row_parallel(module):
             plan.rows.append(path)
     for path, module, splits in found:
-        shrink(module, splits, size, path)
+        shrink(module, splits, rank, size, path)
     return plan
 
 

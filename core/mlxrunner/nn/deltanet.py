@@ -36,6 +36,9 @@ BLOCK_TOKENS = 16
 #: smaller chunks are cheaper
 CHUNK_SIZE = 64
 CPU_CHUNK_SIZE = 32
+#: where the block kernel serves (CUDA), prompts of up to this many tokens run as blocks of
+#: ``BLOCK_TOKENS`` through it rather than in the chunked form
+SHORT_PROMPT_TOKENS = 64
 
 
 def normalize_qk(q: mx.array, k: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
@@ -346,7 +349,7 @@ class GatedDeltaNet(nn.Module):
                 "in_proj_z.weight": values, "in_proj_b.weight": heads,
                 "in_proj_a.weight": heads, "dt_bias": heads, "A_log": heads}
 
-    def shard_heads(self, size: int) -> None:
+    def shard_heads(self, rank: int, size: int) -> None:
         """Keep this rank's head counts (after :meth:`shard_splits` cut the weights)."""
         if self.hv % size:
             raise ShardError(f"Gated DeltaNet: {self.hv} value heads do not split over "
@@ -386,8 +389,31 @@ class GatedDeltaNet(nn.Module):
                                            (conv_tail, state, qkv, k, delta, g))
                 cache.advance(L, tail, new_state, capture)
             return apply_linear(self.out_proj, out, residual)
+        if L <= SHORT_PROMPT_TOKENS and cuda_deltanet.applies(self.hk, self.hv, self.dk,
+                                                              self.dv) and \
+                (cache is None or not cache.snapshot_positions(L)):
+            out, tail, new_state = self._blocks(args, joined)
+            if cache is not None:
+                cache.advance(L, tail, new_state)
+            return apply_linear(self.out_proj, out, residual)
         out = self._chunked(qkv, z, b, a, conv_tail, state, cache)
         return apply_linear(self.out_proj, out.reshape(B, L, -1), residual)
+
+    def _blocks(self, args: tuple[mx.array, ...], joined: mx.array | None
+                ) -> tuple[mx.array, mx.array, mx.array]:
+        """A short prompt as consecutive blocks of ``BLOCK_TOKENS`` through the block kernel:
+        a launch per block where the chunked form costs some hundred operations, which is
+        most of a short prompt's time on a GPU (a chat turn after a prefix-cache hit)."""
+        qkv, z, b, a, tail, state, *weights = args
+        core = recurrent_block(*self._dims())
+        outs = []
+        for start in range(0, qkv.shape[1], BLOCK_TOKENS):
+            cut = slice(start, start + BLOCK_TOKENS)
+            piece = (qkv[:, cut], z[:, cut], b[:, cut], a[:, cut], tail, state, *weights)
+            out, tail, state, *_ = cuda_deltanet.block(
+                piece, core, *self._dims(), joined=None if joined is None else joined[:, cut])
+            outs.append(out)
+        return mx.concatenate(outs, axis=1), tail, state
 
     def _chunked(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
                  conv_tail: mx.array, state: mx.array, cache: RecurrentCache | None

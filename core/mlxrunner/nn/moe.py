@@ -9,6 +9,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .parallel import REDUCE, ShardError, Split
+
 #: from this many (token, expert) pairs on, rows are grouped by expert first, so that each
 #: expert's weights are read once
 SORT_FROM = 64
@@ -91,7 +93,12 @@ def experts_glu(x: mx.array, indices: mx.array, weights: mx.array, gate_up: nn.M
 class GatedExperts(nn.Module):
     """``experts`` gated MLPs applied by index: ``gate_up_proj`` (gate and up side by side)
     and ``down_proj``, as transformers' fused expert tensors name them; ``act_mul`` is the
-    gate's activation times up (``silu_mul``, ``gelu_tanh_mul``)."""
+    gate's activation times up (``silu_mul``, ``gelu_tanh_mul``). Tensor-parallel: the
+    experts split over the ranks; each rank applies the chosen experts it holds (the others
+    weigh 0) and the ranks sum."""
+
+    #: once sharded, the output is this rank's part of a sum over the ranks
+    sums_over_ranks = True
 
     def __init__(self, experts: int, hidden: int, intermediate: int,
                  act_mul: Callable[[mx.array, mx.array], mx.array]) -> None:
@@ -99,7 +106,27 @@ class GatedExperts(nn.Module):
         self.gate_up_proj = ExpertLinear(experts, hidden, 2 * intermediate)
         self.down_proj = ExpertLinear(experts, intermediate, hidden)
         self._act_mul = act_mul
+        self.experts = experts
+        self.first_expert = 0  # of this rank's, once sharded
+
+    def shard_splits(self) -> dict[str, Split]:
+        experts = Split(0, ((self.experts, self.experts),))
+        return {"gate_up_proj.weight": experts, "down_proj.weight": experts}
+
+    def shard_heads(self, rank: int, size: int) -> None:
+        if self.experts % size:
+            raise ShardError(f"{self.experts} experts do not split over {size} ranks")
+        self.experts //= size
+        self.first_expert = rank * self.experts
 
     def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
-        return experts_glu(x, indices, weights, self.gate_up_proj, self.down_proj,
-                           self._act_mul)
+        group = self.__dict__.get(REDUCE)
+        if group is None:
+            return experts_glu(x, indices, weights, self.gate_up_proj, self.down_proj,
+                               self._act_mul)
+        local = indices - self.first_expert
+        held = (local >= 0) & (local < self.experts)
+        y = experts_glu(x, mx.where(held, local, 0).astype(indices.dtype),
+                        weights * held.astype(weights.dtype), self.gate_up_proj,
+                        self.down_proj, self._act_mul)
+        return mx.distributed.all_sum(y, group=group)

@@ -14,10 +14,11 @@ heads with ``-1`` (the local count) and runs unchanged.
   product is summed over the group (``all_sum``) before the bias and the residual;
 - :class:`mlxrunner.nn.GatedMLP` splits gate/up by columns and down by rows;
   :class:`mlxrunner.nn.GatedDeltaNet` splits its heads (key heads replicated where fewer
-  than the ranks, like attention's).
+  than the ranks, like attention's); :class:`mlxrunner.nn.GatedExperts` splits its
+  experts (each rank runs the routed tokens' experts it holds; the ranks sum).
 
-Anything undeclared (embeddings, norms, heads, routers, experts) is replicated: correct,
-only not smaller.
+Anything undeclared (embeddings, norms, heads, routers) is replicated: correct, only not
+smaller.
 """
 
 from __future__ import annotations
@@ -129,12 +130,16 @@ def sharded_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, dict[str
 
 
 def is_row_parallel(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "parallel", None), Row)
+    """Whether the module's output is a partial sum the ranks add up: a row-parallel linear
+    layer, or a layer that says so (``sums_over_ranks``: experts split over the ranks)."""
+    return isinstance(getattr(module, "parallel", None), Row) or bool(
+        getattr(module, "sums_over_ranks", False))
 
 
-def shrink(module: nn.Module, splits: dict[str, Split], size: int, path: str) -> None:
+def shrink(module: nn.Module, splits: dict[str, Split], rank: int, size: int,
+           path: str) -> None:
     """Give ``module`` parameters of its local shapes (zeros, replaced by the load) and let
-    it shrink its own head counts (``shard_heads(size)``)."""
+    it shrink its own head counts (``shard_heads(rank, size)``)."""
     current = dict(tree_flatten(module.parameters()))
     local = []
     for name, split in splits.items():  # names may reach into children ("conv1d.weight")
@@ -145,7 +150,7 @@ def shrink(module: nn.Module, splits: dict[str, Split], size: int, path: str) ->
     module.update(tree_unflatten(local))
     shard_heads = getattr(module, "shard_heads", None)
     if callable(shard_heads):
-        shard_heads(size)
+        shard_heads(rank, size)
 
 
 def set_reduce(module: nn.Module, group: Any) -> None:

@@ -1,0 +1,47 @@
+"""How layers split (mlxrunner.nn's declarations) and where pipeline stages cut, without
+starting processes."""
+
+from __future__ import annotations
+
+import pytest
+
+import mlxrunner.nn as mnn
+from mlxrunner.distributed import DistributedError, stage_cuts
+
+
+def test_heads_split_evenly_and_fewer_heads_than_ranks_are_replicated():
+    q = mnn.Split(0, ((8 * 4, 8),))  # 8 heads of 4
+    assert [q.ranges(r, 2) for r in range(2)] == [[(0, 16)], [(16, 32)]]
+    kv = mnn.Split(0, ((1 * 4, 1),))  # one key/value head: every rank keeps it
+    assert [kv.ranges(r, 2) for r in range(2)] == [[(0, 4)], [(0, 4)]]
+    kv2 = mnn.Split(0, ((2 * 4, 2),))  # two over four ranks: ranks 0, 1 read head 0
+    assert [kv2.ranges(r, 4) for r in range(4)] == [[(0, 4)], [(0, 4)], [(4, 8)], [(4, 8)]]
+
+
+def test_packed_projections_split_each_segment():
+    qkv = mnn.Split(0, ((4, 2), (4, 2), (8, 4)))  # q | k | v, each cut on its own
+    assert qkv.ranges(1, 2) == [(2, 4), (6, 8), (12, 16)]
+    assert qkv.local_length(2) == 8
+
+
+def test_a_split_that_does_not_divide_is_one_error():
+    with pytest.raises(mnn.ShardError, match="3 heads do not split over 2 ranks"):
+        mnn.Split(0, ((12, 3),)).ranges(0, 2)
+
+
+def test_linear_layers_declare_their_split():
+    assert mnn.GatedMLP(8, 16).down_proj.parallel == mnn.Row()
+    assert mnn.Linear(8, 16, False, mnn.Column(4)).parallel == mnn.Column(4)
+    assert mnn.Linear(8, 16).parallel is None  # replicated
+
+
+def test_pipeline_cuts_are_even_and_keep_kv_sharing_layers_together():
+    assert stage_cuts(4, 2) == [0, 2, 4]
+    assert stage_cuts(10, 3) == [0, 3, 7, 10]
+    # Gemma 4 E2B-like: layers 6-9 read the keys and values of layers 4 and 5
+    sources = [0, 1, 2, 3, 4, 5, 4, 5, 4, 5]
+    assert stage_cuts(10, 2, sources) == [0, 4, 10]
+    with pytest.raises(DistributedError, match="share keys"):
+        stage_cuts(3, 2, [0, 0, 0])
+    with pytest.raises(DistributedError, match="cannot be split over 3 ranks"):
+        stage_cuts(2, 3)
