@@ -82,6 +82,15 @@ case "${1:-}" in
           # MTP round costs per depth: the 0.8B shape, and the 35B-A3B shape in 4-bit
           mtp) extra="--context 1024" ;;
           mtp-moe) one=mtp; extra="--moe --context 1024" ;;
+          # which part of a short verify forward costs what (kernels, attention, products)
+          verify_paths-diag) one=verify_paths; extra="--lengths 1 2 3 4 --repeats 12 -v
+            --switched kernels=attention,topk --switched kernels=deltanet,topk
+            --switched attention=mlx --switched row_products=0" ;;
+          verify_paths-rows) one=verify_paths; extra="--lengths 1 2 4 8 16 --repeats 12 --switched row_products=0" ;;
+          batch_step-kinds) one=batch_step; extra="--kinds --streams 1 8 16 32" ;;
+          # a 4k-token conversation's second turn with the prefix cache (issue 20's goal)
+          prefix_cache-4k) one=prefix_cache
+            extra="--random-config $MLXRUNNER_SHARED_DATA/configs/Qwen3.5-0.8B-Base.config.json --tokens 4096 --rounds 3" ;;
           *) extra="" ;;
         esac
         # shellcheck disable=SC2086

@@ -10,7 +10,7 @@ is not noticed halfway through a generation, and a bad value is one clear error 
   the core's fused CUDA kernels may serve (each still only after its self-check).
 - ``MLXRUNNER_ATTENTION`` (``kernel``, ``folded`` or ``mlx``): short-block attention on
   CUDA through the fused kernel, folded batched products, or MLX's own function.
-- ``MLXRUNNER_ROW_PRODUCTS`` (``1``/``0``): on CUDA, products of 2-16 rows as one-row
+- ``MLXRUNNER_ROW_PRODUCTS`` (``1``/``0``): on CUDA, short products (a few rows) as one-row
   products (see ``mlxrunner.nn.project``).
 - ``MLXRUNNER_HOST_PRODUCTS`` (``1``/``0``): on MLX's CPU device off macOS, float32 products
   through numpy's BLAS, quantized weights dequantized once for them, the decode steps that

@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 import mlxrunner
+from mlxrunner import settings
 from mlxrunner.nn import kernels
 from mlxrunner_test_support import logged
 
@@ -98,21 +99,40 @@ def test_project_equals_the_product_on_every_path(monkeypatch, shape):
     monkeypatch.setattr(kernels, "on_cuda", lambda: True)
     rows = x.size // shape[-1]
     row_products = 1 < rows <= kernels.ROW_PRODUCT_MAX_ROWS and shape[-1] % 32 == 0
+    assert kernels.row_products_serve(rows, x, weight.T) == row_products
     traced = mx.compile(lambda a: mlxrunner.project(a, weight.T))
     assert ("GatherMM" in _graph_labels(traced(x))) == row_products
 
 
+def test_row_products_stop_at_their_row_and_weight_bounds():
+    """Half-precision blocks of more than ROW_PRODUCT_MAX_HALF_ROWS rows and weights of
+    more than ROW_PRODUCT_MAX_BYTES (a vocabulary's head, whose rows would each read it
+    from memory again) take the plain product; float32 blocks of up to 16 rows do not."""
+    x32 = mx.zeros((16, 64))
+    half = x32.astype(mx.bfloat16)
+    small = mx.zeros((64, 128))
+    assert kernels.row_products_serve(16, x32, small)
+    assert kernels.row_products_serve(kernels.ROW_PRODUCT_MAX_HALF_ROWS, half,
+                                      small.astype(mx.bfloat16))
+    assert not kernels.row_products_serve(kernels.ROW_PRODUCT_MAX_HALF_ROWS + 1, half,
+                                          small.astype(mx.bfloat16))
+    head = mx.zeros((64, kernels.ROW_PRODUCT_MAX_BYTES // 256 + 1))  # float32: > the bound
+    assert not kernels.row_products_serve(2, x32, head)
+    with settings.overridden(row_products=False):
+        assert not kernels.row_products_serve(2, x32, small)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_project_rows_round_as_one_row_products_on_cuda(dtype):
+@pytest.mark.parametrize("dtype,n", [(mx.float32, 8), (mx.bfloat16, 4)])
+def test_project_rows_round_as_one_row_products_on_cuda(dtype, n):
     """On CUDA each row of a short block equals, bit for bit, the same row projected
     alone (the one-token decode step's product); for float32 the plain product of 8 rows
     (cuBLAS) is the path it replaces."""
     with mx.stream(mx.gpu):
-        x = mx.random.normal((8, 256), key=mx.random.key(3)).astype(dtype)
+        x = mx.random.normal((n, 256), key=mx.random.key(3)).astype(dtype)
         weight = mx.random.normal((1024, 256), key=mx.random.key(4)).astype(dtype)
         block = mlxrunner.project(x, weight.T)
-        rows = mx.concatenate([mlxrunner.project(x[i:i + 1], weight.T) for i in range(8)])
+        rows = mx.concatenate([mlxrunner.project(x[i:i + 1], weight.T) for i in range(n)])
         assert mx.array_equal(block, rows).item()
         assert mx.allclose(block.astype(mx.float32), (x @ weight.T).astype(mx.float32),
                            rtol=2e-2, atol=2e-2).item()

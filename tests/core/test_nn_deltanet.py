@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import mlxrunner
 import mlxrunner.nn as mnn
 import mlxrunner.nn.cuda_deltanet as cuda
 import mlxrunner.nn.deltanet as dn
@@ -215,5 +216,38 @@ def test_the_layer_hands_the_kernels_the_joined_projection(monkeypatch):
     monkeypatch.setattr(cuda, "_launch", launch)
     got = [layer(x[:, :4]), layer(x[:, 4:5])]
     assert set(seen) == {("block", True), ("step", True)}
+    for a, b in zip(got, want):
+        assert float(mx.abs(a - b).max()) < 1e-5
+
+
+def test_a_short_prompt_runs_as_kernel_blocks_and_equals_the_chunked_form(monkeypatch):
+    """Where the block kernel serves, a prompt of up to SHORT_PROMPT_TOKENS tokens runs as
+    blocks of BLOCK_TOKENS through it (a stand-in launcher running the compiled operations
+    here): outputs and the cache's state equal the chunked form's, which runs otherwise."""
+    layer = mnn.GatedDeltaNet(48, DIMS["hk"], DIMS["hv"], DIMS["dk"], DIMS["dv"], KERNEL, EPS)
+    mx.eval(layer.parameters())
+    x = mx.random.normal((2, 3 + 37, 48), key=mx.random.key(6))
+
+    def run():
+        cache = mlxrunner.RecurrentCache()
+        first = layer(x[:, :3], cache)
+        rest = layer(x[:, 3:], cache)
+        return [first, rest, cache.conv_tail, cache.recurrent_state], cache.offset
+
+    want, want_offset = run()
+    kinds = []
+
+    def launch(kind, args, *dims, joined=None):
+        kinds.append((kind, args[0].shape[1]))
+        return step_core(args) if kind == "step" else block_core(args)
+
+    monkeypatch.setattr(cuda, "kernel_allowed", lambda name: True)
+    monkeypatch.setattr(kernels, "_verdicts", {})
+    monkeypatch.setattr(kernels, "check_kernel", lambda *a, **k: True)
+    monkeypatch.setattr(cuda, "_launch", launch)
+    got, offset = run()
+    # the 3-token forward is one block; the 37 tokens three (16, 16, 5), none chunked
+    assert kinds == [("block", 3), ("block", 16), ("block", 16), ("block", 5)]
+    assert offset == want_offset == 40
     for a, b in zip(got, want):
         assert float(mx.abs(a - b).max()) < 1e-5

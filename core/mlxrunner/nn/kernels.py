@@ -38,8 +38,14 @@ def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
-#: on CUDA, products of 2..this many rows run as one-row products (see :func:`project`)
+#: on CUDA, float32 products of 2..this many rows run as one-row products (see
+#: :func:`project`); half-precision ones up to ``ROW_PRODUCT_MAX_HALF_ROWS``
 ROW_PRODUCT_MAX_ROWS = 16
+ROW_PRODUCT_MAX_HALF_ROWS = 4
+#: ... and only over weights of at most this many bytes: each row reads the weight again,
+#: from the GPU's L2 cache where it fits there (a vocabulary's head does not: 16 rows of a
+#: 248320 x 1024 bf16 head took 1.8 ms against 0.14 for the plain product, H200)
+ROW_PRODUCT_MAX_BYTES = 32 << 20
 #: on the host (see :func:`host_products`), weights of at least this many elements (in x
 #: out); a smaller product costs MLX less than the host's round trip (an evaluation)
 HOST_PRODUCT_MIN_SIZE = 1 << 16
@@ -55,12 +61,16 @@ def project(x: mx.array, weight_t: mx.array, residual: mx.array | None = None) -
 
     On MLX's CPU device off macOS a float32 product of a weight of at least
     ``HOST_PRODUCT_MIN_SIZE`` elements runs on the host BLAS (see :func:`host_products`).
-    On CUDA a product of 2 to ``ROW_PRODUCT_MAX_ROWS`` rows (a speculative verify block, a
-    draft block) runs as that many one-row products: one GatherMM over the one weight,
-    which MLX serves with the matrix-vector kernel of a one-token decode step. cuBLAS
-    takes short float32 products (7+ rows, TF32 off) to a kernel several times slower, and
-    each row then rounds exactly as the same row of a one-token step does. (MLX serves
-    that GatherMM only for a transposed view; ``MLXRUNNER_ROW_PRODUCTS=0`` turns it off.)
+    On CUDA a short product (a speculative verify block, a draft block, a small batch's
+    step: 2 to ``ROW_PRODUCT_MAX_ROWS`` float32 rows, 2 to ``ROW_PRODUCT_MAX_HALF_ROWS`` in
+    half precision, over a weight of at most ``ROW_PRODUCT_MAX_BYTES``) runs as that many
+    one-row products: one GatherMM over the one weight, which MLX serves with the
+    matrix-vector kernel of a one-token decode step, so each row rounds exactly as the same
+    row of a one-token step does; and cuBLAS takes short float32 products (7+ rows, TF32
+    off) to a kernel several times slower. Past those bounds the re-read weight costs more
+    than the plain product (bench/row_products.py: 8 bf16 rows of the 0.8B's MLP took
+    38 us this way against 26), and rows round as the plain product does. (MLX serves that
+    GatherMM only for a transposed view; ``MLXRUNNER_ROW_PRODUCTS=0`` turns it off.)
     A ``residual`` rides in one AddMM off CUDA; on CUDA it is a separate add, since MLX's
     CUDA AddMM costs 12-19 us of host time against 5-10 for a product and an add (H200,
     bench/op_costs.py), and a small model's decode step is bound by host time.
@@ -72,14 +82,20 @@ def project(x: mx.array, weight_t: mx.array, residual: mx.array | None = None) -
     if residual is not None:
         return project(x, weight_t) + residual if cuda else mx.addmm(residual, x, weight_t)
     rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
-    if not (cuda and 1 < rows <= ROW_PRODUCT_MAX_ROWS and weight_t.ndim == 2
-            and x.shape[-1] % 32 == 0 and x.dtype == weight_t.dtype
-            and settings.current().row_products):
+    if not (cuda and row_products_serve(rows, x, weight_t)):
         return x @ weight_t
     lhs = constant(tuple(range(rows)), mx.uint32)
     rhs = constant((0,) * rows, mx.uint32)
     out = mx.gather_mm(x.reshape(rows, 1, x.shape[-1]), weight_t[None], lhs, rhs)
     return out.reshape(*x.shape[:-1], weight_t.shape[-1])
+
+
+def row_products_serve(rows: int, x: mx.array, weight_t: mx.array) -> bool:
+    """Whether :func:`project` runs ``rows`` rows of ``x`` as one-row products on CUDA."""
+    top = ROW_PRODUCT_MAX_ROWS if x.dtype == mx.float32 else ROW_PRODUCT_MAX_HALF_ROWS
+    return (1 < rows <= top and weight_t.ndim == 2 and weight_t.nbytes <= ROW_PRODUCT_MAX_BYTES
+            and x.shape[-1] % 32 == 0 and x.dtype == weight_t.dtype
+            and settings.current().row_products)
 
 
 def host_products() -> bool:
