@@ -431,4 +431,6 @@ def test_regenerated_assistant_fixture_matches(tmp_path, name):
         assert_matches(name, fresh, logits, states, length)
     committed = reference(name)
     for key in fresh:
-        np.testing.assert_allclose(fresh[key], committed[key], rtol=0, atol=1e-6)
+        # within the parity tolerance: another CPU sums float32 in another order
+        # (seen up to 1.5e-5 between two machines)
+        np.testing.assert_allclose(fresh[key], committed[key], rtol=0, atol=TOLERANCE)

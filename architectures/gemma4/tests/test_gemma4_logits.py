@@ -230,4 +230,6 @@ def test_gemma4_regenerated_fixture_matches(tmp_path, name):
         # the committed reference is what the script writes today
         committed = reference(name)
         for key in fresh.files:
-            np.testing.assert_allclose(fresh[key], committed[key], rtol=0, atol=1e-6)
+            # within the parity tolerance: another CPU sums float32 in another order
+            # (seen up to 1.5e-5 between two machines)
+            np.testing.assert_allclose(fresh[key], committed[key], rtol=0, atol=TOLERANCE)

@@ -49,7 +49,10 @@ def test_regenerated_fixture_matches_committed_and_ours(name, tmp_path):
             np.load(FIXTURES / name / "reference.npz") as committed:
         assert sorted(fresh.files) == sorted(committed.files)
         for key in fresh.files:
-            np.testing.assert_allclose(fresh[key], committed[key], rtol=0, atol=1e-6, err_msg=key)
+            # within the parity tolerance: another CPU sums float32 in another order
+            # (seen up to 1.5e-5 between two machines)
+            np.testing.assert_allclose(fresh[key], committed[key], rtol=0, atol=TOLERANCE,
+                                       err_msg=key)
         for n in maker.PROMPT_LENGTHS:
             logits = np.array(model(mx.array(fresh[f"ids_{n}"]))[0])
             assert np.abs(logits - fresh[f"logits_{n}"]).max() < TOLERANCE

@@ -364,7 +364,9 @@ def test_regenerated_fixture_matches_committed(tmp_path, ref):
     with np.load(folder / "reference.npz") as fresh:
         assert sorted(fresh.files) == sorted(ref)
         for key in fresh.files:
-            assert np.abs(fresh[key] - ref[key]).max() < 1e-6, key
+            # within the parity tolerance: another CPU sums float32 in another order
+            # (seen up to 1.5e-5 between two machines)
+            assert np.abs(fresh[key] - ref[key]).max() < TOLERANCE, key
     assert mx.load(str(folder / "model.safetensors")).keys() == \
         mx.load(str(FIXTURE / "model.safetensors")).keys()
 

@@ -403,6 +403,8 @@ def test_regenerated_fixture_matches_the_committed_one(tmp_path, reference):
     make_mtp_fixtures().write_fixture(folder)
     with np.load(folder / "reference.npz") as fresh:
         for key, value in reference.items():
-            np.testing.assert_allclose(fresh[key], value, atol=1e-6, err_msg=key)
+            # within the parity tolerance: another CPU sums float32 in another order
+            # (seen up to 1.5e-5 between two machines)
+            np.testing.assert_allclose(fresh[key], value, atol=TOLERANCE, err_msg=key)
     assert json.loads((folder / "config.json").read_text()) == \
         json.loads((FOLDER / "config.json").read_text())

@@ -47,7 +47,9 @@ def test_regenerated_fixture_matches_committed_and_ours(name, tmp_path, load_fol
             np.load(FIXTURES / name / "reference.npz") as committed:
         assert sorted(fresh.files) == sorted(committed.files)
         for key in fresh.files:
-            assert np.abs(fresh[key] - committed[key]).max() < 1e-6, key
+            # within the parity tolerance: another CPU sums float32 in another order
+            # (seen up to 1.5e-5 between two machines)
+            assert np.abs(fresh[key] - committed[key]).max() < TOLERANCE, key
         model = load_folder(folder)
         for n in (1, 7, 130):
             logits = np.array(model(mx.array(fresh[f"ids_{n}"]))[0])

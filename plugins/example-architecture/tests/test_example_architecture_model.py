@@ -148,8 +148,10 @@ def test_committed_reference_is_what_transformers_computes(name):
     folder = fixtures.fixture_path(name)
     ref = load_reference(folder)
     fresh = fixtures.torch_reference(fixtures.torch_model_from_folder(folder), ref["ids"])
+    # within the parity tolerance: another CPU sums float32 in another order (seen up to
+    # 1.5e-5 between two machines)
     for key in ("logits", "hidden_states"):
-        np.testing.assert_allclose(fresh[key], ref[key], rtol=0, atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(fresh[key], ref[key], rtol=0, atol=1e-4, err_msg=key)
 
 
 @pytest.mark.reference
