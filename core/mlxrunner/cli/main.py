@@ -490,14 +490,16 @@ def _serve_logging(verbose: bool) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if getattr(args, "distributed", None) is not None:
-        raise MLXRunnerError("serve does not run distributed yet: `mlxrunner run "
-                             "--distributed` does (docs/distributed.md)")
     from .. import settings
     from ..serve import Limits, Listener, ServeConfig, Service, bind, create_app, is_loopback
     from ..serve.models import Models, keep_alive_seconds
 
     model_arg = args.model or "default"
+    group = _join_job(args)
+    if group is not None and group.rank() != 0:  # rank 0 serves; this rank follows it
+        from ..serve.distributed import follow
+
+        return follow(_load_model_arguments(model_arg, args), group)
     keep_alive = keep_alive_seconds(args.keep_alive, 300.0)  # a bad value: before any work
     # Bind first: a taken port is reported before a long model load.
     try:
@@ -527,7 +529,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                ("max_batch", args.max_batch)) if v is not None}
     limits = Limits() if args.max_tokens_limit is None else Limits(
         max_tokens_limit=args.max_tokens_limit)
-    service = Service(bundle, name=args.name or model_arg, limits=limits, **given)
+    engine = None
+    if group is not None:
+        from ..serve.distributed import LockstepEngine
+
+        engine = LockstepEngine(bundle, group, **{k: v for k, v in given.items()
+                                                  if k != "max_batch"})
+    service = Service(bundle, name=args.name or model_arg, limits=limits, engine=engine,
+                      **given)
     models = Models(service, models_dir=args.models_dir, max_loaded=args.max_loaded,
                     keep_alive=keep_alive,
                     make_service=lambda loaded, name: Service(loaded, name, limits=limits,
@@ -546,6 +555,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         listener.serve()
     finally:
         sock.close()
+        if engine is not None:  # the other ranks end when rank 0 says it closes
+            engine.close()
+            engine.closed.wait(10)
     return 0
 
 

@@ -293,8 +293,9 @@ class Engine:
             reply.tokens.append(token)
             if job.cancel.is_set() or time.monotonic() > job.deadline:
                 ended_early = True
-                return True
-            return text.add(token)  # True at a stop string: generation ends, logprobs kept
+                return self._agree(True)
+            # True at a stop string: generation ends, logprobs kept
+            return self._agree(text.add(token))
 
         constraint = request.grammar.constraint() if request.grammar is not None else None
         result = generate(bundle.model, request.ids, options=request.options,
@@ -312,6 +313,11 @@ class Engine:
                      "went away)" if job.cancel.is_set() else "timed out", len(reply.tokens))
         self._fill(reply, result.logprobs, result.stats, job)
         return reply
+
+    def _agree(self, stop: bool) -> bool:
+        """Whether a generation running alone ends at this token (a distributed engine's
+        ranks agree on it: mlxrunner.serve.distributed)."""
+        return stop
 
     @staticmethod
     def _fill(reply: Reply, logprobs: list[dict[str, Any]], stats: Any, job: _Job) -> None:
