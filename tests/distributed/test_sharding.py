@@ -45,3 +45,24 @@ def test_pipeline_cuts_are_even_and_keep_kv_sharing_layers_together():
         stage_cuts(3, 2, [0, 0, 0])
     with pytest.raises(DistributedError, match="cannot be split over 3 ranks"):
         stage_cuts(2, 3)
+
+
+def test_a_draft_that_reads_the_target_caches_is_refused_beside_a_sharded_target(tmp_path):
+    pytest.importorskip("mlxrunner_gemma4", reason="the Gemma 4 plugin is not installed")
+    import shutil
+    from pathlib import Path
+
+    from mlxrunner import load
+    from mlxrunner.errors import ModelFolderError
+    from mlxrunner_test_support import write_tokenizer
+
+    fixtures = Path(__file__).resolve().parents[2] / "architectures" / "gemma4" / "tests" / \
+        "fixtures" / "assistant"
+    if not (fixtures / "small_target" / "config.json").exists():
+        pytest.skip(f"no Gemma 4 assistant fixtures under {fixtures}")
+    target = tmp_path / "target"
+    shutil.copytree(fixtures / "small_target", target)
+    write_tokenizer(target)
+    assert load(target, draft=fixtures / "small_plain").draft is not None
+    with pytest.raises(ModelFolderError, match="attends over the target's caches"):
+        load(target, draft=fixtures / "small_plain", distributed="tensor")

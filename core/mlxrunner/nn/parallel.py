@@ -58,7 +58,8 @@ class Split:
         for length, units in self.segments:
             u = size if units is None else units
             if u <= 0 or length % u:
-                raise ShardError(f"{what}: {length} features do not split into {u} heads")
+                into = f"over {size} ranks" if units is None else f"into {u} heads"
+                raise ShardError(f"{what}: {length} features do not split {into}")
             unit = length // u
             if u >= size:
                 if u % size:
