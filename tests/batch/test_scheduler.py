@@ -139,3 +139,23 @@ def test_bad_requests_say_what_is_wrong(model):
     with pytest.raises(ValueError, match="one options and max_tokens each"):
         generate_batch(model, [[1], [2]], max_tokens=[3])
     assert scheduler.idle
+
+
+def test_logprobs_survive_the_batch_compacting_under_a_queued_step(model):
+    """Eight rows, seven of which end well before the eighth: the batch compacts while a
+    step is queued, and the one left (asking for logprobs) still gets its own logprobs and
+    tokens, as alone."""
+    prompts = _prompts(model.vocab_size, [4, 6, 5, 7, 3, 8, 4, 6], seed=12)
+    options = [SamplerOptions(temperature=0)] * 7 + \
+        [SamplerOptions(temperature=0, logprobs=True, top_logprobs=2)]
+    budgets = [10] * 7 + [28]
+    alone = _alone(model, prompts[-1], options[-1], budgets[-1])
+    scheduler = Scheduler(model, max_sequences=8)
+    requests = [scheduler.submit(BatchRequest(p, o, m))
+                for p, o, m in zip(prompts, options, budgets)]
+    grew = 0
+    while scheduler.step():
+        grew = max(grew, scheduler.batch.rows)
+    assert grew >= 8 and scheduler.batch.rows < grew  # it compacted
+    assert requests[-1].tokens == alone.tokens
+    assert requests[-1].logprobs == alone.logprobs

@@ -71,3 +71,24 @@ def test_a_draft_with_logprobs_is_refused(model):
     with pytest.raises(ValueError, match="without a draft"):
         Scheduler(model).submit(BatchRequest([1, 2], SamplerOptions(logprobs=True), 4,
                                              draft=draft))
+
+
+def test_greedy_drafted_rows_pause_and_resume_drafting(model):
+    """With every drafted sequence greedy, the batch picks its depth from measured rounds,
+    none among them (plain steps, drafting paused: the target's tapped states wait for the
+    draft and reach it in one commit when drafting resumes; the scripted draft checks that
+    its context then holds every position). Outputs stay the solo greedy ones."""
+    prompts = _prompts(model.vocab_size, [6, 9], seed=8)
+    budgets = [24, 20]
+    alone = [mlxrunner.generate(model, p, options=GREEDY, max_tokens=m).tokens
+             for p, m in zip(prompts, budgets)]
+    drafts = [ScriptedDraft.for_script(model, p + a + [0] * 16, block_size=5)
+              for p, a in zip(prompts, alone)]
+    scheduler = Scheduler(model, max_sequences=2)
+    requests = [scheduler.submit(BatchRequest(p, GREEDY, m, draft=d))
+                for p, m, d in zip(prompts, budgets, drafts)]
+    scheduler.run_until_idle()
+    for request, want in zip(requests, alone):
+        assert request.tokens == want
+    # the controller's warm-up visits the full depth, 1, the middle and none
+    assert {0, 1, 4} <= set(scheduler.round_depths)

@@ -39,9 +39,11 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from .. import settings
 from ..cache import BatchCaches, Cache, KVCache, RecurrentCache, RingCache
 from ..decode import (
     PREFILL_CHUNK,
+    DepthController,
     GenerationResult,
     GenerationStats,
     Sampler,
@@ -59,6 +61,9 @@ from ..model.interface import Model
 
 log = logging.getLogger("mlxrunner.batch")
 
+#: a drafted batch's depth controller tries one depth deeper than its best every this many
+#: steps
+BATCH_PROBE_EVERY = 64
 #: what a per-token callback gets: the token and its logprob entry (None unless asked for);
 #: returning True ends the sequence after that token (finish reason "stop")
 TokenCallback = Callable[[int, "dict[str, Any] | None"], "bool | None"]
@@ -133,6 +138,9 @@ class _Sequence:
         draft = request.draft
         self.session = None if draft is None else draft.new_session(self.sampler)
         self.taps: tuple[int, ...] = () if draft is None else tuple(draft.taps)
+        #: the target's tapped states of the tokens decoded while drafting paused, which
+        #: the draft's session takes in one commit when drafting resumes
+        self.unsent_taps: list[mx.array] = []
         if self.session is not None:
             self.session.extend_tokens(self.history)
         self.row = -1
@@ -153,11 +161,15 @@ class _Sequence:
 @dataclass
 class _Step:
     """A queued batched step: (row, sequence, index in ``tokens``) per row it sampled, the
-    tokens (lazy) and the logprob arrays of the rows that asked for them."""
+    tokens (lazy) and, by index in ``tokens``, the logprob arrays of the rows that asked for
+    them."""
 
     rows: list[tuple[int, _Sequence, int]]
     tokens: mx.array
     infos: dict[int, tuple[mx.array, mx.array, mx.array]]
+    #: a drafted row's tapped states of its input token ([1, 1, ...], its draft's taps),
+    #: where drafting paused for the step
+    taps: dict[int, mx.array] = field(default_factory=dict)
 
 
 def _check(request: BatchRequest, vocab_size: int) -> None:
@@ -204,6 +216,10 @@ class Scheduler:
         self._pending: _Step | None = None  # queued, its tokens not handed out yet
         self.batch = BatchCaches(model.make_cache())
         self.steps = 0
+        #: the drafted rounds' depth while every drafted sequence is greedy (see _round)
+        self._depth: DepthController | None = None
+        #: rounds run at each depth (a drafted batch's statistics)
+        self.round_depths: dict[int, int] = {}
 
     # -- the API -------------------------------------------------------------------------
     def submit(self, request: BatchRequest) -> BatchRequest:
@@ -345,11 +361,16 @@ class Scheduler:
         still on the device unless a running row applies penalties (its history must be
         on the host first)."""
         pending, self._pending = self._pending, None
-        if any(s.session is not None for s in self._running.values()):
+        running = sorted(self._running.items())
+        controller = self._depth_controller(running)
+        depth = None if controller is None else controller.choose(controller.max_depth)
+        drafted = any(seq.session is not None for _, seq in running)
+        started = time.perf_counter()
+        if drafted and depth != 0:
             if pending is not None:
                 self._collect(pending)
             if self._running:
-                self._round()
+                self._round(depth)
         elif pending is not None and not any(s.needs_host for s in self._running.values()):
             self._pending = self._launch(pending)
             self._collect(pending)
@@ -358,6 +379,10 @@ class Scheduler:
                 self._collect(pending)
             if self._running:
                 self._pending = self._launch(None)
+        if controller is not None and depth == 0:
+            # a plain step: drafting paused (its time is what depth 0 costs)
+            self.round_depths[0] = self.round_depths.get(0, 0) + 1
+            controller.update_rows(0, [], time.perf_counter() - started)
         self._maybe_compact()
 
     def _launch(self, previous: _Step | None) -> _Step | None:
@@ -373,7 +398,13 @@ class Scheduler:
             if carried:
                 ids[mx.array([r for r, _ in carried], dtype=mx.int32)] = \
                     previous.tokens[mx.array([a for _, a in carried], dtype=mx.int32)]
-        logits = forward(self.model, ids[:, None], self.batch.caches)[:, -1, :]
+        taps = sorted({t for seq in self._running.values() for t in seq.taps})
+        tapped = None
+        if taps:  # drafted rows whose drafting paused: their drafts get these states later
+            logits, tapped = forward(self.model, ids[:, None], self.batch.caches, taps)
+            logits = logits[:, -1, :]
+        else:
+            logits = forward(self.model, ids[:, None], self.batch.caches)[:, -1, :]
         chosen: dict[int, mx.array] = {}
         greedy = sorted(r for r, s in self._running.items() if s.plain_greedy)
         if greedy:
@@ -393,25 +424,38 @@ class Scheduler:
         if not order:
             return None
         tokens = mx.stack([chosen[r] for r in order])
+        row_taps = {} if tapped is None else {
+            i: self._own_taps(tapped[row:row + 1], taps, self._running[row].taps)
+            for i, row in enumerate(order) if self._running[row].session is not None}
         mx.async_eval(tokens, *[a for info in infos.values() for a in info],
-                      *self.batch.state)
+                      *row_taps.values(), *self.batch.state)
+        # (keyed by their index in `tokens`: a compaction renumbers rows, not that)
         return _Step([(row, self._running[row], i) for i, row in enumerate(order)], tokens,
-                     infos)
+                     {i: infos[row] for i, row in enumerate(order) if row in infos}, row_taps)
 
-    def _round(self) -> None:
+    def _round(self, chosen: int | None) -> None:
         """A speculative round over the batch: each sequence with a draft proposes a block,
         one target forward verifies every block (rows padded to the longest; a row without
         a draft decodes its one token), each row accepts with its own sampler as
         :func:`mlxrunner.decode.speculative.run_round` does alone, and each row rolls back
-        to what it committed."""
+        to what it committed. ``chosen``: the depth the batch's controller chose (None: each
+        draft's full depth)."""
+        started = time.perf_counter()
         running = sorted(self._running.items())
+        controller = self._depth_controller(running)
+        for _, seq in running:
+            if seq.unsent_taps and seq.session is not None:
+                seq.session.commit(mx.concatenate(seq.unsent_taps, axis=1))
+                seq.unsent_taps = []
         depth: dict[int, int] = {}
         proposals: dict[int, tuple[mx.array, Any]] = {}
         for row, seq in running:
             n = 0
             if seq.session is not None:
                 left = seq.request.max_tokens - len(seq.request.tokens)
-                n = max(0, min(seq.request.draft.max_depth, left - 1))
+                top = seq.request.draft.max_depth if chosen is None else \
+                    min(chosen, seq.request.draft.max_depth)
+                n = max(0, min(top, left - 1))
             depth[row] = n
             if n:
                 assert seq.session is not None  # only a drafted sequence drafts
@@ -471,6 +515,12 @@ class Scheduler:
                 emitted[row] = (got[2 + n:][:accepted] + [got[1 + accepted]], accepted)
             offsets[row] = starts[row] + 1 + emitted[row][1]
         self.batch.restore_rows(offsets)
+        top = max(depth.values())
+        self.round_depths[top] = self.round_depths.get(top, 0) + 1
+        if controller is not None and chosen is not None:
+            controller.update_rows(chosen, [emitted[row][1] for row, _ in running
+                                            if depth[row] == chosen and chosen],
+                                   time.perf_counter() - started)
         for row, seq in running:
             tokens, accepted = emitted[row]
             seq.request.stats.target_forwards += 1
@@ -484,6 +534,25 @@ class Scheduler:
                 seq.session.extend_tokens(tokens)
                 seq.session.commit(self._own_taps(tapped[row:row + 1, :accepted + 1], taps,
                                                   seq.taps))
+
+    def _depth_controller(self, running: list[tuple[int, _Sequence]]
+                          ) -> DepthController | None:
+        """The batch's depth controller where every drafted sequence decodes greedily (their
+        tokens are then the same at any depth): it drafts the depth that commits the most
+        tokens per second of measured rounds, none where drafting does not pay (a large
+        batch, whose verify block costs more than its drafts save). Sampled drafted
+        sequences draft their draft's full depth, so that their draws do not depend on
+        timing. None then."""
+        drafted = [seq for _, seq in running if seq.session is not None]
+        if not drafted or not all(seq.sampler.greedy for seq in drafted) or \
+                settings.current().lockstep:
+            return None
+        deepest = max(seq.request.draft.max_depth for seq in drafted)
+        if self._depth is None or self._depth.max_depth != deepest:
+            # probing a deeper depth costs a round, several plain steps where drafting
+            # paused: rarer than alone
+            self._depth = DepthController(deepest, probe_every=BATCH_PROBE_EVERY)
+        return self._depth
 
     @staticmethod
     def _histories(seq: _Sequence, drafts: mx.array | None, n: int) -> list[list[int]]:
@@ -513,7 +582,10 @@ class Scheduler:
             if self._running.get(row) is not seq:
                 continue  # finished or cancelled since the step was queued
             seq.request.stats.target_forwards += 1
-            self._deliver(seq, values[at], step.infos.get(row))
+            going = self._deliver(seq, values[at], step.infos.get(at))
+            if going and seq.session is not None and at in step.taps:
+                seq.session.extend_tokens([values[at]])
+                seq.unsent_taps.append(step.taps[at])
 
     def _deliver(self, seq: _Sequence, token: int, info: Any) -> bool:
         """Hand a sampled token to its request; returns whether the sequence goes on (else

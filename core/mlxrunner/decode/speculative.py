@@ -236,16 +236,23 @@ class DepthController:
         return best
 
     def update(self, depth: int, accepted: int, seconds: float | None = None) -> None:
+        self.update_rows(depth, [accepted], seconds)
+
+    def update_rows(self, depth: int, accepted: Sequence[int],
+                    seconds: float | None = None) -> None:
+        """One round in which several sequences drafted ``depth`` tokens each (a batch's
+        round): each one's acceptance counts, and the round's time once."""
         self.rounds += 1
         if self._warmup:
             self._warmup.pop(0)
         for i in range(self.max_depth):
             self.hits[i] *= self.forget
             self.tries[i] *= self.forget
-        for i in range(min(depth, accepted + 1)):
-            self.tries[i] += 1.0
-            if i < accepted:
-                self.hits[i] += 1.0
+        for taken in accepted:
+            for i in range(min(depth, taken + 1)):
+                self.tries[i] += 1.0
+                if i < taken:
+                    self.hits[i] += 1.0
         if seconds is not None and self.measured:
             old = self.seconds.get(depth)
             self.seconds[depth] = seconds if old is None else old + self.ema * (seconds - old)
