@@ -70,3 +70,43 @@ def test_sharded_greedy_equals_one_process(ring, tmp_path, plugin, fixture):
                 assert diff == 0.0, f"pipeline logits differ by {diff}"
             else:
                 assert diff <= TENSOR_ATOL, f"tensor logits differ by {diff}"
+
+
+@pytest.fixture(scope="module")
+def quantized_llama(tmp_path_factory) -> Path:
+    """A 4-bit (group 32) Llama big enough that its packed gate/up product runs on the host
+    BLAS (a forward that evaluates partway)."""
+    pytest.importorskip("mlxrunner_llama", reason="the llama plugin is not installed")
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    import mlxrunner
+    from mlxrunner_test_support import EXAMPLE_CONFIG, write_model_folder
+
+    config = {**EXAMPLE_CONFIG, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
+    folder = write_model_folder(tmp_path_factory.mktemp("q4") / "model", config, seed=1)
+    model = mlxrunner.load_model(folder)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(
+        {**config, "quantization": {"group_size": 32, "bits": 4}}))
+    return folder
+
+
+def test_quantized_sharded_greedy_equals_one_process(ring, tmp_path, quantized_llama):
+    single_out = tmp_path / "single.json"
+    subprocess.run(_worker(quantized_llama, "tensor", single_out), check=True, timeout=60,
+                   cwd=HERE)
+    single = json.loads(single_out.read_text())
+    for mode in ("tensor", "pipeline"):
+        out = tmp_path / f"{mode}.json"
+        job = ring(_worker(quantized_llama, mode, out))
+        assert job.returncodes == [0, 0], "\n".join(job.outputs)
+        got = json.loads(out.read_text())
+        assert got["parameters"] < single["parameters"], f"{mode}: not sharded"
+        for run in ("plain", "scripted", *DRAFTS):
+            assert got[run] == single["plain"], f"{mode}, {run}"
+        diff = np.abs(np.array(got["logits"]) - np.array(single["logits"])).max()
+        assert diff <= (0.0 if mode == "pipeline" else TENSOR_ATOL), f"{mode}: {diff}"

@@ -46,7 +46,7 @@ def load_sharded(path: str | Path, mode: str, group: Any,
         # timing (lockstep: the speculative depth follows acceptance alone).
         settings.configure(compile=False, lockstep=True)
     plan: TensorPlan | None = None
-    dropped: set[str] = set()
+    dropped: tuple[str, ...] = ()
     try:
         if size > 1 and mode == "tensor":
             plan = apply_tensor(model, rank, size)
@@ -62,7 +62,7 @@ def load_sharded(path: str | Path, mode: str, group: Any,
         raise ModelFolderError(f"{folder}: checkpoint does not fit the architecture "
                                f"({exc})") from None
     if dropped:
-        weights = {k: v for k, v in weights.items() if k not in dropped}
+        weights = {k: v for k, v in weights.items() if not k.startswith(dropped)}
     if plan is not None:
         weights = _slices(weights, origins, plan, rank, size)
     quantize_for_checkpoint(model, config, weights)

@@ -25,7 +25,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from ..cache import Cache
 from ..model.interface import Model
@@ -113,32 +112,39 @@ def _staged(layer: nn.Module, receive: Callable[[mx.array], mx.array] | None,
     layer.__class__ = type(f"Staged{base.__name__}", (base,), {"__call__": __call__})
 
 
-def _names(model: nn.Module) -> set[str]:
-    return {str(item[0]) for item in tree_flatten(model.parameters())}
-
-
-def apply_pipeline(model: Model, group: Any) -> set[str]:
+def apply_pipeline(model: Model, group: Any) -> tuple[str, ...]:
     """Turn ``model`` into this rank's stage: layers of other ranks become stand-ins, the
     stage's ends exchange hidden states, its forward gathers taps and the final hidden state.
-    Returns the parameter names the model no longer has (the checkpoint's tensors for them
-    are not read)."""
+    Returns the paths (``model.layers.7.``) of the layers it no longer holds: the
+    checkpoint's tensors under them are not read."""
     rank, size = group.rank(), group.size()
     layers: list[nn.Module] = getattr(model, "layers")  # noqa: B009 (not on Model)
     n = len(layers)
     cuts = stage_cuts(n, size, getattr(model, "layer_kv_sources", None))
     first, stop = cuts[rank], cuts[rank + 1]
     owner = [r for r in range(size) for _ in range(cuts[r], cuts[r + 1])]
-    before = _names(model)
+    paths = {id(module): path for path, module in model.named_modules()}
+    dropped: list[str] = []
 
+    # Each hand-over (and gather) is evaluated where it is built, so that every rank meets
+    # its sends, receives and gathers in one order: left lazy, a rank whose forward evaluates
+    # partway (a product on the host BLAS) waited in its receive while the rank before
+    # waited in the gather.
     def receive(x: mx.array) -> mx.array:
-        return mx.distributed.recv_like(x, rank - 1, group=group)
+        received = mx.distributed.recv_like(x, rank - 1, group=group)
+        mx.eval(received)
+        return received
 
     def send(x: mx.array) -> mx.array:
-        return mx.distributed.send(x, rank + 1, group=group)
+        sent = mx.distributed.send(x, rank + 1, group=group)
+        mx.eval(sent)
+        return sent
 
     def gather_last(x: mx.array) -> mx.array:
         batch = x.shape[0]
-        return mx.distributed.all_gather(x, group=group)[(size - 1) * batch:size * batch]
+        last = mx.distributed.all_gather(x, group=group)[(size - 1) * batch:size * batch]
+        mx.eval(last)
+        return last
 
     for i in range(n):
         last_layer = i == n - 1
@@ -148,6 +154,7 @@ def apply_pipeline(model: Model, group: Any) -> set[str]:
             _staged(layers[i], receive if i == first and rank > 0 else None, finish)
         else:
             passthrough = getattr(type(layers[i]), "pipeline_passthrough", None)
+            dropped.append(paths[id(layers[i])] + ".")
             layers[i] = Elsewhere(layers[i], passthrough, gather_last if last_layer else None)
     mx.clear_cache()
 
@@ -161,6 +168,7 @@ def apply_pipeline(model: Model, group: Any) -> set[str]:
         logits, tapped = out
         batch, width = tapped.shape[0], tapped.shape[-1] // len(taps)
         everyone = mx.distributed.all_gather(tapped, group=group)
+        mx.eval(everyone)
         pieces = [everyone[owner[t] * batch:(owner[t] + 1) * batch, :, j * width:(j + 1) * width]
                   for j, t in enumerate(taps)]
         return logits, mx.concatenate(pieces, axis=-1)
@@ -173,4 +181,4 @@ def apply_pipeline(model: Model, group: Any) -> set[str]:
     model.__class__ = type(base.__name__, (base,), {
         "__call__": __call__, "make_cache": make_cache,
         "pipeline_stage": (first, stop), "__module__": base.__module__})
-    return before - _names(model)
+    return tuple(dropped)
