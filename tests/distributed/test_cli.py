@@ -41,6 +41,13 @@ def test_ranks_reply_once_and_as_one_process(ring, folder, mode):
     lines = job.stdout.splitlines()
     assert len(lines) == 1, job.stdout  # one JSON object: rank 1 printed nothing
     assert json.loads(lines[0])["tokens"] == json.loads(alone.stdout)["tokens"]
+    # sampled with a seed: every rank draws rank 0's tokens, one process's
+    sampled = ("--temperature", "0.9", "--seed", "7")
+    alone = _mlxrunner(RUN[0], str(folder), "class Point", *RUN[1:], *sampled)
+    job = _mlxrunner(RUN[0], str(folder), "class Point", *RUN[1:], *sampled,
+                     "--distributed", mode, "--ranks", "2")
+    assert job.returncode == 0, job.stderr
+    assert json.loads(job.stdout)["tokens"] == json.loads(alone.stdout)["tokens"]
 
 
 def test_a_dead_rank_ends_the_job_with_one_line(ring, folder):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -306,6 +307,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     bundle = _load_model_arguments(model_arg, args)
     options = bundle.defaults.merged(_sampler_overrides(args))
+    if group is not None and options.seed is None:
+        # every rank must draw the same tokens: rank 0's seed for all
+        from ..distributed.ranks import broadcast_text
+
+        seed = broadcast_text(str(int.from_bytes(os.urandom(4), "little")), group)
+        options = options.merged({"seed": int(seed)})
     max_tokens = args.max_tokens or bundle.extra.get("max_tokens") or 256
     think = None if args.think is None else args.think == "on"
     if chat and args.format is not None:
