@@ -87,6 +87,8 @@ case "${1:-}" in
             --switched kernels=attention,topk --switched kernels=deltanet,topk
             --switched attention=mlx --switched row_products=0" ;;
           verify_paths-rows) one=verify_paths; extra="--lengths 1 2 4 8 16 --repeats 12 --switched row_products=0" ;;
+          # the demo pair's streams with their drafts in the batch against without
+          batch-pair) one=batch; extra="--pair demo-qwen3.5 --streams 1 4 16 32 --repeats 2" ;;
           batch_step-kinds) one=batch_step; extra="--kinds --streams 1 8 16 32" ;;
           # a 4k-token conversation's second turn with the prefix cache (issue 20's goal)
           prefix_cache-4k) one=prefix_cache
