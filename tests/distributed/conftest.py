@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from mlxrunner.distributed import write_local_hostfile
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -22,17 +22,6 @@ JOB_TIMEOUT = 60
 class Job:
     returncodes: list[int]
     outputs: list[str]  # each rank's stdout and stderr, together
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _ring_works(tmp: Path) -> str | None:
@@ -50,7 +39,7 @@ def run_job(argv: list[str], tmp: Path, size: int = 2, timeout: float = JOB_TIME
     """Run ``argv`` as ranks 0..size-1 of one ring job on 127.0.0.1 (the environment
     ``mlx.launch`` gives its processes), each killed after ``timeout`` seconds."""
     hostfile = tmp / f"hosts-{os.getpid()}-{len(list(tmp.glob('hosts-*')))}.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(size)]))
+    write_local_hostfile(hostfile, size)
     procs = []
     for rank in range(size):
         rank_env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile),

@@ -15,6 +15,7 @@ from __future__ import annotations
 from .group import MODES, DistributedError, launched, world
 from .loading import load_sharded
 from .pipeline import CountingCache, stage_cuts
+from .ranks import write_local_hostfile
 
 __all__ = ["MODES", "CountingCache", "DistributedError", "launched", "load_sharded",
-           "stage_cuts", "world"]
+           "stage_cuts", "world", "write_local_hostfile"]

@@ -124,15 +124,18 @@ def lost_rank(group: Any) -> DistributedError:
                             "its connection to it): ending the job")
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
+def write_local_hostfile(path: Path, ranks: int) -> None:
+    """An ``MLX_HOSTFILE`` for ``ranks`` processes of one ring job on 127.0.0.1, each on a
+    port free now."""
+    sockets = [socket.socket() for _ in range(ranks)]
     try:
         for s in sockets:
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        ports = [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
+    path.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
 
 
 def launch_local(ranks: int, argv: Sequence[str]) -> int:
@@ -143,7 +146,7 @@ def launch_local(ranks: int, argv: Sequence[str]) -> int:
         raise DistributedError("--ranks needs at least 2 processes")
     with tempfile.TemporaryDirectory(prefix="mlxrunner-ranks-") as tmp:
         hostfile = Path(tmp) / "hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(ranks)]))
+        write_local_hostfile(hostfile, ranks)
         procs = []
         for rank in range(ranks):
             env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile),
