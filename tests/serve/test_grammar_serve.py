@@ -125,3 +125,17 @@ def test_bad_formats_are_400s_in_the_other_apis(client: Any, ollama_client: Any,
     yaml = httpx.post(served.url + "/api/generate", json={"model": "demo", "prompt": "x",
                                                            "format": "yaml"}, timeout=60)
     assert yaml.status_code == 400 and "format must be 'json'" in yaml.json()["error"]
+
+
+def test_the_engine_builds_the_models_token_table_before_any_format_is_asked(served: Any):
+    """The engine builds structured output's token table when it starts: the first request
+    with a format then finds it (the same table its grammar is compiled over)."""
+    from mlxrunner.decode import compile_format
+
+    engine = served.service.engine
+    bundle = served.service.bundle
+    ready = engine.grammar_vocabulary.result(timeout=60)
+    assert ready is not None
+    grammar = compile_format("json", bundle.tokenizer, bundle.model.vocab_size,
+                             engine.stop_ids)
+    assert grammar is not None and grammar.vocabulary is ready

@@ -28,7 +28,7 @@ from ..bundle import Bundle
 from ..cache import prefix_cache_for
 from ..chat.streaming import TextStream
 from ..decode.generation import generate
-from ..decode.grammar import Format, Grammar, GrammarError, compile_format
+from ..decode.grammar import Format, Grammar, GrammarError, Vocabulary, compile_format, vocabulary
 from ..decode.options import SamplerOptionError, SamplerOptions
 from ..errors import MLXRunnerError
 
@@ -137,7 +137,22 @@ class Engine:
         #: jobs so far: submitted, done, cancelled (their client left midway), skipped (their
         #: client left before they began), failed
         self.counts = dict.fromkeys(("submitted", "done", "cancelled", "skipped", "failed"), 0)
+        #: structured output's token table for this model, built in the background from the
+        #: start (250k tokens take seconds), not at the first request that asks for a format
+        self.grammar_vocabulary: Future[Vocabulary | None] = Future()
+        threading.Thread(target=self._prepare_vocabulary, name="mlxrunner-vocabulary",
+                         daemon=True).start()
         threading.Thread(target=self._serve, name="mlxrunner-model", daemon=True).start()
+
+    def _prepare_vocabulary(self) -> None:
+        bundle = self.bundle
+        try:
+            made = None if bundle.tokenizer is None else vocabulary(
+                bundle.tokenizer, bundle.model.vocab_size, self.stop_ids)
+        except Exception as exc:  # a request that asks for a format reports it
+            log.debug("no structured-output vocabulary for this model: %s", exc)
+            made = None
+        self.grammar_vocabulary.set_result(made)
 
     @property
     def waiting(self) -> int:
