@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "BlockDraftSession": "model.block_draft",
     "ContextCache": "cache.context",
     "TracedContext": "cache.context",
+    "RowContext": "cache.context",
     # chat formats
     "Renderer": "chat.formats",
     "Parser": "chat.formats",
@@ -70,7 +71,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cache import Cache, KVCache, RecurrentCache, RingCache  # noqa: F401
-    from .cache.context import ContextCache, TracedContext  # noqa: F401
+    from .cache.context import ContextCache, RowContext, TracedContext  # noqa: F401
     from .chat.formats import (  # noqa: F401
         ParsedMessage,
         Parser,

@@ -20,7 +20,10 @@ row's draws those it would make alone), so a sequence's output is what
 
 A sequence with a draft decodes speculatively inside the batch: while one runs, each step is
 a round (:meth:`Scheduler._round`) whose one batched target forward verifies every drafted
-row's block, each row accepting and rolling back on its own (docs/batching.md).
+row's block, each row accepting and rolling back on its own (docs/batching.md). The greedy
+sequences of one block draft share its context (:class:`mlxrunner.model.block_draft.
+BlockDraftBatch`): their blocks are one draft forward, their acceptance one comparison, their
+commits one more forward, whatever the number of rows.
 
 The synchronous API (:meth:`Scheduler.submit`, :meth:`Scheduler.step`,
 :meth:`Scheduler.run_until_idle`) is meant to be driven by one worker thread; ``submit``
@@ -57,6 +60,7 @@ from ..decode import (
     prefill,
     topk_indices,
 )
+from ..model.block_draft import BlockDraft, BlockDraftBatch, BlockDraftSession
 from ..model.interface import Model
 
 log = logging.getLogger("mlxrunner.batch")
@@ -138,8 +142,12 @@ class _Sequence:
         draft = request.draft
         self.session = None if draft is None else draft.new_session(self.sampler)
         self.taps: tuple[int, ...] = () if draft is None else tuple(draft.taps)
+        #: a greedy sequence of a block draft: it drafts through the batch's shared context
+        #: of that draft (its session's context is handed over when it joins)
+        self.shared = isinstance(draft, BlockDraft) and self.plain_greedy
         #: the target's tapped states of the tokens decoded while drafting paused, which
-        #: the draft's session takes in one commit when drafting resumes
+        #: the draft's session takes in one commit when drafting resumes (not shared ones:
+        #: their shared context takes each step's)
         self.unsent_taps: list[mx.array] = []
         if self.session is not None:
             self.session.extend_tokens(self.history)
@@ -168,8 +176,13 @@ class _Step:
     tokens: mx.array
     infos: dict[int, tuple[mx.array, mx.array, mx.array]]
     #: a drafted row's tapped states of its input token ([1, 1, ...], its draft's taps),
-    #: where drafting paused for the step
+    #: where drafting paused for the step (sequences without a shared context)
     taps: dict[int, mx.array] = field(default_factory=dict)
+    #: the step's tapped states of every row ([B, 1, ...], the layers ``tap_layers``) and,
+    #: by index in ``tokens``, the row each token's input was in (for shared contexts)
+    tapped: mx.array | None = None
+    tap_layers: list[int] = field(default_factory=list)
+    launch_rows: list[int] = field(default_factory=list)
 
 
 def _check(request: BatchRequest, vocab_size: int) -> None:
@@ -220,6 +233,8 @@ class Scheduler:
         self._depth: DepthController | None = None
         #: rounds run at each depth (a drafted batch's statistics)
         self.round_depths: dict[int, int] = {}
+        #: the shared contexts of block drafts' greedy sequences, by draft (id)
+        self._contexts: dict[int, BlockDraftBatch] = {}
 
     # -- the API -------------------------------------------------------------------------
     def submit(self, request: BatchRequest) -> BatchRequest:
@@ -353,6 +368,18 @@ class Scheduler:
             seq.caches = None
             seq.row = row
             self._running[row] = seq
+            if seq.shared:
+                assert isinstance(session, BlockDraftSession)  # a block draft's session
+                self._context(seq).add(row, session)
+
+    def _context(self, seq: _Sequence) -> BlockDraftBatch:
+        """The shared context of ``seq``'s draft, with a row for every row of the batch."""
+        draft = seq.request.draft
+        shared = self._contexts.get(id(draft))
+        if shared is None:
+            shared = self._contexts[id(draft)] = draft.new_batch()
+        shared.set_rows(self.batch.rows)
+        return shared
 
     # -- decoding ------------------------------------------------------------------------
     def _decode_step(self) -> None:
@@ -426,12 +453,15 @@ class Scheduler:
         tokens = mx.stack([chosen[r] for r in order])
         row_taps = {} if tapped is None else {
             i: self._own_taps(tapped[row:row + 1], taps, self._running[row].taps)
-            for i, row in enumerate(order) if self._running[row].session is not None}
+            for i, row in enumerate(order)
+            if self._running[row].session is not None and not self._running[row].shared}
+        shared = tapped is not None and any(self._running[row].shared for row in order)
         mx.async_eval(tokens, *[a for info in infos.values() for a in info],
-                      *row_taps.values(), *self.batch.state)
+                      *row_taps.values(), *([tapped] if shared else []), *self.batch.state)
         # (keyed by their index in `tokens`: a compaction renumbers rows, not that)
         return _Step([(row, self._running[row], i) for i, row in enumerate(order)], tokens,
-                     {i: infos[row] for i, row in enumerate(order) if row in infos}, row_taps)
+                     {i: infos[row] for i, row in enumerate(order) if row in infos}, row_taps,
+                     tapped if shared else None, taps, order)
 
     def _round(self, chosen: int | None) -> None:
         """A speculative round over the batch: each sequence with a draft proposes a block,
@@ -439,7 +469,11 @@ class Scheduler:
         a draft decodes its one token), each row accepts with its own sampler as
         :func:`mlxrunner.decode.speculative.run_round` does alone, and each row rolls back
         to what it committed. ``chosen``: the depth the batch's controller chose (None: each
-        draft's full depth)."""
+        draft's full depth).
+
+        The sequences of a shared context propose in one block forward and accept in one
+        comparison (greedy: a draft is accepted while it is the target's argmax); the
+        others propose and decide one by one."""
         started = time.perf_counter()
         running = sorted(self._running.items())
         controller = self._depth_controller(running)
@@ -448,7 +482,6 @@ class Scheduler:
                 seq.session.commit(mx.concatenate(seq.unsent_taps, axis=1))
                 seq.unsent_taps = []
         depth: dict[int, int] = {}
-        proposals: dict[int, tuple[mx.array, Any]] = {}
         for row, seq in running:
             n = 0
             if seq.session is not None:
@@ -457,35 +490,66 @@ class Scheduler:
                     min(chosen, seq.request.draft.max_depth)
                 n = max(0, min(top, left - 1))
             depth[row] = n
-            if n:
-                assert seq.session is not None  # only a drafted sequence drafts
-                proposal = seq.session.propose(seq.history[-1], len(seq.history) - 1, n)
-                mx.async_eval(proposal.tokens)
-                proposals[row] = (proposal.tokens.reshape(-1).astype(mx.int32),
-                                  proposal.distribution())
+        rows = self.batch.rows
         length = 1 + max(depth.values())
-        pad = mx.zeros((length,), dtype=mx.int32)
-        rows = []
-        for row in range(self.batch.rows):
-            member = self._running.get(row)
-            if member is None:
-                rows.append(pad)
+        last = [0] * rows
+        for row, seq in running:
+            last[row] = seq.history[-1]
+        # the verified block's drafts [rows, length - 1]: a shared context's rows all take
+        # its proposals (past a row's depth, or in a row not its own, they are verified and
+        # rolled back unread)
+        body = mx.zeros((rows, length - 1), dtype=mx.int32)
+        groups: dict[int, list[int]] = {}
+        for row, seq in running:
+            if seq.shared:
+                groups.setdefault(id(seq.request.draft), []).append(row)
+        for key, members in groups.items():
+            n = max(depth[row] for row in members)
+            if n == 0:
                 continue
-            parts = [mx.array([member.history[-1]], dtype=mx.int32)]
-            if row in proposals:
-                parts.append(proposals[row][0])
-            parts.append(pad[:length - 1 - depth[row]])
-            rows.append(mx.concatenate(parts))
+            shared = self._contexts[key]
+            shared.set_rows(rows)
+            proposed = shared.propose(last, n)
+            if n < length - 1:
+                proposed = mx.pad(proposed, [(0, 0), (0, length - 1 - n)])
+            if len(groups) == 1:
+                body = proposed
+            else:
+                mine = mx.array([r in members for r in range(rows)], dtype=mx.bool_)
+                body = mx.where(mine[:, None], proposed, body)
+        proposals: dict[int, tuple[mx.array, Any]] = {}
+        for row, seq in running:
+            if seq.shared or not depth[row]:
+                continue
+            assert seq.session is not None  # only a drafted sequence drafts
+            proposal = seq.session.propose(seq.history[-1], len(seq.history) - 1, depth[row])
+            mx.async_eval(proposal.tokens)
+            drafts = proposal.tokens.reshape(-1).astype(mx.int32)
+            proposals[row] = (drafts, proposal.distribution())
+            body[row:row + 1, :depth[row]] = drafts[None]
+        ids = mx.concatenate([mx.array(last, dtype=mx.int32)[:, None], body], axis=1)
         taps = sorted({t for _, seq in running for t in seq.taps})
         self.batch.keep_for_restore()
         starts = self.batch.row_offsets
-        out = forward(self.model, mx.stack(rows), self.batch.caches, taps or None)
+        out = forward(self.model, ids, self.batch.caches, taps or None)
         logits, tapped = (out, None) if not taps else out
         mx.async_eval(logits, *([] if tapped is None else [tapped]))
+        # the shared rows' acceptance, all rows at once
         reads: list[mx.array] = []
+        if groups:
+            target = topk_indices(logits, 1)[..., 0]  # [rows, length]
+            deep = mx.array([depth.get(r, 0) for r in range(rows)], dtype=mx.int32)
+            within = mx.arange(length - 1, dtype=mx.int32)[None] < deep[:, None]
+            hits = ((target[:, :-1] == body) & within).astype(mx.int32)
+            accepted_rows = mx.sum(mx.cumprod(hits, axis=1), axis=1).astype(mx.int32)
+            reads += [accepted_rows, target.reshape(-1)]
         spans: dict[int, tuple[int, int]] = {}
+        at = rows + rows * length if groups else 0
         for row, seq in running:
             n = depth[row]
+            if seq.shared:
+                seq.sampler.skip(2 * n + 1)  # the keys decide's greedy path consumes
+                continue
             if seq.session is None:
                 parts = [seq.sampler.sample(logits[row, 0], seq.history,
                                             seq.allowed(self.model.vocab_size)).reshape(1)]
@@ -497,20 +561,23 @@ class Scheduler:
                 parts = [decision.accepted.reshape(1), decision.fix_tokens]
                 if drafts is not None:
                     parts.append(drafts)
-            at = sum(r.shape[0] for r in reads)
             joined = mx.concatenate(parts)
             reads.append(joined)
             spans[row] = (at, joined.shape[0])
+            at += joined.shape[0]
         values = cast("list[int]", mx.concatenate(reads).tolist())
         offsets = list(starts)
         emitted: dict[int, tuple[list[int], int]] = {}
         for row, seq in running:
-            at, size = spans[row]
-            got = values[at:at + size]
             n = depth[row]
-            if seq.session is None:
-                emitted[row] = ([got[0]], 0)
+            if seq.shared:
+                accepted = values[row]
+                first = rows + row * length
+                emitted[row] = (values[first:first + accepted + 1], accepted)
+            elif seq.session is None:
+                emitted[row] = ([values[spans[row][0]]], 0)
             else:
+                got = values[spans[row][0]:sum(spans[row])]
                 accepted = got[0]
                 emitted[row] = (got[2 + n:][:accepted] + [got[1 + accepted]], accepted)
             offsets[row] = starts[row] + 1 + emitted[row][1]
@@ -521,6 +588,7 @@ class Scheduler:
             controller.update_rows(chosen, [emitted[row][1] for row, _ in running
                                             if depth[row] == chosen and chosen],
                                    time.perf_counter() - started)
+        counts: dict[int, list[int]] = {key: [0] * rows for key in groups}
         for row, seq in running:
             tokens, accepted = emitted[row]
             seq.request.stats.target_forwards += 1
@@ -532,8 +600,15 @@ class Scheduler:
             if going and seq.session is not None:
                 assert tapped is not None  # the drafted rows asked for taps
                 seq.session.extend_tokens(tokens)
-                seq.session.commit(self._own_taps(tapped[row:row + 1, :accepted + 1], taps,
-                                                  seq.taps))
+                if seq.shared:
+                    counts[id(seq.request.draft)][row] = accepted + 1
+                else:
+                    seq.session.commit(self._own_taps(tapped[row:row + 1, :accepted + 1],
+                                                      taps, seq.taps))
+        for key, committed in counts.items():
+            assert tapped is not None  # the drafted rows asked for taps
+            shared = self._contexts[key]
+            shared.commit(self._own_taps(tapped, taps, tuple(shared.draft.taps)), committed)
 
     def _depth_controller(self, running: list[tuple[int, _Sequence]]
                           ) -> DepthController | None:
@@ -578,14 +653,29 @@ class Scheduler:
     def _collect(self, step: _Step) -> None:
         """Hand out a step's tokens to the sequences still running in its rows."""
         values = cast("list[int]", step.tokens.tolist())
+        committed: dict[int, dict[int, int]] = {}  # draft -> row now -> row in the step
         for row, seq, at in step.rows:
             if self._running.get(row) is not seq:
                 continue  # finished or cancelled since the step was queued
             seq.request.stats.target_forwards += 1
             going = self._deliver(seq, values[at], step.infos.get(at))
-            if going and seq.session is not None and at in step.taps:
-                seq.session.extend_tokens([values[at]])
-                seq.unsent_taps.append(step.taps[at])
+            if going and seq.session is not None:
+                if at in step.taps:
+                    seq.session.extend_tokens([values[at]])
+                    seq.unsent_taps.append(step.taps[at])
+                elif seq.shared and step.tapped is not None:
+                    seq.session.extend_tokens([values[at]])
+                    committed.setdefault(id(seq.request.draft), {})[seq.row] = \
+                        step.launch_rows[at]
+        for key, rows in committed.items():
+            # each row's input token's states, from the step's rows to the rows now
+            assert step.tapped is not None  # shared rows were in the step
+            shared = self._contexts[key]
+            shared.set_rows(self.batch.rows)
+            source = [rows.get(r, 0) for r in range(shared.rows)]
+            tapped = self._own_taps(step.tapped[mx.array(source, dtype=mx.int32)],
+                                    step.tap_layers, tuple(shared.draft.taps))
+            shared.commit(tapped, [int(r in rows) for r in range(shared.rows)])
 
     def _deliver(self, seq: _Sequence, token: int, info: Any) -> bool:
         """Hand a sampled token to its request; returns whether the sequence goes on (else
@@ -633,6 +723,8 @@ class Scheduler:
                     request.prefix_cache.store(seq.history[:fed], solo)
             del self._running[seq.row]
             self.batch.remove(seq.row)
+            if seq.shared:
+                self._contexts[id(request.draft)].remove(seq.row)
             seq.row = -1
 
     def _row_caches(self, row: int) -> list[Cache | None] | None:
@@ -667,7 +759,11 @@ class Scheduler:
         rows = self.batch.rows
         if rows < 8 or 4 * len(self._running) > rows:
             return
+        for shared in self._contexts.values():
+            shared.set_rows(rows)
         moved = self.batch.compact()
+        for shared in self._contexts.values():
+            shared.compact(moved, self.batch.rows)
         self._running = {moved[row]: seq for row, seq in self._running.items()}
         for row, seq in self._running.items():
             seq.row = row

@@ -147,3 +147,45 @@ class TracedContext:
         if causal:
             in_block &= row - self.length <= query
         return in_context | in_block
+
+
+class RowContext:
+    """The context of many sequences' block drafts inside a traced graph, one row each
+    (continuous batching): slot ``j`` of row ``b`` holds position ``j``, and row ``b``'s
+    context is its first ``lengths[b]`` slots. Rows are written at their own lengths; a
+    block's queries of row ``b`` are at positions ``lengths[b] ..``; the window, if any,
+    is applied by the mask."""
+
+    def __init__(self, keys: mx.array, values: mx.array, lengths: mx.array,
+                 window: int | None, masks: dict[Any, mx.array] | None = None) -> None:
+        self.keys, self.values = keys, values
+        self.lengths, self.window = lengths, window
+        # as in TracedContext: the layers of one window share the mask
+        self.masks = {} if masks is None else masks
+
+    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Writes each row's ``m`` rows at its length (a block, or a commit's rows)."""
+        at = (self.lengths[:, None] + arange_constant(keys.shape[2])[None])[:, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values,
+                                        axis=2)
+        return self.keys, self.values
+
+    def block_mask(self, pos: mx.array, block: int, causal: bool) -> mx.array:
+        """``[B, 1, block, S]``: each row's context (within the window) and its block."""
+        key = (self.window, self.keys.shape[2], block, causal)
+        if key not in self.masks:
+            self.masks[key] = self._mask(block, causal)
+        return self.masks[key]
+
+    def _mask(self, block: int, causal: bool) -> mx.array:
+        slot = arange_constant(self.keys.shape[2])[None, None]  # [1, 1, S]
+        query = arange_constant(block)[None, :, None]  # [1, L, 1]
+        length = self.lengths[:, None, None]  # [B, 1, 1]: the block's first position
+        in_context = slot < length
+        if self.window is not None:
+            in_context &= (length + query) - slot < self.window
+        in_block = (slot >= length) & (slot < length + block)
+        if causal:
+            in_block &= slot - length <= query
+        return (in_context | in_block)[:, None]

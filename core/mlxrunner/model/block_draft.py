@@ -3,12 +3,15 @@ keys and values of every committed token, run by the core.
 
 A subclass of :class:`BlockDraft` is the draft's math: its ``layers`` (each with a
 ``self_attn`` holding ``window`` (None for full attention), ``n_kv_heads``, ``head_dim`` and
-``context_kv(rows, position)``, the keys and values of context rows at absolute positions),
-``context(tapped)`` (the target's tapped states to context rows), ``block_rows(anchor, pos,
-n, stores)`` (the final-normed hidden states of block rows 1..n, attending through
-``stores``), ``greedy_tokens(hidden, anchor)`` (temperature 0: the proposed tokens, pure
-array code), ``sampled(session, hidden, anchor)`` (temperature > 0: a
-:class:`DraftProposal` drawn with ``session.draw``) and ``compute_dtype``.
+``context_kv(rows, position)``, the keys and values of context rows ``[B, M, hidden]`` at
+absolute positions, ``position`` an int or one per row ``[B]``), ``context(tapped)`` (the
+target's tapped states ``[B, M, taps * hidden]`` to context rows), ``block_rows(anchor, pos,
+n, stores)`` (the final-normed hidden states ``[B, n, hidden]`` of block rows 1..n of the
+blocks anchored at ``anchor [B]``, at positions ``pos ..`` (an int or ``[B]``), attending
+through ``stores``), ``greedy_tokens(hidden, anchor)`` (temperature 0: the proposed tokens
+``[B, n]``, pure array code), ``sampled(session, hidden, anchor)`` (temperature > 0: one
+sequence's :class:`DraftProposal`, ``hidden [1, n, hidden]``, drawn with ``session.draw``)
+and ``compute_dtype``.
 
 The core keeps one :class:`~mlxrunner.cache.context.ContextCache` per layer and runs each
 round's block and each commit through a traced graph (one ``mx.compile`` graph per drafted
@@ -17,6 +20,11 @@ them), the stores standing in as :class:`~mlxrunner.cache.context.TracedContext`
 fixed-size buffers; with ``MLXRUNNER_COMPILE=0`` both run eagerly, and so does a graph whose
 trace met enough products that run on the host BLAS (:func:`mlxrunner.nn.host_products`).
 Either way they compute the same thing.
+
+In a batch (:class:`mlxrunner.batch.Scheduler`) the greedy sequences of one draft share a
+:class:`BlockDraftBatch`: their contexts stacked one row each
+(:class:`~mlxrunner.cache.context.RowContext` in the graphs), each round one block forward
+for every row and one commit.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import settings
-from ..cache.context import ContextCache, TracedContext
+from ..cache.context import ContextCache, RowContext, TracedContext
 from ..nn import host_bound, host_declined
 from .draft import DraftModel, DraftProposal, DraftSession
 
@@ -50,7 +58,7 @@ class BlockDraft(DraftModel):
         raise NotImplementedError
 
     def block_rows(self, anchor: mx.array, pos: int | mx.array, n: int,
-                   stores: Sequence[ContextCache | TracedContext]) -> mx.array:
+                   stores: Sequence[ContextCache | TracedContext | RowContext]) -> mx.array:
         raise NotImplementedError
 
     def greedy_tokens(self, hidden: mx.array, anchor: mx.array) -> mx.array:
@@ -101,7 +109,7 @@ class BlockDraft(DraftModel):
             stores = [_traced_context(state, i, window, masks)
                       for i, window in enumerate(windows)]
             hidden = self.block_rows(anchor, pos, n, stores)
-            rows = self.greedy_tokens(hidden, anchor) if greedy else hidden
+            rows = self.greedy_tokens(hidden, anchor)[0] if greedy else hidden
             return [rows] + [a for store in stores for a in (store.keys, store.values)]
 
         return graph
@@ -122,6 +130,10 @@ class BlockDraft(DraftModel):
 
     def new_session(self, sampler: Any) -> BlockDraftSession:
         return BlockDraftSession(self, sampler)
+
+    def new_batch(self) -> BlockDraftBatch:
+        """The shared context of this draft's greedy sequences in a batch."""
+        return BlockDraftBatch(self)
 
 
 def _traced(draft: BlockDraft, key: tuple[Any, ...]) -> bool:
@@ -210,7 +222,8 @@ class BlockDraftSession(DraftSession):
     def block(self, current: int, pos: int, n: int) -> mx.array:
         """Final-normed hidden states of block rows 1..n ([n, hidden]), computed eagerly."""
         self._check_block(pos, n)
-        return self.draft.block_rows(mx.array([current], dtype=mx.int32), pos, n, self.stores)
+        return self.draft.block_rows(mx.array([current], dtype=mx.int32), pos, n,
+                                     self.stores)[0]
 
     def propose(self, current: int, pos: int, n: int) -> DraftProposal:
         self._check_block(pos, n)
@@ -220,16 +233,195 @@ class BlockDraftSession(DraftSession):
             rows = self.traced_rows(anchor, pos, n, greedy)
         else:
             hidden = self.draft.block_rows(anchor, pos, n, self.stores)
-            rows = self.draft.greedy_tokens(hidden, anchor) if greedy else hidden
+            rows = self.draft.greedy_tokens(hidden, anchor)[0] if greedy else hidden
         if greedy:
             return DraftProposal.point_mass(rows)
         return self.draft.sampled(self, rows, anchor)
 
     def traced_rows(self, anchor: mx.array, pos: int, n: int, greedy: bool) -> mx.array:
-        """The block through its traced graph: the tokens (greedy) or the hidden rows."""
+        """The block through its traced graph: the tokens ``[n]`` (greedy) or the hidden rows
+        ``[1, n, hidden]``."""
         draft = self.draft
         graph = draft.traced(("block", n, greedy), lambda: draft._block_graph(n, greedy))
         state = self._graph_state(draft.block_size, appending=False)
         out = graph(anchor, mx.array(pos, dtype=mx.int32), state)
         self._take_state(out[1:])
         return out[0]
+
+
+class BlockDraftBatch:
+    """The contexts of many greedy sequences of one block draft, one row per batch row (the
+    scheduler's rows): per draft layer keys and values ``[B, H, S, D]``, slot ``j`` of a row
+    its position ``j`` (a sliding layer's window is applied by the mask, not by dropping
+    rows), and each row's context length. Each round is one block forward over every row
+    (:meth:`propose`) and each row's accepted tokens one commit over every row
+    (:meth:`commit`), both through traced graphs keyed by the row count, the buffer's size
+    and the drafted or committed length.
+
+    Rows are the batch's: :meth:`add` takes a sequence's session after its prefill (the
+    session's stores are handed over: it drafts through the batch from then on),
+    :meth:`remove` frees a row, :meth:`compact` follows the batch's compaction. A free row
+    has length 0; what a graph writes there is never read.
+    """
+
+    step = ContextCache.step
+
+    def __init__(self, draft: BlockDraft) -> None:
+        self.draft = draft
+        self.windows = draft._windows()
+        self.keys: list[mx.array | None] = [None] * len(self.windows)
+        self.values: list[mx.array | None] = [None] * len(self.windows)
+        self.lengths: list[int] = []
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def size(self) -> int:
+        """Slots per row (a multiple of ``step``)."""
+        first = self.keys[0]
+        return 0 if first is None else first.shape[2]
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (*self.keys, *self.values) if a is not None]
+
+    # -- rows ------------------------------------------------------------------------------
+    def set_rows(self, rows: int) -> None:
+        """Room for ``rows`` rows (free rows appended)."""
+        extra = rows - self.rows
+        if extra <= 0:
+            return
+        self.lengths += [0] * extra
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None and v is not None:
+                self.keys[i] = mx.concatenate([k, mx.zeros((extra, *k.shape[1:]), k.dtype)])
+                self.values[i] = mx.concatenate([v, mx.zeros((extra, *v.shape[1:]), v.dtype)])
+
+    def add(self, row: int, session: BlockDraftSession) -> None:
+        """Take ``session``'s context into free ``row`` (grown to if needed)."""
+        self.set_rows(row + 1)
+        end = session.context_length
+        self._reserve(end + self.draft.block_size)
+        for i, store in enumerate(session.stores):
+            k, v = self.keys[i], self.values[i]
+            assert k is not None and v is not None  # reserved
+            if store.length and store.keys is not None and store.values is not None:
+                k[row:row + 1, :, store.start:store.end, :] = store.keys[..., :store.length, :]
+                v[row:row + 1, :, store.start:store.end, :] = \
+                    store.values[..., :store.length, :]
+        self.lengths[row] = end
+        session.stores = [ContextCache(window) for window in self.windows]
+
+    def remove(self, row: int) -> None:
+        self.lengths[row] = 0
+
+    def compact(self, moved: dict[int, int], rows: int) -> None:
+        """Follow the batch's compaction: row ``old`` to ``moved[old]`` of ``rows`` rows."""
+        order = sorted(moved, key=moved.__getitem__)
+        if [moved[r] for r in order] != list(range(len(order))):
+            raise ValueError("a compaction moves its rows to the front, in order")
+        take = mx.array(order, dtype=mx.int32)
+        self.lengths = [self.lengths[r] for r in order] + [0] * (rows - len(order))
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None and v is not None:
+                kept_k, kept_v = k[take], v[take]
+                pad = rows - len(order)
+                if pad:
+                    kept_k = mx.concatenate([kept_k, mx.zeros((pad, *k.shape[1:]), k.dtype)])
+                    kept_v = mx.concatenate([kept_v, mx.zeros((pad, *v.shape[1:]), v.dtype)])
+                self.keys[i], self.values[i] = mx.contiguous(kept_k), mx.contiguous(kept_v)
+
+    def _reserve(self, need: int) -> None:
+        """Every row ``need`` slots at least."""
+        if need <= self.size:
+            return
+        size = -(-need // self.step) * self.step
+        for i, layer in enumerate(self.draft.layers):
+            attn = layer.self_attn
+            shape = (self.rows, attn.n_kv_heads, size, attn.head_dim)
+            fresh_k = mx.zeros(shape, self.draft.compute_dtype)
+            fresh_v = mx.zeros(shape, self.draft.compute_dtype)
+            k, v = self.keys[i], self.values[i]
+            if k is not None and v is not None:
+                fresh_k[:, :, :k.shape[2]] = k
+                fresh_v[:, :, :v.shape[2]] = v
+            self.keys[i], self.values[i] = fresh_k, fresh_v
+
+    # -- rounds ----------------------------------------------------------------------------
+    def commit(self, tapped: mx.array, counts: Sequence[int]) -> None:
+        """Row ``b`` takes the first ``counts[b]`` of its tapped states ``tapped [B, M, ...]``
+        (lazy: one traced graph for every row)."""
+        if len(counts) != self.rows or tapped.shape[0] != self.rows:
+            raise ValueError(f"a commit of {tapped.shape[0]} rows and {len(counts)} counts "
+                             f"for a batch of {self.rows}")
+        if not any(counts):
+            return
+        width = tapped.shape[1]
+        self._reserve(max(self.lengths) + max(width, self.draft.block_size))
+        key = ("rows-commit", self.rows, self.size, width)
+        out = self._run(key, self._commit_graph, tapped)
+        self._take(out)
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+
+    def propose(self, anchors: Sequence[int], n: int) -> mx.array:
+        """Each row's ``n`` greedy drafts ``[B, n]`` (lazy) for the block anchored at its
+        last token ``anchors[b]``, at its context's end."""
+        size = self.draft.block_size
+        if not 1 <= n <= size - 1:
+            raise ValueError(f"a {size}-block drafts 1..{size - 1} tokens, asked for {n}")
+        self._reserve(max(self.lengths) + size)
+        key = ("rows-block", self.rows, self.size, n)
+        out = self._run(key, lambda: self._block_graph(n),
+                        mx.array(list(anchors), dtype=mx.int32))
+        self._take(out[1:])
+        return out[0]
+
+    def _run(self, key: tuple[Any, ...], build: Callable[[], Callable[..., list[mx.array]]],
+             first: mx.array) -> list[mx.array]:
+        graph = self.draft.traced(key, build) if _traced(self.draft, key) else build()
+        lengths = mx.array(self.lengths, dtype=mx.int32)
+        state = [a for pair in zip(self.keys, self.values) for a in pair]
+        # the graph may write the buffers in place: nothing else holds them meanwhile
+        self.keys = [None] * len(self.windows)
+        self.values = [None] * len(self.windows)
+        return graph(first, lengths, state)
+
+    def _take(self, buffers: Sequence[mx.array]) -> None:
+        self.keys = list(buffers[0::2])
+        self.values = list(buffers[1::2])
+
+    def _commit_graph(self) -> Callable[..., list[mx.array]]:
+        draft, windows = self.draft, self.windows
+
+        def graph(tapped: mx.array, lengths: mx.array, state: list[mx.array]
+                  ) -> list[mx.array]:
+            ctx = draft.context(tapped)
+            out: list[mx.array] = []
+            for layer, store in zip(draft.layers, _row_stores(windows, lengths, state)):
+                k, v = layer.self_attn.context_kv(ctx, lengths)
+                out += store.with_block(k, v)
+            return out
+
+        return graph
+
+    def _block_graph(self, n: int) -> Callable[..., list[mx.array]]:
+        draft, windows = self.draft, self.windows
+
+        def graph(anchors: mx.array, lengths: mx.array, state: list[mx.array]
+                  ) -> list[mx.array]:
+            stores = _row_stores(windows, lengths, state)
+            tokens = draft.greedy_tokens(draft.block_rows(anchors, lengths, n, stores), anchors)
+            return [tokens] + [a for store in stores for a in (store.keys, store.values)]
+
+        return graph
+
+
+def _row_stores(windows: list[int | None], lengths: mx.array, state: list[mx.array]
+                ) -> list[RowContext]:
+    """A batch graph's stores (each layer's keys, values in ``state``); the layers of one
+    window share their mask."""
+    masks: dict[Any, mx.array] = {}
+    return [RowContext(state[2 * i], state[2 * i + 1], lengths, window, masks)
+            for i, window in enumerate(windows)]

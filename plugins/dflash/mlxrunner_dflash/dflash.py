@@ -32,10 +32,11 @@ from mlxrunner.plugin import (
     DraftConfigError,
     DraftProposal,
     Model,
+    RowContext,
     TracedContext,
 )
 
-Store = ContextCache | TracedContext
+Store = ContextCache | TracedContext | RowContext
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,9 @@ class DraftAttention(nn.Module):
         k = self.rope(k.transpose(0, 2, 1, 3), offset=position)
         return k, v.transpose(0, 2, 1, 3)
 
-    def context_kv(self, context: mx.array, position: int) -> tuple[mx.array, mx.array]:
-        """Keys/values of context rows starting at absolute ``position``."""
+    def context_kv(self, context: mx.array, position: int | mx.array
+                   ) -> tuple[mx.array, mx.array]:
+        """Keys/values of context rows starting at absolute ``position`` (one per row: [B])."""
         return self._keys_values(context, position)
 
     def __call__(self, x: mx.array, pos: int | mx.array, store: Store
@@ -258,7 +260,7 @@ class DFlashDraftModel(BlockDraft):
 
     def block_hidden(self, ids: mx.array, pos: int | mx.array,
                      stores: list[Store]) -> mx.array:
-        """Final-normed hidden states of a block ``ids`` [1, L] at positions ``pos ..``."""
+        """Final-normed hidden states of blocks ``ids`` [B, L] at positions ``pos ..``."""
         h = self.embed_tokens(ids)
         if self.args.input_embedding_scale != 1.0:
             h = h * self.args.input_embedding_scale
@@ -280,20 +282,24 @@ class DFlashDraftModel(BlockDraft):
     # -- rounds: the block and its proposals --------------------------------------------
     def block_rows(self, anchor: mx.array, pos: int | mx.array, n: int,
                    stores: list[Store]) -> mx.array:
-        """Block rows 1..n, final-normed: [n, hidden]. The full trained block always runs
-        (in-block attention is bidirectional); only the first n rows are proposals."""
+        """Block rows 1..n of the blocks anchored at ``anchor`` [B], final-normed:
+        [B, n, hidden]. The full trained block always runs (in-block attention is
+        bidirectional); only the first n rows are proposals."""
+        rows = anchor.shape[0]
         masks = mnn.constant((self.mask_token_id,) * (self.block_size - 1), mx.int32)
-        ids = mx.concatenate([anchor.astype(mx.int32), masks])[None]
-        return self.block_hidden(ids, pos, stores)[0, 1:1 + n]
+        ids = mx.concatenate([anchor.astype(mx.int32)[:, None],
+                              mx.broadcast_to(masks[None], (rows, self.block_size - 1))], axis=1)
+        return self.block_hidden(ids, pos, stores)[:, 1:1 + n]
 
     def greedy_tokens(self, hidden: mx.array, anchor: mx.array) -> mx.array:
-        """Temperature 0: the proposed tokens [n] from block rows ``hidden`` [n, hidden]
-        (pure array code: it runs inside the traced block)."""
+        """Temperature 0: the proposed tokens [B, n] from block rows ``hidden``
+        [B, n, hidden] (pure array code: it runs inside the traced block)."""
         return mx.argmax(self.proposal_logits(hidden), axis=-1).astype(mx.int32)
 
     def sampled(self, session: BlockDraftSession, hidden: mx.array, anchor: mx.array
                 ) -> DraftProposal:
-        """Temperature > 0: draws from the request's stream (outside any trace)."""
-        logits = self.proposal_logits(hidden)
+        """Temperature > 0: one sequence's block rows ``hidden`` [1, n, hidden], drawn from
+        the request's stream (outside any trace)."""
+        logits = self.proposal_logits(hidden[0])
         probs = mx.softmax(logits / session.temperature, axis=-1, precise=True)
         return DraftProposal(session.draw(probs), probs)

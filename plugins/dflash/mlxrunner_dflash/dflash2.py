@@ -96,24 +96,26 @@ class CandidateSelector(nn.Module):
 
     def scores(self, hidden: mx.array, logits: mx.array, anchor: mx.array,
                scale: Any) -> tuple[mx.array, mx.array, mx.array]:
-        """For n block rows: candidate ids [n, K], the anchor's score row [K] for row 0,
-        and transition scores [n-1, K, K] (row p's scores given each slot of row p-1).
+        """For B blocks of n rows: candidate ids [B, n, K], the anchor's score row [B, K]
+        for row 0, and transition scores [B, n-1, K, K] (row p's scores given each slot of
+        row p-1).
 
-        ``logits`` are the raw head outputs [n, V]; ``scale`` maps them to unary scores.
+        ``hidden`` [B, n, hidden]; ``logits`` the raw head outputs [B, n, V]; ``anchor``
+        [B]; ``scale`` maps logits to unary scores.
         """
         ids = topk_indices(logits, self.top_k)
         unary = scale(mx.take_along_axis(logits, ids, axis=-1)).astype(mx.float32)
-        proj = self.hidden_projection(hidden).astype(mx.float32)  # [n, R]
-        succ = self.successor_codebook(ids).astype(mx.float32)  # [n, K, R]
-        anchor_code = self.predecessor_codebook(anchor.reshape(1))
-        anchor_code = anchor_code.astype(mx.float32)  # [1, R]
-        first = (succ[0] @ (anchor_code[0] * proj[0])) + unary[0]  # [K]
-        k = ids.shape[-1]
-        if ids.shape[0] == 1:  # one row: no transitions (a quantized codebook takes no empty ids)
-            return ids, first, mx.zeros((0, k, k), dtype=mx.float32)
-        pred = self.predecessor_codebook(ids[:-1]).astype(mx.float32)  # [n-1, K, R]
-        transitions = (pred * proj[1:, None, :]) @ succ[1:].transpose(0, 2, 1)
-        transitions = transitions + unary[1:, None, :]
+        proj = self.hidden_projection(hidden).astype(mx.float32)  # [B, n, R]
+        succ = self.successor_codebook(ids).astype(mx.float32)  # [B, n, K, R]
+        anchor_code = self.predecessor_codebook(anchor.reshape(-1))
+        anchor_code = anchor_code.astype(mx.float32)  # [B, R]
+        first = (succ[:, 0] @ (anchor_code * proj[:, 0])[..., None])[..., 0] + unary[:, 0]
+        rows, n, k = ids.shape
+        if n == 1:  # one row: no transitions (a quantized codebook takes no empty ids)
+            return ids, first, mx.zeros((rows, 0, k, k), dtype=mx.float32)
+        pred = self.predecessor_codebook(ids[:, :-1]).astype(mx.float32)  # [B, n-1, K, R]
+        transitions = (pred * proj[:, 1:, None, :]) @ succ[:, 1:].swapaxes(-1, -2)
+        transitions = transitions + unary[:, 1:, None, :]
         return ids, first, transitions
 
 
@@ -162,27 +164,28 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def sampled(self, session: BlockDraftSession, hidden: mx.array, anchor: mx.array
                 ) -> DraftProposal:
-        return sampled_path(*self.selector_scores(hidden, anchor), session.temperature,
+        ids, first, transitions = self.selector_scores(hidden, anchor)
+        return sampled_path(ids[0], first[0], transitions[0], session.temperature,
                             session.draw)
 
 
 def greedy_path(ids: mx.array, first: mx.array, transitions: mx.array) -> mx.array:
-    """Temperature 0: row 0 takes the argmax of ``first``, row p the argmax of the transition
-    row of the slot chosen at p-1. Returns the tokens [n].
+    """Temperature 0, for B blocks: row 0 takes the argmax of ``first`` [B, K], row p the
+    argmax of the transition row of the slot chosen at p-1. Returns the tokens [B, n].
 
     Every row's best successor of every slot comes from one reduction up front, so the
     sequential part is one small gather per row (it runs inside the traced block, where
     each operation costs host time on every round)."""
-    n, k = ids.shape[0], first.shape[-1]
-    slot = mx.argmax(first).astype(mx.int32).reshape(1)
+    rows, n, k = ids.shape
+    slot = mx.argmax(first, axis=-1).astype(mx.int32)[:, None]  # [B, 1]
     slots = [slot]
     if n > 1:
-        best = mx.argmax(transitions, axis=-1).astype(mx.int32).reshape(-1)  # [(n-1) * K]
+        best = mx.argmax(transitions, axis=-1).astype(mx.int32).reshape(rows, -1)
     for p in range(1, n):
-        slot = mx.take(best, slot + (p - 1) * k)
+        slot = mx.take_along_axis(best, slot + (p - 1) * k, axis=1)
         slots.append(slot)
-    chosen = mx.concatenate(slots) + mnn.constant(tuple(range(0, n * k, k)), mx.int32)
-    return mx.take(ids.reshape(-1), chosen)
+    chosen = mx.concatenate(slots, axis=1) + mnn.constant(tuple(range(0, n * k, k)), mx.int32)
+    return mx.take_along_axis(ids.reshape(rows, n * k), chosen, axis=1)
 
 
 def sampled_path(ids: mx.array, first: mx.array, transitions: mx.array, temperature: float,

@@ -78,11 +78,13 @@ def test_candidate_selector_example_worked_by_hand():
     sel = _hand_selector()
     hidden = mx.array([[1.0, 0.0], [0.0, 1.0]])
     logits = mx.array([[0, 3, 1, 2, -1], [2, 0, 1, 0, 0]], dtype=mx.float32)
-    ids, first, transitions = sel.scores(hidden, logits, anchor=mx.array([4]), scale=lambda x: x)
-    np.testing.assert_array_equal(np.array(ids), [[1, 3], [0, 2]])
-    np.testing.assert_allclose(_np(first), [5, 1])
-    np.testing.assert_allclose(_np(transitions[0]), [[-1, 4], [2, 1]])
-    assert greedy_path(ids, first, transitions).tolist() == [1, 2]
+    ids, first, transitions = sel.scores(hidden[None], logits[None], anchor=mx.array([4]),
+                                         scale=lambda x: x)
+    np.testing.assert_array_equal(np.array(ids), [[[1, 3], [0, 2]]])
+    np.testing.assert_allclose(_np(first), [[5, 1]])
+    np.testing.assert_allclose(_np(transitions[0, 0]), [[-1, 4], [2, 1]])
+    assert greedy_path(ids, first, transitions).tolist() == [[1, 2]]
+    ids, first, transitions = ids[0], first[0], transitions[0]
 
     # Temperature 2: q of row 0 is softmax((5, 1) / 2) over (1, 3); a draw that picks slot 1
     # makes row 1 use the scores after token 3: softmax((2, 1) / 2) over (0, 2).
@@ -103,15 +105,15 @@ def test_a_quantized_selector_scores_a_one_row_block():
     import mlx.nn as nn
 
     sel = CandidateSelector(vocab_size=64, hidden=64, rank=64, top_k=4)
-    logits = mx.random.normal((1, 64), key=mx.random.key(0))
-    hidden = mx.random.normal((1, 64), key=mx.random.key(1))
+    logits = mx.random.normal((1, 1, 64), key=mx.random.key(0))
+    hidden = mx.random.normal((1, 1, 64), key=mx.random.key(1))
     dense = sel.scores(hidden, logits, anchor=mx.array([3]), scale=lambda x: x)
     nn.quantize(sel, group_size=32, bits=8)
     ids, first, transitions = sel.scores(hidden, logits, anchor=mx.array([3]), scale=lambda x: x)
-    assert transitions.shape == (0, 4, 4)
+    assert transitions.shape == (1, 0, 4, 4)
     np.testing.assert_array_equal(np.array(ids), np.array(dense[0]))
     np.testing.assert_allclose(_np(first), _np(dense[1]), atol=0.05)
-    assert greedy_path(ids, first, transitions).shape == (1,)
+    assert greedy_path(ids, first, transitions).shape == (1, 1)
 
 
 def test_candidate_selector_scales_and_softcaps_unary_scores():
@@ -122,9 +124,9 @@ def test_candidate_selector_scales_and_softcaps_unary_scores():
     def scale(x):
         return 4.0 * mx.tanh(0.5 * x / 4.0)
 
-    ids, first, _ = sel.scores(hidden, logits, anchor=mx.array([4]), scale=scale)
+    ids, first, _ = sel.scores(hidden[None], logits[None], anchor=mx.array([4]), scale=scale)
     unary = [4 * math.tanh(1.5 / 4), 4 * math.tanh(1.0 / 4)]
-    np.testing.assert_allclose(_np(first), [unary[0] + 2, unary[1] - 1], rtol=1e-6)
+    np.testing.assert_allclose(_np(first), [[unary[0] + 2, unary[1] - 1]], rtol=1e-6)
 
 
 # -- the draft forward against a from-scratch computation ------------------------------------------
@@ -370,7 +372,7 @@ def test_traced_blocks_propose_what_the_eager_block_proposes(architecture, layer
         with settings.overridden(compile=False):
             want = eager.propose(current, pos, n).tokens
         assert got.tolist() == want.tolist(), f"round {round_}"
-        np.testing.assert_allclose(_np(hidden), _np(eager.block(current, pos, n)),
+        np.testing.assert_allclose(_np(hidden[0]), _np(eager.block(current, pos, n)),
                                    rtol=1e-5, atol=1e-5)
         rows = int(rng.integers(1, n + 2))
         tapped = mx.array(rng.standard_normal((1, rows, 16)).astype(np.float32))
@@ -384,15 +386,20 @@ def test_traced_blocks_propose_what_the_eager_block_proposes(architecture, layer
 
 
 def test_greedy_path_follows_the_chain_of_argmaxes():
-    """The table-based greedy path equals walking the chain row by row (ties included)."""
+    """The table-based greedy path equals walking each block's chain row by row (ties
+    included), for blocks batched together."""
     rng = np.random.default_rng(0)
-    for n, k in [(1, 4), (2, 3), (7, 16), (5, 2)]:
-        ids = mx.array(rng.integers(0, 1000, size=(n, k)).astype(np.int32))
-        first = mx.array(rng.integers(-2, 3, size=k).astype(np.float32))  # ties
-        transitions = mx.array(rng.integers(-2, 3, size=(max(n - 1, 0), k, k)).astype(np.float32))
-        slot = int(np.argmax(np.array(first)))
-        want = [int(np.array(ids)[0, slot])]
-        for p in range(1, n):
-            slot = int(np.argmax(np.array(transitions)[p - 1, slot]))
-            want.append(int(np.array(ids)[p, slot]))
-        assert greedy_path(ids, first, transitions).tolist() == want
+    for b, n, k in [(1, 1, 4), (3, 2, 3), (2, 7, 16), (4, 5, 2)]:
+        ids = rng.integers(0, 1000, size=(b, n, k)).astype(np.int32)
+        first = rng.integers(-2, 3, size=(b, k)).astype(np.float32)  # ties
+        transitions = rng.integers(-2, 3, size=(b, max(n - 1, 0), k, k)).astype(np.float32)
+        want = []
+        for row in range(b):
+            slot = int(np.argmax(first[row]))
+            chain = [int(ids[row, 0, slot])]
+            for p in range(1, n):
+                slot = int(np.argmax(transitions[row, p - 1, slot]))
+                chain.append(int(ids[row, p, slot]))
+            want.append(chain)
+        got = greedy_path(mx.array(ids), mx.array(first), mx.array(transitions))
+        assert got.tolist() == want
