@@ -165,16 +165,12 @@ def test_shared_proposals_follow_each_history_through_pauses(tiny, monkeypatch, 
     steps = iter(range(10 ** 6))
     monkeypatch.setattr(DepthController, "choose",
                         lambda self, limit: min(limit, [0, 4, 0, 0, 2][next(steps) % 5]))
-    scheduler = _run(model, requests, 9)
+    scheduler = Scheduler(model, max_sequences=9)
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.run_until_idle()
     for request, prompt, budget in zip(requests, prompts, budgets):
         assert request.tokens == mlxrunner.generate(model, prompt, options=GREEDY,
                                                     max_tokens=budget).tokens
     assert len(checked) > 50 and scheduler.round_depths.get(0, 0) > 10
 
-
-def _run(model, requests, max_sequences):
-    scheduler = Scheduler(model, max_sequences=max_sequences)
-    for request in requests:
-        scheduler.submit(request)
-    scheduler.run_until_idle()
-    return scheduler
