@@ -52,7 +52,7 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_ours(model: Any, prompts: list[list[int]], new: int,
-             draft: Any = None) -> dict[str, float]:
+             draft: Any = None) -> dict[str, Any]:
     scheduler = Scheduler(model, max_sequences=len(prompts))
     requests = [scheduler.submit(BatchRequest(prompt, GREEDY, new, draft=draft))
                 for prompt in prompts]
@@ -70,8 +70,14 @@ def run_ours(model: Any, prompts: list[list[int]], new: int,
             decode_tokens += sum(len(r.tokens) for r in requests) - before
     wall_s = time.perf_counter() - start
     total = len(prompts) * new
-    return {"decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
-            "decode_tokens": decode_tokens, "wall_s": wall_s, "wall_tok_s": total / wall_s}
+    result: dict[str, Any] = {"decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
+                              "decode_tokens": decode_tokens, "wall_s": wall_s,
+                              "wall_tok_s": total / wall_s}
+    if draft is not None:  # how the rounds went: steps per depth, tokens per target forward
+        result["round_depths"] = dict(sorted(scheduler.round_depths.items()))
+        forwards = sum(r.stats.target_forwards for r in requests)
+        result["tokens_per_forward"] = sum(len(r.tokens) for r in requests) / max(forwards, 1)
+    return result
 
 
 def run_mlx_lm(model: Any, prompts: list[list[int]], new: int) -> dict[str, float]:
@@ -151,7 +157,9 @@ def main_pair(args: argparse.Namespace) -> int:
         rows.append(row)
         plain, drafted = row["plain"]["decode_tok_s"], row["drafts"]["decode_tok_s"]
         print(f"  {n:3d} streams: without drafts {plain:9.1f} tok/s, with drafts "
-              f"{drafted:9.1f} tok/s ({drafted / plain if plain else 0:5.2f}x)", flush=True)
+              f"{drafted:9.1f} tok/s ({drafted / plain if plain else 0:5.2f}x); steps per "
+              f"depth {row['drafts']['round_depths']}, "
+              f"{row['drafts']['tokens_per_forward']:.2f} tokens a forward", flush=True)
     harness.write_json(args.json, {"bench": "batch-pair", "pair": args.pair, "new": new,
                                    "device": str(mx.default_device()), "mlx": mx.__version__,
                                    "rows": rows})
