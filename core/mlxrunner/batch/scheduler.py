@@ -365,6 +365,8 @@ class Scheduler:
             session.extend_tokens([int(token)])
         if self._deliver(seq, int(token), info):
             row = self.batch.add(seq.caches)
+            for shared in self._contexts.values():  # a row for every row of the batch
+                shared.set_rows(self.batch.rows)
             seq.caches = None
             seq.row = row
             self._running[row] = seq
@@ -507,9 +509,7 @@ class Scheduler:
             n = max(depth[row] for row in members)
             if n == 0:
                 continue
-            shared = self._contexts[key]
-            shared.set_rows(rows)
-            proposed = shared.propose(last, n)
+            proposed = self._contexts[key].propose(last, n)
             if n < length - 1:
                 proposed = mx.pad(proposed, [(0, 0), (0, length - 1 - n)])
             if len(groups) == 1:
@@ -671,7 +671,6 @@ class Scheduler:
             # each row's input token's states, from the step's rows to the rows now
             assert step.tapped is not None  # shared rows were in the step
             shared = self._contexts[key]
-            shared.set_rows(self.batch.rows)
             source = [rows.get(r, 0) for r in range(shared.rows)]
             tapped = self._own_taps(step.tapped[mx.array(source, dtype=mx.int32)],
                                     step.tap_layers, tuple(shared.draft.taps))
@@ -759,8 +758,6 @@ class Scheduler:
         rows = self.batch.rows
         if rows < 8 or 4 * len(self._running) > rows:
             return
-        for shared in self._contexts.values():
-            shared.set_rows(rows)
         moved = self.batch.compact()
         for shared in self._contexts.values():
             shared.compact(moved, self.batch.rows)
