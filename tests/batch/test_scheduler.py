@@ -108,6 +108,24 @@ def test_a_long_prompt_does_not_stall_the_running_streams(model):
     assert streaming.tokens == _alone(model, prompts[0], greedy, 12).tokens
 
 
+def test_short_prompts_start_together_within_a_chunk_of_tokens(model):
+    """A step prefills up to ``prefill_chunk`` prompt tokens over the oldest admitted prompts:
+    a chunk that would pass the budget waits for the next step."""
+    prompts = _prompts(model.vocab_size, [3, 3, 3, 6, 11], seed=8)
+    greedy = SamplerOptions(temperature=0)
+    scheduler = Scheduler(model, prefill_chunk=8)
+    requests = [scheduler.submit(BatchRequest(p, greedy, 5)) for p in prompts]
+    started = []
+    for _ in range(5):
+        scheduler.step()
+        started.append([i for i, r in enumerate(requests) if r.tokens])
+    # 3 + 3; 3 (6 waits); 6 (the 11's first chunk of 8 waits); 8 of 11; the 11's last 3
+    assert started == [[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
+    scheduler.run_until_idle()
+    for prompt, request in zip(prompts, requests):
+        assert request.tokens == _alone(model, prompt, greedy, 5).tokens
+
+
 @pytest.mark.parametrize("budget", ["rows", "memory"])
 def test_admission_is_bounded_and_first_come_first_served(model, budget):
     prompts = _prompts(model.vocab_size, [5, 6, 7], seed=4)

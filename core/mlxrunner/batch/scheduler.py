@@ -7,10 +7,11 @@ prefilled, and the running set, whose rows share one batch of caches
 1. drops cancelled requests; admits waiting ones while the running set and the memory
    budget allow (first come, first served: a request that does not fit blocks the ones
    behind it, so none is starved);
-2. prefills one chunk of the oldest admitted prompt (batch 1, through the same prefill as
-   :func:`mlxrunner.generate`, at the same chunk boundaries): a long prompt takes several
-   steps and the running streams go on meanwhile; a finished prompt samples its first token
-   and its caches are copied into a free row;
+2. prefills up to one chunk's tokens of the oldest admitted prompts (batch 1 each, through
+   the same prefill as :func:`mlxrunner.generate`, at the same chunk boundaries): short
+   prompts start together, a long prompt takes several steps and the running streams go on
+   meanwhile; a finished prompt samples its first token and its caches are copied into a
+   free row;
 3. runs one batched forward over every running row (one token each, through the core's
    compiled step) and samples each row with its own sampler, stop ids and token budget.
 
@@ -263,12 +264,19 @@ class Scheduler:
         return len(self._prefilling)
 
     def step(self) -> bool:
-        """Admit, prefill one chunk, decode one token per running sequence; returns whether
-        work remains."""
+        """Admit, prefill up to one chunk's prompt tokens, decode one token per running
+        sequence; returns whether work remains."""
         self._drop_cancelled()
         self._admit()
-        if self._prefilling:
+        # prompt chunks of the oldest admitted sequences, up to one chunk's tokens: short
+        # prompts start together (a chunk is at most that long: a step's first one fits)
+        budget = self.prefill_chunk
+        while self._prefilling:
+            size = self._chunk_size(self._prefilling[0])
+            if size > budget:
+                break
             self._prefill_chunk(self._prefilling[0])
+            budget -= size
         if self._running or self._pending:
             self._decode_step()
         self.steps += 1
@@ -325,11 +333,20 @@ class Scheduler:
                 self._finish(seq, "cancel")
 
     # -- prefill -------------------------------------------------------------------------
+    def _chunk_end(self, seq: _Sequence) -> int:
+        """Where ``seq``'s next prompt chunk ends: chunks end at multiples of the chunk, as
+        generate's prefill after a prefix hit."""
+        start = seq.prefilled
+        return min(len(seq.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+
+    def _chunk_size(self, seq: _Sequence) -> int:
+        """The prompt tokens ``seq``'s next chunk computes (none where all were cached)."""
+        return 0 if seq.cached_logits is not None else self._chunk_end(seq) - seq.prefilled
+
     def _prefill_chunk(self, seq: _Sequence) -> None:
         assert seq.caches is not None
         start = seq.prefilled
-        # chunks end at multiples of the chunk, as generate's prefill after a prefix hit
-        end = min(len(seq.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+        end = self._chunk_end(seq)
         session = seq.session
         cache = seq.request.prefix_cache
         if seq.cached_logits is not None:  # the whole prompt was cached
