@@ -252,6 +252,38 @@ def test_depth_controller_warms_up_on_three_depths_and_honours_the_limit():
     assert c.choose(0) == 0 and c.choose(2) <= 2
 
 
+def test_depth_controller_is_not_put_off_by_one_slow_round():
+    """A depth's first round may hold one-off costs (a trace): ten times its time once does
+    not keep the controller from the depth that pays."""
+    rng = np.random.default_rng(1)
+    c, seen = DepthController(7), set()
+    for _ in range(40):
+        depth = c.choose(7)
+        accepted = 0
+        while accepted < depth and rng.random() < 0.97:
+            accepted += 1
+        cost = 1.0 + 0.1 * depth
+        c.update(depth, accepted, cost * (10 if depth not in seen else 1))
+        seen.add(depth)
+    assert c.best(7) == 7
+
+
+def test_paused_controller_probes_the_deepest_and_resumes():
+    """Drafts that stop being rejected are taken up again: a paused controller's probes
+    draft the deepest depth, which observes every position."""
+    c = DepthController(7, probe_every=8)
+    for _ in range(30):  # nothing accepted: drafting pauses
+        depth = c.choose(7)
+        c.update(depth, 0, 1.0 + 0.2 * depth)
+    assert c.best(7) == 0
+    probes = []
+    for _ in range(40):  # now every draft is accepted
+        depth = c.choose(7)
+        probes += [depth] if depth else []
+        c.update(depth, depth, 1.0 + 0.2 * depth)
+    assert probes[0] == 7 and c.best(7) == 7
+
+
 def test_unmeasured_controller_depends_on_acceptance_only():
     a, b = DepthController(7, measured=False), DepthController(7, measured=False)
     for k in range(50):

@@ -29,6 +29,7 @@ taps and restorable caches gets speculative decoding.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -162,10 +163,11 @@ class DepthController:
     Acceptance is tracked per draft position as a conditional rate a_i = P(d_i
     accepted | d_0..d_{i-1} accepted), with slow forgetting; drafting ``d`` then
     commits ``E(d) = 1 + sum_{k=1..d} prod_{i<k} a_i`` tokens (bonus included).
-    Round time T(d) is the measured mean per depth (a least-squares line through
-    the measured depths stands in for the others). The first rounds visit the
-    deepest, the shallowest and a middle depth to measure them; afterwards
-    every ``probe_every`` rounds one round tries the next deeper depth, so that
+    Round time T(d) is the median of the depth's last ``window`` measured rounds (a
+    least-squares line through the measured depths stands in for the others). The first
+    rounds visit the deepest, the shallowest, a middle depth, no draft and the deepest
+    again to measure them; afterwards every ``probe_every`` rounds
+    one round tries the next deeper depth (the deepest where drafting paused), so that
     acceptance beyond the chosen depth keeps being observed.
 
     With ``measured=False`` T(d) is the fixed model ``1 + draft_cost * d``: the
@@ -173,7 +175,7 @@ class DepthController:
     """
 
     def __init__(self, max_depth: int, *, measured: bool = True, draft_cost: float = 0.15,
-                 probe_every: int = 16, forget: float = 0.98, ema: float = 0.25) -> None:
+                 probe_every: int = 16, forget: float = 0.98, window: int = 5) -> None:
         if max_depth < 1:
             raise ValueError("max_depth must be at least 1")
         self.max_depth = max_depth
@@ -181,14 +183,16 @@ class DepthController:
         self.draft_cost = draft_cost
         self.probe_every = probe_every
         self.forget = forget
-        self.ema = ema
+        self.window = window
         # Beta(1, 1)-like pseudo-counts: a prior rate of 0.5 worth two rounds
         self.hits = [1.0] * max_depth
         self.tries = [2.0] * max_depth
         self.seconds: dict[int, float] = {}
+        self._recent: dict[int, deque[float]] = {}
         self.rounds = 0
+        # the deepest depth twice: a first round's time may hold one-off costs (a trace)
         warm = [max_depth, 1, (max_depth + 1) // 2, 0]
-        self._warmup = list(dict.fromkeys(warm))
+        self._warmup = [*dict.fromkeys(warm), max_depth]
 
     def rates(self) -> list[float]:
         return [h / t for h, t in zip(self.hits, self.tries)]
@@ -232,7 +236,8 @@ class DepthController:
             return min(self._warmup[0], top)
         best = self.best(top)
         if self.rounds % self.probe_every == self.probe_every - 1 and best < top:
-            return best + 1
+            # paused, a probe drafts the deepest: its round observes every position
+            return best + 1 if best else top
         return best
 
     def update(self, depth: int, accepted: int, seconds: float | None = None) -> None:
@@ -254,8 +259,11 @@ class DepthController:
                 if i < taken:
                     self.hits[i] += 1.0
         if seconds is not None and self.measured:
-            old = self.seconds.get(depth)
-            self.seconds[depth] = seconds if old is None else old + self.ema * (seconds - old)
+            # the median of the depth's last rounds (the lower one of an even count): one
+            # round delayed once (a trace, a collection) or cut short does not move it
+            recent = self._recent.setdefault(depth, deque(maxlen=self.window))
+            recent.append(seconds)
+            self.seconds[depth] = sorted(recent)[(len(recent) - 1) // 2]
 
 
 # -- one round ----------------------------------------------------------------------------
