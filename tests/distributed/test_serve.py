@@ -5,6 +5,7 @@ generation, and the next request still agrees)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -43,7 +44,8 @@ def test_rank_0_serves_and_rank_1_follows(ring, tmp_path):
     port = _port()
     server = subprocess.Popen([sys.executable, "-m", "mlxrunner.cli", "serve", str(folder),
                                "--port", str(port), "--distributed", "tensor", "--ranks", "2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -67,5 +69,6 @@ def test_rank_0_serves_and_rank_1_follows(ring, tmp_path):
         try:
             server.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            server.kill()
+            # every rank: a rank left behind holds the pipes open, and communicate waits
+            os.killpg(server.pid, signal.SIGKILL)
             server.communicate()
