@@ -241,7 +241,7 @@ def test_depth_controller_stays_shallow_when_drafts_are_poor_or_costly():
     assert abs(middle - int(np.argmax(expected))) <= 1
 
 
-def test_depth_controller_warms_up_on_three_depths_and_honours_the_limit():
+def test_depth_controller_warms_up_deep_shallow_middle_and_honours_the_limit():
     c = DepthController(7)
     seen = []
     for _ in range(4):

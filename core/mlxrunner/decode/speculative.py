@@ -166,9 +166,9 @@ class DepthController:
     Round time T(d) is the median of the depth's last ``window`` measured rounds (a
     least-squares line through the measured depths stands in for the others). The first
     rounds visit the deepest, the shallowest, a middle depth, no draft and the deepest
-    again to measure them; afterwards every ``probe_every`` rounds
-    one round tries the next deeper depth (the deepest where drafting paused), so that
-    acceptance beyond the chosen depth keeps being observed.
+    again to measure them; afterwards every ``probe_every`` rounds one round tries the
+    next deeper depth (the deepest where drafting paused), so that acceptance beyond the
+    chosen depth keeps being observed.
 
     With ``measured=False`` T(d) is the fixed model ``1 + draft_cost * d``: the
     choice then depends only on acceptance (seeded sampling stays reproducible).
