@@ -157,3 +157,27 @@ def test_load_finds_the_draft_folder_and_generate_uses_it(tmp_path):
     assert result.stats.as_dict()["mode"] == "speculative" and result.stats.rounds > 0
     tokens, _ = speculative_tokens(bundle.model, bundle.draft, prompt, 24)
     assert tokens == result.tokens
+
+
+def test_a_bfloat16_draft_computes_in_the_targets_dtype(tmp_path):
+    """A draft stored in bfloat16 (as train-draft saves it) beside a float32 target runs in
+    float32: on a CPU the bfloat16 draft missed the host's float32 products and made each
+    round of the default model about eight times dearer."""
+    pytest.importorskip("mlxrunner_example_architecture",
+                        reason="the example-architecture plugin is not installed")
+    from mlxrunner_test_support import write_model_folder
+
+    folder = write_model_folder(tmp_path / "model")
+    target = mlxrunner.load_model(folder)
+    assert target.dtype == mx.float32
+    config = random_draft_config(target, "DFlash2DraftModel", layers=1, block_size=4)
+    draft = random_draft(target, "DFlash2DraftModel", layers=1, block_size=4)
+    draft.set_dtype(mx.bfloat16)
+    _write_draft(folder / "draft", draft, config)
+    assert load_draft(folder / "draft", target).compute_dtype == mx.bfloat16  # as stored
+    bundle = mlxrunner.load(folder)
+    assert bundle.draft.compute_dtype == mx.float32
+    prompt = [5, 6, 7, 8]
+    result = mlxrunner.generate(bundle.model, prompt, options=GREEDY, max_tokens=16,
+                                draft=bundle.draft)
+    assert result.tokens == plain_tokens(bundle.model, prompt, 16)
