@@ -140,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of held-out windows (to their first EOS), or the held-out "
                              "documents as they are, one per row (a corpus of the target's "
                              "own replies)")
+    parser.add_argument("--eval-blocks", type=int, default=d.eval_blocks,
+                        help="held-out blocks of the tau estimate (one row per --anchors "
+                             "blocks)")
     parser.add_argument("--eval-prompts", type=int, default=d.eval_prompts,
                         help="held-out prompts for the real speculative loop (0: skip)")
     parser.add_argument("--eval-tokens", type=int, default=d.eval_tokens,

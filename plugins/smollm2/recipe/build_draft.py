@@ -6,9 +6,9 @@ draft learns from those answers, and the pair is measured on held-out prompts.
 
 1. Prompts (``prompts.py``: written from templates here; held-out ones share no subject with
    the training ones) rendered with the target's chat template.
-2. The target's greedy answers, generated in batches of prompts of one length (one decode
-   step serves a whole batch; no padding, so every row is exactly what a one-prompt run
-   computes), written as ``DIR/answers-{train,heldout}.jsonl``.
+2. The target's greedy answers, generated in one continuous batch (``generate_batch``:
+   every row is what a one-prompt run computes), written as
+   ``DIR/answers-{train,heldout}.jsonl``.
 3. ``mlxrunner train-draft`` (its own process, as a user would run it) on the rendered
    conversations, labels the target's own greedy tokens, into ``DIR/draft``.
 4. ``bench/default_model.py``'s measurement is separate (it times plain against
@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,49 +36,36 @@ from prompts import prompts  # noqa: E402
 MASK_TOKEN = "<empty_output>"
 
 
-def greedy_batch(model: mlxrunner.Model, rows: list[list[int]], max_tokens: int,
-                 stop: frozenset[int]) -> list[list[int]]:
-    """Greedy continuations of equal-length prompts, each cut at its first stop token."""
-    cache = model.make_cache()
-    logits = model(mx.array(rows), cache=cache)
-    out: list[list[int]] = [[] for _ in rows]
-    finished = [False] * len(rows)
-    for _ in range(max_tokens):
-        nxt = mx.argmax(logits[:, -1, :], axis=-1)
-        values = nxt.tolist()
-        for i, token in enumerate(values):
-            if not finished[i]:
-                if token in stop:
-                    finished[i] = True
-                else:
-                    out[i].append(int(token))
-        if all(finished):
-            break
-        logits = model(nxt[:, None], cache=cache)
-    return out
-
-
 def answer(bundle: mlxrunner.Bundle, texts: list[str], max_tokens: int, path: Path,
-           batch: int) -> list[dict]:
+           batch: int, time_s: float = 0.0) -> list[dict]:
+    """The target's greedy replies to ``texts``, as records written to ``path``; with
+    ``time_s``, the prompts answered within that many seconds (in chunks, in order)."""
     if path.exists():  # answered before (a resumed build): the same prompts, the same answers
         records = [json.loads(line) for line in path.read_text().splitlines() if line]
-        if [r["prompt"] for r in records] == texts:
+        if records and [r["prompt"] for r in records] == texts[:len(records)]:
             return records
     rendered = [bundle.renderer.render([{"role": "user", "content": t}]) for t in texts]
     ids = [bundle.tokenizer.encode(r) for r in rendered]
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, row in enumerate(ids):
-        groups[len(row)].append(i)
     stop = bundle.stop_token_ids()
+    greedy = mlxrunner.SamplerOptions(temperature=0)
+    t0 = time.perf_counter()
     answers: dict[int, list[int]] = {}
-    t0, tokens = time.perf_counter(), 0
-    for _, members in sorted(groups.items()):
-        for start in range(0, len(members), batch):
-            chunk = members[start:start + batch]
-            for i, toks in zip(chunk, greedy_batch(bundle.model, [ids[i] for i in chunk],
-                                                   max_tokens, stop), strict=True):
-                answers[i] = toks
-                tokens += len(toks)
+    finished: dict[int, bool] = {}
+    chunk = batch * 16
+    for start in range(0, len(ids), chunk):
+        if time_s and time.perf_counter() - t0 > time_s:
+            break
+        # one continuous batch a chunk (each row what a one-prompt greedy run gives),
+        # longest prompts first so that the batch drains evenly
+        members = sorted(range(start, min(start + chunk, len(ids))), key=lambda i: -len(ids[i]))
+        results = mlxrunner.generate_batch(bundle.model, [ids[i] for i in members],
+                                           options=greedy, max_tokens=max_tokens, eos_ids=stop,
+                                           max_sequences=batch)
+        for i, r in zip(members, results, strict=True):
+            answers[i] = [t for t in r.tokens if t not in stop]
+            finished[i] = r.finish_reason == "stop"
+    texts = texts[:len(answers)]
+    tokens = sum(len(a) for a in answers.values())
     seconds = time.perf_counter() - t0
     print(f"{path.name}: {len(texts)} answers, {tokens} tokens in {seconds:.1f}s",
           file=sys.stderr)
@@ -87,7 +73,8 @@ def answer(bundle: mlxrunner.Bundle, texts: list[str], max_tokens: int, path: Pa
     for i, text in enumerate(texts):
         reply = bundle.tokenizer.decode(answers[i], skip_special_tokens=True)
         records.append({"prompt": text, "answer": reply, "tokens": len(answers[i]),
-                        "text": rendered[i] + reply + "<|im_end|>\n"})
+                        # a reply cut at max_tokens did not end: no end-of-turn after it
+                        "text": rendered[i] + reply + ("<|im_end|>\n" if finished[i] else "")})
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     os.replace(tmp, path)
@@ -103,6 +90,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64, help="prompts answered together")
     ap.add_argument("--time-budget-s", type=float, default=360)
+    ap.add_argument("--answer-time-s", type=float, default=0,
+                    help="answer the training prompts for at most this long (0: all)")
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=8)
@@ -136,7 +125,7 @@ def main() -> None:
              "heldout": prompts("heldout", args.heldout_prompts, args.seed)}
     for split, chosen in texts.items():
         records = answer(bundle, chosen, args.max_tokens, out / f"answers-{split}.jsonl",
-                         args.batch)
+                         args.batch, args.answer_time_s if split == "train" else 0.0)
         folder = out / f"corpus-{split}"
         folder.mkdir(exist_ok=True)
         for i, record in enumerate(records):

@@ -2,14 +2,19 @@
 # The default pair's draft, built and measured on the GPU machine (no package index there):
 # the GGUF file travels in three parts (.gguf-a/-b/-c, each under the device's 64 MiB a call),
 #   call: bash plugins/smollm2/recipe/gpu_build.sh part a|b|c   (moves a part to /tmp/gguf)
-#   call: bash plugins/smollm2/recipe/gpu_build.sh answers      (the target's answers alone)
+#   call: bash plugins/smollm2/recipe/gpu_build.sh answers      (the target's answers, then a
+#         two-step training run of the same shapes: MLX compiles the trainer's kernels there)
 #   call: bash plugins/smollm2/recipe/gpu_build.sh build        (answers, train-draft, q8 copy)
 #   call: bash plugins/smollm2/recipe/gpu_build.sh bench        (bench/default_model.py)
-# after `bash .mlx-cuda-a/stage.sh` and with .mlx-cuda-b .whl .gpu carried once (with part a).
+# after `bash .mlx-cuda-a/stage.sh`, with .mlx-cuda-b and .whl carried with part a, and .gpu
+# (MLX's compiled kernels) carried in every call that runs MLX (answers, build, bench): a
+# carried .gpu was gone one call later on the 2026-12-03 machine, and without it the
+# trainer's first step compiles for about 165 s.
 # The parts, here (each folder listed in .git/info/exclude), from the store's copy of the file:
 #   G=~/.mlxrunner/models/smollm2%3A135m/SmolLM2-135M-Instruct.Q4_1.gguf
-#   head -c 16000000 $G > .gguf-a/part; tail -c +16000001 $G | head -c 41000000 > .gguf-b/part
-#   tail -c +57000001 $G > .gguf-c/part
+#   head -c 12000000 $G > .gguf-a/part; tail -c +12000001 $G | head -c 43000000 > .gguf-b/part
+#   tail -c +55000001 $G > .gguf-c/part
+# (part a travels beside .mlx-cuda-b, .whl and .gpu: the four and the repository under 64 MiB)
 set -u
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out" /tmp/gguf
@@ -33,8 +38,9 @@ setup() {
 }
 build_args() {
   echo plugins/smollm2/recipe/build_draft.py "$gguf" --out /tmp/smolbuild \
-    --train-prompts "${PROMPTS:-4000}" --batch "${ANSWER_BATCH:-256}" \
-    --max-tokens "${MAX_TOKENS:-256}" --target-dtype "${TARGET_DTYPE:-bfloat16}"
+    --train-prompts "${PROMPTS:-8000}" --batch "${ANSWER_BATCH:-64}" \
+    --max-tokens "${MAX_TOKENS:-256}" --target-dtype "${TARGET_DTYPE:-bfloat16}" \
+    --layers "${LAYERS:-3}" --answer-time-s "${ANSWER_S:-200}"
 }
 case "${1:-}" in
   part)
@@ -43,7 +49,11 @@ case "${1:-}" in
     ;;
   answers)
     setup
-    timeout "${BUILD_TIMEOUT:-540}" python3 $(build_args) --answers-only 2>&1 | tee "$out/answers.log" | tail -5
+    timeout "${BUILD_TIMEOUT:-300}" python3 $(build_args) --answers-only 2>&1 | tee "$out/answers.log" | tail -5
+    # the trainer's kernels compiled here, not in the timed build (its first step took 207 s)
+    rm -rf /tmp/smolwarm && cp -r /tmp/smolbuild /tmp/smolwarm
+    timeout "${WARM_TIMEOUT:-270}" python3 $(build_args | sed 's|/tmp/smolbuild|/tmp/smolwarm|') \
+      --steps 2 2>&1 | tee "$out/warm.log" | grep -v "^step " | tail -8
     ;;
   build)
     setup
