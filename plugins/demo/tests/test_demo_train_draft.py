@@ -329,11 +329,12 @@ def test_command_line_options_reach_the_settings(tmp_path):
     args = parser.parse_args(["./model", "--corpus", "a.py", "b.py", "--out", str(tmp_path),
                               "--kind", "dflash", "--steps", "7", "--batch", "3",
                               "--seq-len", "32", "--lr", "0.01", "--block-size", "6",
-                              "--layers", "3", "--taps", "1,2", "--resume", "--seed", "5"])
+                              "--layers", "3", "--taps", "1,2", "--resume", "--seed", "5",
+                              "--eval-blocks", "96"])
     s = train.settings_from_args(args)
     assert (s.target, s.corpus, s.kind, s.steps, s.batch, s.seq_len, s.lr, s.block_size,
-            s.layers, s.taps, s.resume, s.seed) == ("./model", ["a.py", "b.py"], "dflash", 7, 3,
-                                                    32, 0.01, 6, 3, "1,2", True, 5)
+            s.layers, s.taps, s.resume, s.seed, s.eval_blocks) == (
+        "./model", ["a.py", "b.py"], "dflash", 7, 3, 32, 0.01, 6, 3, "1,2", True, 5, 96)
     with pytest.raises(train.TrainDraftError, match="corpus"):
         train.settings_from_args(parser.parse_args(["./model", "--out", str(tmp_path)]))
     with pytest.raises(train.TrainDraftError, match="not found"):

@@ -37,47 +37,47 @@ MASK_TOKEN = "<empty_output>"
 
 
 def answer(bundle: mlxrunner.Bundle, texts: list[str], max_tokens: int, path: Path,
-           batch: int, time_s: float = 0.0) -> list[dict]:
-    """The target's greedy replies to ``texts``, as records written to ``path``; with
-    ``time_s``, the prompts answered within that many seconds (in chunks, in order)."""
-    if path.exists():  # answered before (a resumed build): the same prompts, the same answers
+           batch: int, time_s: float = 0.0, more: bool = True) -> list[dict]:
+    """The target's greedy replies to ``texts`` as records in ``path``, written after every
+    chunk of prompts (a killed run keeps the chunks it finished, and the next run goes on
+    from there). ``time_s``: start no chunk after that many seconds; ``more=False``: only
+    the records ``path`` already holds."""
+    records: list[dict] = []
+    if path.exists():
         records = [json.loads(line) for line in path.read_text().splitlines() if line]
-        if records and [r["prompt"] for r in records] == texts[:len(records)]:
-            return records
-    rendered = [bundle.renderer.render([{"role": "user", "content": t}]) for t in texts]
-    ids = [bundle.tokenizer.encode(r) for r in rendered]
+        if [r["prompt"] for r in records] != texts[:len(records)]:
+            records = []  # other prompts (another seed or count): answer afresh
+    if not more and records:
+        return records
     stop = bundle.stop_token_ids()
     greedy = mlxrunner.SamplerOptions(temperature=0)
-    t0 = time.perf_counter()
-    answers: dict[int, list[int]] = {}
-    finished: dict[int, bool] = {}
+    t0, tokens = time.perf_counter(), 0
     chunk = batch * 16
-    for start in range(0, len(ids), chunk):
+    for start in range(len(records), len(texts), chunk):
         if time_s and time.perf_counter() - t0 > time_s:
             break
+        chosen = texts[start:start + chunk]
+        rendered = [bundle.renderer.render([{"role": "user", "content": t}]) for t in chosen]
+        ids = [bundle.tokenizer.encode(r) for r in rendered]
         # one continuous batch a chunk (each row what a one-prompt greedy run gives),
         # longest prompts first so that the batch drains evenly
-        members = sorted(range(start, min(start + chunk, len(ids))), key=lambda i: -len(ids[i]))
-        results = mlxrunner.generate_batch(bundle.model, [ids[i] for i in members],
-                                           options=greedy, max_tokens=max_tokens, eos_ids=stop,
-                                           max_sequences=batch)
-        for i, r in zip(members, results, strict=True):
-            answers[i] = [t for t in r.tokens if t not in stop]
-            finished[i] = r.finish_reason == "stop"
-    texts = texts[:len(answers)]
-    tokens = sum(len(a) for a in answers.values())
-    seconds = time.perf_counter() - t0
-    print(f"{path.name}: {len(texts)} answers, {tokens} tokens in {seconds:.1f}s",
-          file=sys.stderr)
-    records = []
-    for i, text in enumerate(texts):
-        reply = bundle.tokenizer.decode(answers[i], skip_special_tokens=True)
-        records.append({"prompt": text, "answer": reply, "tokens": len(answers[i]),
-                        # a reply cut at max_tokens did not end: no end-of-turn after it
-                        "text": rendered[i] + reply + ("<|im_end|>\n" if finished[i] else "")})
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, path)
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        results = dict(zip(order, mlxrunner.generate_batch(
+            bundle.model, [ids[i] for i in order], options=greedy, max_tokens=max_tokens,
+            eos_ids=stop, max_sequences=batch), strict=True))
+        for i, text in enumerate(chosen):
+            reply_ids = [t for t in results[i].tokens if t not in stop]
+            tokens += len(reply_ids)
+            reply = bundle.tokenizer.decode(reply_ids, skip_special_tokens=True)
+            # a reply cut at max_tokens did not end: no end-of-turn after it
+            ended = results[i].finish_reason == "stop"
+            records.append({"prompt": text, "answer": reply, "tokens": len(reply_ids),
+                            "text": rendered[i] + reply + ("<|im_end|>\n" if ended else "")})
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, path)
+        print(f"{path.name}: {len(records)} answers ({tokens} new tokens in "
+              f"{time.perf_counter() - t0:.1f}s)", file=sys.stderr, flush=True)
     return records
 
 
@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--train-batch", type=int, default=48)
     ap.add_argument("--anchors", type=int, default=48)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--reuse-answers", action="store_true",
+                    help="train on the answers already written, answer no more")
     ap.add_argument("--answers-only", action="store_true",
                     help="write the answers and corpora, do not train (a separate call)")
     # rank 32: the selector's two vocabulary codebooks are most of a small draft's bytes
@@ -121,11 +123,13 @@ def main() -> None:
     mask_id = bundle.tokenizer.token_to_id(MASK_TOKEN)
     if mask_id is None:
         raise SystemExit(f"{args.target}: no {MASK_TOKEN} token to use as the mask")
-    texts = {"train": prompts("train", args.train_prompts, args.seed),
-             "heldout": prompts("heldout", args.heldout_prompts, args.seed)}
+    # held-out first: a time-bounded run still leaves the estimate's replies
+    texts = {"heldout": prompts("heldout", args.heldout_prompts, args.seed),
+             "train": prompts("train", args.train_prompts, args.seed)}
     for split, chosen in texts.items():
         records = answer(bundle, chosen, args.max_tokens, out / f"answers-{split}.jsonl",
-                         args.batch, args.answer_time_s if split == "train" else 0.0)
+                         args.batch, args.answer_time_s if split == "train" else 0.0,
+                         more=not args.reuse_answers)
         folder = out / f"corpus-{split}"
         folder.mkdir(exist_ok=True)
         for i, record in enumerate(records):

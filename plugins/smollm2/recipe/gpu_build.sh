@@ -6,6 +6,7 @@
 #         two-step training run of the same shapes: MLX compiles the trainer's kernels there)
 #   call: bash plugins/smollm2/recipe/gpu_build.sh build        (answers, train-draft, q8 copy)
 #   call: bash plugins/smollm2/recipe/gpu_build.sh bench        (bench/default_model.py)
+#   call: bash plugins/smollm2/recipe/gpu_build.sh probe        (bench/batch.py --pair smol-q8)
 # after `bash .mlx-cuda-a/stage.sh`, with .mlx-cuda-b and .whl carried with part a, and .gpu
 # (MLX's compiled kernels) carried in every call that runs MLX (answers, build, bench): a
 # carried .gpu was gone one call later on the 2026-12-03 machine, and without it the
@@ -31,6 +32,11 @@ setup() {
     cat /tmp/gguf/part-a /tmp/gguf/part-b /tmp/gguf/part-c > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
   fi
   [ -f "$gguf" ] && sha256sum "$gguf"
+  # answers written elsewhere (on a CPU: build_draft.py --answers-only --out .smolbuild,
+  # the same --train-prompts), carried as .smolbuild: answering goes on after them
+  if [ -d .smolbuild ] && [ ! -f /tmp/smolbuild/answers-train.jsonl ]; then
+    mkdir -p /tmp/smolbuild && cp .smolbuild/answers-*.jsonl /tmp/smolbuild/
+  fi
   # the kernels MLX compiled come back whatever happens (cat $OUT/ptx-cache.tgz.* into
   # .gpu/ptx-cache.tgz here: the next machine starts with them, the trainer's first step too)
   trap '(cd "$MLX_PTX_CACHE_DIR" && tar czf /tmp/ptx-cache.tgz --exclude="*.cu" . &&
@@ -38,7 +44,7 @@ setup() {
 }
 build_args() {
   echo plugins/smollm2/recipe/build_draft.py "$gguf" --out /tmp/smolbuild \
-    --train-prompts "${PROMPTS:-8000}" --batch "${ANSWER_BATCH:-64}" \
+    --train-prompts "${PROMPTS:-13000}" --batch "${ANSWER_BATCH:-64}" \
     --max-tokens "${MAX_TOKENS:-256}" --target-dtype "${TARGET_DTYPE:-bfloat16}" \
     --layers "${LAYERS:-3}" --answer-time-s "${ANSWER_S:-200}"
 }
@@ -53,19 +59,19 @@ case "${1:-}" in
     # the trainer's kernels compiled here, not in the timed build (its first step took 207 s)
     rm -rf /tmp/smolwarm && cp -r /tmp/smolbuild /tmp/smolwarm
     timeout "${WARM_TIMEOUT:-270}" python3 $(build_args | sed 's|/tmp/smolbuild|/tmp/smolwarm|') \
-      --steps 2 2>&1 | tee "$out/warm.log" | grep -v "^step " | tail -8
+      --steps 2 --reuse-answers 2>&1 | tee "$out/warm.log" | grep -v "^step " | tail -8
     ;;
   build)
     setup
     # answers already written by an `answers` call on this machine are reused
-    timeout "${BUILD_TIMEOUT:-540}" python3 $(build_args) --time-budget-s "${TRAIN_S:-420}" \
+    timeout "${BUILD_TIMEOUT:-540}" python3 $(build_args) --reuse-answers --time-budget-s "${TRAIN_S:-420}" \
       ${BUILD_ARGS:-} 2>&1 | tee "$out/build.log" | grep -v "^step " | tail -30
     # the shipped draft: 8-bit (a quarter of float32's bytes; the repository must stay small)
     printf 'FROM %s\nDRAFT /tmp/smolbuild/draft\n' "$gguf" > /tmp/Modelfile.smol
     python3 -m mlxrunner.cli create smol-q8 -f /tmp/Modelfile.smol --draft-quantize q8 2>&1 | tail -3
     (cd /tmp/store && d=$(ls -d */ | grep -i smol | head -1) && tar czf /tmp/draft.tgz -C "$d" draft &&
       split -b 15m /tmp/draft.tgz "$out/draft-q8.tgz.")
-    (cd /tmp/smolbuild && tar czf "$out/build-extra.tgz" draft/config.json draft/report.json train-log.jsonl answers-heldout.jsonl 2>/dev/null)
+    (cd /tmp/smolbuild && tar czf "$out/build-extra.tgz" draft/config.json draft/report.json train-log.jsonl answers-heldout.jsonl answers-train.jsonl 2>/dev/null)
     ls -la "$out"
     ;;
   bench)
@@ -75,6 +81,13 @@ case "${1:-}" in
     if [ "${MTP:-1}" = 1 ]; then
       timeout 150 python3 bench/mtp.py --json "$out/mtp-gpu.json" 2>&1 | tee "$out/mtp-gpu.txt" | tail -14
     fi
+    ;;
+  probe)
+    # the scheduler on this model (answering 64 rows ran at 529 tok/s on 2026-12-03's
+    # machine, a 0.8B Qwen3.5 at 32 rows at 5031): drafts in the batch against without
+    setup
+    timeout "${BENCH_TIMEOUT:-300}" python3 bench/batch.py --pair smol-q8 --streams 1 8 64 \
+      --new 64 --repeats 1 --json "$out/batch-smol-gpu.json" 2>&1 | tee "$out/batch-smol-gpu.txt" | tail -12
     ;;
   moe)
     setup
