@@ -97,7 +97,7 @@ def _row_frame(frame: TraceFrame) -> RowFrame:
     return frame
 
 
-def _grow_rows(array: mx.array, rows: int) -> mx.array:
+def grow_rows(array: mx.array, rows: int) -> mx.array:
     """``array`` with zero rows appended up to ``rows`` (axis 0)."""
     extra = rows - array.shape[0]
     if extra <= 0:
@@ -265,7 +265,7 @@ class BatchedKVCache(BatchedCache):
 
     def _grow_rows(self, rows: int) -> None:
         if self.keys is not None and self.values is not None:
-            self.keys, self.values = _grow_rows(self.keys, rows), _grow_rows(self.values, rows)
+            self.keys, self.values = grow_rows(self.keys, rows), grow_rows(self.values, rows)
 
     def _copy_row(self, row: int, solo: Cache) -> None:
         if not isinstance(solo, KVCache) or solo.keys is None or solo.values is None:
@@ -364,7 +364,7 @@ class BatchedRingCache(BatchedCache):
 
     def _grow_rows(self, rows: int) -> None:
         if self.keys is not None and self.values is not None:
-            self.keys, self.values = _grow_rows(self.keys, rows), _grow_rows(self.values, rows)
+            self.keys, self.values = grow_rows(self.keys, rows), grow_rows(self.values, rows)
 
     def _copy_row(self, row: int, solo: Cache) -> None:
         if not isinstance(solo, RingCache) or solo.keys is None or solo.values is None \
@@ -499,8 +499,8 @@ class BatchedRecurrentCache(BatchedCache):
 
     def _grow_rows(self, rows: int) -> None:
         if self.conv_tail is not None and self.recurrent_state is not None:
-            self.conv_tail = _grow_rows(self.conv_tail, rows)
-            self.recurrent_state = _grow_rows(self.recurrent_state, rows)
+            self.conv_tail = grow_rows(self.conv_tail, rows)
+            self.recurrent_state = grow_rows(self.recurrent_state, rows)
 
     def _copy_row(self, row: int, solo: Cache) -> None:
         if not isinstance(solo, RecurrentCache) or solo.conv_tail is None or \

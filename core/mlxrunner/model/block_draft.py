@@ -35,6 +35,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import settings
+from ..cache.batched import grow_rows
 from ..cache.context import ContextCache, RowContext, TracedContext
 from ..nn import host_bound, host_declined
 from .draft import DraftModel, DraftProposal, DraftSession
@@ -296,8 +297,7 @@ class BlockDraftBatch:
         self.lengths += [0] * extra
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None and v is not None:
-                self.keys[i] = mx.concatenate([k, mx.zeros((extra, *k.shape[1:]), k.dtype)])
-                self.values[i] = mx.concatenate([v, mx.zeros((extra, *v.shape[1:]), v.dtype)])
+                self.keys[i], self.values[i] = grow_rows(k, rows), grow_rows(v, rows)
 
     def add(self, row: int, session: BlockDraftSession) -> None:
         """Take ``session``'s context into free ``row`` (grown to if needed)."""
@@ -326,12 +326,8 @@ class BlockDraftBatch:
         self.lengths = [self.lengths[r] for r in order] + [0] * (rows - len(order))
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None and v is not None:
-                kept_k, kept_v = k[take], v[take]
-                pad = rows - len(order)
-                if pad:
-                    kept_k = mx.concatenate([kept_k, mx.zeros((pad, *k.shape[1:]), k.dtype)])
-                    kept_v = mx.concatenate([kept_v, mx.zeros((pad, *v.shape[1:]), v.dtype)])
-                self.keys[i], self.values[i] = mx.contiguous(kept_k), mx.contiguous(kept_v)
+                self.keys[i] = mx.contiguous(grow_rows(k[take], rows))
+                self.values[i] = mx.contiguous(grow_rows(v[take], rows))
 
     def _reserve(self, need: int) -> None:
         """Every row ``need`` slots at least."""
