@@ -17,7 +17,8 @@
 # back from $OUT, so `bench` leaves its JSON and logs in one $OUT/results.tgz.
 # MLX compiles its CUDA kernels on first use (30-100 s on a fresh machine, 95 s for the
 # draft trainer's step). Both modes keep them in .gpu/ptx-cache (MLX_PTX_CACHE_DIR) and
-# return it as $OUT/ptx-cache.tgz.*: cat those into .gpu/ptx-cache.tgz here, and the next
+# return it as $OUT/ptx-cache.txz.* (xz: a third of gzip's bytes, so that it travels beside a
+# 40 MB file): cat those into .gpu/ptx-cache.txz here, and the next
 # machine starts with the kernels compiled.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
@@ -25,13 +26,14 @@ export PYTHONUNBUFFERED=1 MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
 export MLX_PTX_CACHE_DIR=$PWD/.gpu/ptx-cache
 mkdir -p "$MLX_PTX_CACHE_DIR"
 # a previous session's kernels, carried as one archive (fewer bytes than the folder)
-[ -f .gpu/ptx-cache.tgz ] && tar xzf .gpu/ptx-cache.tgz -C "$MLX_PTX_CACHE_DIR"
+for f in .gpu/ptx-cache.txz .gpu/ptx-cache.tgz; do
+  [ -f "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter=\"data\")" "$f" "$MLX_PTX_CACHE_DIR" && break
+done
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 # the compiled kernels go back whatever happens below (the sources MLX writes beside them
 # are not needed to reuse them)
-trap '(cd "$MLX_PTX_CACHE_DIR" && tar czf /tmp/ptx-cache.tgz --exclude="*.cu" . &&
-       split -b 15m /tmp/ptx-cache.tgz "$out/ptx-cache.tgz.")' EXIT
+trap 'bash bench/ptx_cache_out.sh "$MLX_PTX_CACHE_DIR" "$out"' EXIT
 case "${1:-}" in
   demo)
     timeout 560 python3 plugins/demo/recipe/build_demo.py --out /tmp/demo \

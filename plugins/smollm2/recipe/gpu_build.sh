@@ -10,23 +10,27 @@
 # after `bash .mlx-cuda-a/stage.sh`, with .mlx-cuda-b and .whl carried with part a, and .gpu
 # (MLX's compiled kernels) carried in every call that runs MLX (answers, build, bench): a
 # carried .gpu was gone one call later on the 2026-12-03 machine, and without it the
-# trainer's first step compiles for about 165 s.
+# trainer's first step compiles for about 165 s. The kernels live in /tmp/ptx-cache on the
+# machine (a carried .gpu replaces the folder there, and the kernels with it).
 # The parts, here (each folder listed in .git/info/exclude), from the store's copy of the file:
 #   G=~/.mlxrunner/models/smollm2%3A135m/SmolLM2-135M-Instruct.Q4_1.gguf
-#   head -c 12000000 $G > .gguf-a/part; tail -c +12000001 $G | head -c 43000000 > .gguf-b/part
-#   tail -c +55000001 $G > .gguf-c/part
-# (part a travels beside .mlx-cuda-b, .whl and .gpu: the four and the repository under 64 MiB)
+#   head -c 17000000 $G > .gguf-a/part; tail -c +17000001 $G | head -c 40500000 > .gguf-b/part
+#   tail -c +57500001 $G > .gguf-c/part
+# (part a travels beside .mlx-cuda-b and .whl, part c beside .gpu and .smolbuild: each call's
+# carried paths and the repository under the 64 MiB a call)
 set -u
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out" /tmp/gguf
 gguf=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 setup() {
   source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
-  export PYTHONUNBUFFERED=1 MLXRUNNER_MODELS=/tmp/store MLX_PTX_CACHE_DIR=$PWD/.gpu/ptx-cache
+  export PYTHONUNBUFFERED=1 MLXRUNNER_MODELS=/tmp/store MLX_PTX_CACHE_DIR=/tmp/ptx-cache
   export MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
   mkdir -p "$MLX_PTX_CACHE_DIR"
-  [ -f .gpu/ptx-cache.tgz ] && [ ! -f /tmp/ptx-restored ] &&
-    tar xzf .gpu/ptx-cache.tgz -C "$MLX_PTX_CACHE_DIR" && touch /tmp/ptx-restored
+  for f in .gpu/ptx-cache.txz .gpu/ptx-cache.tgz; do
+    [ -f "$f" ] && [ ! -f /tmp/ptx-restored ] &&
+      python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter=\"data\")" "$f" "$MLX_PTX_CACHE_DIR" && touch /tmp/ptx-restored
+  done
   if [ ! -f "$gguf" ] && [ -f /tmp/gguf/part-a ] && [ -f /tmp/gguf/part-b ] &&
      [ -f /tmp/gguf/part-c ]; then
     cat /tmp/gguf/part-a /tmp/gguf/part-b /tmp/gguf/part-c > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
@@ -37,10 +41,9 @@ setup() {
   if [ -d .smolbuild ] && [ ! -f /tmp/smolbuild/answers-train.jsonl ]; then
     mkdir -p /tmp/smolbuild && cp .smolbuild/answers-*.jsonl /tmp/smolbuild/
   fi
-  # the kernels MLX compiled come back whatever happens (cat $OUT/ptx-cache.tgz.* into
-  # .gpu/ptx-cache.tgz here: the next machine starts with them, the trainer's first step too)
-  trap '(cd "$MLX_PTX_CACHE_DIR" && tar czf /tmp/ptx-cache.tgz --exclude="*.cu" . &&
-         split -b 15m /tmp/ptx-cache.tgz "$out/ptx-cache.tgz.")' EXIT
+  # the kernels MLX compiled come back whatever happens (cat $OUT/ptx-cache.txz.* into
+  # .gpu/ptx-cache.txz here: the next machine starts with them, the trainer's first step too)
+  trap 'bash bench/ptx_cache_out.sh "$MLX_PTX_CACHE_DIR" "$out"' EXIT
 }
 build_args() {
   echo plugins/smollm2/recipe/build_draft.py "$gguf" --out /tmp/smolbuild \
