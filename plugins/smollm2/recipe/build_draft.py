@@ -132,6 +132,8 @@ def main() -> None:
                          more=not args.reuse_answers)
         folder = out / f"corpus-{split}"
         folder.mkdir(exist_ok=True)
+        for stale in folder.glob("*.txt"):  # an earlier run's, maybe of other prompts
+            stale.unlink()
         for i, record in enumerate(records):
             (folder / f"{i:05d}.txt").write_text(record["text"])
     del bundle
