@@ -293,6 +293,58 @@ def test_unmeasured_controller_depends_on_acceptance_only():
     assert a.best(7) == b.best(7)
 
 
+def test_a_full_only_controller_drafts_the_whole_block_or_nothing():
+    """A fixed-depth draft (DFlash2): its rounds against plain steps. Where a round of 7
+    costs three plain steps, drafts accepted half the time commit 2 tokens a round and
+    plain steps win; accepted nearly always, 8 tokens a round win."""
+    c = DepthController(7, full_only=True)
+    warm = []
+    for _ in range(3):
+        warm.append(c.choose(7))
+        c.update(warm[-1], 0, 1.0 + 2.0 * (warm[-1] > 0))
+    assert warm == [7, 0, 7]
+    poor = _drive(DepthController(7, full_only=True, probe_every=8), 0.5,
+                  lambda d: 3.0 if d else 1.0)
+    good = _drive(DepthController(7, full_only=True), 0.97, lambda d: 3.0 if d else 1.0)
+    assert (poor, good) == (0, 7)
+    c = DepthController(7, full_only=True, probe_every=8)
+    depths = set()
+    for _ in range(40):  # paused, its probes still draft the whole block
+        depth = c.choose(7)
+        depths.add(depth)
+        c.update(depth, 0, 3.0 if depth else 1.0)
+    assert depths == {0, 7} and c.best(7) == 0
+    assert c.choose(3) in (0, 3)  # near the budget's end: what is left, or nothing
+
+
+def test_a_fixed_depth_draft_pauses_only_where_timed():
+    """Greedy, a fixed-depth draft's rounds are the whole block or none (and the output is
+    plain decoding's); a seeded sampled run drafts the whole block every round (a choice
+    by timing would make its tokens depend on the machine's speed)."""
+    target = toy()
+    prompt = [2, 3, 4]
+    plain = plain_tokens(target, prompt, 60)
+    draft = ScriptedDraft.for_script(target, prompt + plain, block_size=8)
+    assert not draft.adaptive_depth
+    tokens, stats = speculative_tokens(target, draft, prompt, 60)
+    assert tokens == plain
+    # (a round at the budget's end drafts what is left)
+    assert all(n == 1 for d, n in stats.depths.items() if d not in (0, 7))
+    assert stats.depths.get(0, 0) >= 1  # its warm-up
+    # a draft that is always wrong: a round of 7 costs more than a plain step (an 8-token
+    # verify) for the same one token, so drafting pauses, again and again (how often
+    # depends on this machine's timings; drafting every round would pause at most once,
+    # at the budget's end)
+    wrong = ScriptedDraft.for_script(target, [t + 1 for t in prompt + plain], block_size=8)
+    tokens, stats = speculative_tokens(target, wrong, prompt, 60)
+    assert tokens == plain
+    assert stats.depths.get(0, 0) >= 3, stats.depths
+    seeded = speculative_generate(target, draft, prompt, max_tokens=40,
+                                  options=SamplerOptions(temperature=1.0, seed=3))
+    # every round drafts min(7, budget left - 1): each shorter depth once, at the end
+    assert all(n == 1 for d, n in seeded.stats.depths.items() if d != 7)
+
+
 def test_stats_start_empty():
     s = SpeculativeStats()
     assert s.acceptance_rate == 0.0 and s.tau == 0.0 and s.tokens_per_second == 0.0

@@ -172,10 +172,16 @@ class DepthController:
 
     With ``measured=False`` T(d) is the fixed model ``1 + draft_cost * d``: the
     choice then depends only on acceptance (seeded sampling stays reproducible).
+
+    ``full_only``: the choice is the whole block or no draft (a draft whose depth is fixed,
+    DFlash2): drafting pauses where plain steps commit tokens faster than its rounds (a
+    weak draft, or a machine where verifying a block costs several steps), and a probe
+    every ``probe_every`` rounds drafts again. Its warm-up is the deepest, none, the deepest.
     """
 
     def __init__(self, max_depth: int, *, measured: bool = True, draft_cost: float = 0.15,
-                 probe_every: int = 16, forget: float = 0.98, window: int = 5) -> None:
+                 probe_every: int = 16, forget: float = 0.98, window: int = 5,
+                 full_only: bool = False) -> None:
         if max_depth < 1:
             raise ValueError("max_depth must be at least 1")
         self.max_depth = max_depth
@@ -190,8 +196,9 @@ class DepthController:
         self.seconds: dict[int, float] = {}
         self._recent: dict[int, deque[float]] = {}
         self.rounds = 0
+        self.full_only = full_only
         # the deepest depth twice: a first round's time may hold one-off costs (a trace)
-        warm = [max_depth, 1, (max_depth + 1) // 2, 0]
+        warm = [max_depth, 0] if full_only else [max_depth, 1, (max_depth + 1) // 2, 0]
         self._warmup = [*dict.fromkeys(warm), max_depth]
 
     def rates(self) -> list[float]:
@@ -224,7 +231,8 @@ class DepthController:
         top = min(self.max_depth, limit)
         if top <= 0:
             return 0
-        scores = [(self.expected_tokens(d) / self.round_seconds(d), d) for d in range(top + 1)]
+        depths = (0, top) if self.full_only else range(top + 1)
+        scores = [(self.expected_tokens(d) / self.round_seconds(d), d) for d in depths]
         return max(scores)[1]
 
     def choose(self, limit: int) -> int:
@@ -497,9 +505,10 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
     Stops after an EOS token or ``max_tokens`` tokens, or once ``constraint`` (structured
     output: every token drawn under its mask) is complete. ``depth`` fixes the
     drafts per round (clipped to the draft's ``block_size - 1`` and to the
-    budget); by default a DFlash2-style draft (``adaptive_depth`` False) drafts
-    ``block_size - 1`` every round and a DFlash one follows a
-    :class:`DepthController`. Logprob requests must decode without drafting
+    budget); by default a DFlash one follows a :class:`DepthController` and a
+    DFlash2-style draft (``adaptive_depth`` False) drafts ``block_size - 1`` every round,
+    pausing (``full_only``) where its measured rounds commit tokens slower than plain
+    steps (with a seeded sampler: every round). Logprob requests must decode without drafting
     (:func:`can_speculate`).
     """
     if not prompt:
@@ -510,11 +519,14 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
     stats.draft = stats.draft or draft_name(draft)
     if max_tokens <= 0:
         return
-    if depth is None and controller is None and draft.adaptive_depth:
+    if depth is None and controller is None:
         # (timed depths differ between the ranks of a distributed job: lockstep drops them)
         measured = (sampler.greedy or sampler.options.seed is None) \
             and not settings.current().lockstep
-        controller = DepthController(draft.max_depth, measured=measured)
+        if draft.adaptive_depth:
+            controller = DepthController(draft.max_depth, measured=measured)
+        elif measured:  # the whole block, unless plain steps are faster here
+            controller = DepthController(draft.max_depth, full_only=True)
     taps = tuple(draft.taps)
     t0 = time.perf_counter()
     # A prefix cache hit rebuilds the draft's session from the tapped states it kept with
