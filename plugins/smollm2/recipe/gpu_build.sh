@@ -17,7 +17,7 @@
 #   head -c 17000000 $G > .gguf-a/part; tail -c +17000001 $G | head -c 40500000 > .gguf-b/part
 #   tail -c +57500001 $G > .gguf-c/part
 # (part a travels beside .mlx-cuda-b and .whl, part c beside .gpu and .smolbuild: each call's
-# carried paths and the repository under the 64 MiB a call)
+# carried paths and the repository under the 64 MiB a call; bench/carry_size.sh PATHS says)
 set -u
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out" /tmp/gguf
