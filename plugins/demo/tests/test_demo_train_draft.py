@@ -511,3 +511,33 @@ def test_the_target_computes_in_the_dtype_asked_for(tiny_target, tmp_path):
     with pytest.raises(mlxrunner.MLXRunnerError, match="unknown dtype"):
         train.train_draft(_settings(folder, train_files, held_files, tmp_path / "e", steps=1,
                                     self_distill=0, eval_prompts=0, target_dtype="float8"))
+
+
+def test_keep_best_saves_the_evaluated_step_of_the_best_estimate(tiny_target, tmp_path,
+                                                                monkeypatch):
+    """Held-out estimates of 2, 3 and 1 at steps 10, 20 and 30: the saved draft is step
+    20's weights (a draft that overfits peaks before its last step)."""
+    folder, train_files, held_files = tiny_target
+    real, seen = train.estimate_acceptance, []
+
+    def scripted(draft, *args, **kwargs):
+        out = real(draft, *args, **kwargs)
+        seen.append({k: np.array(v.astype(mx.float32)) for k, v in
+                     tree_flatten(draft.parameters())})
+        return {**out, "tau_estimate": [2.0, 3.0, 1.0, 3.0][len(seen) - 1]}
+
+    monkeypatch.setattr(train, "estimate_acceptance", scripted)
+    out = tmp_path / "draft"
+    report = train.train_draft(_settings(folder, train_files, held_files, out, steps=30,
+                                         eval_every=10, keep_best=True, self_distill=0,
+                                         eval_prompts=0))
+    assert report["steps"] == 30 and report["kept_step"] == 20
+    saved = mx.load(str(out / "model.safetensors"))
+    step_20 = seen[1]
+    for name, value in saved.items():  # saved in bfloat16: step 20's weights rounded
+        want = np.array(mx.array(step_20[name]).astype(value.dtype).astype(mx.float32))
+        np.testing.assert_array_equal(np.array(value.astype(mx.float32)), want, err_msg=name)
+    assert any(not np.array_equal(seen[1][k], seen[2][k]) for k in seen[1])  # it trained on
+    with pytest.raises(train.TrainDraftError, match="--eval-every"):
+        train.train_draft(_settings(folder, train_files, held_files, tmp_path / "d2",
+                                    keep_best=True))

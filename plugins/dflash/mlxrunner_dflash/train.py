@@ -1057,6 +1057,8 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         raise TrainDraftError(f"--eval-text {settings.eval_text!r}: choose generated or corpus")
     if settings.block_size < 2:
         raise TrainDraftError("--block-size must be at least 2")
+    if settings.keep_best and settings.eval_every < 1:
+        raise TrainDraftError("--keep-best needs --eval-every N (the steps it compares)")
     for flag, share in (("--distill-mix", settings.distill_mix),
                         ("--distill-openings", settings.distill_openings)):
         if not 0.0 <= share <= 1.0:
@@ -1142,6 +1144,8 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
     timed_steps = 0
     phases: list[tuple[float, float, float]] = []  # target, host, draft seconds per step
     last_eval: dict[str, float] = {}
+    # --keep-best: (tau estimate, step, the draft's parameters then) of the best evaluation
+    best: tuple[float, int, dict[str, mx.array]] | None = None
     while step < total:
         if settings.stop_at and step >= settings.stop_at:
             progress.note(f"stopping at step {step} (--stop-at); --resume continues")
@@ -1208,6 +1212,9 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
             progress.record({"event": "eval", "step": step, **last_eval})
             progress.note(f"step {step}: held-out loss {last_eval['heldout_loss']:.4f}, "
                           f"tau estimate {last_eval['tau_estimate']:.2f}")
+            if settings.keep_best and (best is None or last_eval["tau_estimate"] > best[0]):
+                # the arrays themselves: each update gives the draft new ones
+                best = (last_eval["tau_estimate"], step, dict(tree_flatten(draft.parameters())))
         if settings.save_every and step % settings.save_every == 0 and step < total:
             save_checkpoint(ckpt_dir, draft, optimizer, checkpoint_state(
                 settings, step, tokens_seen, elapsed_before + time.perf_counter() - started,
@@ -1218,12 +1225,24 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
                         if timed_steps > 1 else None)
     save_checkpoint(ckpt_dir, draft, optimizer, checkpoint_state(
         settings, step, tokens_seen, train_seconds, rng, history))
+    kept_step = step
+    if best is not None:
+        if step % settings.eval_every:  # the last step against the best evaluated one
+            last_eval = estimate_acceptance(draft, target, taps, evaluation_set(
+                target, data, settings, eos_id), settings, mask_token_id)
+            progress.record({"event": "eval", "step": step, **last_eval})
+        if best[0] > last_eval["tau_estimate"]:
+            draft.load_weights(list(best[2].items()))
+            kept_step = best[1]
+            progress.note(f"keeping step {kept_step} (tau estimate {best[0]:.2f}; the last "
+                          f"step's {last_eval['tau_estimate']:.2f})")
     save_draft(draft, config, out, save_dtype)
     progress.note(f"saved the draft to {out} ({step} steps, {tokens_seen} tokens, "
                   f"{train_seconds:.0f}s)")
 
     report: dict[str, Any] = {
         "kind": settings.kind, "target": settings.target, "out": str(out), "steps": step,
+        "kept_step": kept_step,
         "tokens_seen": tokens_seen, "train_seconds": round(train_seconds, 1),
         "draft_parameters": int(n_params), "taps": taps, "mask_token_id": mask_token_id,
         "first_loss": history[0]["loss"] if history else None,

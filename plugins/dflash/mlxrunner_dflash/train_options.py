@@ -63,6 +63,7 @@ class TrainSettings:
     eval_prompts: int = 4
     eval_tokens: int = 96
     eval_every: int = 0
+    keep_best: bool = False  # save the evaluated step of the best tau estimate, not the last
     save_every: int = 500
     save_dtype: str = "auto"
     target_dtype: str = "auto"  # what the target computes in while training: auto (declared)
@@ -149,6 +150,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens generated per held-out prompt")
     parser.add_argument("--eval-every", type=int, default=d.eval_every,
                         help="held-out estimate every N steps (0: at the end only)")
+    parser.add_argument("--keep-best", action="store_true",
+                        help="with --eval-every: save the draft of the evaluated step with "
+                             "the best held-out tau estimate (a draft that overfits a small "
+                             "corpus peaks before its last step); checkpoints stay the last")
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help="checkpoint every N steps")
     parser.add_argument("--save-dtype", default=d.save_dtype,
