@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 import mlxrunner
 from mlxrunner import SamplerOptions, generate
 from mlxrunner.cli import main
+from mlxrunner.model import load_draft
 from mlxrunner.store import StoreError, default_store
 
 mx.set_default_device(mx.cpu)
@@ -94,7 +95,10 @@ def test_create_list_show_run_rm_with_a_quantized_target_and_draft(demo_model, s
     bundle = mlxrunner.load("tiny:q4")
     source = mlxrunner.load(str(demo_model))
     target = quantized_directly(source.model, "q4")
-    draft = quantized_directly(source.draft, "q8")
+    # the draft quantized as stored (bfloat16), then computing in the target's dtype, as
+    # mlxrunner.load builds every draft
+    draft = quantized_directly(load_draft(source.draft_path, source.model), "q8")
+    draft.set_dtype(source.model.dtype)
     assert_same_parameters(bundle.model, target)
     assert_same_parameters(bundle.draft, draft)
     ids = mx.array([bundle.tokenizer.encode(PROMPT, add_special_tokens=True)])
