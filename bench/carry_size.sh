@@ -3,11 +3,17 @@
 # and the paths named in carry, against the device's 64 MiB a call. Run it before a call
 # that carries large paths (a refused call still costs the warm machine's 30 s window).
 #   bash bench/carry_size.sh .mlx-cuda-b .whl .gguf-a
-tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null |
+# paths are the repository's (where the device call starts)
+cd "$(dirname "$0")/.." && git rev-parse --git-dir >/dev/null || exit 2
+for path in "$@"; do
+  [ -e "$path" ] || { echo "carry_size.sh: $path: not found (paths are the repository's)" >&2
+                      exit 2; }
+done
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 -r du -cb 2>/dev/null |
        tail -1 | cut -f1)
 carried=0
 for path in "$@"; do
-  size=$(du -sb "$path" 2>/dev/null | cut -f1)
+  size=$(du -sb "$path" | cut -f1)
   printf '%-24s %6.1f MB\n' "$path" "$(echo "${size:-0} / 1000000" | bc -l)"
   carried=$((carried + ${size:-0}))
 done

@@ -1057,6 +1057,10 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         raise TrainDraftError(f"--eval-text {settings.eval_text!r}: choose generated or corpus")
     if settings.block_size < 2:
         raise TrainDraftError("--block-size must be at least 2")
+    for flag, value in (("--eval-every", settings.eval_every),
+                        ("--save-every", settings.save_every)):
+        if value < 0:
+            raise TrainDraftError(f"{flag} {value}: a number of steps, 0 for never")
     if settings.keep_best and settings.eval_every < 1:
         raise TrainDraftError("--keep-best needs --eval-every N (the steps it compares)")
     for flag, share in (("--distill-mix", settings.distill_mix),
