@@ -162,7 +162,7 @@ def test_load_finds_the_draft_folder_and_generate_uses_it(tmp_path):
 def test_a_bfloat16_draft_computes_in_the_targets_dtype(tmp_path):
     """A draft stored in bfloat16 (as train-draft saves it) beside a float32 target runs in
     float32: on a CPU the bfloat16 draft missed the host's float32 products and made each
-    round of the default model about eight times dearer."""
+    round of the default model about three times dearer (bench/speculative.py)."""
     pytest.importorskip("mlxrunner_example_architecture",
                         reason="the example-architecture plugin is not installed")
     from mlxrunner_test_support import write_model_folder
