@@ -26,14 +26,12 @@ export PYTHONUNBUFFERED=1 MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
 export MLX_PTX_CACHE_DIR=$PWD/.gpu/ptx-cache
 mkdir -p "$MLX_PTX_CACHE_DIR"
 # a previous session's kernels, carried as one archive (fewer bytes than the folder)
-for f in .gpu/ptx-cache.txz .gpu/ptx-cache.tgz; do
-  [ -f "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter=\"data\")" "$f" "$MLX_PTX_CACHE_DIR" && break
-done
+bash bench/ptx_cache.sh restore "$MLX_PTX_CACHE_DIR"
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 # the compiled kernels go back whatever happens below (the sources MLX writes beside them
 # are not needed to reuse them)
-trap 'bash bench/ptx_cache_out.sh "$MLX_PTX_CACHE_DIR" "$out"' EXIT
+trap 'bash bench/ptx_cache.sh save "$MLX_PTX_CACHE_DIR" "$out"' EXIT
 case "${1:-}" in
   demo)
     timeout 560 python3 plugins/demo/recipe/build_demo.py --out /tmp/demo \

@@ -27,10 +27,8 @@ setup() {
   export PYTHONUNBUFFERED=1 MLXRUNNER_MODELS=/tmp/store MLX_PTX_CACHE_DIR=/tmp/ptx-cache
   export MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
   mkdir -p "$MLX_PTX_CACHE_DIR"
-  for f in .gpu/ptx-cache.txz .gpu/ptx-cache.tgz; do
-    [ -f "$f" ] && [ ! -f /tmp/ptx-restored ] &&
-      python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter=\"data\")" "$f" "$MLX_PTX_CACHE_DIR" && touch /tmp/ptx-restored
-  done
+  [ -f /tmp/ptx-restored ] ||
+    { bash bench/ptx_cache.sh restore "$MLX_PTX_CACHE_DIR" && touch /tmp/ptx-restored; }
   if [ ! -f "$gguf" ] && [ -f /tmp/gguf/part-a ] && [ -f /tmp/gguf/part-b ] &&
      [ -f /tmp/gguf/part-c ]; then
     cat /tmp/gguf/part-a /tmp/gguf/part-b /tmp/gguf/part-c > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
@@ -43,7 +41,7 @@ setup() {
   fi
   # the kernels MLX compiled come back whatever happens (cat $OUT/ptx-cache.txz.* into
   # .gpu/ptx-cache.txz here: the next machine starts with them, the trainer's first step too)
-  trap 'bash bench/ptx_cache_out.sh "$MLX_PTX_CACHE_DIR" "$out"' EXIT
+  trap 'bash bench/ptx_cache.sh save "$MLX_PTX_CACHE_DIR" "$out"' EXIT
 }
 build_args() {
   echo plugins/smollm2/recipe/build_draft.py "$gguf" --out /tmp/smolbuild \
