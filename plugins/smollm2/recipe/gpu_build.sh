@@ -35,9 +35,14 @@ setup() {
   fi
   [ -f "$gguf" ] && sha256sum "$gguf"
   # answers written elsewhere (on a CPU: build_draft.py --answers-only --out .smolbuild,
-  # the same --train-prompts), carried as .smolbuild: answering goes on after them
+  # the same --train-prompts; or an earlier machine's, gzipped: 9,472 are 13.6 MB as text,
+  # 1.7 MB gzipped), carried as .smolbuild: answering goes on after them
   if [ -d .smolbuild ] && [ ! -f /tmp/smolbuild/answers-train.jsonl ]; then
-    mkdir -p /tmp/smolbuild && cp .smolbuild/answers-*.jsonl /tmp/smolbuild/
+    mkdir -p /tmp/smolbuild
+    for f in .smolbuild/answers-*.jsonl; do [ -f "$f" ] && cp "$f" /tmp/smolbuild/; done
+    for f in .smolbuild/answers-*.jsonl.gz; do
+      [ -f "$f" ] && gunzip -c "$f" > "/tmp/smolbuild/$(basename "$f" .gz)"
+    done
   fi
   # the kernels MLX compiled come back whatever happens (cat $OUT/ptx-cache.txz.* into
   # .gpu/ptx-cache.txz here: the next machine starts with them, the trainer's first step too)
@@ -84,8 +89,9 @@ case "${1:-}" in
     fi
     ;;
   probe)
-    # the scheduler on this model (answering 64 rows ran at 529 tok/s on 2026-12-03's
-    # machine, a 0.8B Qwen3.5 at 32 rows at 5031): drafts in the batch against without
+    # the scheduler on this model (answering at 64 rows: 529 tok/s with MLX compiling its
+    # kernels, 4,005 with them carried in .gpu; a 0.8B Qwen3.5 at 32 rows 5031): drafts in
+    # the batch against without
     setup
     timeout "${BENCH_TIMEOUT:-300}" python3 bench/batch.py --pair smol-q8 --streams 1 8 64 \
       --new 64 --repeats 1 --json "$out/batch-smol-gpu.json" 2>&1 | tee "$out/batch-smol-gpu.txt" | tail -12
