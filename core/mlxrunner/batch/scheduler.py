@@ -451,36 +451,47 @@ class Scheduler:
             logits = logits[:, -1, :]
         else:
             logits = forward(self.model, ids[:, None], self.batch.caches)[:, -1, :]
-        chosen: dict[int, mx.array] = {}
         greedy = sorted(r for r, s in self._running.items() if s.plain_greedy)
-        if greedy:
-            picked = topk_indices(logits[mx.array(greedy, dtype=mx.int32)], 1)[:, 0]
-            for i, row in enumerate(greedy):
-                self._running[row].sampler.skip(1)  # the key a point mass consumes
-                chosen[row] = picked[i]
         infos: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
-        for row, seq in self._running.items():
-            allowed = seq.allowed(self.model.vocab_size)
-            if row not in chosen:
-                chosen[row] = seq.sampler.sample(logits[row], seq.history, allowed)
-            if seq.want_logprobs:
-                infos[row] = seq.sampler.logprobs(logits[row:row + 1], chosen[row].reshape(1),
-                                                  allowed)
-        order = sorted(chosen)
-        if not order:
-            return None
-        tokens = mx.stack([chosen[r] for r in order])
+        if greedy and len(greedy) == len(self._running) and not any(
+                s.want_logprobs for s in self._running.values()):
+            # every row greedy: one argmax over the whole batch (free rows' tokens unused),
+            # not a gather and a stack of an op per row; a row's token at its own index
+            tokens = topk_indices(logits, 1)[:, 0]
+            for seq in self._running.values():
+                seq.sampler.skip(1)  # the key a point mass consumes
+            order, launch_rows = greedy, list(range(self.batch.rows))
+            index = {row: row for row in order}
+        else:
+            chosen: dict[int, mx.array] = {}
+            if greedy:
+                picked = topk_indices(logits[mx.array(greedy, dtype=mx.int32)], 1)[:, 0]
+                for i, row in enumerate(greedy):
+                    self._running[row].sampler.skip(1)
+                    chosen[row] = picked[i]
+            for row, seq in self._running.items():
+                allowed = seq.allowed(self.model.vocab_size)
+                if row not in chosen:
+                    chosen[row] = seq.sampler.sample(logits[row], seq.history, allowed)
+                if seq.want_logprobs:
+                    infos[row] = seq.sampler.logprobs(logits[row:row + 1],
+                                                      chosen[row].reshape(1), allowed)
+            order = launch_rows = sorted(chosen)
+            if not order:
+                return None
+            tokens = mx.stack([chosen[r] for r in order])
+            index = {row: i for i, row in enumerate(order)}
         row_taps = {} if tapped is None else {
-            i: self._own_taps(tapped[row:row + 1], taps, self._running[row].taps)
-            for i, row in enumerate(order)
+            index[row]: self._own_taps(tapped[row:row + 1], taps, self._running[row].taps)
+            for row in order
             if self._running[row].session is not None and not self._running[row].shared}
         shared = tapped is not None and any(self._running[row].shared for row in order)
         mx.async_eval(tokens, *[a for info in infos.values() for a in info],
                       *row_taps.values(), *([tapped] if shared else []), *self.batch.state)
         # (keyed by their index in `tokens`: a compaction renumbers rows, not that)
-        return _Step([(row, self._running[row], i) for i, row in enumerate(order)], tokens,
-                     {i: infos[row] for i, row in enumerate(order) if row in infos}, row_taps,
-                     tapped if shared else None, taps, order)
+        return _Step([(row, self._running[row], index[row]) for row in order], tokens,
+                     {index[row]: info for row, info in infos.items()}, row_taps,
+                     tapped if shared else None, taps, launch_rows)
 
     def _round(self, chosen: int | None) -> None:
         """A speculative round over the batch: each sequence with a draft proposes a block,
