@@ -107,6 +107,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-every", type=int, default=150,
                     help="held-out estimate every N steps; the best one's draft is kept")
+    # training across device calls (each at most 10 minutes): the first stops at a step with
+    # a checkpoint, the next resumes it; --time-budget-s is the budget of all of them
+    ap.add_argument("--stop-at", type=int, default=0,
+                    help="stop at this step with a checkpoint (0: at the budget)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the checkpoint in OUT/draft (answers reused)")
+    ap.add_argument("--save-every", type=int, default=0)
     ap.add_argument("--reuse-answers", action="store_true",
                     help="train on the answers already written, answer no more")
     ap.add_argument("--answers-only", action="store_true",
@@ -131,7 +138,7 @@ def main() -> None:
     for split, chosen in texts.items():
         records = answer(bundle, chosen, args.max_tokens, out / f"answers-{split}.jsonl",
                          args.batch, args.answer_time_s if split == "train" else 0.0,
-                         more=not args.reuse_answers)
+                         more=not (args.reuse_answers or args.resume))
         folder = out / f"corpus-{split}"
         folder.mkdir(exist_ok=True)
         for stale in folder.glob("*.txt"):  # an earlier run's, maybe of other prompts
@@ -162,8 +169,9 @@ def main() -> None:
                # the 1,024-answer build overfit (held-out cross-entropy 4.9 against 1.4):
                # keep the step whose held-out estimate was best
                "--eval-every", str(args.eval_every), "--keep-best",
-               "--save-every", "0", "--time-budget-s", str(args.time_budget_s),
-               "--target-dtype", args.target_dtype]
+               "--save-every", str(args.save_every), "--time-budget-s", str(args.time_budget_s),
+               "--target-dtype", args.target_dtype, "--stop-at", str(args.stop_at),
+               *(["--resume"] if args.resume else [])]
     print(" ".join(command), file=sys.stderr)
     completed = subprocess.run(command)
     if completed.returncode:

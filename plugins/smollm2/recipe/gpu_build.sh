@@ -5,6 +5,8 @@
 #   call: bash plugins/smollm2/recipe/gpu_build.sh answers      (the target's answers, then a
 #         two-step training run of the same shapes: MLX compiles the trainer's kernels there)
 #   call: bash plugins/smollm2/recipe/gpu_build.sh build        (answers, train-draft, q8 copy)
+#         training longer than one call (10 minutes): TRAIN_S is the budget of all calls,
+#         BUILD_ARGS="--stop-at 900" in the first (a checkpoint there), "--resume" in the next
 #   call: bash plugins/smollm2/recipe/gpu_build.sh bench        (bench/default_model.py)
 #   call: bash plugins/smollm2/recipe/gpu_build.sh probe        (bench/batch.py --pair smol-q8)
 # after `bash .mlx-cuda-a/stage.sh`, with .mlx-cuda-b and .whl carried with part a, and .gpu
