@@ -544,3 +544,7 @@ def test_keep_best_saves_the_evaluated_step_of_the_best_estimate(tiny_target, tm
     with pytest.raises(train.TrainDraftError, match="--eval-every -3"):
         train.train_draft(_settings(folder, train_files, held_files, tmp_path / "d2",
                                     eval_every=-3))
+    # (it trained no step and failed formatting its report, a traceback)
+    with pytest.raises(train.TrainDraftError, match="--stop-at -2"):
+        train.train_draft(_settings(folder, train_files, held_files, tmp_path / "d2",
+                                    stop_at=-2))

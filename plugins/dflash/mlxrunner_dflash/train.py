@@ -1058,7 +1058,7 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
     if settings.block_size < 2:
         raise TrainDraftError("--block-size must be at least 2")
     for flag, value in (("--eval-every", settings.eval_every),
-                        ("--save-every", settings.save_every)):
+                        ("--save-every", settings.save_every), ("--stop-at", settings.stop_at)):
         if value < 0:
             raise TrainDraftError(f"{flag} {value}: a number of steps, 0 for never")
     if settings.keep_best and settings.eval_every < 1:
