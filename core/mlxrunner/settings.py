@@ -25,6 +25,8 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_API_KEY``: the bearer token ``mlxrunner serve`` requires (unset: none).
 - ``MLXRUNNER_ORIGINS``: browser origins ``mlxrunner serve`` accepts beyond this machine's
   (comma-separated glob patterns, as Ollama's ``OLLAMA_ORIGINS``; ``*``: any).
+- ``MLX_PTX_CACHE_DIR`` (MLX's): the folder of MLX's built CUDA kernels; the core keeps its
+  kernels' verdicts in ``mlxrunner/`` there.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class Settings:
     prefix_cache_mib: int = 2048
     api_key: str | None = field(default=None, repr=False)  # a secret: not in reprs
     origins: tuple[str, ...] = ()
+    #: MLX's kernel cache folder (``MLX_PTX_CACHE_DIR``, MLX's own switch; None: MLX's
+    #: default), where the core keeps what it learnt of its kernels (mlxrunner.nn.kernels)
+    kernel_cache: str | None = None
     #: every decision is a function of the tokens alone (no wall-clock timing): set on the
     #: ranks of a distributed job, which must all make the same ones (mlxrunner.distributed)
     lockstep: bool = False
@@ -81,6 +86,7 @@ class Settings:
             api_key=env.get("MLXRUNNER_API_KEY") or None,
             origins=tuple(o.strip() for o in env.get("MLXRUNNER_ORIGINS", "").split(",")
                           if o.strip()),
+            kernel_cache=env.get("MLX_PTX_CACHE_DIR") or None,
         )
 
 

@@ -5,6 +5,7 @@
   traced decode steps and verify blocks that equal its eager forward, rollback included,
   and so does a Gated DeltaNet target (Qwen3.5's tiny fixture, taps and batch 2).
 - A trace is reused across steps and generations; new weights drop it.
+- A mask the model builds over cached keys is restricted to the buffer's written slots.
 - A trace that computes something else, or cannot be traced, is dropped at its first call
   with one warning: that call returns the eager result, and the model runs eagerly on.
 - The check that compares traced and eager logits tolerates half-precision rounding but
@@ -114,9 +115,10 @@ def test_the_trace_check_tolerates_half_precision_rounding_but_not_garbage():
     assert agree(exact32 + 1e-4, exact32) and not agree(exact32 + 0.1, exact32)
 
 
-def test_a_mask_the_model_built_over_cached_keys_keeps_the_eager_forward(monkeypatch):
-    """A model that builds its own array mask over the keys a cache handed out cannot be
-    traced (the mask was made for exact-length keys): it runs eagerly, correctly."""
+def test_a_mask_the_model_built_over_cached_keys_is_traced_exactly(monkeypatch):
+    """A boolean mask the model builds over the keys a cache handed out (made for the
+    exact-length keys of an eager forward) is restricted to the written slots of the
+    traced buffer: the trace is exact and stays on."""
 
     def own_mask_attention(self, x, cache):
         B, L, _ = x.shape
@@ -137,4 +139,4 @@ def test_a_mask_the_model_built_over_cached_keys_keeps_the_eager_forward(monkeyp
     got = forward(model, ids[:, 7:8], caches)
     want = model(ids[:, 7:8], eager_caches)
     assert float(mx.abs(got - want).max()) < 1e-5
-    assert not compiled_steps(model).enabled
+    assert compiled_steps(model).enabled and len(compiled_steps(model)._traced) == 1

@@ -136,3 +136,49 @@ def test_project_rows_round_as_one_row_products_on_cuda(dtype, n):
         assert mx.array_equal(block, rows).item()
         assert mx.allclose(block.astype(mx.float32), (x @ weight.T).astype(mx.float32),
                            rtol=2e-2, atol=2e-2).item()
+
+
+def test_a_passed_kernel_is_remembered_on_disk_by_source_mlx_and_device(tmp_path,
+                                                                         monkeypatch):
+    """A later process (here: the in-memory verdicts emptied) trusts a kept pass without
+    probing; another source, MLX version or device checks again; a failure is not kept."""
+    monkeypatch.setattr(kernels, "verdict_store", lambda: kernels.VerdictStore(tmp_path))
+    monkeypatch.setattr(kernels, "_verdicts", {})
+    probes = []
+    x = mx.arange(4, dtype=mx.float32)
+
+    def ask(source, kernel=lambda p: p * 2):
+        return kernels.serves("k", ("case", 1), kernel, lambda p: p + p,
+                              lambda: probes.append(1) or x, 1e-6, source=source)
+
+    assert ask("v1") and len(probes) == 1
+    assert ask("v1") and len(probes) == 1  # this process: in memory
+    kernels._verdicts.clear()  # a new process
+    assert ask("v1") and len(probes) == 1  # from disk, no probe
+    kernels._verdicts.clear()
+    assert ask("v2") and len(probes) == 2  # a changed kernel is checked again
+    kernels._verdicts.clear()
+    assert not ask("v3", kernel=lambda p: p * 3) and len(probes) == 3
+    kernels._verdicts.clear()
+    assert not ask("v3", kernel=lambda p: p * 3) and len(probes) == 4  # failures: every time
+    key = kernels.lasting_key("k", ("case", 1), "v1", 1e-6)
+    assert key == kernels.lasting_key("k", ("case", 1), "v1", 1e-6)
+    assert key != kernels.lasting_key("k", ("case", 1), "v1", 1e-6, mlx_version="0.0.1")
+    assert key != kernels.lasting_key("k", ("case", 1), "v1", 1e-6, device="another GPU")
+    assert key != kernels.lasting_key("k", ("case", 2), "v1", 1e-6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [key, kernels.lasting_key("k", ("case", 1), "v2", 1e-6)])
+
+
+def test_verdicts_are_kept_beside_mlx_kernel_cache_and_only_on_a_gpu(tmp_path):
+    with settings.overridden(kernel_cache=str(tmp_path)):
+        assert kernels.kernel_cache_folder() == tmp_path / "mlxrunner"
+    assert kernels.verdict_store() is None  # these tests run on the CPU
+
+
+def test_a_read_only_verdict_folder_costs_a_check_not_a_failure(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    store = kernels.VerdictStore(blocked / "verdicts")  # under a file: cannot be made
+    store.record_pass("k")
+    assert not store.passed("k")

@@ -68,3 +68,25 @@ def test_building_the_commands_and_marking_hooks_import_no_mlx() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, timeout=120)
     assert json.loads(out.stdout) == []
+
+
+def test_help_with_every_installed_plugin_imports_no_mlx() -> None:
+    """``mlxrunner --help`` loads every plugin's hooks (its commands join the parser):
+    plugin packages must import no MLX and no model at import time."""
+    code = ("import contextlib, io, json, sys\n"
+            "from mlxrunner.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try:\n"
+            "        main(['--help'])\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print(json.dumps([sorted(m for m in ('mlx', 'numpy', 'jinja2', 'tokenizers') "
+            "if m in sys.modules), sorted(m for m in sys.modules if m.startswith("
+            "'mlxrunner_') and m.endswith('.plugin'))]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "MLXRUNNER_LOAD_PLUGINS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    heavy, plugins = json.loads(out.stdout)
+    assert heavy == []
+    assert {"mlxrunner_qwen3_5.plugin", "mlxrunner_gemma4.plugin",
+            "mlxrunner_dflash.plugin"} <= set(plugins)  # (they did load)

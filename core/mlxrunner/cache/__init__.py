@@ -3,7 +3,7 @@ stand in for themselves inside a traced forward (see :mod:`.frame`)."""
 
 from .base import Cache
 from .batched import BatchCaches, BatchedCache, RowFrame
-from .frame import TraceFrame, Untraceable
+from .frame import TraceFrame, Untraceable, active_frame, framing
 from .kv import KVCache
 from .prefix import PrefixCache, PrefixHit, prefix_cache_for
 from .recurrent import RecurrentCache, StateCapture
@@ -11,4 +11,4 @@ from .ring import RingCache
 
 __all__ = ["BatchCaches", "BatchedCache", "Cache", "KVCache", "PrefixCache", "PrefixHit",
            "RecurrentCache", "RingCache", "RowFrame", "StateCapture", "TraceFrame", "Untraceable",
-           "prefix_cache_for"]
+           "active_frame", "framing", "prefix_cache_for"]

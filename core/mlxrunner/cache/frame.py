@@ -8,10 +8,16 @@ what it hands out from ``update_and_fetch`` is the whole buffer. Attention over 
 buffer needs a validity mask; the stand-in registers the keys it handed out with the mask
 that makes them exact, and :meth:`TraceFrame.mask_for` finds it again (the model's own
 ``mask`` argument, "causal" or None, described the exact-length keys of an eager forward).
+
+The frame being traced is the calling thread's own (:func:`active_frame`): two models may
+trace at once on two threads.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -97,4 +103,32 @@ class TraceFrame:
             return written
         if mask is causal or mask is written:
             return mask
-        raise Untraceable("an attention mask the model built itself over cached keys")
+        if isinstance(mask, mx.array):
+            # the model's own mask over the keys of an eager forward, which end at the last
+            # written position: restricted to the written slots, it is exact for masks of
+            # absolute positions (the check of a trace's first calls finds any other)
+            if written is None:
+                return mask
+            if mask.dtype == mx.bool_:
+                return mask & written
+            return mx.where(written, mask, mx.array(-mx.inf, dtype=mask.dtype))
+        raise Untraceable(f"an attention mask of type {type(mask).__name__}")
+
+
+_local = threading.local()
+
+
+def active_frame() -> TraceFrame | None:
+    """The frame this thread is tracing a forward in, or None."""
+    return getattr(_local, "frame", None)
+
+
+@contextmanager
+def framing(frame: TraceFrame) -> Iterator[None]:
+    """``frame`` is this thread's :func:`active_frame` inside the block."""
+    before = active_frame()
+    _local.frame = frame
+    try:
+        yield
+    finally:
+        _local.frame = before

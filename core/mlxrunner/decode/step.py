@@ -8,9 +8,16 @@ its caches (see ``mlxrunner.cache``: a traced offset, fixed-size buffers, masks 
 attention over a whole buffer exact), so an architecture written in plain ``mlx.nn``
 gets the compiled step too.
 
+Attention over the keys a stand-in handed out is made exact however the model calls it:
+:func:`mlxrunner.nn.attend` asks the thread's trace frame for the mask, and while a thread
+traces, ``mx.fast.scaled_dot_product_attention`` called from that thread goes the same way
+(other threads reach MLX's function unchanged). Two models may trace on two threads at once.
+
 Each traced forward is checked against the eager forward at its first call and at its
 first replay (a Python value the trace baked in shows only then); any error while tracing,
-or any disagreement, turns tracing off for that model with one warning, and the eager
+or any disagreement, turns tracing off for that model with one warning naming the plugin,
+the architecture and the first layer whose output differs
+(:attr:`CompiledSteps.fallback` keeps it for :mod:`mlxrunner.testing`), and the eager
 forward's result is used. ``MLXRUNNER_COMPILE=0`` (:mod:`mlxrunner.settings`) runs every
 forward eagerly. A forward whose products run on the host BLAS
 (:func:`mlxrunner.nn.host_products`), which a traced graph cannot call, runs eagerly once its
@@ -21,7 +28,8 @@ warning.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from copy import copy
 from typing import Any, cast
@@ -29,7 +37,8 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .. import settings
-from ..cache import RowFrame, TraceFrame
+from ..cache import RowFrame, TraceFrame, framing
+from ..cache.frame import active_frame
 from ..nn import attend, host_bound, host_declined
 from ..nn.attention import mlx_attention
 
@@ -108,6 +117,10 @@ class CompiledSteps:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.enabled = True
+        #: why tracing went off for this model (one line), or None
+        self.fallback: str | None = None
+        # one forward at a time through a model's traces (its caches' records are shared)
+        self._lock = threading.RLock()
         self._traced: dict[Hashable, _Traced] = {}
         #: (input shape, settings) of forwards whose traces met host products: run eagerly
         self._host_bound: set[Hashable] = set()
@@ -134,6 +147,11 @@ class CompiledSteps:
         caller runs the model eagerly)."""
         if not self.enabled:
             return None
+        with self._lock:
+            return self._forward(ids, caches, taps)
+
+    def _forward(self, ids: mx.array, caches: Sequence[Any], taps: tuple[int, ...] | None
+                 ) -> Result | None:
         key = self._key(ids, caches, taps)
         if key is None or (ids.shape, _switches()) in self._host_bound:
             return None
@@ -145,6 +163,9 @@ class CompiledSteps:
         checking = traced.calls < 2
         live = [(i, c) for i, c in enumerate(caches) if c is not None]
         shadows = [_detached(c) for _, c in live] if checking else None
+        # the caches as they were, for finding the layer that differs (lazy copies: computed
+        # only if a check fails)
+        pristine = [_detached(c) for _, c in live] if checking else None
         declined = host_declined()
         try:
             logits, tapped = self._run(traced, ids, caches, taps)
@@ -159,7 +180,9 @@ class CompiledSteps:
         if shadows is not None:
             eager = self._eager(ids, caches, live, shadows, taps)
             if not agree(logits, eager[0]):
-                self._disable(key, "traced forward disagrees with the eager forward")
+                assert pristine is not None
+                where = self._first_differing_layer(ids, caches, live, pristine)
+                self._disable(key, f"traced forward disagrees with the eager forward{where}")
                 for (_, c), shadow in zip(live, shadows):
                     c.__dict__.update(shadow.__dict__)
                 return eager
@@ -174,7 +197,7 @@ class CompiledSteps:
         inputs = [c.trace_inputs(ids.shape[1]) for c in live]
         offset = mx.array(live[0].offset, dtype=mx.int32)
         try:
-            with _tracing(caches, [len(a) for a in inputs], traced):
+            with _tracing(caches, [len(a) for a in inputs], traced), _attention_routed():
                 out = traced.function(ids, offset, [a for arrays in inputs for a in arrays])
         except Exception:
             for c, arrays in zip(live, inputs):
@@ -205,10 +228,40 @@ class CompiledSteps:
         out = self.model(ids, stand) if taps is None else self.model(ids, stand, taps=taps)
         return (out, None) if taps is None else out
 
+    def _first_differing_layer(self, ids: mx.array, caches: Sequence[Any],
+                               live: list[tuple[int, Any]], pristine: list[Any]) -> str:
+        """Where the traced forward first parts from the eager one, from every layer's
+        output (taps) of both run on copies of the caches as they were, the trace's graph
+        uncompiled; "" where the model offers no taps or the caches are batched."""
+        n = getattr(self.model, "num_layers", None)
+        if not getattr(self.model, "supports_taps", True) or not isinstance(n, int) or n < 1 \
+                or _batched(caches):
+            return ""
+        every = tuple(range(n))
+        eager, traced = list(caches), list(caches)
+        for (i, _), cache in zip(live, pristine):
+            eager[i], traced[i] = _detached(cache), _detached(cache)
+        try:
+            _, want = self.model(ids, eager, taps=every)
+            _, got = self.through_stand_ins(ids, traced, every)
+        except Exception as exc:  # a diagnosis only: the fallback stands without it
+            log.debug("no per-layer comparison: %s", exc)
+            return ""
+        if got is None or got.shape != want.shape:
+            return ""
+        width = want.shape[-1] // n
+        for layer in range(n):
+            part = slice(layer * width, (layer + 1) * width)
+            if not agree(got[..., part], want[..., part]):
+                return f"; layer {layer} is the first whose output differs"
+        return ("; every layer agrees when the trace runs uncompiled (a Python value fixed "
+                "at its first call?)")
+
     def _disable(self, key: Hashable, why: str) -> None:
         self.enabled = False
         self._traced.clear()
-        log.warning("%s: %s; running eagerly", type(self.model).__name__, why)
+        self.fallback = f"{describe(self.model)}: {why}"
+        log.warning("%s; running eagerly", self.fallback)
 
     # -- what a trace depends on ----------------------------------------------------------
     def _key(self, ids: mx.array, caches: Sequence[Any], taps: tuple[int, ...] | None
@@ -237,11 +290,11 @@ class CompiledSteps:
         model = self.model
 
         def graph(ids: mx.array, offset: mx.array, arrays: list[mx.array]) -> list[mx.array]:
-            caches, traced = _current["caches"], _current["traced"]
+            caches, traced = _current.caches, _current.traced
             frame = (RowFrame if _batched(caches) else TraceFrame)(offset, length)
             stand: list[Any] = []
             at = 0
-            counts = iter(_current["in_counts"])
+            counts = iter(_current.in_counts)
             for c in caches:
                 if c is None:
                     stand.append(None)
@@ -249,7 +302,7 @@ class CompiledSteps:
                 n = next(counts)
                 stand.append(c.stand_in(frame, arrays[at:at + n]))
                 at += n
-            with _attention_over(frame):
+            with framing(frame):
                 out = model(ids, stand) if taps is None else model(ids, stand, taps=taps)
             logits, tapped = (out, None) if taps is None else out
             live = [s for s in stand if s is not None]
@@ -268,7 +321,24 @@ def _switches() -> Hashable:
     return (s.kernels, s.attention, s.row_products, s.host_products)
 
 
-_current: dict[str, Any] = {}
+# what the traced function reads when MLX traces it (its first call; replays run no
+# Python): the calling thread's own
+_current = threading.local()
+
+
+def describe(model: Any) -> str:
+    """The model's class with the plugin and architecture name it was registered under."""
+    from ..host import manager
+
+    name = type(model).__name__
+    try:
+        for reg in manager.iter_registrations("architectures"):
+            if reg.obj is type(model):
+                plugin = manager.host().distribution_of(reg.plugin)
+                return f"{name} (plugin {plugin}, architecture {reg.name})"
+    except Exception as exc:  # naming the plugin must not hide the message itself
+        log.debug("no plugin found for %s: %s", name, exc)
+    return f"{name} (registered by no plugin)"
 
 
 def _detached(cache: Any) -> Any:
@@ -282,33 +352,47 @@ def _detached(cache: Any) -> Any:
 
 
 @contextmanager
-def _tracing(caches: Sequence[Any], in_counts: list[int], traced: _Traced):
-    # the traced function reads these when MLX traces it (its first call); replays run no
-    # Python
-    _current.update(caches=caches, in_counts=in_counts, traced=traced)
+def _tracing(caches: Sequence[Any], in_counts: list[int], traced: _Traced) -> Iterator[None]:
+    _current.caches, _current.in_counts, _current.traced = caches, in_counts, traced
     try:
         yield
     finally:
-        _current.clear()
+        del _current.caches, _current.in_counts, _current.traced
+
+
+def _routed_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
+                      mask: Any = None, **kwargs: Any) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` while some thread traces: the calling thread's
+    trace frame fixes the mask (through :func:`mlxrunner.nn.attend`); without one, MLX's
+    function as called."""
+    frame = active_frame()
+    if frame is None:
+        return mlx_attention(q, k, v, scale=scale, mask=mask, **kwargs)
+    if kwargs:  # (attention sinks and the like: MLX's function, the mask fixed)
+        return mlx_attention(q, k, v, scale=scale, mask=frame.mask_for(k, mask), **kwargs)
+    return attend(q, k, v, scale=scale, mask=mask)
+
+
+_routing = threading.Lock()
+_routing_users = 0
 
 
 @contextmanager
-def _attention_over(frame: TraceFrame):
-    """While tracing: ``mx.fast.scaled_dot_product_attention`` over keys a cache stand-in
-    handed out gets the mask that makes it exact (see TraceFrame.mask_for)."""
-
-    def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None,
-                  **kwargs: Any) -> mx.array:
-        mask = frame.mask_for(k, mask)
-        if kwargs:
-            return mlx_attention(q, k, v, scale=scale, mask=mask, **kwargs)
-        return attend(q, k, v, scale=scale, mask=mask)
-
-    mx.fast.scaled_dot_product_attention = attention
+def _attention_routed() -> Iterator[None]:
+    """MLX's attention routed through :func:`_routed_attention` while any thread traces
+    (models that call MLX's function directly reach it only through ``mx.fast``)."""
+    global _routing_users
+    with _routing:
+        if _routing_users == 0:
+            mx.fast.scaled_dot_product_attention = _routed_attention
+        _routing_users += 1
     try:
         yield
     finally:
-        mx.fast.scaled_dot_product_attention = mlx_attention
+        with _routing:
+            _routing_users -= 1
+            if _routing_users == 0:
+                mx.fast.scaled_dot_product_attention = mlx_attention
 
 
 def agree(got: mx.array, want: mx.array) -> bool:

@@ -28,10 +28,12 @@ from typing import Any, NamedTuple, Protocol
 import mlx.core as mx
 
 from .. import settings
+from ..cache.frame import active_frame
 from ..constants import arange_constant, constant
-from .kernels import on_cuda, serves
+from .kernels import code_of, on_cuda, serves
 
-#: MLX's function, as imported (a traced forward stands another in for it while it traces)
+#: MLX's function, as imported (while a thread traces a forward, the core routes calls of
+#: ``mx.fast.scaled_dot_product_attention`` from that thread through :func:`attend`)
 mlx_attention = mx.fast.scaled_dot_product_attention
 #: the longest query block :func:`attend` folds (longer ones are prompts)
 FOLD_MAX_QUERIES = 16
@@ -130,7 +132,14 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
     """Attention of queries ``q [B, Hq, L, D]`` over ``keys [B, Hk, S, D]`` and ``values
     [B, Hk, S, Dv]`` (query head ``h`` reads key/value head ``h // (Hq // Hk)``), as
     ``mx.fast.scaled_dot_product_attention`` with the same arguments; ``[B, Hq, L, Dv]``.
-    ``attend(q, *store(cache, k, v), scale=...)`` attends over a layer's cache."""
+    ``attend(q, *store(cache, k, v), scale=...)`` attends over a layer's cache.
+
+    Inside a traced forward the keys a cache stand-in handed out are a whole buffer: the
+    mask becomes the one that makes attention over it what ``mask`` meant over the eager
+    forward's keys (:meth:`mlxrunner.cache.TraceFrame.mask_for`)."""
+    frame = active_frame()
+    if frame is not None:
+        mask = frame.mask_for(keys, mask)
     chosen = mode()
     if chosen != "mlx" and not isinstance(mask, str) and _short_block_on_cuda(q, keys, mask):
         if chosen == "kernel" and _kernel_serves(q, keys, values, mask):
@@ -409,7 +418,8 @@ def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
     return serves("attention", _case(q, keys, values, mask),
                   lambda p: _launch(p[0], p[1], p[2], scale, p[3], splits=3 if split else 1),
                   lambda p: folded_attention(*p[:3], scale=scale, mask=p[3]), probe,
-                  2e-3 if dtype == mx.float32 else 5e-2, against="MLX's operations")
+                  2e-3 if dtype == mx.float32 else 5e-2, against="MLX's operations",
+                  source=code_of(__file__))
 
 
 def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, length: int,

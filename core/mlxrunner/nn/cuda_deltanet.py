@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .kernels import kernel_allowed, serves
+from .kernels import code_of, kernel_allowed, serves
 
 # Three block-wide float sums at once, for every thread (after the kWarps, red [3 * kWarps],
 # lane and warp declarations of a kernel): the step and block kernels' norms.
@@ -394,7 +394,8 @@ def _serves(kind: str, args: tuple[mx.array, ...], fallback: Callable[..., tuple
         return made + (0.1 * mx.random.normal(state.shape, key=keys[5]),) + tuple(weights)
 
     return serves("deltanet", case, lambda p: _launch(kind, p, *dims), lambda p: fallback(*p),
-                  probe, _tolerance(qkv.dtype), against="the compiled MLX operations")
+                  probe, _tolerance(qkv.dtype), against="the compiled MLX operations",
+                  source=code_of(__file__))
 
 
 def step(args: tuple[mx.array, ...], fallback: Callable[..., tuple[mx.array, ...]],

@@ -8,15 +8,26 @@ refuses) or mismatch keeps the operations for that case, with one warning (logge
 ``mlxrunner.nn``; the CLI prints it on stderr). The check depends on the probe inputs
 alone, so it may run while a forward is being traced. ``MLXRUNNER_KERNELS`` (see
 :mod:`mlxrunner.settings`) turns kernels off by name.
+
+On a GPU a kernel that passed its check is remembered on disk, beside MLX's kernel cache
+(:class:`VerdictStore`), keyed by the device, MLX's version, the kernel's source and the
+case: a later process on the same machine trusts it without running the check again; a
+changed kernel or MLX checks again. A kernel that failed is checked (and warned about) in
+every process.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Collection, Hashable, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
@@ -289,20 +300,86 @@ def kernel_allowed(name: str) -> bool:
 
 def serves(name: str, case: Hashable, kernel: Callable[[Any], Outputs],
            reference: Callable[[Any], Outputs], probe: Callable[[], Any], tolerance: float,
-           against: str = "MLX's operations", label: str | None = None) -> bool:
+           against: str = "MLX's operations", label: str | None = None,
+           source: str | None = None) -> bool:
     """Whether fused kernel ``name`` may serve ``case``: settled once per case, the first
     time it is asked, by :func:`check_kernel` on ``kernel(probe())`` beside
     ``reference(probe())`` (the probe: random inputs with the case's shapes and dtypes).
     The caller checks :func:`kernel_allowed` first. ``label`` names it in the warning
-    (default ``mlxrunner: fused {name} kernel``)."""
+    (default ``mlxrunner: fused {name} kernel``). ``source`` (the kernel's code, or anything
+    that changes with it): a pass is kept on disk for later processes (see the module)."""
     key = (name, case)
     verdict = _verdicts.get(key)
     if verdict is None:
-        inputs = probe()
-        verdict = _verdicts[key] = check_kernel(
-            label or f"mlxrunner: fused {name} kernel", lambda: kernel(inputs),
-            lambda: reference(inputs), tolerance, against)
+        store = verdict_store() if source is not None else None
+        lasting = None if store is None or source is None else \
+            lasting_key(name, case, source, tolerance)
+        if store is not None and lasting is not None and store.passed(lasting):
+            verdict = True
+        else:
+            inputs = probe()
+            verdict = check_kernel(
+                label or f"mlxrunner: fused {name} kernel", lambda: kernel(inputs),
+                lambda: reference(inputs), tolerance, against)
+            if verdict and store is not None and lasting is not None:
+                store.record_pass(lasting)
+        _verdicts[key] = verdict
     return verdict
+
+
+def lasting_key(name: str, case: Hashable, source: str, tolerance: float,
+                mlx_version: str | None = None, device: str | None = None) -> str:
+    """What a kept verdict is filed under: a digest of the kernel's name, case, source and
+    tolerance, MLX's version and the device (its description from MLX)."""
+    if mlx_version is None:
+        mlx_version = str(getattr(mx, "__version__", "?"))
+    if device is None:
+        device = json.dumps(mx.device_info(), sort_keys=True, default=str)
+    text = "\0".join([name, repr(case), hashlib.sha256(source.encode()).hexdigest(),
+                      repr(float(tolerance)), mlx_version, device])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class VerdictStore:
+    """Kernels that passed their check on this machine: one empty file per verdict in
+    ``folder`` (written under a temporary name and renamed, so processes may share it)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def passed(self, key: str) -> bool:
+        return (self.folder / key).is_file()
+
+    def record_pass(self, key: str) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+            os.close(handle)
+            os.replace(temporary, self.folder / key)
+        except OSError as exc:  # a read-only cache costs the next process a check, no more
+            log.debug("kernel verdict not kept in %s: %s", self.folder, exc)
+
+
+@functools.cache
+def code_of(module_file: str) -> str:
+    """A module's own text: the ``source`` of :func:`serves` for the kernels it defines (any
+    change to the module, a launch constant's included, checks them again)."""
+    return Path(module_file).read_text(encoding="utf-8")
+
+
+def kernel_cache_folder() -> Path:
+    """MLX's kernel cache folder (``MLX_PTX_CACHE_DIR``, else MLX's default) with the core's
+    own ``mlxrunner`` folder in it."""
+    folder = settings.current().kernel_cache or os.path.join(
+        tempfile.gettempdir(), "mlx", str(getattr(mx, "__version__", "unknown")), "ptx")
+    return Path(folder) / "mlxrunner"
+
+
+def verdict_store() -> VerdictStore | None:
+    """Where kernel verdicts are kept: on a GPU only (the CPU runs no fused kernel)."""
+    if not on_cuda():
+        return None
+    return VerdictStore(kernel_cache_folder() / "verdicts")
 
 
 def switch_allows(variable: str, name: str, known: Collection[str]) -> bool:

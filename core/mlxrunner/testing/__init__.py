@@ -495,8 +495,7 @@ def check_compiled_step(model: Model, prompt_ids: IdsLike, *, steps: int = 5, bl
                           f"tokens) {what}")
     states = compiled_steps(model)
     if not states.enabled:
-        raise AssertionError("compiled step: tracing switched itself off (see the warning "
-                             "logged by mlxrunner.decode)")
+        raise AssertionError(f"compiled step: tracing switched itself off: {states.fallback}")
     replays = states.replays()
     if replays == 0 and require_replay:
         raise AssertionError("compiled step: no forward replayed a trace (the caches' "
