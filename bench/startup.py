@@ -85,30 +85,35 @@ def compile_times(cache: Path, started: float) -> dict[str, Any]:
     """The kernels a run wrote to MLX's kernel cache, in order, each with the time since
     the one before (the first: since the run started): an upper bound of its compile
     time."""
-    files = sorted((f.stat().st_mtime, f.stem) for f in cache.iterdir() if f.suffix == ".ptx")
+    # MLX splits a long kernel name into folders
+    files = sorted((f.stat().st_mtime, f.stem) for f in cache.rglob("*.ptx"))
     gaps, before = [], started
     for written, name in files:
         gaps.append((name, round(written - before, 3)))
         before = written
-    return {"count": len(files), "longest": sorted(gaps, key=lambda g: -g[1])[:30],
+    return {"count": len(files), "core_kernels": len(list(cache.rglob("*.cubin"))),
+            "longest": sorted(gaps, key=lambda g: -g[1])[:30],
             "last_written_s": round(before - started, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=CONFIG)
-    parser.add_argument("--folder", type=Path, help="an existing model folder (else one is "
-                        "written to a temporary folder)")
+    parser.add_argument("--folder", type=Path, help="the model folder: written there if "
+                        "missing and kept (else written to a temporary folder)")
     parser.add_argument("--prompt", default="Write a haiku about rain.")
     parser.add_argument("--runs", type=int, default=3, help="runs with the kernel cache warm")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="one more warm run under cProfile; print its N largest "
                         "cumulative times")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
+                        help="--runs more warm runs with this environment variable set "
+                        "(repeatable: one set of runs each), against the same kernel cache")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="mlxrunner-startup-"))
     folder = args.folder or work / "qwen3.5-0.8b-shape"
-    if args.folder is None:
+    if not (folder / "config.json").exists():
         write_folder(folder, args.config, 0)
     cache = work / "ptx-cache"
     cache.mkdir()
@@ -119,12 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     compiled = compile_times(cache, started)
     runs += [dict(one_run(folder, args.prompt, env), kernel_cache="warm")
              for _ in range(args.runs)]
+    variants: dict[str, list[float]] = {}
+    for variant in args.variant:
+        name, _, value = variant.partition("=")
+        times = [dict(one_run(folder, args.prompt, dict(env, **{name: value})),
+                      kernel_cache="warm", variant=variant) for _ in range(args.runs)]
+        runs += times
+        variants[variant] = sorted(r["wall_s"] for r in times)
     for r in runs:
-        print(f"  {r['kernel_cache']:5s} kernel cache: {r['wall_s']:7.2f} s to exit after the "
+        print(f"  {r['kernel_cache']:5s} kernel cache{' ' + r['variant'] if 'variant' in r else ''}"
+              f": {r['wall_s']:7.2f} s to exit after the "
               f"first token (prefill {r.get('prefill_s')}); exit {r['exit']}"
               + (f"; {r['warnings']}" if r.get("warnings") else "")
               + (f"\n{r['stderr']}" if r.get("stderr") else ""), flush=True)
-    warm = sorted(r["wall_s"] for r in runs[1:]) or [float("nan")]
+    warm = sorted(r["wall_s"] for r in runs[1:1 + args.runs]) or [float("nan")]
     profiled = {}
     if args.profile:
         # one more warm run under cProfile: where a warm start's time goes
@@ -136,18 +149,30 @@ def main(argv: list[str] | None = None) -> int:
         for (file, line, function), (_, _, _, cumulative, _) in rows[:args.profile]:
             profiled[f"{Path(file).name}:{line}({function})"] = round(cumulative, 3)
             print(f"  {cumulative:7.3f} s  {Path(file).name}:{line}({function})")
-    results = {"folder": str(folder), "runs": runs, "fresh_s": runs[0]["wall_s"],
-               "warm_median_s": warm[len(warm) // 2], "profile_cumulative_s": profiled,
+    failed = [r for r in runs if r["exit"]]
+    results = {"folder": str(folder), "runs": runs, "failed_runs": len(failed),
+               "fresh_s": runs[0]["wall_s"],
+               "warm_median_s": warm[len(warm) // 2],
+               "variant_warm_median_s": {k: v[len(v) // 2] for k, v in variants.items() if v},
+               "profile_cumulative_s": profiled,
                "kernels_compiled": compiled}
-    print(f"  the fresh run compiled {compiled['count']} kernels; the longest gaps before "
+    print(f"  the fresh run compiled {compiled['count']} of MLX's kernels and "
+          f"{compiled['core_kernels']} of the core's; the longest gaps before "
           "one was written (its compile time, or other work):")
     for name, gap in compiled["longest"][:12]:
         print(f"    {gap:6.2f} s  {name[:90]}")
     print(f"  first token: fresh {results['fresh_s']:.2f} s, warm (median of "
           f"{len(warm)}) {results['warm_median_s']:.2f} s", flush=True)
+    for variant, median in results["variant_warm_median_s"].items():
+        print(f"  warm with {variant}: median {median:.2f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
+    if failed:
+        # a run that exits early times nothing: its figures must not read as a start-up
+        print(f"startup: {len(failed)} of {len(runs)} runs exited non-zero; their times are "
+              "not start-up times", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,95 +1,88 @@
-"""Our CUDA kernel sources compile, off the GPU.
+"""Our CUDA kernel sources build, off the GPU, the way the core builds them.
 
-MLX builds a ``mx.fast.cuda_kernel`` at its first launch, on the GPU machine; a source that
-does not compile there only shows as a kernel turned off (one warning, the slower path).
-These tests wrap each source the way MLX does (inputs as ``const T*``, outputs as ``T*``,
-template arguments as ``constexpr``/``using`` lines) and compile it with NVRTC for the H200
-(``compute_90``), which needs no GPU. They run where NVRTC and the CUDA headers are
-installed (requirements-test.txt installs them on x86-64 Linux, about 90 MB) and skip
-elsewhere.
+On the GPU machine the core builds each kernel with NVRTC into a cubin once and keeps it in
+MLX's kernel cache folder (mlxrunner.nn.cuda_build); a source that does not build there only
+shows as a kernel turned off (one warning, the slower path). These tests build each source
+for the H200 (``sm_90``) with the core's builder, which needs no GPU. They run where NVRTC
+and the CUDA headers are installed (requirements-test.txt installs them on x86-64 Linux,
+about 90 MB) and skip elsewhere.
 """
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
-CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int",
-              "uint64": "unsigned long long", "bool": "bool"}
+from mlxrunner.nn import cuda_build
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16,
+          "int32": mx.int32, "uint64": mx.uint64, "bool": mx.bool_}
 
 
-def _nvidia_dir(package: str) -> Path | None:
-    try:
-        module = __import__(f"nvidia.{package}", fromlist=["_"])
-    except ImportError:
-        return None
-    return Path(next(iter(module.__path__)))
-
-
-@pytest.fixture(scope="module")
-def nvrtc() -> tuple[Any, Path]:
-    lib_dir, runtime = _nvidia_dir("cuda_nvrtc"), _nvidia_dir("cuda_runtime")
-    if lib_dir is None or runtime is None:
+@pytest.fixture
+def builder(tmp_path: Path) -> cuda_build.Builder:
+    nvrtc = cuda_build.find_nvrtc()
+    if nvrtc is None:
         pytest.skip("NVRTC and the CUDA headers are not installed "
                     "(pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12)")
-    libs = sorted((lib_dir / "lib").glob("libnvrtc.so*"))
-    if not libs:
-        pytest.skip(f"no libnvrtc in {lib_dir}")
-    return ctypes.CDLL(str(libs[0])), runtime / "include"
+    return cuda_build.Builder(nvrtc, "sm_90", tmp_path)
 
 
 def _wrap(name: str, source: str, inputs: list[tuple[str, str]],
           outputs: list[tuple[str, str]], template: list[tuple[str, Any]]) -> str:
-    """The kernel as MLX's custom_kernel builds it (its header swapped for CUDA's own)."""
-    lines = ["#include <cuda_bf16.h>", "#include <cuda_fp16.h>",
-             "namespace mlx { namespace core { namespace cu {",
-             f"__global__ void {name}("]
-    args = [f"    const {CUDA_TYPES[t]}* {n}" for n, t in inputs]
-    args += [f"    {CUDA_TYPES[t]}* {n}" for n, t in outputs]
-    lines.append(",\n".join(args) + ") {")
-    for key, value in template:
-        if isinstance(value, bool):
-            lines.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
-        elif isinstance(value, int):
-            lines.append(f"  constexpr int {key} = {value};")
-        else:
-            lines.append(f"  using {key} = {CUDA_TYPES[value]};")
-    lines += [source, "}", "}}}"]
-    return "\n".join(lines)
+    return cuda_build.kernel_source(
+        name, source, [(n, DTYPES[t]) for n, t in inputs],
+        [(n, DTYPES[t]) for n, t in outputs],
+        [(k, DTYPES[v] if isinstance(v, str) else v) for k, v in template])
 
 
-def _compile(nvrtc: tuple[Any, Path], name: str, source: str) -> None:
-    lib, include = nvrtc
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(),
-                                  0, None, None) == 0
-    options = [b"--gpu-architecture=compute_90", f"--include-path={include}".encode(),
-               b"-std=c++17"]
-    status = lib.nvrtcCompileProgram(prog, len(options),
-                                     (ctypes.c_char_p * len(options))(*options))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    assert status == 0, f"{name} does not compile:\n{log.value.decode()}"
+def _compile(builder: cuda_build.Builder, name: str, source: str) -> None:
+    try:
+        _, cubin = builder.cubin(source)
+    except RuntimeError as exc:
+        pytest.fail(f"{name} does not build:\n{exc}")
+    assert cubin[:4] == b"\x7fELF", f"{name}: not a cubin"
+    assert name.encode() in cubin  # the kernel under its C name, as the launch asks for it
+
+
+def test_a_built_kernel_is_read_back_not_built_again(builder: cuda_build.Builder) -> None:
+    from mlxrunner.decode import topk
+
+    launch = topk.kernel_launch(1, 151936, 64)
+    source = _wrap("topk", topk._CUDA_CHUNK_TOPK, [("x", "float32")], [("out", "uint64")],
+                   launch["template"])
+    key, cubin = builder.cubin(source)
+    assert builder.compiled == 1
+    assert [p.name for p in builder.folder.iterdir()] == [f"{key}.cubin"]  # no temporary left
+    again = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder)
+    assert again.cubin(source) == (key, cubin) and again.compiled == 0
+    other = cuda_build.Builder(builder.nvrtc, "sm_80", builder.folder)  # another GPU
+    assert other.cubin(source)[0] != key and other.compiled == 1
+
+
+def test_a_source_that_does_not_build_says_why(builder: cuda_build.Builder) -> None:
+    source = _wrap("broken", "out[0] = undeclared_name;", [("x", "float32")],
+                   [("out", "float32")], [])
+    with pytest.raises(RuntimeError, match="undeclared_name"):
+        builder.cubin(source)
+    assert list(builder.folder.glob("*")) == []
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 151936, 64), (64, 151936, 64), (64, 262144, 20)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_topk_chunk_kernel_compiles(nvrtc, rows: int, n: int, k: int, dtype: str) -> None:
+def test_topk_chunk_kernel_compiles(builder, rows: int, n: int, k: int, dtype: str) -> None:
     from mlxrunner.decode import topk
 
     launch = topk.kernel_launch(rows, n, k)
-    _compile(nvrtc, "topk", _wrap("topk", topk._CUDA_CHUNK_TOPK, [("x", dtype)],
+    _compile(builder, "topk", _wrap("topk", topk._CUDA_CHUNK_TOPK, [("x", dtype)],
                                   [("out", "uint64")], launch["template"]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_deltanet_kernels_compile(nvrtc, dtype: str) -> None:
+def test_deltanet_kernels_compile(builder, dtype: str) -> None:
     from mlxrunner.nn import cuda_deltanet as ck
 
     inputs = [("proj", dtype), ("conv_tail", dtype), ("state", "float32"),
@@ -98,16 +91,16 @@ def test_deltanet_kernels_compile(nvrtc, dtype: str) -> None:
     shape = [("T", dtype), ("Hk", 16), ("Hv", 16), ("Dk", 128), ("Dv", 128), ("K", 4),
              ("C", 6144), ("P", 8224), ("OZ", 6144), ("OB", 8192), ("OA", 8208)]
     step = [("out", dtype), ("new_tail", dtype), ("new_state", "float32")]
-    _compile(nvrtc, "step", _wrap("step", ck.DELTANET_STEP_SOURCE, inputs, step,
+    _compile(builder, "step", _wrap("step", ck.DELTANET_STEP_SOURCE, inputs, step,
                                   shape + [("NT", 512), ("EPS_E9", 1000)]))
     block = step + [("k_out", "float32"), ("delta_out", "float32"), ("g_out", "float32")]
-    _compile(nvrtc, "block", _wrap("block", ck.DELTANET_BLOCK_SOURCE, inputs, block,
+    _compile(builder, "block", _wrap("block", ck.DELTANET_BLOCK_SOURCE, inputs, block,
                                    shape + [("L", 8), ("NT", 512), ("EPS_E9", 1000)]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("D,mask", [(256, 0), (512, 1), (128, 2)])
-def test_attention_kernel_compiles(nvrtc, dtype: str, D: int, mask: int) -> None:
+def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int) -> None:
     from mlxrunner.nn import attention as nn
 
     inputs = [("q", dtype), ("keys", dtype), ("values", dtype), ("scale", "float32"),
@@ -115,10 +108,10 @@ def test_attention_kernel_compiles(nvrtc, dtype: str, D: int, mask: int) -> None
     template = [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D), ("DV", min(D, 512)),
                 ("NT", nn.ATTEND_THREADS), ("U", nn.keys_at_once(D, min(D, 512))),
                 ("MASK", mask)]
-    _compile(nvrtc, "attend_split", _wrap("attend_split", nn.ATTEND_SPLIT_SOURCE, inputs,
+    _compile(builder, "attend_split", _wrap("attend_split", nn.ATTEND_SPLIT_SOURCE, inputs,
                                           [("part_o", "float32"), ("part_max", "float32"),
                                            ("part_sum", "float32")], template))
-    _compile(nvrtc, "attend", _wrap("attend", nn.ATTEND_SOURCE, inputs,
+    _compile(builder, "attend", _wrap("attend", nn.ATTEND_SOURCE, inputs,
                                     [("out", dtype)],
                                     [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D),
                                      ("DV", min(D, 512)), ("NT", nn.ATTEND_THREADS),

@@ -37,6 +37,7 @@ PLUGIN_MODULES = ("mlxrunner", "mlxrunner.plugin", "mlxrunner.nn", "mlxrunner.st
 WHITE_BOX = {
     "tests/core/test_topk.py": {"mlxrunner.decode.topk"},
     "tests/test_cuda_kernel_sources.py": {"mlxrunner.decode.topk", "mlxrunner.nn.attention",
+                                          "mlxrunner.nn.cuda_build",
                                           "mlxrunner.nn.cuda_deltanet"},
     "tests/core/test_attention.py": {"mlxrunner.nn.attention", "mlxrunner.nn.kernels"},
     "tests/test_folded_attention_models.py": {"mlxrunner.nn.attention", "mlxrunner.nn.kernels"},

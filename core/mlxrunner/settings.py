@@ -26,7 +26,7 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_ORIGINS``: browser origins ``mlxrunner serve`` accepts beyond this machine's
   (comma-separated glob patterns, as Ollama's ``OLLAMA_ORIGINS``; ``*``: any).
 - ``MLX_PTX_CACHE_DIR`` (MLX's): the folder of MLX's built CUDA kernels; the core keeps its
-  kernels' verdicts in ``mlxrunner/`` there.
+  own kernels and their verdicts in ``mlxrunner/`` there.
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ class Settings:
     api_key: str | None = field(default=None, repr=False)  # a secret: not in reprs
     origins: tuple[str, ...] = ()
     #: MLX's kernel cache folder (``MLX_PTX_CACHE_DIR``, MLX's own switch; None: MLX's
-    #: default), where the core keeps what it learnt of its kernels (mlxrunner.nn.kernels)
+    #: default), where the core keeps its built kernels and their verdicts (mlxrunner.nn)
     kernel_cache: str | None = None
+    #: MLX compiles functions (``MLX_DISABLE_COMPILE`` unset: MLX's own switch)
+    mlx_compile: bool = True
     #: every decision is a function of the tokens alone (no wall-clock timing): set on the
     #: ranks of a distributed job, which must all make the same ones (mlxrunner.distributed)
     lockstep: bool = False
@@ -87,6 +89,7 @@ class Settings:
             origins=tuple(o.strip() for o in env.get("MLXRUNNER_ORIGINS", "").split(",")
                           if o.strip()),
             kernel_cache=env.get("MLX_PTX_CACHE_DIR") or None,
+            mlx_compile=not env.get("MLX_DISABLE_COMPILE"),
         )
 
 

@@ -264,7 +264,8 @@ class Sampler:
         [1, V] or [V] is a grammar's mask."""
         if allowed is not None:
             allowed = allowed.reshape(1, -1)
-        return self.draw(self.distributions(logits.reshape(1, -1), [history], allowed))[0]
+        # reshape, not [0]: an integer index is a gather in MLX, a kernel of its own
+        return self.draw(self.distributions(logits.reshape(1, -1), [history], allowed)).reshape(())
 
     def logprobs(
         self, raw_logits: mx.array, tokens: mx.array, allowed: mx.array | None = None

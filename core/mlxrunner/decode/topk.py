@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..nn.cuda_build import CudaKernel
 from ..nn.kernels import on_cuda
 
 CHUNK = 2048
@@ -269,7 +270,7 @@ def _cuda_first_k_per_chunk(x: mx.array, k: int, subchunks: int | None = None) -
     (spans of one chunk, or more: :func:`kernel_launch`)."""
     global _cuda_kernel
     if _cuda_kernel is None:
-        _cuda_kernel = mx.fast.cuda_kernel(
+        _cuda_kernel = CudaKernel(
             name="mlxrunner_chunk_topk", input_names=["x"], output_names=["out"],
             source=_CUDA_CHUNK_TOPK)
     n = x.shape[-1]

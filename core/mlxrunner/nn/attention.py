@@ -30,6 +30,7 @@ import mlx.core as mx
 from .. import settings
 from ..cache.frame import active_frame
 from ..constants import arange_constant, constant
+from .cuda_build import CudaKernel
 from .kernels import code_of, on_cuda, serves
 
 #: MLX's function, as imported (while a thread traces a forward, the core routes calls of
@@ -353,7 +354,7 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     P = key_splits(rows, S) if splits is None else splits
     split = P > 1
     if split not in _kernels:
-        _kernels[split] = mx.fast.cuda_kernel(
+        _kernels[split] = CudaKernel(
             name="mlxrunner_attend_split" if split else "mlxrunner_attend",
             input_names=["q", "keys", "values", "scale", "mask", "dims"],
             output_names=["part_o", "part_max", "part_sum"] if split else ["out"],
@@ -407,7 +408,7 @@ def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
 
     def probe() -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
         S = 67  # not a multiple of the warps: some take one key fewer
-        parts = mx.random.split(mx.random.key(2024), 4)
+        parts = [mx.random.key(2024 + i) for i in range(4)]  # no gather (see deltanet's)
         pq = mx.random.normal((1, heads, length, head_dim), key=parts[0]).astype(dtype)
         pk = mx.random.normal((1, kv_heads, S, head_dim), key=parts[1]).astype(dtype)
         pv = mx.random.normal((1, kv_heads, S, value_dim), key=parts[2]).astype(dtype)

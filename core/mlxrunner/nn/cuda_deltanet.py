@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .cuda_build import CudaKernel
 from .kernels import code_of, kernel_allowed, serves
 
 # Three block-wide float sums at once, for every thread (after the kWarps, red [3 * kWarps],
@@ -327,7 +328,7 @@ _INPUTS = ["proj", "conv_tail", "state", "conv_weight", "A_log", "dt_bias", "nor
 def _kernel(kind: str) -> Any:
     if kind not in _kernels:
         step = kind == "step"
-        _kernels[kind] = mx.fast.cuda_kernel(
+        _kernels[kind] = CudaKernel(
             name=f"mlxrunner_deltanet_{kind}", input_names=_INPUTS,
             output_names=["out", "new_tail", "new_state"] + (
                 [] if step else ["k_out", "delta_out", "g_out"]),
@@ -388,7 +389,9 @@ def _serves(kind: str, args: tuple[mx.array, ...], fallback: Callable[..., tuple
             *(w.dtype for w in weights))
 
     def probe() -> tuple[mx.array, ...]:
-        keys = mx.random.split(mx.random.key(1234), 6)
+        # a key per input, not split ones: indexing a split key array is a gather, one more
+        # kernel MLX builds on a fresh machine
+        keys = [mx.random.key(1234 + i) for i in range(6)]
         made = tuple(mx.random.normal(x.shape, key=key).astype(x.dtype)
                      for x, key in zip((qkv, z, b, a, conv_tail), keys))
         return made + (0.1 * mx.random.normal(state.shape, key=keys[5]),) + tuple(weights)

@@ -26,7 +26,8 @@ import os
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -283,10 +284,27 @@ def check_kernel(label: str, kernel: Callable[[], Outputs], reference: Callable[
         log.warning("%s unavailable (%s: %s); using %s", label, type(exc).__name__, first,
                     against)
         return False
-    if not outputs_agree(got, reference(), tolerance):
+    with _uncompiled():
+        want = reference()
+    if not outputs_agree(got, want, tolerance):
         log.warning("%s disagrees with %s; using %s", label, against, against)
         return False
     return True
+
+
+@contextmanager
+def _uncompiled() -> Iterator[None]:
+    """MLX's operations one at a time, not fused: a compiled reference's fused kernels would
+    be built (seconds each on a fresh machine) for this one comparison alone, where MLX's
+    single operations come built."""
+    if not settings.current().mlx_compile:
+        yield
+        return
+    mx.disable_compile()
+    try:
+        yield
+    finally:
+        mx.enable_compile()
 
 
 _verdicts: dict[tuple[str, Hashable], bool] = {}

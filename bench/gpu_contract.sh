@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 36's GPU figures in one call of at most 10 minutes, after `bash .mlx-cuda-a/stage.sh`
+# (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
+# to .gpu/shared-data/configs):
+#   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [startup]     (default: all four)
+# tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
+# teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
+# Llama against mlx-lm (bench/llama.py); startup: bench/startup.py (a fresh kernel cache, then
+# 3 warm processes). Results in $OUT/results.tgz.
+set -u
+source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
+export PYTHONUNBUFFERED=1 MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
+export MLX_PTX_CACHE_DIR=/tmp/ptx-cache  # kept while the machine is
+mkdir -p "$MLX_PTX_CACHE_DIR"
+out=${OUT:-/tmp/gpu-out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/machine.txt"
+for part in "${@:-tests qwen3 llama startup}"; do
+  for one in $part; do
+    echo "== $one"
+    case $one in
+      tests)
+        timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider \
+          tests/core/test_attention.py tests/core/test_kernels.py tests/core/test_nn_deltanet.py \
+          tests/core/test_topk.py tests/core/test_compiled_step.py \
+          tests/core/test_attention_styles.py 2>&1 | tee "$out/cuda-tests.txt" | tail -4 ;;
+      qwen3|llama)
+        (cd bench && timeout "${BENCH_TIMEOUT:-240}" python3 "$one.py" --repeats "${REPEATS:-5}" \
+          --json "$out/$one-gpu.json") 2>&1 | tee "$out/$one-gpu.txt" | tail -14 ;;
+      startup)
+        timeout "${STARTUP_TIMEOUT:-300}" python3 bench/startup.py --runs 3 \
+          --json "$out/startup-gpu.json" 2>&1 | tee "$out/startup-gpu.txt" | tail -24 ;;
+    esac
+  done
+done
+(cd "$out" && tar czf results.tgz --remove-files -- *.json *.txt 2>/dev/null)

@@ -1,0 +1,254 @@
+"""The core's CUDA kernels, built once per machine.
+
+MLX builds a ``mx.fast.cuda_kernel`` with NVRTC at its first launch in every process and
+keeps the result in memory only; with MLX's device headers that costs about 3 s a kernel on
+an H200 host, paid before the first token of every run. :class:`CudaKernel` takes the same
+kernel body, builds it with NVRTC against CUDA's own headers into a cubin for this GPU, keeps
+the cubin in MLX's kernel cache folder (``MLX_PTX_CACHE_DIR``, else MLX's default) and
+launches it with ``mx.fast.precompiled_cuda_kernel``: a later process reads the file. Where
+NVRTC cannot be loaded or the build fails, the kernel is ``mx.fast.cuda_kernel`` itself
+(the call and its results are the same).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .kernels import kernel_cache_folder
+
+log = logging.getLogger("mlxrunner.nn")
+
+#: the CUDA spelling of each dtype a kernel's inputs, outputs and ``using`` lines take
+CUDA_TYPES = {mx.bool_: "bool", mx.int32: "int", mx.uint32: "unsigned int",
+              mx.int64: "long long", mx.uint64: "unsigned long long", mx.float32: "float",
+              mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
+HEADER = "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+
+TemplateArg = tuple[str, "int | bool | mx.Dtype"]
+
+
+def kernel_source(symbol: str, source: str, inputs: Sequence[tuple[str, mx.Dtype]],
+                  outputs: Sequence[tuple[str, mx.Dtype]],
+                  template: Sequence[TemplateArg]) -> str:
+    """A whole translation unit for ``source``, a kernel body as ``mx.fast.cuda_kernel``
+    takes it: inputs as ``const T*``, outputs as ``T*``, template arguments as ``constexpr``
+    and ``using`` lines, under the C name ``symbol``."""
+    args = [f"    const {CUDA_TYPES[dtype]}* {name}" for name, dtype in inputs]
+    args += [f"    {CUDA_TYPES[dtype]}* {name}" for name, dtype in outputs]
+    lines = [HEADER, f'extern "C" __global__ void {symbol}(', ",\n".join(args) + ") {"]
+    for key, value in template:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {key} = {value};")
+        else:
+            lines.append(f"  using {key} = {CUDA_TYPES[value]};")
+    lines += [source, "}", ""]
+    return "\n".join(lines)
+
+
+class NVRTC:
+    """NVRTC through ctypes: CUDA source to a cubin."""
+
+    def __init__(self, library: str, includes: Sequence[str]) -> None:
+        self.lib = ctypes.CDLL(library)
+        self.includes = list(includes)
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)),
+                    "nvrtcVersion")
+        self.version = (major.value, minor.value)
+
+    def _check(self, result: int, call: str, log_text: str = "") -> None:
+        if result:
+            raise RuntimeError(f"{call} failed ({result})" + (f": {log_text}" if log_text
+                                                              else ""))
+
+    def cubin(self, source: str, arch: str) -> bytes:
+        """``source`` built for ``arch`` (``sm_90``); RuntimeError with NVRTC's log."""
+        program = ctypes.c_void_p()
+        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(),
+                                                b"mlxrunner.cu", 0, None, None),
+                    "nvrtcCreateProgram")
+        try:
+            options = [f"--gpu-architecture={arch}".encode(), b"--std=c++17",
+                       *(f"--include-path={i}".encode() for i in self.includes)]
+            built = self.lib.nvrtcCompileProgram(
+                program, len(options), (ctypes.c_char_p * len(options))(*options))
+            if built:
+                size = ctypes.c_size_t()
+                self.lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+                text = ctypes.create_string_buffer(size.value)
+                self.lib.nvrtcGetProgramLog(program, text)
+                self._check(built, "nvrtcCompileProgram",
+                            text.value.decode(errors="replace").strip()[:2000])
+            size = ctypes.c_size_t()
+            self._check(self.lib.nvrtcGetCUBINSize(program, ctypes.byref(size)),
+                        "nvrtcGetCUBINSize")
+            data = ctypes.create_string_buffer(size.value)
+            self._check(self.lib.nvrtcGetCUBIN(program, data), "nvrtcGetCUBIN")
+            return data.raw
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def _roots() -> list[Path]:
+    """The folders that may hold NVIDIA's Python packages (``nvidia/<part>/lib``)."""
+    roots = [Path(p) / "nvidia" for p in sys.path if p and (Path(p) / "nvidia").is_dir()]
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    return roots + [Path(home)]
+
+
+def find_nvrtc() -> NVRTC | None:
+    """NVRTC and CUDA's headers where this machine has them (NVIDIA's wheels, as MLX's CUDA
+    build installs them, or a CUDA toolkit), the newest NVRTC first; None if none loads."""
+    libraries: list[tuple[tuple[int, ...], Path]] = []
+    headers: list[Path] = []
+    for root in _roots():
+        for found in glob.glob(str(root / "*" / "lib" / "libnvrtc.so.*")) + \
+                glob.glob(str(root / "lib64" / "libnvrtc.so.*")):
+            if "builtins" not in found:
+                suffix = found.rsplit(".so.", 1)[1]
+                version = tuple(int(p) for p in suffix.split(".") if p.isdigit())
+                libraries.append((version, Path(found)))
+        headers += [Path(h).parent for h in glob.glob(str(root / "*" / "include" / "cuda_bf16.h"))
+                    + glob.glob(str(root / "include" / "cuda_bf16.h"))]
+    for _, path in sorted(libraries, key=lambda v: v[0], reverse=True):
+        # the headers beside this NVRTC first (a toolkit's, or the wheel's own folder)
+        near = [h for h in headers if h.parent == path.parent.parent]
+        includes = [str(h) for h in near + [h for h in headers if h not in near]][:1]
+        try:
+            return NVRTC(str(path), includes)
+        except (OSError, RuntimeError, AttributeError) as exc:
+            log.debug("NVRTC %s does not load: %s", path, exc)
+    return None
+
+
+def device_arch() -> str | None:
+    """The default GPU's architecture for NVRTC (``sm_90``), from the CUDA driver."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        device, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), 0):
+            return None
+        # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
+        if driver.cuDeviceGetAttribute(ctypes.byref(major), 75, device) or \
+                driver.cuDeviceGetAttribute(ctypes.byref(minor), 76, device):
+            return None
+        return f"sm_{major.value}{minor.value}"
+    except (OSError, AttributeError):
+        return None
+
+
+class Builder:
+    """Builds kernel sources into cubins for one GPU architecture, each once per machine
+    (a file in :func:`cache_folder`, named by a digest of everything that goes into it)."""
+
+    def __init__(self, nvrtc: NVRTC, arch: str, folder: Path) -> None:
+        self.nvrtc, self.arch, self.folder = nvrtc, arch, folder
+        self.built: dict[str, bytes] = {}
+        self.compiled = 0  # builds this process ran (not read from the folder)
+
+    def cubin(self, source: str) -> tuple[str, bytes]:
+        """``source``'s digest (its cache file's name) and its cubin."""
+        major, minor = self.nvrtc.version
+        key = hashlib.sha256("\0".join(
+            [source, self.arch, f"{major}.{minor}", *self.nvrtc.includes]).encode()
+        ).hexdigest()[:24]
+        if key in self.built:
+            return key, self.built[key]
+        path = self.folder / f"{key}.cubin"
+        try:
+            data = path.read_bytes()
+        except OSError:
+            started = time.perf_counter()
+            data = self.nvrtc.cubin(source, self.arch)
+            self.compiled += 1
+            log.debug("built kernel %s in %.2f s", key, time.perf_counter() - started)
+            self._store(path, data)
+        self.built[key] = data
+        return key, data
+
+    def _store(self, path: Path, data: bytes) -> None:
+        # a temporary name, then rename: another process never reads half a file
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(handle, "wb") as file:
+                file.write(data)
+            os.replace(temporary, path)
+        except OSError as exc:  # a read-only cache folder costs the next process a build
+            log.debug("kernel cache %s not written: %s", path, exc)
+
+
+_builder: Builder | None | bool = False  # False: not looked for yet
+_lock = threading.Lock()
+
+
+def builder() -> Builder | None:
+    """This machine's builder, or None (no NVRTC, no GPU seen): found once."""
+    global _builder
+    with _lock:
+        if _builder is False:
+            nvrtc, arch = find_nvrtc(), device_arch()
+            _builder = Builder(nvrtc, arch, kernel_cache_folder()) if nvrtc and arch else None
+            if _builder is None:
+                log.debug("no NVRTC or GPU architecture (%s, %s): kernels build in MLX",
+                          nvrtc, arch)
+        return _builder if isinstance(_builder, Builder) else None
+
+
+class CudaKernel:
+    """``mx.fast.cuda_kernel(name, input_names, output_names, source)``, built once per
+    machine where it can be (see the module's text); called the same way."""
+
+    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str],
+                 source: str) -> None:
+        self.name, self.source = name, source
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self._mlx: Any = None
+        self._unbuilt: set[str] = set()  # sources NVRTC refused here: MLX builds those
+
+    def _in_mlx(self) -> Any:
+        if self._mlx is None:
+            self._mlx = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names,
+                                            output_names=self.output_names, source=self.source)
+        return self._mlx
+
+    def __call__(self, *, inputs: Sequence[mx.array], template: Sequence[TemplateArg],
+                 grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+                 output_shapes: Sequence[Sequence[int]],
+                 output_dtypes: Sequence[mx.Dtype]) -> list[mx.array]:
+        build = builder()
+        if build is not None:
+            kinds = [x.dtype for x in inputs]
+            unit = kernel_source(self.name, self.source, list(zip(self.input_names, kinds)),
+                                 list(zip(self.output_names, output_dtypes)), template)
+            if unit not in self._unbuilt:
+                try:
+                    _, cubin = build.cubin(unit)
+                except RuntimeError as exc:
+                    self._unbuilt.add(unit)
+                    log.debug("%s does not build with CUDA's headers (%s); MLX builds it",
+                              self.name, str(exc).splitlines()[0])
+                else:
+                    return list(mx.fast.precompiled_cuda_kernel(
+                        name=self.name, compiled_source=cubin, inputs=list(inputs),
+                        output_shapes=[tuple(s) for s in output_shapes],
+                        output_dtypes=list(output_dtypes), scalars=[], grid=grid,
+                        threadgroup=threadgroup, ensure_row_contiguous=True))
+        return list(self._in_mlx()(
+            inputs=list(inputs), template=list(template), grid=grid, threadgroup=threadgroup,
+            output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes)))
