@@ -64,12 +64,19 @@ _EXPORTS: dict[str, str] = {
     "Distribution": "model.distribution",
     "topk_indices": "decode.topk",
     "prepare_topk_indices": "decode.topk",
+    # named models (register_models)
+    "PackagedModel": "store.sources",
+    "HubModel": "store.sources",
+    # a command a plugin adds runs models as users do (the user API's own functions)
+    "load": "bundle",
+    "generate": "decode.generation",
 }
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .bundle import load  # noqa: F401
     from .cache import Cache, KVCache, RecurrentCache, RingCache  # noqa: F401
     from .cache.context import ContextCache, RowContext, TracedContext  # noqa: F401
     from .chat.formats import (  # noqa: F401
@@ -81,6 +88,7 @@ if TYPE_CHECKING:  # pragma: no cover
         validate_conversation,
     )
     from .chat.parsing import MarkerScanner, ParseEvents, ReplyParser, TrimmedText  # noqa: F401
+    from .decode.generation import generate  # noqa: F401
     from .decode.options import SamplerOptions  # noqa: F401
     from .decode.sampler import Sampler  # noqa: F401
     from .decode.topk import prepare_topk_indices, topk_indices  # noqa: F401
@@ -102,3 +110,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from .model.distribution import Distribution  # noqa: F401
     from .model.draft import DraftModel, DraftProposal, DraftSession  # noqa: F401
     from .model.interface import Model  # noqa: F401
+    from .store.sources import HubModel, PackagedModel  # noqa: F401

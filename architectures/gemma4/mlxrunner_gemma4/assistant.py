@@ -31,7 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner.nn as mnn
-from mlxrunner import (
+from mlxrunner.plugin import (
+    ConfigBound,
     DraftConfigError,
     DraftModel,
     DraftProposal,
@@ -41,7 +42,6 @@ from mlxrunner import (
     RingCache,
     topk_indices,
 )
-from mlxrunner.plugin import ConfigBound
 
 from .model import FULL, SLIDING, DecoderLayer, Gemma4Config, Gemma4Model
 

@@ -29,8 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner.nn as mnn
-from mlxrunner import KVCache, Model, ModelFolderError, RingCache, topk_indices
-from mlxrunner.plugin import ConfigBound
+from mlxrunner.plugin import ConfigBound, KVCache, Model, ModelFolderError, RingCache, topk_indices
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import mlxrunner
+from mlxrunner.plugin import hookimpl
 
 ARCHITECTURE_NAMES = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM", "gemma4",
                       "gemma4_text")
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_architectures(register: Callable[[str, Any], None]) -> None:
     from .model import Gemma4Model
 
@@ -19,7 +19,7 @@ def register_architectures(register: Callable[[str, Any], None]) -> None:
         register(name, Gemma4Model)
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_drafts(register: Callable[[str, Any], None]) -> None:
     from .assistant import Gemma4AssistantDraft
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import mlxrunner
+from mlxrunner.plugin import hookimpl
 
 #: config.json ``architectures[0]`` and ``model_type`` values this plugin serves. SmolLM2 and
 #: Llama 3.x folders say LlamaForCausalLM / llama; Mistral's are the same math when they
@@ -13,7 +13,7 @@ import mlxrunner
 ARCHITECTURE_NAMES = ("LlamaForCausalLM", "llama", "MistralForCausalLM", "mistral")
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_architectures(register: Callable[[str, Any], None]) -> None:
     from .model import Llama  # lazily: `mlxrunner --help` does not pay for MLX
 

@@ -33,8 +33,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner.nn as mnn
-from mlxrunner import KVCache, Model, ModelFolderError, RecurrentCache
-from mlxrunner.plugin import ConfigBound, ConfigMultiple
+from mlxrunner.plugin import (
+    ConfigBound,
+    ConfigMultiple,
+    KVCache,
+    Model,
+    ModelFolderError,
+    RecurrentCache,
+)
 
 LINEAR = "linear_attention"
 FULL = "full_attention"

@@ -31,8 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner.nn as mnn
-from mlxrunner import ModelFolderError
-from mlxrunner.plugin import ConfigBound
+from mlxrunner.plugin import ConfigBound, ModelFolderError
 
 from .model import Qwen3_5, Qwen3_5Config
 

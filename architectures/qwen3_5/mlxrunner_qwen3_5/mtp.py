@@ -34,8 +34,14 @@ from typing import Any
 import mlx.core as mx
 
 import mlxrunner.nn as mnn
-from mlxrunner import DraftConfigError, DraftModel, DraftProposal, DraftSession, KVCache
-from mlxrunner.plugin import ConfigBound
+from mlxrunner.plugin import (
+    ConfigBound,
+    DraftConfigError,
+    DraftModel,
+    DraftProposal,
+    DraftSession,
+    KVCache,
+)
 
 from .model import FULL, DecoderLayer, Qwen3_5
 

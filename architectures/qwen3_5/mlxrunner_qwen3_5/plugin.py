@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import mlxrunner
+from mlxrunner.plugin import hookimpl
 
 #: config.json ``architectures[0]`` values and ``model_type`` values this plugin serves
 NAMES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "qwen3_5", "qwen3_5_text")
@@ -13,7 +13,7 @@ MOE_NAMES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "qwe
              "qwen3_5_moe_text")
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_architectures(register: Callable[[str, Any], None]) -> None:
     from .model import Qwen3_5
     from .moe import Qwen3_5Moe
@@ -24,7 +24,7 @@ def register_architectures(register: Callable[[str, Any], None]) -> None:
         register(name, Qwen3_5Moe)
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_drafts(register: Callable[[str, Any], None]) -> None:
     from .mtp import Qwen3_5MTP
 

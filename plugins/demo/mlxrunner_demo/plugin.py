@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import mlxrunner
+from mlxrunner.plugin import hookimpl
 
 from . import MODEL_PATH
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_models(register: Callable[[str, str], None]) -> None:
     # A path, not a loaded model: nothing heavy happens until a command asks for it.
     register("demo-qwen3.5", str(MODEL_PATH))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-import mlxrunner
+from mlxrunner.plugin import hookimpl
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_drafts(register):
     from .dflash import DFlashDraftModel
     from .dflash2 import DFlash2DraftModel
@@ -25,7 +25,7 @@ def _train_draft(args: argparse.Namespace) -> int:
     return run(args)
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_commands(cli):
     from .train_options import HELP, add_arguments
 

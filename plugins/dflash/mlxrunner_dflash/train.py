@@ -69,8 +69,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-import mlxrunner
-from mlxrunner import DraftConfigError, ModelFolderError
+import mlxrunner.plugin as mp
+from mlxrunner.plugin import DraftConfigError, ModelFolderError
 
 from .dflash import DFlashDraftModel
 from .dflash2 import DFlash2DraftModel
@@ -84,7 +84,7 @@ MASK_TOKEN_NAMES = ("<|mask|>", "<mask>", "<|MASK|>", "[MASK]", "<|mask_token|>"
 CHECKPOINT_DIR = "checkpoint"
 
 
-class TrainDraftError(mlxrunner.MLXRunnerError):
+class TrainDraftError(mp.MLXRunnerError):
     """A train-draft input problem (one line, no traceback)."""
 
 
@@ -544,7 +544,7 @@ def find_mask_token(tokenizer: Any, explicit: int | None, vocab: int) -> int:
                           "pass --mask-token-id with an id the target never needs to generate")
 
 
-def make_draft_config(settings: TrainSettings, target: mlxrunner.Model, taps: list[int],
+def make_draft_config(settings: TrainSettings, target: mp.Model, taps: list[int],
                       mask_token_id: int, dtype_name: str) -> dict[str, Any]:
     """config.json of the draft (speculative.md's names; DFlash2 settings in dflash_config)."""
     hidden = target.hidden_size
@@ -584,7 +584,7 @@ def make_draft_config(settings: TrainSettings, target: mlxrunner.Model, taps: li
 
 
 def build_draft(settings: TrainSettings, config: dict[str, Any],
-                target: mlxrunner.Model) -> DFlashDraftModel:
+                target: mp.Model) -> DFlashDraftModel:
     cls = KINDS[settings.kind]
     try:
         draft = cls(cls.config_for_checkpoint(config, ()), target)
@@ -616,7 +616,7 @@ def initialise(draft: nn.Module, seed: int) -> None:
     mx.eval(draft.parameters())
 
 
-def target_forward(target: mlxrunner.Model, ids: mx.array, taps: list[int]
+def target_forward(target: mp.Model, ids: mx.array, taps: list[int]
                    ) -> tuple[mx.array, mx.array]:
     """Tapped states and greedy tokens of the frozen target over ``ids`` [B, L]."""
     logits, tapped = target(ids, taps=taps)
@@ -624,7 +624,7 @@ def target_forward(target: mlxrunner.Model, ids: mx.array, taps: list[int]
     return mx.stop_gradient(tapped), greedy
 
 
-def generate_greedy(target: mlxrunner.Model, prompts: np.ndarray, length: int,
+def generate_greedy(target: mp.Model, prompts: np.ndarray, length: int,
                     eos_id: int | None = None, deadline: float | None = None
                     ) -> np.ndarray | None:
     """Greedy continuations of ``prompts`` [B, P] to ``length`` tokens in total: [B, length].
@@ -900,7 +900,7 @@ class EvaluationSet:
         return (positions >= self.start[rows, None]), (positions <= self.end[rows, None])
 
 
-def heldout_continuations(target: mlxrunner.Model, stream: np.ndarray,
+def heldout_continuations(target: mp.Model, stream: np.ndarray,
                           settings: TrainSettings, eos_id: int | None, seed: int = 1234
                           ) -> EvaluationSet:
     """Held-out prompts and the target's greedy continuations, each live up to its first
@@ -949,7 +949,7 @@ def heldout_documents(docs: Sequence[np.ndarray], settings: TrainSettings, eos_i
     return EvaluationSet(sequences, np.ones(count, dtype=np.int64), end)
 
 
-def estimate_acceptance(draft: DFlashDraftModel, target: mlxrunner.Model, taps: list[int],
+def estimate_acceptance(draft: DFlashDraftModel, target: mp.Model, taps: list[int],
                         evaluation: EvaluationSet, settings: TrainSettings,
                         mask_token_id: int, seed: int = 1234) -> dict[str, float]:
     """Held-out cross-entropy (weighted as training weighs it; the DFlash2 selector's apart),
@@ -1005,22 +1005,22 @@ def measure_speculative(target_path: str, draft_dir: Path, prompts: list[list[in
     """The real speculative loop (greedy) on held-out prompts against plain decoding, every
     round drafting the whole block: the draft's own acceptance (the loop's default would
     pause drafting on a machine where plain steps are faster)."""
-    bundle = mlxrunner.load(target_path, draft=str(draft_dir))
-    options = mlxrunner.SamplerOptions(temperature=0.0)
+    bundle = mp.load(target_path, draft=str(draft_dir))
+    options = mp.SamplerOptions(temperature=0.0)
     eos = bundle.tokenizer.eos_ids
     model, draft = bundle.model, bundle.draft
     full = {"depth": draft.max_depth}
     # warm-up: compile / allocate once so the first timed run is not penalised
-    mlxrunner.generate(model, prompts[0], options=options, max_tokens=8, draft=draft,
+    mp.generate(model, prompts[0], options=options, max_tokens=8, draft=draft,
                        draft_options=full)
-    mlxrunner.generate(model, prompts[0], options=options, max_tokens=8)
+    mp.generate(model, prompts[0], options=options, max_tokens=8)
     rounds = committed = spec_tokens = plain_tokens = 0
     spec_s = plain_s = 0.0
     identical = True
     for prompt in prompts:
-        spec = mlxrunner.generate(model, prompt, options=options, max_tokens=max_tokens,
+        spec = mp.generate(model, prompt, options=options, max_tokens=max_tokens,
                                   draft=draft, eos_ids=eos, draft_options=full)
-        plain = mlxrunner.generate(model, prompt, options=options, max_tokens=max_tokens,
+        plain = mp.generate(model, prompt, options=options, max_tokens=max_tokens,
                                    eos_ids=eos)
         identical &= spec.tokens == plain.tokens
         s = spec.stats
@@ -1079,7 +1079,7 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
         raise TrainDraftError(f"--resume: no checkpoint in {ckpt_dir}")
 
     target_dtype = None if settings.target_dtype == "auto" else settings.target_dtype
-    bundle = mlxrunner.load(settings.target, use_draft=False, dtype=target_dtype)
+    bundle = mp.load(settings.target, use_draft=False, dtype=target_dtype)
     target, tokenizer = bundle.model, bundle.tokenizer
     target.freeze()
     if not getattr(target, "supports_taps", True):
@@ -1266,7 +1266,7 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
                                   "draft": round(float(steady[2]), 4),
                                   "first_step": round(float(sum(phases[0])), 3)}
     # Held-out figures of the draft as saved (its dtype): reload it the way --draft does.
-    saved_draft = mlxrunner.load(settings.target, draft=str(out), dtype=target_dtype).draft
+    saved_draft = mp.load(settings.target, draft=str(out), dtype=target_dtype).draft
     report.update(estimate_acceptance(saved_draft, target, taps, evaluation_set(
         target, data, settings, eos_id), settings, mask_token_id))
     if settings.eval_prompts > 0:
@@ -1283,7 +1283,7 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
     return report
 
 
-def evaluation_set(target: mlxrunner.Model, data: Data, settings: TrainSettings,
+def evaluation_set(target: mp.Model, data: Data, settings: TrainSettings,
                    eos_id: int) -> EvaluationSet:
     """The held-out text blocks are measured on (``--eval-text``), built once per run."""
     if data.evaluation is None:
@@ -1320,7 +1320,7 @@ def document_openings(rng: np.random.Generator, stream: np.ndarray, count: int, 
     return np.stack([stream[s:s + length] for s in picked]).astype(np.int32)
 
 
-def build_pool(target: mlxrunner.Model, stream: np.ndarray, settings: TrainSettings,
+def build_pool(target: mp.Model, stream: np.ndarray, settings: TrainSettings,
                eos_id: int, seed: int, seconds: float, progress: Progress) -> np.ndarray:
     """``settings.self_distill`` sequences: a prompt and the target's greedy rest. A share
     (``distill_openings``) of the batches is prompted with a document's first 4-32 tokens,
@@ -1445,7 +1445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except mlxrunner.MLXRunnerError as exc:
+    except mp.MLXRunnerError as exc:
         print(f"train-draft: error: {exc}", file=sys.stderr)
         return 1
 

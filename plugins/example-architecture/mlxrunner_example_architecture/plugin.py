@@ -1,19 +1,19 @@
 """The entry point mlxrunner loads: it registers the architecture under its names.
 
 ``pyproject.toml`` names this module in the ``mlxrunner`` entry-point group; mlxrunner
-calls every ``@mlxrunner.hookimpl`` function here with a ``register`` callback.
+calls every ``@hookimpl`` function here with a ``register`` callback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import mlxrunner
+from mlxrunner.plugin import hookimpl
 
 ARCHITECTURE_NAMES = ("ExampleLlamaForCausalLM", "example_llama")
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_architectures(register: Callable[[str, type], None]) -> None:
     # Import lazily: `mlxrunner --help` and `mlxrunner plugins` should not pay for MLX.
     from .model import ExampleLlama

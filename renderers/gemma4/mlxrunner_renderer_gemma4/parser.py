@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mlxrunner import ParseEvents, ReplyParser, ToolCall
+from mlxrunner.plugin import ParseEvents, ReplyParser, ToolCall
 
 Q = '<|"|>'
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"

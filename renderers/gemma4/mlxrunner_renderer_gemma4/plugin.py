@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import mlxrunner
+from mlxrunner.plugin import hookimpl
 
 from . import renderer
 from .parser import Gemma4Parser
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_renderers(register):
     register("gemma4", renderer.auto)
     register("gemma4-small", renderer.small)
@@ -16,6 +16,6 @@ def register_renderers(register):
     register("gemma4-nemotron", renderer.nemotron)
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_parsers(register):
     register("gemma4", Gemma4Parser)

@@ -38,7 +38,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mlxrunner import ConversationError, RenderContext, validate_conversation
+from mlxrunner.plugin import ConversationError, RenderContext, validate_conversation
 
 Q = '<|"|>'  # Gemma's string delimiter token
 STANDARD_SCHEMA_KEYS = ("description", "type", "properties", "required", "nullable")

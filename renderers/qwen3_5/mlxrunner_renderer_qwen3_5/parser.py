@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mlxrunner import ParseEvents, ReplyParser, ToolCall
+from mlxrunner.plugin import ParseEvents, ReplyParser, ToolCall
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

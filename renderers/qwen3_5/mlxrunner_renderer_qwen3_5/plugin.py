@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import mlxrunner
+from mlxrunner.plugin import hookimpl
 
 from .parser import Qwen35Parser
 from .renderer import Qwen35Renderer
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_renderers(register):
     register("qwen3.5", Qwen35Renderer)
 
 
-@mlxrunner.hookimpl
+@hookimpl
 def register_parsers(register):
     register("qwen3.5", Qwen35Parser)

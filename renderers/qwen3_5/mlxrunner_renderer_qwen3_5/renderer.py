@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mlxrunner import ConversationError, RenderContext, validate_conversation
+from mlxrunner.plugin import ConversationError, RenderContext, validate_conversation
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
