@@ -63,7 +63,7 @@ class Bundle:
         """Ids that end a reply: the tokenizer's EOS ids, the model's own, and the
         renderer's stop markers (e.g. an end-of-turn token)."""
         tok = self.tokenizer
-        ids = set(tok.eos_ids) | set(getattr(self.model, "eos_token_ids", ()) or ())
+        ids = set(tok.eos_ids) | set(self.model.eos_token_ids)
         for marker in getattr(self.renderer, "stop_markers", ()) or ():
             marker_id = tok.token_to_id(marker)
             if marker_id is not None:
@@ -128,7 +128,7 @@ def choose_renderer_name(explicit: str | None, modelfile_choice: str | None,
         return explicit
     if modelfile_choice:
         return modelfile_choice
-    preferred = getattr(model, "default_renderer", None)
+    preferred = model.default_renderer
     if preferred and preferred in plugins.host().registry("renderers"):
         return preferred
     return "jinja" if has_template else None
@@ -141,7 +141,7 @@ def choose_parser_name(explicit: str | None, modelfile_choice: str | None, model
     if modelfile_choice:
         return modelfile_choice
     registry = plugins.host().registry("parsers")
-    preferred = getattr(model, "default_parser", None)
+    preferred = model.default_parser
     if preferred and preferred in registry:
         return preferred
     if renderer_name:

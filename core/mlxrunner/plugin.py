@@ -16,6 +16,8 @@ from .lazy import lazy_exports
 _EXPORTS: dict[str, str] = {
     # hooks and registration
     "hookimpl": "host.hookspecs",
+    "Register": "host.hookspecs",
+    "Commands": "host.hookspecs",
     "register": "host.manager",
     "registered": "host.manager",
     # target architectures and their caches
@@ -103,7 +105,7 @@ if TYPE_CHECKING:  # pragma: no cover
         TokenizerInputError,
         UnknownNameError,
     )
-    from .host.hookspecs import hookimpl  # noqa: F401
+    from .host.hookspecs import Commands, Register, hookimpl  # noqa: F401
     from .host.manager import register, registered  # noqa: F401
     from .model.block_draft import BlockDraft, BlockDraftSession  # noqa: F401
     from .model.config_bounds import ConfigBound, ConfigMultiple, check_config  # noqa: F401

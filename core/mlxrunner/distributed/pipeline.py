@@ -120,7 +120,7 @@ def apply_pipeline(model: Model, group: Any) -> tuple[str, ...]:
     rank, size = group.rank(), group.size()
     layers: list[nn.Module] = getattr(model, "layers")  # noqa: B009 (not on Model)
     n = len(layers)
-    cuts = stage_cuts(n, size, getattr(model, "layer_kv_sources", None))
+    cuts = stage_cuts(n, size, model.layer_kv_sources)
     first, stop = cuts[rank], cuts[rank + 1]
     owner = [r for r in range(size) for _ in range(cuts[r], cuts[r + 1])]
     paths = {id(module): path for path, module in model.named_modules()}

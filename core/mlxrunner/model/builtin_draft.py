@@ -39,7 +39,7 @@ from .safetensors import check_safetensors
 
 def checkpoint_draft_class(target: Model) -> type[DraftModel] | None:
     """The draft class ``target``'s checkpoints may carry, or None."""
-    name = getattr(type(target), "checkpoint_draft", None)
+    name = type(target).checkpoint_draft
     if not name:
         return None
     cls: type[DraftModel] = plugins.lookup("drafts", str(name)).obj

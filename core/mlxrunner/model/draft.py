@@ -270,7 +270,7 @@ class DraftModel(nn.Module):
     def validate(self, target: Model) -> None:
         """Check this draft fits ``target``; raise one clear :class:`DraftConfigError`."""
         name = type(self).__name__
-        if not getattr(target, "supports_taps", True):
+        if not target.supports_taps:
             raise DraftConfigError(f"{type(target).__name__} does not expose layer taps, "
                                    f"which the {name} draft needs")
         taps = list(self.taps)

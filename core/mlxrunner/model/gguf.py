@@ -20,12 +20,13 @@ import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelFolderError, UnknownNameError
+from .interface import Model, reads_gguf
 
 log = logging.getLogger(__name__)
 
@@ -290,13 +291,12 @@ def gguf_source(path: str | Path) -> tuple[GGUFFile, dict[str, Any], dict[str, m
         cls = plugins.architecture_for({"model_type": arch})
     except UnknownNameError as exc:
         raise UnknownNameError(f"{gguf.path}: GGUF {exc}") from None
-    reader = getattr(cls, "from_gguf", None)
-    if reader is None:
+    if not reads_gguf(cls):
         raise ModelFolderError(f"{gguf.path}: the {arch!r:.80} architecture plugin does not "
                                "read GGUF files")
     tensors = read_gguf_tensors(gguf)
     try:
-        config, weights = reader(gguf.metadata, tensors)
+        config, weights = cast("type[Model]", cls).from_gguf(gguf.metadata, tensors)
     except (KeyError, ValueError, TypeError) as exc:
         raise ModelFolderError(f"{gguf.path}: GGUF file does not fit the {arch} architecture "
                                f"({exc})") from None

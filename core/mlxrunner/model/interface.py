@@ -27,8 +27,19 @@ class Model(nn.Module):
     ``nn.Module`` treats plain dict attributes as parameter trees).
     """
 
+    # -- what a subclass may offer (the core reads these; override what applies) ----------
     #: whether ``__call__`` honours ``taps`` (drafts need it)
-    supports_taps: bool = True
+    supports_taps: ClassVar[bool] = True
+    #: the chat format used when the user names none (if a plugin provides that name; else
+    #: the folder's own Jinja template renders)
+    default_renderer: ClassVar[str | None] = None
+    #: the output parser used when the user names none (if a plugin provides that name)
+    default_parser: ClassVar[str | None] = None
+    #: token ids that end a reply besides the tokenizer's own end-of-sequence ids
+    eos_token_ids: ClassVar[tuple[int, ...]] = ()
+    #: the registered draft architecture a checkpoint of this model may carry beside its
+    #: weights (an MTP head), loaded as its draft when the checkpoint has one
+    checkpoint_draft: ClassVar[str | None] = None
     #: bounds of the config keys this architecture reads beyond the standard ones
     #: (:data:`mlxrunner.model.config_bounds.STANDARD_BOUNDS`), checked before ``__init__``
     config_bounds: ClassVar[Mapping[str, ConfigBound]] = {}
@@ -84,6 +95,22 @@ class Model(nn.Module):
         """The output head alone on already-normalised hidden states (no softcap)."""
         raise NotImplementedError
 
+    @property
+    def layer_kv_sources(self) -> Sequence[int] | None:
+        """For each layer, the layer whose keys and values it attends over (its own index,
+        or an earlier layer's where layers share them); None: every layer its own. A
+        pipeline split (``--distributed pipeline``) never separates the two."""
+        return None
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], tensors: dict[str, mx.array]
+                  ) -> tuple[dict[str, Any], dict[str, mx.array]]:
+        """Read llama.cpp's GGUF files of this architecture: ``metadata`` (plain Python
+        values) and ``tensors`` (MLX arrays under llama.cpp's names) to the ``config.json``
+        they amount to and the tensors under checkpoint names. Not overridden: the
+        architecture reads no GGUF files (:func:`reads_gguf`)."""
+        raise NotImplementedError(f"{cls.__name__} does not read GGUF files")
+
     # -- facts -------------------------------------------------------------
     @property
     def num_layers(self) -> int:
@@ -106,6 +133,12 @@ class Model(nn.Module):
     def weight_precision(self) -> str:
         """A short description of the weights' precision: ``bfloat16``, ``4-bit affine`` ..."""
         return weight_precision_of(self)
+
+
+def reads_gguf(cls: type) -> bool:
+    """Whether the architecture overrides :meth:`Model.from_gguf`."""
+    own = getattr(getattr(cls, "from_gguf", None), "__func__", None)
+    return own is not None and own is not vars(Model)["from_gguf"].__func__
 
 
 def compute_dtype_of(module: nn.Module) -> mx.Dtype:

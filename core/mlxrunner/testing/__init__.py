@@ -278,7 +278,7 @@ def check_taps(model: Model, prompt_ids: IdsLike, taps: Sequence[int],
     """
     ids = _as_ids(prompt_ids)
     taps = [int(t) for t in taps]
-    if not getattr(model, "supports_taps", True):
+    if not model.supports_taps:
         raise AssertionError(f"{type(model).__name__}.supports_taps is False")
     n = model.num_layers
     if not taps or any(not 0 <= t < n for t in taps) or taps != sorted(set(taps)):
@@ -447,7 +447,7 @@ def check_compiled_step(model: Model, prompt_ids: IdsLike, *, steps: int = 5, bl
     ids = _as_ids(prompt_ids)
     vocab = model.vocab_size
     rng = np.random.default_rng(seed)
-    use_taps = getattr(model, "supports_taps", True)
+    use_taps = model.supports_taps
     chosen = (default_taps(model.num_layers) if taps is None else list(taps)) if use_taps \
         else None
     script: list[tuple[mx.array, int]] = []  # (ids, tokens to keep) per forward
@@ -526,7 +526,7 @@ def run_conformance(model: Model, *, seed: int = 0, batch: int = 1, prompt_len: 
     ran = []
     check_prefill_decode(model, prompt, atol)
     ran.append("prefill_decode")
-    if getattr(model, "supports_taps", True):
+    if model.supports_taps:
         chosen = default_taps(model.num_layers) if taps is None else list(taps)
         check_taps(model, prompt, chosen, atol)
         ran.append("taps+layer_index" if _has_layer_list(model) else "taps")
