@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "ConfigBound": "model.config_bounds",
     "ConfigMultiple": "model.config_bounds",
     "check_config": "model.config_bounds",
+    "ConfigFields": "model.config_fields",
+    "config_field": "model.config_fields",
     # drafts
     "DraftModel": "model.draft",
     "DraftSession": "model.draft",
@@ -109,6 +111,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .host.manager import register, registered  # noqa: F401
     from .model.block_draft import BlockDraft, BlockDraftSession  # noqa: F401
     from .model.config_bounds import ConfigBound, ConfigMultiple, check_config  # noqa: F401
+    from .model.config_fields import ConfigFields, config_field  # noqa: F401
     from .model.distribution import Distribution  # noqa: F401
     from .model.draft import DraftModel, DraftProposal, DraftSession  # noqa: F401
     from .model.interface import Model  # noqa: F401
