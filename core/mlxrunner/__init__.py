@@ -2,10 +2,10 @@
 
 This module is the user API (``__all__``): load a model folder, generate, sampler
 options, tokenizer, Modelfile, chat formats by name, ``mlxrunner.errors``. Plugin
-authors import from :mod:`mlxrunner.plugin` (and :mod:`mlxrunner.nn`); those names
-resolve here too, as they always have (``from mlxrunner import KVCache`` keeps
-working). Names resolve lazily so that ``mlxrunner --help`` starts without importing
-MLX.
+authors import from :mod:`mlxrunner.plugin` (and :mod:`mlxrunner.nn`); those names still
+resolve here for plugins written before those modules (``from mlxrunner import KVCache``
+keeps working, with a DeprecationWarning). Names resolve lazily so that ``mlxrunner
+--help`` starts without importing MLX.
 """
 
 from __future__ import annotations
@@ -106,7 +106,16 @@ __all__ = sorted(_USER_API) + ["__version__", "errors"]
 from . import errors  # noqa: E402  (after the MLX settings; plain Python)
 from .lazy import lazy_exports  # noqa: E402
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, listed=__all__)
+#: kernel plumbing a plugin has no use for (mlxrunner.nn's layers choose kernels themselves)
+_INTERNAL = frozenset({"prepare_attend", "check_kernel", "outputs_agree", "switch_allows",
+                       "on_cuda", "project"})
+#: where the plugin names resolved here belong now (the errors stay: users catch them too)
+_MOVED = {name: ("internal; kept for plugins written before mlxrunner.nn" if name in _INTERNAL
+                 else "import it from mlxrunner.nn" if source.startswith(("nn.", "constants"))
+                 else "import it from mlxrunner.plugin")
+          for name, source in _PLUGIN_API.items() if source != "errors"}
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, listed=__all__, moved=_MOVED)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .bundle import Bundle, load  # noqa: F401

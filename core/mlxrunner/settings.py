@@ -11,10 +11,10 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_ATTENTION`` (``kernel``, ``folded`` or ``mlx``): short-block attention on
   CUDA through the fused kernel, folded batched products, or MLX's own function.
 - ``MLXRUNNER_ROW_PRODUCTS`` (``1``/``0``): on CUDA, short products (a few rows) as one-row
-  products (see ``mlxrunner.nn.project``).
+  products (see ``mlxrunner.nn.kernels.project``).
 - ``MLXRUNNER_HOST_PRODUCTS`` (``1``/``0``): on MLX's CPU device off macOS, float32 products
   through numpy's BLAS, quantized weights dequantized once for them, the decode steps that
-  run enough of them eager (see ``mlxrunner.nn.host_products``).
+  run enough of them eager (see ``mlxrunner.nn.kernels.host_products``).
 - ``MLXRUNNER_LOAD_PLUGINS``: the plugins that load (comma-separated distribution or entry
   point names, as ``mlxrunner plugins`` lists them, compared as PEP 503 normalises them;
   empty: none; unset: all; a name no installed plugin has is one warning). The core's

@@ -90,3 +90,68 @@ def test_help_with_every_installed_plugin_imports_no_mlx() -> None:
     assert heavy == []
     assert {"mlxrunner_qwen3_5.plugin", "mlxrunner_gemma4.plugin",
             "mlxrunner_dflash.plugin"} <= set(plugins)  # (they did load)
+
+
+def test_nn_lists_layers_only_and_old_plumbing_names_warn() -> None:
+    """``mlxrunner.nn`` is the layers; its kernel and trace plumbing is the core's own, but
+    a plugin written against the old names still gets them, with a DeprecationWarning."""
+    import warnings
+
+    plumbing = {"check_kernel", "host_bound", "host_declined", "host_products",
+                "kernel_allowed", "on_cuda", "outputs_agree", "project", "serves",
+                "switch_allows", "folded_attention", "prepare_attend"}
+    assert not plumbing & set(mlxrunner.nn.__all__)
+    assert set(dir(mlxrunner.nn)) == set(mlxrunner.nn.__all__)
+    code = ("import warnings, json\n"
+            "import mlxrunner.nn as mnn\n"
+            "from mlxrunner.nn import kernels\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    same = mnn.check_kernel is kernels.check_kernel\n"
+            "print(json.dumps([same, [str(w.message) for w in seen]]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    same, seen = json.loads(out.stdout)
+    assert same and seen == ["mlxrunner.nn.check_kernel: internal to the core; kept for "
+                             "plugins written before"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in mlxrunner.nn.__all__:  # the layers: no warning
+            getattr(mlxrunner.nn, name)
+
+
+def test_plugin_names_at_the_root_say_where_they_belong_now() -> None:
+    code = ("import warnings, json\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    from mlxrunner import KVCache, attend, ModelFolderError, load\n"
+            "    import mlxrunner.plugin, mlxrunner.nn\n"
+            "    same = (KVCache is mlxrunner.plugin.KVCache, attend is mlxrunner.nn.attend)\n"
+            "print(json.dumps([same, sorted(str(w.message) for w in seen)]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    same, seen = json.loads(out.stdout)
+    assert same == [True, True]
+    assert seen == ["mlxrunner.KVCache: import it from mlxrunner.plugin",
+                    "mlxrunner.attend: import it from mlxrunner.nn"]
+
+
+def test_first_party_plugins_import_only_the_plugin_surface() -> None:
+    """Our own plugin packages reach the core through ``mlxrunner.plugin`` and
+    ``mlxrunner.nn`` only (import-linter holds them off the internals; this, off the root
+    user API too)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for folder in ("architectures", "renderers", "plugins"):
+        for path in root.glob(f"{folder}/*/mlxrunner_*/**/*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) and
+                         not node.level else [])
+                found += [f"{path.relative_to(root)}: {n}" for n in names
+                          if n == "mlxrunner" or (n.startswith("mlxrunner.") and
+                                                  n not in ("mlxrunner.plugin", "mlxrunner.nn"))]
+    assert found == []

@@ -20,9 +20,9 @@ the architecture and the first layer whose output differs
 (:attr:`CompiledSteps.fallback` keeps it for :mod:`mlxrunner.testing`), and the eager
 forward's result is used. ``MLXRUNNER_COMPILE=0`` (:mod:`mlxrunner.settings`) runs every
 forward eagerly. A forward whose products run on the host BLAS
-(:func:`mlxrunner.nn.host_products`), which a traced graph cannot call, runs eagerly once its
-first trace met enough of them (:func:`mlxrunner.nn.host_bound`): a decision, so no
-warning.
+(:func:`mlxrunner.nn.kernels.host_products`), which a traced graph cannot call, runs eagerly
+once its first trace met enough of them (:func:`mlxrunner.nn.kernels.host_bound`): a
+decision, so no warning.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ import mlx.core as mx
 from .. import settings
 from ..cache import RowFrame, TraceFrame, framing
 from ..cache.frame import active_frame
-from ..nn import attend, host_bound, host_declined
+from ..nn import attend
 from ..nn.attention import mlx_attention
+from ..nn.kernels import host_bound, host_declined
 
 log = logging.getLogger("mlxrunner.decode")
 

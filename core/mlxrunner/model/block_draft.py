@@ -18,7 +18,7 @@ round's block and each commit through a traced graph (one ``mx.compile`` graph p
 length or committed row count, shared by the draft's sessions: a new generation replays
 them), the stores standing in as :class:`~mlxrunner.cache.context.TracedContext` over
 fixed-size buffers; with ``MLXRUNNER_COMPILE=0`` both run eagerly, and so does a graph whose
-trace met enough products that run on the host BLAS (:func:`mlxrunner.nn.host_products`).
+trace met enough products that run on the host BLAS (:func:`mlxrunner.nn.kernels.host_products`).
 Either way they compute the same thing.
 
 In a batch (:class:`mlxrunner.batch.Scheduler`) the greedy sequences of one draft share a
@@ -37,7 +37,7 @@ import mlx.core as mx
 from .. import settings
 from ..cache.batched import grow_rows
 from ..cache.context import ContextCache, RowContext, TracedContext
-from ..nn import host_bound, host_declined
+from ..nn.kernels import host_bound, host_declined
 from .draft import DraftModel, DraftProposal, DraftSession
 
 
