@@ -135,23 +135,3 @@ def test_plugin_names_at_the_root_say_where_they_belong_now() -> None:
     assert seen == ["mlxrunner.KVCache: import it from mlxrunner.plugin",
                     "mlxrunner.attend: import it from mlxrunner.nn"]
 
-
-def test_first_party_plugins_import_only_the_plugin_surface() -> None:
-    """Our own plugin packages reach the core through ``mlxrunner.plugin`` and
-    ``mlxrunner.nn`` only (import-linter holds them off the internals; this, off the root
-    user API too)."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    found = []
-    for folder in ("architectures", "renderers", "plugins"):
-        for path in root.glob(f"{folder}/*/mlxrunner_*/**/*.py"):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                         [node.module or ""] if isinstance(node, ast.ImportFrom) and
-                         not node.level else [])
-                found += [f"{path.relative_to(root)}: {n}" for n in names
-                          if n == "mlxrunner" or (n.startswith("mlxrunner.") and
-                                                  n not in ("mlxrunner.plugin", "mlxrunner.nn"))]
-    assert found == []
