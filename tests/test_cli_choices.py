@@ -45,7 +45,7 @@ def test_renderer_choice_order(folder: Path, monkeypatch):
 
 def test_run_without_model_or_default_says_what_to_do(tmp_path: Path):
     env = dict(os.environ, MLXRUNNER_LOAD_PLUGINS="")
-    result = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "run", "hello"],
+    result = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "run", "hello there"],
                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert result.returncode != 0
     err = [line for line in result.stderr.splitlines() if line.strip()]
@@ -61,3 +61,26 @@ def test_show_names_the_chosen_renderer(folder: Path, tmp_path: Path):
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["renderer"] == "qwen3.5" and info["parser"] == "qwen3.5"
+
+
+@pytest.mark.parametrize("name,close", [("llama3.2", None), ("qwen3:0.6b", None),
+                                        ("mysmoll", "mysmol"), ("smolm2:135m", "smollm2:135m")])
+def test_an_unknown_model_name_is_one_line_not_a_prompt(tmp_path: Path, name, close):
+    """``run NAME`` (one word, as ``ollama run NAME``) never runs the default model with the
+    name as its prompt: an unknown name is one line naming the closest known names."""
+    store = tmp_path / "store"
+    env = dict(os.environ, MLXRUNNER_MODELS=str(store))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    made = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "cp", str(folder), "mysmol"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert made.returncode == 0, made.stderr
+    result = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "run", name],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    err = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode != 0 and result.stdout == ""
+    assert len(err) == 1 and f"unknown model {name!r}" in err[0], err
+    assert "stored: mysmol" in err[0] and "mlxrunner pull" in err[0]
+    assert (f"did you mean {close}" in err[0]) if close else "did you mean" not in err[0]

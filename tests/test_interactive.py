@@ -237,6 +237,19 @@ def test_save_then_load_restores_the_conversation_and_parameters(bundle, recorde
     assert "Couldn't load:" in "".join(out) and "not a saved conversation" in "".join(out)
 
 
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C as a terminal delivers it: Python's KeyboardInterrupt handler on SIGINT, even
+    where pytest started with SIGINT ignored (a background job, nohup, some CI runners); the
+    handler it found is put back after."""
+    found = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, found)
+
+
 def interrupting_parser(bundle, monkeypatch, times: int):
     """Ctrl-C (SIGINT to this process) pressed ``times`` times in a row once the first reply
     has shown some text."""
@@ -257,7 +270,7 @@ def interrupting_parser(bundle, monkeypatch, times: int):
 
 
 def test_ctrl_c_mid_reply_keeps_what_was_written_and_the_chat_goes_on(bundle, recorder,
-                                                                       monkeypatch):
+                                                                       monkeypatch, ctrl_c):
     interrupting_parser(bundle, monkeypatch, times=1)
     out: list[str] = []
     messages = chat_loop(bundle, GREEDY, max_tokens=200, write=out.append,
@@ -270,7 +283,8 @@ def test_ctrl_c_mid_reply_keeps_what_was_written_and_the_chat_goes_on(bundle, re
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_second_ctrl_c_abandons_the_reply_and_its_message(bundle, recorder, monkeypatch):
+def test_a_second_ctrl_c_abandons_the_reply_and_its_message(bundle, recorder, monkeypatch,
+                                                            ctrl_c):
     interrupting_parser(bundle, monkeypatch, times=2)
     out: list[str] = []
     messages = chat_loop(bundle, GREEDY, max_tokens=200, write=out.append,
@@ -280,7 +294,7 @@ def test_a_second_ctrl_c_abandons_the_reply_and_its_message(bundle, recorder, mo
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_ctrl_c_at_the_prompt_says_how_to_leave(bundle):
+def test_ctrl_c_at_the_prompt_says_how_to_leave(bundle, ctrl_c):
     out: list[str] = []
     messages = chat_loop(bundle, GREEDY, max_tokens=4, write=out.append,
                          read=lines_of(KeyboardInterrupt, "def add(a, b):"))

@@ -31,6 +31,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxrunner
+import mlxrunner.plugin
 from mlxrunner.testing import check_prefill_decode, check_taps_against, run_conformance
 
 mx.set_default_device(mx.cpu)
@@ -137,7 +138,7 @@ def test_fixture_is_small():
 
 
 def test_registered_names_and_sparse_layers(models):
-    registry = mlxrunner.registered("architectures")
+    registry = mlxrunner.plugin.registered("architectures")
     classes = {registry[name].obj for name in MOE_NAMES}
     assert len(classes) == 1
     model = models["per_expert"]
@@ -337,7 +338,7 @@ def test_missing_expert_is_one_clear_error(tmp_path):
 
 
 def test_dense_class_refuses_experts():
-    registry = mlxrunner.registered("architectures")
+    registry = mlxrunner.plugin.registered("architectures")
     config = json.loads((FIXTURE / "config.json").read_text())
     with pytest.raises(mlxrunner.ModelFolderError, match="qwen3_5_moe"):
         registry["qwen3_5"].obj(config)
@@ -425,6 +426,7 @@ def test_mlx_lm_quantized_conversion(bits, tmp_path, ref):
     """mlx-lm's own quantize_model (its predicate: routers and shared-expert gates at 8 bits,
     group 64; the rest at ``bits``, group 32) and save_model/save_config write the folder;
     our model from it computes mlx-lm's logits on those weights, through gather_qmm."""
+    pytest.importorskip("mlx_lm")
     from mlx_lm.utils import quantize_model, save_config, save_model
 
     theirs, config = mlx_lm_model(write_layout("switch_mlp", tmp_path / "switch"))

@@ -242,8 +242,10 @@ def _split_model_and_prompt(args: Sequence[str]) -> tuple[str | None, str | None
     if len(args) >= 2:
         return args[0], " ".join(args[1:])
     only = args[0]
-    looks_like_model = Path(only).expanduser().exists() or "/" in only or \
-        only in plugins.host().registry("models") or store.is_stored(only)
+    # One word is a model name, as with `ollama run NAME` (an unknown one is an error, never
+    # a prompt); a prompt of one argument has a space in it (or is "-": standard input).
+    looks_like_model = Path(only).expanduser().exists() or \
+        (only != "-" and only.strip() != "" and not any(c.isspace() for c in only))
     return (only, None) if looks_like_model else (None, only)
 
 

@@ -41,6 +41,7 @@ BUILTINS_PLUGIN = "mlxrunner.builtins"
 #: the model store's name lookup: the store builds models (it sits above the bundle loader),
 #: yet names resolve below it, so it is reached by name, as the built-ins are
 STORE_LOOKUP = "mlxrunner.store.lookup:find_model"
+STORE_NAMES = "mlxrunner.store.lookup:stored_names"
 #: what a plugin's failure is: every exception but KeyboardInterrupt (and GeneratorExit),
 #: SystemExit included (a plugin calling sys.exit() must not end every command)
 PLUGIN_FAILURES = (Exception, SystemExit)
@@ -382,6 +383,12 @@ def find_model(name: str) -> Any:
     """The folder (a Path) of the store's model ``name``, pulling a registered source on first
     use; None when the store knows no such name (see :mod:`mlxrunner.store`)."""
     return import_object(STORE_LOOKUP)(name)
+
+
+def stored_names() -> list[str]:
+    """The names the store holds (none when it cannot be read)."""
+    names: list[str] = import_object(STORE_NAMES)()
+    return names
 
 
 def iter_registrations(kind: str) -> Iterable[Registration]:

@@ -7,6 +7,7 @@ folder becomes one ModelFolderError line.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -69,9 +70,20 @@ def resolve_model_path(path: str | Path) -> Path:
                                "fetches it from the Hugging Face Hub)")
     if "/" in str(path) or "\\" in str(path) or str(path).startswith("."):
         raise ModelFolderError(f"{p}: model folder not found")
-    names = ", ".join(plugins.names("models")) or "none"
-    raise ModelFolderError(f"{path}: no such model folder or registered model "
-                           f"(registered: {names})")
+    raise ModelFolderError(unknown_model(str(path)))
+
+
+def unknown_model(name: str) -> str:
+    """One line for a name that is no folder, no stored and no registered model: the
+    closest known names, what is known, and how to fetch one."""
+    stored = plugins.stored_names()
+    known = sorted(set(stored) | set(plugins.names("models")))
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    shown = f"{name[:80]!r}" + ("..." if len(name) > 80 else "")
+    return (f"unknown model {shown}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+            + f"; stored: {', '.join(stored) or 'none'}; registered: "
+            + f"{', '.join(plugins.names('models')) or 'none'}; `mlxrunner pull OWNER/NAME` "
+            "fetches a Hugging Face repository")
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

@@ -37,6 +37,14 @@ def source_for(name: str) -> Source:
                      "id (owner/name)")
 
 
+def stored_names(store: Store | None = None) -> list[str]:
+    """The store's model names (none when it cannot be read)."""
+    try:
+        return sorted(e.name for e in (store if store is not None else default_store()).entries())
+    except (StoreError, OSError):
+        return []
+
+
 def find_model(name: str, store: Store | None = None) -> Path | None:
     """The folder of model ``name``: the store's entry, else a registered source's, pulled
     now; None when neither the store nor a registered source knows the name."""
