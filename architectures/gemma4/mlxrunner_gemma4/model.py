@@ -29,7 +29,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner.nn as mnn
-from mlxrunner.plugin import ConfigBound, KVCache, Model, ModelFolderError, RingCache, topk_indices
+from mlxrunner.plugin import (
+    Cache,
+    ConfigBound,
+    KVCache,
+    Model,
+    ModelFolderError,
+    RingCache,
+    topk_indices,
+)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -299,6 +307,7 @@ class DecoderLayer(nn.Module):
             ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(moe)
         h = h + self.post_feedforward_layernorm(ff)
         if self.per_layer:
+            assert per_layer_input is not None  # the model gives one to every layer then
             gate = mnn.gelu_tanh_mul(self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return h * self.layer_scalar, kv
@@ -334,7 +343,8 @@ class TextModel(nn.Module):
         proj = self.per_layer_model_projection(h) * (cfg.hidden_size ** -0.5)
         proj = self.per_layer_projection_norm(proj.reshape(*h.shape[:-1], n, p))
         combined = (proj.reshape(table.shape) + table) * (2 ** -0.5)
-        return mx.split(combined, n, axis=-1)
+        # (mx.split's stub says it returns an array: it returns a list)
+        return mx.split(combined, n, axis=-1)  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------
@@ -457,17 +467,21 @@ class Gemma4Model(Model):
         return name
 
     # -- target interface ------------------------------------------------------
-    def make_cache(self) -> list[KVCache | RingCache | None]:
-        caches: list[KVCache | RingCache | None] = []
+    def make_cache(self) -> list[Cache | None]:
+        caches: list[Cache | None] = []
+        refs: dict[int, weakref.ref[KVCache | RingCache]] = {}
         for i, t in enumerate(self.args.layer_types):
             if self.args.kv_source[i] != i:
                 caches.append(None)
-            elif t == SLIDING:
-                caches.append(RingCache(self.args.sliding_window))
+                continue
+            cache: KVCache | RingCache
+            if t == SLIDING:
+                cache = RingCache(self.args.sliding_window)
             else:
-                caches.append(KVCache())
-        self._made_caches.refs = {i: weakref.ref(c) for i, c in enumerate(caches)
-                                  if c is not None}
+                cache = KVCache()
+            refs[i] = weakref.ref(cache)
+            caches.append(cache)
+        self._made_caches.refs = refs
         return caches
 
     def last_kv_layers(self) -> dict[str, int]:

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner.nn as mnn
 from mlxrunner.plugin import (
+    Cache,
     ConfigBound,
     ConfigMultiple,
     KVCache,
@@ -195,8 +196,11 @@ class DecoderLayer(nn.Module):
                                                             cfg.intermediate_size)
 
     def __call__(self, x: mx.array, cache: KVCache | RecurrentCache | None) -> mx.array:
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = mixer(self.input_layernorm(x), cache, x)
+        # the model's caches match its layers: recurrent for linear attention, KV otherwise
+        if self.is_linear:
+            h = self.linear_attn(self.input_layernorm(x), cast("RecurrentCache | None", cache), x)
+        else:
+            h = self.self_attn(self.input_layernorm(x), cast("KVCache | None", cache), x)
         return self.mlp(self.post_attention_layernorm(h), h)
 
 
@@ -274,7 +278,7 @@ class Qwen3_5(Model):
         return out
 
     # -- running -----------------------------------------------------------
-    def make_cache(self) -> list[KVCache | RecurrentCache]:
+    def make_cache(self) -> list[Cache | None]:
         return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
 
     def __call__(self, ids: mx.array, cache: Sequence[Any] | None = None, *,

@@ -16,9 +16,9 @@ traces the block and the commits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -150,7 +150,8 @@ class DraftAttention(nn.Module):
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        k = self.rope(k.transpose(0, 2, 1, 3), offset=position)
+        # nn.RoPE annotates offset as int; it hands it to mx.fast.rope, which takes an array too
+        k = self.rope(k.transpose(0, 2, 1, 3), offset=position)  # type: ignore[arg-type]
         return k, v.transpose(0, 2, 1, 3)
 
     def context_kv(self, context: mx.array, position: int | mx.array
@@ -162,9 +163,13 @@ class DraftAttention(nn.Module):
                  ) -> mx.array:
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
-        q = self.rope(q.transpose(0, 2, 1, 3), offset=pos)
+        # (nn.RoPE's offset: see _keys_values)
+        q = self.rope(q.transpose(0, 2, 1, 3), offset=pos)  # type: ignore[arg-type]
         k, v = self._keys_values(x, pos)
-        mask = store.block_mask(pos, L, self.causal)
+        if isinstance(store, ContextCache):  # an eager round, at an int position
+            mask = store.block_mask(cast(int, pos), L, self.causal)
+        else:  # a traced round: positions are arrays
+            mask = store.block_mask(cast(mx.array, pos), L, self.causal)
         keys, values = store.with_block(k, v)
         out = mnn.attend(q, keys, values, mask, scale=self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -204,7 +209,7 @@ class DFlashDraftModel(BlockDraft):
     depth chosen per round (``adaptive_depth``)."""
 
     adaptive_depth = True
-    layer_class: type[nn.Module] = DFlashLayer
+    layer_class: type[DFlashLayer] = DFlashLayer
 
     def __init__(self, config: dict[str, Any], target: Model) -> None:
         super().__init__(config, target)
@@ -259,7 +264,7 @@ class DFlashDraftModel(BlockDraft):
         return self.hidden_norm(self.fc(tapped.astype(dtype)))
 
     def block_hidden(self, ids: mx.array, pos: int | mx.array,
-                     stores: list[Store]) -> mx.array:
+                     stores: Sequence[Store]) -> mx.array:
         """Final-normed hidden states of blocks ``ids`` [B, L] at positions ``pos ..``."""
         h = self.embed_tokens(ids)
         if self.args.input_embedding_scale != 1.0:
@@ -281,7 +286,7 @@ class DFlashDraftModel(BlockDraft):
 
     # -- rounds: the block and its proposals --------------------------------------------
     def block_rows(self, anchor: mx.array, pos: int | mx.array, n: int,
-                   stores: list[Store]) -> mx.array:
+                   stores: Sequence[Store]) -> mx.array:
         """Block rows 1..n of the blocks anchored at ``anchor`` [B], final-normed:
         [B, n, hidden]. The full trained block always runs (in-block attention is
         bidirectional); only the first n rows are proposals."""

@@ -41,6 +41,7 @@ def block_convolve(x: mx.array, base: mx.array, dynamic: mx.array, group_size: i
         weight = base[o].astype(x.dtype) + mx.repeat(dynamic[:, :, o, :], group_size, axis=-1)
         term = weight * shifted
         out = term if out is None else out + term
+    assert out is not None  # kernel >= 1 (BlockConv sets tap 0) and L >= 1
     return out
 
 
@@ -193,7 +194,8 @@ def sampled_path(ids: mx.array, first: mx.array, transitions: mx.array, temperat
     """Temperature > 0: each row draws a slot from ``softmax(row / T)`` (``draw(probs [1, K])
     -> [1]``); q is that sparse distribution over the row's candidates."""
     row = first
-    slots, probs = [], []
+    slots: list[mx.array] = []
+    probs: list[mx.array] = []
     for p in range(ids.shape[0]):
         if p > 0:
             row = mx.take(transitions[p - 1], slots[-1], axis=0)

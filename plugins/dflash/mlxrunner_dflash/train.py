@@ -58,10 +58,10 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -393,7 +393,7 @@ def selector_scores(draft: DFlash2DraftModel, hidden: mx.array, logits: mx.array
 class Batch:
     """One step's arrays (MLX), built on the host from a batch of windows."""
 
-    ids: mx.array  # [B, L]
+    ids: mx.array | None  # [B, L]; None in the train step, which never reads it
     block_ids: mx.array  # [B, N * bs]
     q_pos: mx.array  # [B, N * bs]
     mask: mx.array  # [B, 1, N * bs, L + N * bs]
@@ -452,13 +452,13 @@ def make_train_step(draft: DFlashDraftModel, optimizer: optim.Optimizer,
     optimizer state as its implicit inputs and outputs) so a step is a few fused kernels
     replayed, not thousands of small ones rebuilt every step."""
 
-    def loss_fn(model: nn.Module, tapped: mx.array, batch: Batch):
+    def loss_fn(model: DFlashDraftModel, tapped: mx.array, batch: Batch):
         return draft_loss(model, tapped, batch, settings.selector_weight)
 
     value_and_grad = nn.value_and_grad(draft, loss_fn)
 
     def update(tapped: mx.array, *arrays: mx.array) -> tuple[mx.array, ...]:
-        batch = Batch(None, *arrays, tokens=0)  # type: ignore[arg-type]
+        batch = Batch(None, **dict(zip(BATCH_ARRAYS, arrays)), tokens=0)
         (loss, (loss_ce, loss_sel, acc)), grads = value_and_grad(draft, tapped, batch)
         if settings.grad_clip > 0:
             grads, _ = optim.clip_grad_norm(grads, settings.grad_clip)
@@ -595,12 +595,18 @@ def build_draft(settings: TrainSettings, config: dict[str, Any],
     return draft
 
 
+def flat_parameters(module: nn.Module) -> list[tuple[str, mx.array]]:
+    """``tree_flatten(module.parameters())``: its annotation allows the dict it returns only
+    when given one to fill."""
+    return cast("list[tuple[str, mx.array]]", tree_flatten(module.parameters()))
+
+
 def initialise(draft: nn.Module, seed: int) -> None:
     """Fresh weights: matrices ~ N(0, 0.02), codebooks N(0, 0.02), norms 1; the dynamic
     convolutions start as the identity (base tap 0 = 1, projection 0)."""
     rng = np.random.default_rng(seed)
     new = []
-    for name, value in tree_flatten(draft.parameters()):
+    for name, value in flat_parameters(draft):
         shape = tuple(value.shape)
         if name.endswith("norm.weight") or "aux_hidden_norms." in name:
             arr = np.ones(shape)
@@ -619,7 +625,7 @@ def initialise(draft: nn.Module, seed: int) -> None:
 def target_forward(target: mp.Model, ids: mx.array, taps: list[int]
                    ) -> tuple[mx.array, mx.array]:
     """Tapped states and greedy tokens of the frozen target over ``ids`` [B, L]."""
-    logits, tapped = target(ids, taps=taps)
+    logits, tapped = cast("tuple[mx.array, mx.array]", target(ids, taps=taps))
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     return mx.stop_gradient(tapped), greedy
 
@@ -635,11 +641,11 @@ def generate_greedy(target: mp.Model, prompts: np.ndarray, length: int,
     """
     cache = target.make_cache()
     ids = mx.array(prompts, dtype=mx.int32)
-    logits = target(ids, cache)
+    logits = cast(mx.array, target(ids, cache))  # no taps: the logits alone
     token = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
     out = [token]
     for _ in range(length - prompts.shape[1] - 1):
-        logits = target(token[:, None], cache)
+        logits = cast(mx.array, target(token[:, None], cache))
         token = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
         out.append(token)
         mx.eval(token)
@@ -669,7 +675,7 @@ def save_draft(draft: nn.Module, config: dict[str, Any], out: Path, dtype: mx.Dt
     tmp = out / f".draft.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weights = {name: value.astype(dtype) for name, value in tree_flatten(draft.parameters())}
+    weights = {name: value.astype(dtype) for name, value in flat_parameters(draft)}
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     (out / "config.json").unlink(missing_ok=True)
@@ -719,13 +725,19 @@ def recover_checkpoint(folder: Path) -> None:
         os.replace(old, folder)
 
 
+def load_with_metadata(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """A safetensors file's arrays and metadata (what ``mx.load`` gives with
+    ``return_metadata``; its annotation covers every format and mode)."""
+    return cast("tuple[dict[str, mx.array], dict[str, Any]]",
+                mx.load(str(path), return_metadata=True))
+
+
 def load_checkpoint(folder: Path, draft: nn.Module, optimizer: optim.Optimizer
                     ) -> dict[str, Any]:
     try:
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        weights, weights_meta = mx.load(str(folder / "draft.safetensors"), return_metadata=True)
-        opt_state, opt_meta = mx.load(str(folder / "optimizer.safetensors"),
-                                      return_metadata=True)
+        weights, weights_meta = load_with_metadata(folder / "draft.safetensors")
+        opt_state, opt_meta = load_with_metadata(folder / "optimizer.safetensors")
     except (OSError, ValueError) as exc:
         raise TrainDraftError(f"{folder}: cannot resume ({exc})") from None
     steps = {"state.json": str(state.get("step")), "draft.safetensors": weights_meta.get("step"),
@@ -740,7 +752,7 @@ def load_checkpoint(folder: Path, draft: nn.Module, optimizer: optim.Optimizer
     return state
 
 
-def rng_state(rng: np.random.Generator) -> dict[str, Any]:
+def rng_state(rng: np.random.Generator) -> Mapping[str, Any]:
     return rng.bit_generator.state
 
 
@@ -986,9 +998,9 @@ def estimate_acceptance(draft: DFlashDraftModel, target: mp.Model, taps: list[in
                                      mx.array(labels[:, :, 0]))
         real = valid[:, :, 1]  # a real block: its first draft row has a live label
         lengths.append(accepted_lengths(np.array(proposals), labels, valid)[real])
-        ces.append(float(ce.item()))
-        sels.append(float(sel.item()))
-        accs.append(float(acc.item()))
+        ces.append(float(ce))
+        sels.append(float(sel))
+        accs.append(float(acc))
         sizes.append(float(valid.sum()))
     accepted = np.concatenate(lengths)
     if accepted.size == 0:
@@ -1009,6 +1021,7 @@ def measure_speculative(target_path: str, draft_dir: Path, prompts: list[list[in
     options = mp.SamplerOptions(temperature=0.0)
     eos = bundle.tokenizer.eos_ids
     model, draft = bundle.model, bundle.draft
+    assert draft is not None  # loaded with draft=
     full = {"depth": draft.max_depth}
     # warm-up: compile / allocate once so the first timed run is not penalised
     mp.generate(model, prompts[0], options=options, max_tokens=8, draft=draft,
@@ -1095,7 +1108,7 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
     config = make_draft_config(settings, target, taps, mask_token_id, dtype_name)
     mx.random.seed(settings.seed)
     draft = build_draft(settings, config, target)
-    n_params = sum(v.size for _, v in tree_flatten(draft.parameters()))
+    n_params = sum(v.size for _, v in flat_parameters(draft))
 
     progress = Progress(settings.steps, settings.quiet, settings.log)
     data = load_data(settings, tokenizer, eos_id)
@@ -1201,11 +1214,15 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
             total = min(settings.steps, step + max(1, int(left / per_step)))
             progress.total = total
         eta = per_step * (total - step)
-        event = {"event": "step", "step": step, "loss": float(loss.item()),
-                 "loss_ce": float(loss_ce.item()), "loss_selector": float(loss_sel.item()),
-                 "accuracy": float(acc.item()), "lr": float(optimizer.learning_rate.item()),
-                 "tokens_per_second": rate, "target_s": round(t1 - t0, 4),
-                 "host_s": round(t2 - t1, 4), "draft_s": round(t3 - t2, 4)}
+        event: dict[str, Any] = {
+            "event": "step", "step": step, "loss": float(loss.item()),
+            "loss_ce": float(loss_ce.item()), "loss_selector": float(loss_sel.item()),
+            "accuracy": float(acc.item()),
+            # MLX's learning_rate getter is unannotated (it returns an mx.array), so mypy
+            # takes the float given to the setter above
+            "lr": float(optimizer.learning_rate.item()),  # type: ignore[attr-defined]
+            "tokens_per_second": rate, "target_s": round(t1 - t0, 4),
+            "host_s": round(t2 - t1, 4), "draft_s": round(t3 - t2, 4)}
         if step % 5 == 0 or step == 1:
             history.append({k: event[k] for k in ("step", "loss", "loss_ce", "accuracy")})
         progress.record(event)
@@ -1267,6 +1284,7 @@ def train_draft(settings: TrainSettings) -> dict[str, Any]:
                                   "first_step": round(float(sum(phases[0])), 3)}
     # Held-out figures of the draft as saved (its dtype): reload it the way --draft does.
     saved_draft = mp.load(settings.target, draft=str(out), dtype=target_dtype).draft
+    assert saved_draft is not None  # loaded with draft=
     report.update(estimate_acceptance(saved_draft, target, taps, evaluation_set(
         target, data, settings, eos_id), settings, mask_token_id))
     if settings.eval_prompts > 0:
@@ -1329,7 +1347,7 @@ def build_pool(target: mp.Model, stream: np.ndarray, settings: TrainSettings,
     continue a corpus window of ``prompt_len`` tokens."""
     rng = np.random.default_rng(seed)
     prompt_len = settings.prompt_len or max(1, settings.seq_len // 4)
-    rows = []
+    rows: list[np.ndarray] = []
     t0 = time.perf_counter()
     per = max(1, min(settings.self_distill, settings.distill_batch))
     deadline = t0 + seconds if seconds else None
@@ -1418,7 +1436,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         heldout += read_list_file(args.heldout_list)
     if not corpus:
         raise TrainDraftError("give the corpus: --corpus FILES... or --corpus-list FILE")
-    names = {f.name for f in TrainSettings.__dataclass_fields__.values()}  # type: ignore[attr-defined]
+    names = {f.name for f in TrainSettings.__dataclass_fields__.values()}
     values = {k: v for k, v in vars(args).items() if k in names}
     values.update(corpus=corpus, heldout=heldout)
     return TrainSettings(**values)

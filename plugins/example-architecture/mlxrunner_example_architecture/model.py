@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -158,7 +158,8 @@ class ExampleLlama(Model):
         cache = [None] * self.num_layers if cache is None else cache
         h = self.embed_tokens(ids)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            h = tapped.after(i, layer(h, layer_cache))
+            # make_cache gives every layer a KVCache
+            h = tapped.after(i, layer(h, cast("KVCache | None", layer_cache)))
         return tapped.result(self.raw_logits(self.model.norm(h)))
 
     def embed_tokens(self, ids: mx.array) -> mx.array:

@@ -154,6 +154,8 @@ class ThoughtText:
 class Gemma4Parser(ReplyParser):
     """Streams a Gemma 4 reply apart; see the module docstring for the format."""
 
+    thinking_text: ThoughtText  # what new_thinking_text makes
+
     MARKERS = {
         "content": (CHANNEL_OPEN, CHANNEL_CLOSE, CALL_OPEN, RESPONSE_OPEN, *END_MARKERS),
         "channel_name": ("\n", CHANNEL_CLOSE),

@@ -43,7 +43,7 @@ def _strip_one_newline(value: str) -> str:
 
 def _is_string_type(schema: Any) -> bool:
     kind = schema.get("type") if isinstance(schema, Mapping) else None
-    return kind == "string" or (isinstance(kind, list) and kind and
+    return kind == "string" or (isinstance(kind, list) and bool(kind) and
                                 all(k in ("string", "null") for k in kind))
 
 
