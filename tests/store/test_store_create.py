@@ -121,7 +121,7 @@ def test_create_list_show_run_rm_with_a_quantized_target_and_draft(demo_model, s
         "deleted 'tiny:q4'", "deleted 'mine/tiny'"]
     assert default_store().entries() == [] and not any(store_root.iterdir())
     assert main(["show", "tiny:q4"]) == 1
-    assert "tiny:q4: no such model folder or registered model" in capsys.readouterr().err
+    assert "unknown model 'tiny:q4'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["q8", "mxfp4", "nvfp4"])

