@@ -14,66 +14,54 @@ third-party plugin must be.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 import mlxrunner.nn as mnn
-from mlxrunner.plugin import Cache, KVCache, Model, ModelFolderError
+from mlxrunner.plugin import (
+    Cache,
+    ConfigFields,
+    KVCache,
+    Model,
+    ModelFolderError,
+    config_field,
+)
 
 
-@dataclass(frozen=True)
-class ExampleLlamaConfig:
-    """The config.json fields this architecture reads (transformers' Llama names)."""
+class ExampleLlamaConfig(ConfigFields):
+    """The config.json fields this architecture reads (transformers' Llama names), each with
+    its default and bounds: a missing or out-of-bounds value is one clear error."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
+    vocab_size: int = config_field(low=1, high=2**24)
+    hidden_size: int = config_field(low=1, high=2**17)
+    intermediate_size: int = config_field(low=1, high=2**20)
+    num_hidden_layers: int = config_field(low=1, high=1024)
+    num_attention_heads: int = config_field(low=1, high=1024)
+    num_key_value_heads: int | None = config_field(None, low=1, high=1024)  # None: all heads
+    head_dim: int | None = config_field(None, low=1, high=8192)  # None: hidden / heads
+    rms_norm_eps: float = config_field(1e-6, low=0, above_low=True, high=1)
+    tie_word_embeddings: bool = config_field(False)
+    attention_bias: bool = config_field(False)
+    mlp_bias: bool = config_field(False)
+    hidden_act: str = config_field("silu")
 
-    @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> ExampleLlamaConfig:
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
-        missing = [key for key in required if key not in config]
-        if missing:
-            raise ModelFolderError(f"config.json lacks {', '.join(map(repr, missing))} "
-                                   "needed by the example_llama architecture")
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelFolderError(f"example_llama supports hidden_act 'silu' only, got {act!r}")
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        return cls(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)),
-        )
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ExampleLlamaConfig, rope: mnn.RoPE) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
-                                                     cfg.num_key_value_heads, cfg.head_dim)
-        self.scale = cfg.head_dim ** -0.5
+                                                     cfg.kv_heads, cfg.head_size)
+        self.scale = cfg.head_size ** -0.5
         hidden, bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = mnn.Linear(hidden, self.heads * self.head_dim, bias=bias)
         self.k_proj = mnn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
@@ -125,9 +113,12 @@ class ExampleLlama(Model):
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        self.cfg = ExampleLlamaConfig.from_dict(config)
+        self.cfg = ExampleLlamaConfig.from_config(config)
+        if self.cfg.hidden_act != "silu":
+            raise ModelFolderError(f"example_llama supports hidden_act 'silu' only, got "
+                                   f"{self.cfg.hidden_act!r:.40}")
         try:
-            rope = mnn.RoPE.from_config(self.cfg.head_dim, config)
+            rope = mnn.RoPE.from_config(self.cfg.head_size, config)
         except mnn.RopeConfigError as exc:
             raise ModelFolderError(f"example_llama: {exc}") from None
         self.model = Backbone(self.cfg, rope)
