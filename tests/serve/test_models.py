@@ -87,3 +87,34 @@ def test_max_loaded_0_serves_the_one_model(demo_service: Any) -> None:
         assert reply.status_code == 404
     finally:
         listener.stop()
+
+
+def test_stored_models_are_offered_and_answer(demo_service: Any, demo_bundle: Any,
+                                              tmp_path: Path, monkeypatch: Any) -> None:
+    """What `mlxrunner list` shows (here a `cp` of a folder into the store) is listed on
+    /api/tags and /v1/models and answers under its store name."""
+    from mlxrunner import store
+    from mlxrunner.cli import main
+    from mlxrunner.serve import Listener, Models, bind, create_app
+
+    monkeypatch.setenv("MLXRUNNER_MODELS", str(tmp_path / "store"))
+    store.forget_root()
+    try:
+        assert main(["cp", str(demo_bundle.path), "mine:copy"]) == 0
+        models = Models(demo_service, max_loaded=1)
+        listener = Listener(create_app(demo_service, models=models),
+                            bind("127.0.0.1", 0)).start()
+        try:
+            url = listener.url
+            tags = [m["model"] for m in httpx.get(url + "/api/tags").json()["models"]]
+            listed = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+            assert "mine:copy" in tags and "mine:copy" in listed
+            reply = httpx.post(url + "/api/chat", timeout=120, json={
+                "model": "mine:copy", "messages": [{"role": "user", "content": "class A"}],
+                "stream": False, "options": {"num_predict": 3, "temperature": 0}})
+            assert reply.status_code == 200 and reply.json()["model"] == "mine:copy"
+        finally:
+            listener.stop()
+            models.unload("mine:copy")
+    finally:
+        store.forget_root()

@@ -572,8 +572,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     # Defaults (None here) are the server's own: importing it would slow every --help.
-    p.add_argument("model", nargs="?", help="model folder or registered name (default: the "
-                                            "embedded demo)")
+    p.add_argument("model", nargs="?", help="model folder, store name or registered name "
+                                            "(default: the default model, as `run`); every "
+                                            "stored and registered model answers too")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=port, default=8080, help="port (0: any free one)")

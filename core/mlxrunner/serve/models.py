@@ -67,11 +67,13 @@ class Models:
 
     # -- names -------------------------------------------------------------------------
     def _sources(self) -> dict[str, str]:
-        """Loadable names and what loads each (a registered name or a folder); none when
-        ``max_loaded`` is 0 (the server serves its one model)."""
+        """Loadable names and what loads each (a registered or stored name, or a folder);
+        none when ``max_loaded`` is 0 (the server serves its one model)."""
         if self.max_loaded < 1:
             return {}
         sources = {name: name for name in plugins.host().registry("models")}
+        # the store's entries (what `mlxrunner list` shows: pulled, created, copied)
+        sources.update((name, name) for name in plugins.stored_names())
         if self.models_dir is not None and self.models_dir.is_dir():
             for folder in sorted(self.models_dir.iterdir()):
                 if (folder / "config.json").is_file():
