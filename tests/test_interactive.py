@@ -294,6 +294,13 @@ def test_a_second_ctrl_c_abandons_the_reply_and_its_message(bundle, recorder, mo
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_reply_cut_at_the_cap_says_so(bundle):
+    out: list[str] = []
+    chat_loop(bundle, GREEDY, max_tokens=4, write=out.append, read=lines_of("def add(a, b):"))
+    text = "".join(out)
+    assert "(the reply reached the 4-token cap; /set parameter num_predict N)\n" in text
+
+
 def test_ctrl_c_at_the_prompt_says_how_to_leave(bundle, ctrl_c):
     out: list[str] = []
     messages = chat_loop(bundle, GREEDY, max_tokens=4, write=out.append,
@@ -386,6 +393,8 @@ def test_verbose_statistics_say_what_the_figures_mean(bundle):
                               "--json").stdout)
     assert run.stdout == out["text"] + "\n"  # the prompt is shown only at a terminal
     err = run.stderr.splitlines()
+    assert err[0] == "(the reply reached the 24-token cap; --max-tokens or -n raises it)"
+    err = err[1:]
     assert err[0].startswith("prompt: ") and err[1].startswith("reply: 24 tokens at ")
     assert any(line.startswith("  tau: tokens kept per round") for line in err)
     assert any(line.startswith("  round: ") for line in err)

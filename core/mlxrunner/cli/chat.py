@@ -509,4 +509,7 @@ def stream_reply(bundle: Any, prompt: str, options: Any, max_tokens: int,
     if color and in_thinking:
         write(RESET)
     write("\n")
+    if result.finish_reason == "length" and not interrupt.requested:
+        notice = f"(the reply reached the {max_tokens}-token cap; /set parameter num_predict N)"
+        write(f"{DIM}{notice}{RESET}\n" if color else notice + "\n")
     return Reply(reply, result.stats.as_dict(), interrupt.requested)

@@ -160,8 +160,8 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="model folder, Modelfile or registered name (default: the model "
                         "registered as 'default'), then the prompt ('-' reads stdin; none: "
                         "a conversation at a terminal, else the piped input)")
-    p.add_argument("--max-tokens", type=count(1), default=None,
-                   help="tokens to generate (256)")
+    p.add_argument("--max-tokens", "-n", "--num-predict", dest="max_tokens", type=count(1),
+                   default=None, help="tokens to generate (256)")
     from ..decode.options import OPTION_HELP
 
     for name, kind in _sampler_flags().items():
@@ -247,6 +247,11 @@ def _split_model_and_prompt(args: Sequence[str]) -> tuple[str | None, str | None
     looks_like_model = Path(only).expanduser().exists() or \
         (only != "-" and only.strip() != "" and not any(c.isspace() for c in only))
     return (only, None) if looks_like_model else (None, only)
+
+
+def cap_notice(max_tokens: int) -> str:
+    """What a reply cut at the token cap says after its text."""
+    return f"(the reply reached the {max_tokens}-token cap; --max-tokens or -n raises it)"
 
 
 def _sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -376,6 +381,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if stream:  # --json decodes the whole reply once, at the end
         text.finish()
         write("\n")
+        if result.finish_reason == "length":
+            print(cap_notice(max_tokens), file=sys.stderr, flush=True)
     stats = {"run": result.stats.as_dict()}
     if args.compare and bundle.draft is not None:
         plain = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
