@@ -302,6 +302,9 @@ def test_logprobs_under_a_grammar_are_the_constrained_distribution(demo) -> None
     ({"type": "object", "properties": {"a": {"type": "strin"}}}, "format: the JSON Schema"),
     ({"type": "string", "pattern": "(unclosed"}, "format: the JSON Schema"),
     ({"enum": ["x" * 70_000]}, "at most 65536 are taken"),
+    # validates, but admits no text: refused when compiled, not at a batch's first step
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     "format: the JSON Schema is not supported"),
 ])
 def test_bad_formats_are_one_clear_line(demo, value, message) -> None:
     with pytest.raises(GrammarError) as caught:

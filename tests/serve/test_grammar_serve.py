@@ -127,6 +127,45 @@ def test_bad_formats_are_400s_in_the_other_apis(client: Any, ollama_client: Any,
     assert yaml.status_code == 400 and "format must be 'json'" in yaml.json()["error"]
 
 
+def test_a_schema_that_admits_nothing_is_a_400_and_the_batch_goes_on(served: Any) -> None:
+    """Four streams decode together while a request with a self-referring schema arrives:
+    it gets a 400 when its schema is compiled, before it joins the batch, and the four
+    finish with what each gives alone."""
+    import threading
+
+    prompts = [f"def f{i}(x):" for i in range(4)]
+
+    def body(prompt: str) -> dict[str, Any]:
+        return {"model": "demo", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 24, "temperature": 0}
+
+    alone = [httpx.post(served.url + "/v1/chat/completions", json=body(p), timeout=120)
+             .json()["choices"][0]["message"]["content"] for p in prompts]
+    together: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        text = []
+        with httpx.stream("POST", served.url + "/v1/chat/completions",
+                          json={**body(prompts[i]), "stream": True}, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    text.append(delta.get("content") or "")
+        together[i] = "".join(text)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    bad = httpx.post(served.url + "/v1/chat/completions", timeout=120, json={
+        **body("x"), "response_format": {"type": "json_schema", "json_schema": {
+            "name": "loop", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}},
+                                       "$ref": "#/$defs/a"}}}})
+    for t in threads:
+        t.join(300)
+    assert bad.status_code == 400 and "not supported" in bad.json()["error"]["message"]
+    assert [together.get(i) for i in range(4)] == alone
+
+
 def test_the_engine_builds_the_models_token_table_before_any_format_is_asked(served: Any):
     """The engine builds structured output's token table when it starts: the first request
     with a format then finds it (the same table its grammar is compiled over)."""

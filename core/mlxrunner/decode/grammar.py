@@ -166,6 +166,16 @@ class Grammar:
         if self._start.is_error():
             raise GrammarError(f"the JSON Schema is not supported: "
                                f"{_first_line(self._start.get_error())}")
+        # the first position's tokens, on a copy: a grammar that validates may still admit
+        # no text at all (a schema that only refers to itself), which would otherwise fail
+        # at a generation's first step, inside a batch of other requests
+        try:
+            first = Constraint(self._start.deep_copy(), vocab).words()
+        except RuntimeError as err:
+            raise GrammarError(f"the JSON Schema is not supported: {_first_line(err)}"
+                               ) from None
+        if not first.any():
+            raise GrammarError("the JSON Schema admits no value")
 
     def constraint(self) -> Constraint:
         """A fresh per-sequence constraint at the grammar's start."""
