@@ -86,7 +86,7 @@ def test_create_list_show_run_rm_with_a_quantized_target_and_draft(demo_model, s
     assert "FROM ." in (entry / "Modelfile").read_text()
 
     shown = json.loads(run_cli(capsys, "show", "tiny:q4", "--json"))
-    assert shown["model"] == str(entry)
+    assert shown["model"] == "tiny:q4" and shown["folder"] == str(entry)
     assert shown["target_stored_precision"] == "4-bit affine"
     assert shown["draft_stored_precision"] == "8-bit affine"
     assert shown["draft"] == str(entry / "draft")
@@ -111,7 +111,7 @@ def test_create_list_show_run_rm_with_a_quantized_target_and_draft(demo_model, s
 
     ran = json.loads(run_cli(capsys, "run", "tiny:q4", PROMPT, "--max-tokens", "40",
                              "--json", "--temperature", "0"))
-    assert ran["model"] == str(entry) and ran["tokens"] == want
+    assert ran["model"] == "tiny:q4" and ran["tokens"] == want
     assert ran["statistics"]["run"]["mode"] == "speculative"
 
     assert run_cli(capsys, "cp", "tiny:q4", "mine/tiny").strip() == \
@@ -204,4 +204,4 @@ def test_rm_cp_and_run_by_name(demo_model, store_root, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("def add(a, b):"))
     capsys.readouterr()
     ran = json.loads(run_cli(capsys, "run", "demo-copy", "--max-tokens", "4", "--json"))
-    assert ran["model"] == str(entry.path) and ran["prompt_tokens"] > 0
+    assert ran["model"] == "demo-copy" and ran["prompt_tokens"] > 0

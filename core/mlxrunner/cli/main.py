@@ -92,7 +92,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     model = bundle.model
     arch = (bundle.config.get("architectures") or [bundle.config.get("model_type")])[0]
     info: dict[str, Any] = {
-        "model": str(bundle.path),
+        "model": model_label(args.model, bundle),
         "architecture": arch,
         "parameters": parameter_count(model),
         "layers": model.num_layers,
@@ -113,11 +113,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         "taps": bool(getattr(model, "supports_taps", False)),
         "defaults": {k: v for k, v in vars(bundle.defaults).items() if v is not None},
     }
+    if not Path(args.model).expanduser().exists():
+        info["folder"] = str(bundle.path)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    for key in ("model", "architecture", "parameters", "layers", "vocab_size",
+    for key in ("model", "folder", "architecture", "parameters", "layers", "vocab_size",
                 "target_precision", "draft", "draft_precision", "renderer", "parser", "taps"):
+        if key not in info:
+            continue
         value = info[key]
         if key == "parameters":
             value = _human_count(value)
@@ -247,6 +251,13 @@ def _split_model_and_prompt(args: Sequence[str]) -> tuple[str | None, str | None
     looks_like_model = Path(only).expanduser().exists() or \
         (only != "-" and only.strip() != "" and not any(c.isspace() for c in only))
     return (only, None) if looks_like_model else (None, only)
+
+
+def model_label(given: str, bundle: Any) -> str:
+    """How output names the model: what the user gave, a store or registered name as it is
+    (not the store's folder), a folder or GGUF file as its path."""
+    path = Path(given).expanduser()
+    return str(path.resolve()) if path.exists() else given
 
 
 def cap_notice(max_tokens: int) -> str:
@@ -399,7 +410,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         shown = result.tokens[:-1] if result.tokens and result.tokens[-1] in stop_ids \
             else result.tokens
         reply = text.finish() if text.stopped else tok.decode(shown)
-        out: dict[str, Any] = {"model": str(bundle.path), "prompt_tokens": len(prompt_ids),
+        out: dict[str, Any] = {"model": model_label(model_arg, bundle),
+                               "prompt_tokens": len(prompt_ids),
                                "tokens": result.tokens, "text": reply,
                                "finish_reason": result.finish_reason, "statistics": stats}
         if bundle.parser is not None:
