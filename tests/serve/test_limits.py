@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import mlxrunner
+import mlxrunner.plugin
 from mlxrunner import host as plugins
 
 httpx = pytest.importorskip("httpx")
@@ -183,9 +184,9 @@ def failing_plugin() -> Any:
     previous = plugins.host()
     test_host = plugins.reset()
     test_host.add_plugin(types.SimpleNamespace(
-        register_renderers=mlxrunner.hookimpl(
+        register_renderers=mlxrunner.plugin.hookimpl(
             lambda register: register("failing", lambda context: _FailingRenderer())),
-        register_parsers=mlxrunner.hookimpl(
+        register_parsers=mlxrunner.plugin.hookimpl(
             lambda register: register("failing", lambda context: _FailingParser()))),
         "failing-plugin", "mlxrunner-failing")
     yield
@@ -353,3 +354,35 @@ def test_a_template_that_raises_is_the_requests_400(serve_with: Any, demo_bundle
     assert reply.status_code == 400
     assert "system messages are not supported" in reply.json()["error"]["message"]
     assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {**CHAT, "max_tokens": True}),
+    ("/v1/chat/completions", {**CHAT, "top_k": 10 ** 12}),
+    ("/v1/chat/completions", {**CHAT, "repeat_last_n": 10 ** 12}),
+    ("/v1/chat/completions", {**CHAT, "seed": 2 ** 70}),
+    ("/v1/chat/completions", {**CHAT, "stop": ["x"] * 10_000}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}),
+    ("/api/generate", {"prompt": "x", "options": {"seed": 2 ** 70}}),
+    ("/api/generate", {"prompt": "x", "options": {"top_k": 10 ** 12}}),
+    ("/api/generate", {"prompt": "x", "options": {"num_predict": True}}),
+    ("/api/chat", {"messages": [{"role": "user", "content": "x"}],
+                   "options": {"stop": ["x"] * 10_000}}),
+    ("/v1/messages", {"max_tokens": True, "messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/responses", {"input": "x", "max_output_tokens": True}),
+])
+def test_values_no_model_can_use_are_400s(served: Any, path: str, body: dict) -> None:
+    """JSON true is not a count; seeds, top_k, repeat windows and stop lists have bounds
+    (each well above what a model can use): a 400, not a 200 or a 500."""
+    reply = httpx.post(served.url + path, json={"model": "demo", **body}, timeout=60)
+    assert reply.status_code == 400, (reply.status_code, reply.text[:300])
+
+
+def test_completions_default_to_openais_16_tokens(served: Any) -> None:
+    reply = httpx.post(served.url + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": "def f(x):", "temperature": 0})
+    assert reply.status_code == 200
+    usage = reply.json()["usage"]
+    assert usage["completion_tokens"] <= 16
+    assert usage["completion_tokens"] == 16 or reply.json()["choices"][0]["finish_reason"] == \
+        "stop"

@@ -15,7 +15,19 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..chat.formats import ParsedMessage
 from .chat import ChatTurn, call_id, chat_prompt
-from .common import Streamed, complete, dumps, no_reply, service_for, streamed
+from .common import (
+    STOP_STRINGS,
+    Count,
+    Seed,
+    StopString,
+    Streamed,
+    TopK,
+    complete,
+    dumps,
+    no_reply,
+    service_for,
+    streamed,
+)
 from .engine import Reply, RequestError, Service
 
 router = APIRouter()
@@ -40,13 +52,13 @@ class CountTokensRequest(BaseModel):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: Annotated[int, Field(ge=1)]
+    max_tokens: Count
     stream: StrictBool = False
-    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
+    stop_sequences: Annotated[list[StopString], Field(max_length=STOP_STRINGS)] | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    seed: int | None = Field(default=None, description="mlxrunner: reproducible sampling")
+    top_k: TopK | None = None
+    seed: Seed | None = Field(default=None, description="mlxrunner: reproducible sampling")
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
 

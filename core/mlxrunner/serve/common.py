@@ -5,15 +5,30 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import Field, StrictInt, StringConstraints
 
 from ..errors import MLXRunnerError, PluginFailedError
 from .engine import Generation, Reply, Service
 from .errors import GENERIC_500
 from .models import Models
+
+# Request values every API shares: strict integers (JSON true is not 1) and bounds far above
+# what any model can use, far below where anything overflows or allocates.
+#: a token count
+Count = Annotated[StrictInt, Field(ge=1, le=1 << 31)]
+#: a sampler seed (64 bits)
+Seed = Annotated[StrictInt, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
+#: top_k (0: off), at most a vocabulary's size
+TopK = Annotated[StrictInt, Field(ge=0, le=1 << 24)]
+#: repeat_last_n (-1: all, 0: off)
+RecentTokens = Annotated[StrictInt, Field(ge=-1, le=1 << 31)]
+#: the stop strings of one request
+STOP_STRINGS = 64
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 
 log = logging.getLogger("mlxrunner.serve")
 #: answered to a client that has gone (only the access log sees it)

@@ -16,13 +16,26 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ..bundle import parameter_count
 from ..chat.formats import ParsedMessage
 from ..decode.grammar import Format, GrammarError
 from .chat import ChatTurn, chat_prompt, raw_prompt
-from .common import Streamed, complete, dumps, models_of, no_reply, service_for, streamed
+from .common import (
+    STOP_STRINGS,
+    RecentTokens,
+    Seed,
+    StopString,
+    Streamed,
+    TopK,
+    complete,
+    dumps,
+    models_of,
+    no_reply,
+    service_for,
+    streamed,
+)
 from .engine import Reply, RequestError, Service
 
 router = APIRouter()
@@ -44,17 +57,18 @@ class Options(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_predict: int | None = Field(default=None, description="-1: until the context ends")
+    num_predict: Annotated[StrictInt, Field(ge=-2, le=1 << 31)] | None = Field(
+        default=None, description="-1: until the context ends")
     temperature: Annotated[float, Field(ge=0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: TopK | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     repeat_penalty: Annotated[float, Field(gt=0)] | None = None
-    repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
+    repeat_last_n: RecentTokens | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    stop: list[str] | None = None
+    stop: Annotated[list[StopString], Field(max_length=STOP_STRINGS)] | None = None
     num_keep: int | None = None
     typical_p: float | None = None
     tfs_z: float | None = None

@@ -15,7 +15,21 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from ..chat.formats import ParsedMessage
 from ..decode.grammar import Format, GrammarError
 from .chat import ChatTurn, arguments_json, call_id, chat_prompt, raw_prompt
-from .common import Streamed, complete, dumps, models_of, no_reply, service_for, streamed
+from .common import (
+    STOP_STRINGS,
+    Count,
+    RecentTokens,
+    Seed,
+    StopString,
+    Streamed,
+    TopK,
+    complete,
+    dumps,
+    models_of,
+    no_reply,
+    service_for,
+    streamed,
+)
 from .engine import Reply, RequestError, Service
 
 router = APIRouter()
@@ -31,16 +45,16 @@ class SamplerFields(BaseModel):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Probability | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: TopK | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repeat_penalty: Annotated[float, Field(gt=0)] | None = None
-    repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
+    repeat_last_n: RecentTokens | None = None
+    max_tokens: Count | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=STOP_STRINGS)] | None = None
+    n: Count | None = None
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
@@ -291,7 +305,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     wants_logprobs = body.logprobs is not None and body.logprobs is not False
     ids = await raw_prompt(service, prompts[0])
     sampler = {**body.sampler(), "logprobs": wants_logprobs or None, "top_logprobs": top}
-    generation = service.generation(ids, sampler, max_tokens=body.max_tokens,
+    # OpenAI's documented default for completions is 16 tokens
+    generation = service.generation(ids, sampler, max_tokens=body.max_tokens or 16,
                                     stops=body.stops())
     head = _envelope(service, "text_completion", f"cmpl-{uuid.uuid4().hex}")
     if body.stream:

@@ -15,7 +15,17 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..chat.formats import ParsedMessage
 from .chat import ChatTurn, arguments_json, call_id, chat_prompt
-from .common import Streamed, complete, dumps, no_reply, service_for, streamed
+from .common import (
+    Count,
+    Seed,
+    Streamed,
+    TopK,
+    complete,
+    dumps,
+    no_reply,
+    service_for,
+    streamed,
+)
 from .engine import Reply, RequestError, Service
 from .openai_api import output_format, think_of, tools_for
 
@@ -30,12 +40,12 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: TopK | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    seed: int | None = Field(default=None, description="mlxrunner: reproducible sampling")
+    seed: Seed | None = Field(default=None, description="mlxrunner: reproducible sampling")
     stream: StrictBool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
