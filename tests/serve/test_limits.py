@@ -108,6 +108,11 @@ def test_foreign_hosts_and_origins_are_refused(served: Any) -> None:
     local = httpx.get(url, headers={"Origin": "http://localhost:3000"})
     assert local.status_code == 200
     assert local.headers["access-control-allow-origin"] == "http://localhost:3000"
+    # a page served on IPv6's loopback (its brackets are an address, not a glob's set)
+    for origin in ("http://[::1]:8080", "https://[::1]"):
+        assert httpx.get(url, headers={"Origin": origin}).status_code == 200, origin
+    for origin in ("http://:", "http://1:8080"):  # what the glob's set [::1] matched
+        assert httpx.get(url, headers={"Origin": origin}).status_code == 403, origin
     preflight = httpx.options(url, headers={"Origin": "http://127.0.0.1:5173",
                                             "Access-Control-Request-Method": "POST"})
     assert preflight.status_code == 204 and "POST" in \

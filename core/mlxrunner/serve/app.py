@@ -8,9 +8,9 @@ the routes' and an unexpected exception's, is JSON in the API's own shape.
 
 from __future__ import annotations
 
-import fnmatch
 import hmac
 import logging
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -58,7 +58,14 @@ class ServeConfig:
 
     def origin_allowed(self, origin: str) -> bool:
         patterns = (*DEFAULT_ORIGINS, *self.origins)
-        return any(fnmatch.fnmatchcase(origin.lower(), p.lower()) for p in patterns)
+        return any(origin_matches(origin, p) for p in patterns)
+
+
+def origin_matches(origin: str, pattern: str) -> bool:
+    """Whether ``origin`` fits ``pattern``, where ``*`` stands for any text and every other
+    character for itself (as Ollama's origins: ``[::1]`` is an address, not a glob's set)."""
+    parts = [re.escape(part) for part in pattern.lower().split("*")]
+    return re.fullmatch(".*".join(parts), origin.lower()) is not None
 
 
 def _host_name(value: str) -> str:
