@@ -1,6 +1,6 @@
 """Matrix products on MLX's CPU device: MLX's own (its Linux wheel links the reference BLAS;
 quantized weights through its own loops) against the host BLAS route
-(``mlxrunner.nn.host_products``: numpy's OpenBLAS, quantized weights dequantized once), and
+(``mlxrunner.nn.kernels.host_products``: numpy's OpenBLAS, quantized weights dequantized once), and
 what that makes of decoding.
 
 Sections (each a row of the JSON and a printed table):

@@ -1,6 +1,6 @@
 """A Qwen3 decoder written as a plugin author writes one from ``docs/plugins.md``: layers from
 ``mlxrunner.nn`` (packed projections, norms, RoPE, the MLP), and attention through
-``cache.update_and_fetch`` and ``mlxrunner.attend`` with its own ``"causal"`` / None mask.
+``cache.update_and_fetch`` and ``mlxrunner.nn.attend`` with its own ``"causal"`` / None mask.
 What the core's compiled step makes of that style (``bench/qwen3.py``); checkpoint names as
 Hugging Face's Qwen3 (and mlx-lm's), so one set of weights serves both.
 """
@@ -13,7 +13,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-import mlxrunner
 import mlxrunner.nn as mnn
 from mlxrunner.plugin import Cache, KVCache, Model
 
@@ -41,8 +40,8 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset), self.rope(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mlxrunner.attend(q, k, v, "causal" if L > 1 else None,
-                               scale=self.head_dim ** -0.5)
+        out = mnn.attend(q, k, v, "causal" if L > 1 else None,
+                         scale=self.head_dim ** -0.5)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
 
 

@@ -96,8 +96,9 @@ def expected_tokens(acceptance: float, depth: int) -> float:
 def component_costs(model: Any, head: Any, prompt: list[int], depth: int, repeats: int
                     ) -> tuple[float, float]:
     """(proposal seconds, verify forward seconds) of one round at ``depth`` (medians)."""
-    from mlxrunner import Sampler, SamplerOptions
+    from mlxrunner import SamplerOptions
     from mlxrunner.decode import forward, prefill
+    from mlxrunner.plugin import Sampler
 
     sampler = Sampler(SamplerOptions(temperature=0), model.vocab_size)
     caches = model.make_cache()

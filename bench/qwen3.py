@@ -1,5 +1,5 @@
 """Qwen3-0.6B-shape decode and prefill: a Qwen3 written as the plugin docs teach
-(``docs_qwen3.py``: ``mlxrunner.nn`` layers, ``mlxrunner.attend`` with its own masks) through
+(``docs_qwen3.py``: ``mlxrunner.nn`` layers, ``mlxrunner.nn.attend`` with its own masks) through
 the core, against mlx-lm's qwen3 on the same random weights, side by side in one process.
 
 Ratios are the median of per-repeat ratios (the rows take turns in each repeat) with their

@@ -157,7 +157,7 @@ def profile(ours: Qwen3_5, reference: Any, context: int, reps: int) -> dict[str,
     """Per-component time of one decode step (and of a prefill over ``context`` tokens):
     a DeltaNet layer, a full-attention layer reading ``context`` cached tokens, the
     output head. Tells where a whole-model difference comes from."""
-    from mlxrunner import KVCache
+    from mlxrunner.plugin import KVCache
 
     dtype = ours.dtype
     hidden = ours.hidden_size

@@ -23,7 +23,7 @@ from pathlib import Path
 import harness
 import mlx.core as mx
 
-from mlxrunner.nn import project
+from mlxrunner.nn.kernels import project
 
 #: (name, in, out) of the 0.8B's products (hidden 1024)
 SHAPES = [("deltanet in (qkv|z|b|a)", 1024, 8224), ("deltanet out", 2048, 1024),

@@ -2,7 +2,7 @@
 for each head dim, query count and mask kind, the operations of the call's graph (one
 ScaledDotProductAttention node when a fused kernel serves it, else the fallback's
 operations), whether ``force_fused=True`` is accepted, and the time per call of 100 calls
-submitted at once. When a new MLX serves these shapes, ``mlxrunner.attend`` may hand them
+submitted at once. When a new MLX serves these shapes, ``mlxrunner.nn.attend`` may hand them
 back to it.
 
     python bench/sdpa_paths.py

@@ -138,8 +138,9 @@ def plain_seconds_per_token(model, prompt: list[int], tokens: int) -> float:
 def component_costs(model, draft, prompt: list[int], depth: int, repeats: int
                     ) -> tuple[float, float]:
     """(draft proposal seconds, verify forward seconds) for one round at ``depth``."""
-    from mlxrunner import Sampler, SamplerOptions
+    from mlxrunner import SamplerOptions
     from mlxrunner.decode import prefill
+    from mlxrunner.plugin import Sampler
 
     sampler = Sampler(SamplerOptions(temperature=0), model.vocab_size)
     caches = model.make_cache()
@@ -177,8 +178,9 @@ def round_seconds(model, draft, prompt: list[int], depth: int, rounds: int) -> f
     """Mean round time of the real loop at a fixed depth (greedy), after a few rounds of
     another generation over the same prompt (the first rounds at a depth trace its verify
     forward, which a generation does once; counted in, they dominate a short run)."""
-    from mlxrunner import Sampler, SamplerOptions
+    from mlxrunner import SamplerOptions
     from mlxrunner.decode import SpeculativeStats, speculative_stream
+    from mlxrunner.plugin import Sampler
 
     def run(count: int) -> float:
         stats = SpeculativeStats()

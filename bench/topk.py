@@ -25,8 +25,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlxrunner import Sampler, SamplerOptions, topk_indices
+from mlxrunner import SamplerOptions
 from mlxrunner.decode.topk import _topk_gpu, kernel_status
+from mlxrunner.plugin import Sampler, topk_indices
 
 
 def argpartition_then_sort(x: mx.array, k: int) -> mx.array:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxrunner import KVCache, Model, RingCache
+from mlxrunner.plugin import KVCache, Model, RingCache
 
 
 class PlainAttention(nn.Module):

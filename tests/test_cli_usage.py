@@ -47,7 +47,8 @@ def test_version_names_the_installed_distribution(tmp_path):
 
 @pytest.mark.parametrize("args, expected", [
     (["--bogus"], "mlxrunner: error: unrecognized arguments: --bogus"),
-    (["run", "--max-tokens", "0"], "mlxrunner: error: run: argument --max-tokens/-n/--num-predict: '0' is not"),
+    (["run", "--max-tokens", "0"],
+     "mlxrunner: error: run: argument --max-tokens/-n/--num-predict: '0' is not"),
 ])
 def test_a_usage_error_is_one_line_with_one_prefix(tmp_path, args, expected):
     result = cli(*args, cwd=tmp_path)

@@ -1,4 +1,4 @@
-"""mlxrunner.attend's CUDA paths inside the architectures' traced forwards and a draft's
+"""mlxrunner.nn.attend's CUDA paths inside the architectures' traced forwards and a draft's
 traced block, run here on the CPU by declaring the default device CUDA-like for attention
 only, against the eager forwards with MLX's function: the folded form, and the fused
 kernel's dispatch (checked before tracing, then launched; MLX's operations stand in for

@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlxrunner
-from mlxrunner import ConversationError, RenderContext
+from mlxrunner import ConversationError
 from mlxrunner.chat import JinjaRenderer
+from mlxrunner.plugin import RenderContext
 
 pytest.importorskip("mlxrunner_renderer_qwen3_5", reason="mlxrunner-renderer-qwen3-5 not installed")
 pytest.importorskip("mlxrunner_renderer_gemma4", reason="mlxrunner-renderer-gemma4 not installed")

@@ -12,8 +12,8 @@ import pytest
 import mlxrunner
 import mlxrunner.nn
 import mlxrunner.plugin
-from mlxrunner import RenderContext
 from mlxrunner.chat import load_conversation_file
+from mlxrunner.plugin import ParsedMessage, RenderContext
 
 pytest.importorskip("mlxrunner_renderer_qwen3_5", reason="mlxrunner-renderer-qwen3-5 not installed")
 pytest.importorskip("mlxrunner_renderer_gemma4", reason="mlxrunner-renderer-gemma4 not installed")
@@ -45,17 +45,17 @@ def test_entry_points_register_every_name():
 def test_every_renderer_builds_with_and_without_a_context(name):
     for context in (None, RenderContext(model_name="x", num_parameters=10**9)):
         renderer = mlxrunner.get_renderer(name, context)
-        assert isinstance(renderer, mlxrunner.Renderer)
+        assert isinstance(renderer, mlxrunner.plugin.Renderer)
         assert renderer.render([{"role": "user", "content": "Bonjour"}]).count("Bonjour") == 1
 
 
 @pytest.mark.parametrize("name", list(PARSERS))
 def test_every_parser_follows_the_protocol(name):
     parser = mlxrunner.get_parser(name, RenderContext())
-    assert isinstance(parser, mlxrunner.Parser)
+    assert isinstance(parser, mlxrunner.plugin.Parser)
     parser.reset(None, start_in_thinking=False, tools=[])
     assert parser.parse("plain answer").content == "plain answer"
-    assert parser.feed("more ") + parser.finish() == [mlxrunner.ParsedMessage(content="more")]
+    assert parser.feed("more ") + parser.finish() == [ParsedMessage(content="more")]
 
 
 PUBLIC_MODULES = ("mlxrunner.plugin", "mlxrunner.nn")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import mlxrunner
-from mlxrunner import RenderContext
+from mlxrunner.plugin import RenderContext
 
 pytest.importorskip("mlxrunner_renderer_qwen3_5", reason="mlxrunner-renderer-qwen3-5 not installed")
 pytest.importorskip("mlxrunner_renderer_gemma4", reason="mlxrunner-renderer-gemma4 not installed")

@@ -50,7 +50,7 @@ def _write_draft(folder: Path, draft, config: dict, prefix: str = "",
 
 
 def _proposals(draft, target, tokens=(1, 2, 3, 4, 5)):
-    from mlxrunner import Sampler
+    from mlxrunner.plugin import Sampler
 
     session = draft.new_session(Sampler(GREEDY, target.vocab_size))
     _, tapped = target(mx.array([list(tokens)]), taps=list(draft.taps))

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 import mlxrunner
-from mlxrunner import Model
+from mlxrunner.plugin import Model
 from plain_mlx_model import PlainModel
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -145,7 +145,7 @@ def test_bad_restores_say_what_is_wrong(model):
 def test_folded_attention_takes_a_mask_per_row():
     # what a CUDA decode step of a batch attends with (mlxrunner.nn.attend folds short
     # blocks there): one mask per row, against MLX's own function
-    from mlxrunner.nn import folded_attention
+    from mlxrunner.nn import attention
 
     rng = np.random.default_rng(0)
     B, Hq, Hk, L, S, D = 3, 8, 2, 2, 11, 16
@@ -153,10 +153,10 @@ def test_folded_attention_takes_a_mask_per_row():
                for shape in ((B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, D)))
     ends = np.array([4, 11, 7])[:, None, None, None]
     mask = mx.array(np.arange(S)[None, None, None] <= ends - L + np.arange(L)[:, None])
-    got = folded_attention(q, k, v, scale=D ** -0.5, mask=mask)
+    got = attention.folded_attention(q, k, v, scale=D ** -0.5, mask=mask)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=mask)
     assert np.allclose(np.array(got), np.array(want), atol=1e-5)
     # each row saw only its own keys: row 0 is unchanged by its masked tail
     k2 = k.at[0, :, 5:].add(100.0)
-    again = folded_attention(q, k2, v, scale=D ** -0.5, mask=mask)
+    again = attention.folded_attention(q, k2, v, scale=D ** -0.5, mask=mask)
     assert np.allclose(np.array(again[0]), np.array(got[0]), atol=1e-6)

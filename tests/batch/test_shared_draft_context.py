@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import mlxrunner
+import mlxrunner.plugin
 from mlxrunner import SamplerOptions, settings
 from mlxrunner.batch import BatchRequest, Scheduler
 from mlxrunner.testing.speculative import random_draft, speculative_tokens
@@ -34,7 +35,7 @@ def test_shared_rounds_propose_what_each_session_proposes(tiny, architecture, ex
     target = tiny("qwen3_5")
     draft = random_draft(target, architecture, seed=5, block_size=5, **extra)
     rng = np.random.default_rng(2)
-    sampler = mlxrunner.Sampler(GREEDY, target.vocab_size)
+    sampler = mlxrunner.plugin.Sampler(GREEDY, target.vocab_size)
     shared = draft.new_batch()
     sessions: dict[int, object] = {}  # row -> its solo twin
     anchors: dict[int, int] = {}
@@ -143,7 +144,7 @@ def test_shared_proposals_follow_each_history_through_pauses(tiny, monkeypatch, 
 
     def expected(request, n):
         history = list(request.prompt) + request.tokens
-        session = draft.new_session(mlxrunner.Sampler(GREEDY, model.vocab_size))
+        session = draft.new_session(mlxrunner.plugin.Sampler(GREEDY, model.vocab_size))
         prefill(model, history[:-1], model.make_cache(), taps=draft.taps,
                 on_taps=lambda tapped: (session.prefill(tapped), list(session.state))[1])
         return session.propose(history[-1], len(history) - 1, n).tokens.tolist()

@@ -1,4 +1,4 @@
-"""mlxrunner.attend: the folded grouped-query attention equals MLX's fused function."""
+"""mlxrunner.nn.attend: the folded grouped-query attention equals MLX's fused function."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 import mlxrunner
 from mlxrunner import settings
-from mlxrunner.nn import attention, kernels
+from mlxrunner.nn import attend, attention, kernels
 from mlxrunner_test_support import logged
 
 
@@ -75,16 +75,16 @@ def test_attend_folds_only_short_blocks_on_cuda(monkeypatch):
     monkeypatch.setattr(attention, "folded_attention", spy)
     monkeypatch.setattr(attention, "_cuda_default", lambda: False)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mask)
-    assert mx.allclose(mlxrunner.attend(q, k, v, scale=0.5, mask=mask), want)
+    assert mx.allclose(attend(q, k, v, scale=0.5, mask=mask), want)
     assert calls == []  # not CUDA: MLX's function
     monkeypatch.setattr(attention, "_cuda_default", lambda: True)
-    assert mx.allclose(mlxrunner.attend(q, k, v, scale=0.5, mask=mask), want, atol=1e-5)
+    assert mx.allclose(attend(q, k, v, scale=0.5, mask=mask), want, atol=1e-5)
     assert calls == [(1, 4, 2, 8)]
-    mlxrunner.attend(q, k, v, scale=0.5, mask="causal")  # a string mask: MLX's function
+    attend(q, k, v, scale=0.5, mask="causal")  # a string mask: MLX's function
     long_q = mx.zeros((1, 4, attention.FOLD_MAX_QUERIES + 1, 8))
-    mlxrunner.attend(long_q, mx.zeros((1, 2, 40, 8)), mx.zeros((1, 2, 40, 8)), scale=0.5)
+    attend(long_q, mx.zeros((1, 2, 40, 8)), mx.zeros((1, 2, 40, 8)), scale=0.5)
     with settings.overridden(attention="mlx"):
-        mlxrunner.attend(q, k, v, scale=0.5, mask=mask)
+        attend(q, k, v, scale=0.5, mask=mask)
     assert calls == [(1, 4, 2, 8)]
 
 
@@ -181,7 +181,7 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
     want = attention.folded_attention(q, k, v, scale=0.3, mask=mask)
     assert mx.array_equal(attention.attend(q, k, v, scale=0.3, mask=mask), want)
     assert len(launches) == 2  # the case's check, then the launch itself
-    mlxrunner.prepare_attend(4, 2, 16, 16, 1, mx.float32)
+    attention.prepare_attend(4, 2, 16, 16, 1, mx.float32)
     assert len(launches) == 4  # the two other mask kinds' checks
     assert mx.array_equal(attention.attend(q, k, v, scale=0.3, mask=mask), want)
     assert len(launches) == 5
@@ -193,8 +193,8 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
         raise ValueError("refused")
 
     monkeypatch.setattr(attention, "_launch", broken)
-    mlxrunner.prepare_attend(8, 2, 16, 16, 1, mx.float32)
-    mlxrunner.prepare_attend(8, 2, 16, 16, 1, mx.float32)
+    attention.prepare_attend(8, 2, 16, 16, 1, mx.float32)
+    attention.prepare_attend(8, 2, 16, 16, 1, mx.float32)
     assert logged(caplog).count("fused attention kernel unavailable") == 3
     q8 = mx.zeros((1, 8, 1, 16))
     attention.attend(q8, k, v, scale=0.3, mask=mask)  # folded, no error

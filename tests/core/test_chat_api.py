@@ -8,9 +8,11 @@ import json
 import pytest
 
 import mlxrunner
-from mlxrunner import ConversationError, ParsedMessage, RenderContext, ToolCall
+import mlxrunner.plugin
+from mlxrunner import ConversationError
 from mlxrunner.chat import load_conversation_file, reasoning_of, validate_conversation
 from mlxrunner.errors import ModelFolderError, UnknownNameError
+from mlxrunner.plugin import ParsedMessage, RenderContext, ToolCall
 
 USER = {"role": "user", "content": "hi"}
 
@@ -166,7 +168,7 @@ def test_the_jinja_renderer_needs_a_template():
         mlxrunner.get_renderer("jinja", RenderContext(model_name="tiny"))
     renderer = mlxrunner.get_renderer("jinja", RenderContext(
         chat_template="{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"))
-    assert isinstance(renderer, mlxrunner.Renderer)
+    assert isinstance(renderer, mlxrunner.plugin.Renderer)
     assert renderer.render([USER, {"role": "assistant", "content": "yo"}]) == \
         "[user]hi[assistant]yo"
 

@@ -7,9 +7,10 @@ from datetime import datetime
 
 import pytest
 
-from mlxrunner import ConversationError, RenderContext
+from mlxrunner import ConversationError
 from mlxrunner.chat import JinjaRenderer
 from mlxrunner.errors import ModelFolderError
+from mlxrunner.plugin import RenderContext
 
 USER = {"role": "user", "content": "hi"}
 

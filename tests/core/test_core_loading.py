@@ -11,9 +11,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxrunner
-from mlxrunner import KVCache, Model
+import mlxrunner.plugin
 from mlxrunner import host as plugins
 from mlxrunner.errors import ModelFolderError
+from mlxrunner.plugin import KVCache, Model
 
 
 class TinyLM(Model):
@@ -57,7 +58,7 @@ CONFIG = {"architectures": ["TinyLMForTest"], "model_type": "tiny_lm_test",
 def registered():
     previous = plugins.host()
     plugins.reset(plugins.PluginHost(use_entry_points=False))
-    mlxrunner.register("TinyLMForTest", TinyLM)
+    mlxrunner.plugin.register("TinyLMForTest", TinyLM)
     yield
     plugins.reset(previous)
 

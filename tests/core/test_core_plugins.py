@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import mlxrunner
+import mlxrunner.plugin
 from mlxrunner import host as plugins
 from mlxrunner.errors import PluginError, UnknownNameError
 from mlxrunner_test_support import logged
@@ -28,7 +29,7 @@ def host():
 def make_plugin(**hooks):
     module = types.SimpleNamespace()
     for name, fn in hooks.items():
-        setattr(module, name, mlxrunner.hookimpl(fn))
+        setattr(module, name, mlxrunner.plugin.hookimpl(fn))
     return module
 
 
@@ -110,7 +111,7 @@ def test_direct_register_feeds_the_same_registry(host):
     class B:
         pass
 
-    mlxrunner.register("BDirect", B)
+    mlxrunner.plugin.register("BDirect", B)
     assert plugins.architecture_for({"architectures": ["BDirect"]}) is B
 
 
@@ -121,7 +122,7 @@ def test_direct_register_over_a_plugins_name_fails_at_once_naming_it(host):
     theirs = make_plugin(register_architectures=lambda register: register("Taken", object))
     host.add_plugin(theirs, "their-plugin", "mlxrunner-theirs")
     with pytest.raises(PluginError) as info:
-        mlxrunner.register("Taken", Mine)
+        mlxrunner.plugin.register("Taken", Mine)
     assert "'Taken'" in str(info.value) and "'their-plugin' (mlxrunner-theirs)" in str(info.value)
     # nothing changed, and later lookups keep working
     assert plugins.lookup("architectures", "Taken").plugin == "their-plugin"
@@ -135,8 +136,8 @@ def test_direct_register_again_replaces_its_own_earlier_class(host):
     class New:
         pass
 
-    mlxrunner.register("Cell", Old)
-    mlxrunner.register("Cell", New)  # a notebook cell run twice
+    mlxrunner.plugin.register("Cell", Old)
+    mlxrunner.plugin.register("Cell", New)  # a notebook cell run twice
     assert plugins.architecture_for({"architectures": ["Cell"]}) is New
 
 
@@ -144,7 +145,7 @@ def test_a_plugin_added_after_a_direct_register_leaves_the_name_to_it(host, capl
     class Mine:
         pass
 
-    mlxrunner.register("Early", Mine)
+    mlxrunner.plugin.register("Early", Mine)
     host.add_plugin(make_plugin(register_architectures=lambda register: register("Early", 1)),
                     "late")
     assert plugins.lookup("architectures", "Early").obj is Mine
@@ -233,9 +234,9 @@ def _cli(args, env_extra, tmp_path):
 
 
 GOOD_PLUGIN = """
-import mlxrunner
+import mlxrunner.plugin
 
-@mlxrunner.hookimpl
+@mlxrunner.plugin.hookimpl
 def register_renderers(register):
     register("fake-good", lambda context: None)
 """
@@ -305,9 +306,9 @@ def test_load_plugins_naming_nothing_installed_warns_once(tmp_path):
 
 EXITING_HOOK = """
 import sys
-import mlxrunner
+import mlxrunner.plugin
 
-@mlxrunner.hookimpl
+@mlxrunner.plugin.hookimpl
 def register_renderers(register):
     sys.exit(4)
 """
@@ -338,7 +339,7 @@ def test_keyboard_interrupt_at_a_plugins_import_still_stops(tmp_path):
 
 
 BROKEN_RENDERER = """
-import mlxrunner
+import mlxrunner.plugin
 
 class Broken:
     def render(self, messages, tools=None, *, think=None, add_generation_prompt=True):
@@ -348,7 +349,7 @@ class Plain:
     def render(self, messages, tools=None, *, think=None, add_generation_prompt=True):
         return "".join(m["content"] for m in messages)
 
-@mlxrunner.hookimpl
+@mlxrunner.plugin.hookimpl
 def register_renderers(register):
     register("fake-broken", lambda context: Broken())
     register("fake-plain", lambda context: Plain())
@@ -406,7 +407,7 @@ def test_a_failing_renderer_or_parser_names_itself_through_the_python_api(host):
 
 
 BROKEN_PARSER = """
-import mlxrunner
+import mlxrunner.plugin
 
 class Broken:
     def reset(self, prompt=None, *, start_in_thinking=None, tools=None):
@@ -421,7 +422,7 @@ class Broken:
     def parse(self, text):
         raise RuntimeError("cannot parse")
 
-@mlxrunner.hookimpl
+@mlxrunner.plugin.hookimpl
 def register_parsers(register):
     register("fake-broken", lambda context: Broken())
 """

@@ -1,6 +1,6 @@
-"""Products on the host BLAS (mlxrunner.nn.host_products): on MLX's CPU device off macOS,
-float32 products of large enough weights run through numpy's BLAS. They agree with MLX's
-products within float32 rounding of another summation order (tolerance 1e-5 times the
+"""Products on the host BLAS (mlxrunner.nn.kernels.host_products): on MLX's CPU device off
+macOS, float32 products of large enough weights run through numpy's BLAS. They agree with
+MLX's products within float32 rounding of another summation order (tolerance 1e-5 times the
 largest output, measured within 2e-6), a route that fails its first-use check is not used,
 the switch turns it off, gradients flow through it, and a decode step that meets it runs
 eagerly with the same greedy output."""
@@ -72,7 +72,7 @@ def test_float_and_quantized_products_agree_with_mlx(monkeypatch, host_calls):
     for rows in (1, 2, 8, 16):
         x = mx.random.normal((1, rows, IN))
         residual = mx.random.normal((1, rows, OUT))
-        assert mnn.host_products()
+        assert kernels.host_products()
         for layer in (plain, quantized):
             got = layer(x, residual)
             want = mlx_products(layer, x, residual)
@@ -138,7 +138,7 @@ def test_the_switch_turns_it_off(host_calls):
         settings.Settings.from_environment({"MLXRUNNER_HOST_PRODUCTS": "no"})
     layer = mnn.Linear(IN, OUT, bias=False)
     with settings.overridden(host_products=False):
-        assert not mnn.host_products()
+        assert not kernels.host_products()
         layer(mx.ones((1, IN)))
     assert host_calls == []
     layer(mx.ones((1, IN)))
@@ -156,10 +156,10 @@ def test_gradients_and_traces_see_mlx_products(host_calls):
     got = nn.value_and_grad(layer, loss)(layer, x)[1]["weight"]
     want = mlx_products(lambda: nn.value_and_grad(layer, loss)(layer, x)[1]["weight"])
     assert host_calls and close(got, want)
-    declined = mnn.host_declined()
+    declined = kernels.host_declined()
     traced = mx.compile(lambda x: layer(x))
     assert close(traced(x), layer(x))
-    assert mnn.host_declined() > declined  # the trace ran MLX's product, and said so
+    assert kernels.host_declined() > declined  # the trace ran MLX's product, and said so
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""mlxrunner.check_kernel / outputs_agree: the first-use check of a plugin's fused kernel."""
+"""mlxrunner.nn.kernels.check_kernel / outputs_agree: the first-use check of a fused kernel."""
 
 from __future__ import annotations
 
@@ -7,33 +7,33 @@ import pytest
 
 import mlxrunner
 from mlxrunner import settings
-from mlxrunner.nn import kernels
+from mlxrunner.nn import arange_constant, constant, kernels
 from mlxrunner_test_support import logged
 
 
 def test_outputs_agree_within_the_tolerance():
     want = (mx.array([1.0, -2.0, 3.0]), None)
-    assert mlxrunner.outputs_agree((want[0] + 1e-4, None), want, 1e-4)
-    assert not mlxrunner.outputs_agree((want[0] + 1e-2, None), want, 1e-4)
-    assert not mlxrunner.outputs_agree((want[0], want[0]), want, 1e-4)  # None expected
-    assert not mlxrunner.outputs_agree(want[0].astype(mx.float16), want[0], 1.0)  # dtype
-    assert not mlxrunner.outputs_agree(want[0][:2], want[0], 1.0)  # shape
-    assert not mlxrunner.outputs_agree([want[0]], [want[0], want[0]], 1.0)  # count
+    assert kernels.outputs_agree((want[0] + 1e-4, None), want, 1e-4)
+    assert not kernels.outputs_agree((want[0] + 1e-2, None), want, 1e-4)
+    assert not kernels.outputs_agree((want[0], want[0]), want, 1e-4)  # None expected
+    assert not kernels.outputs_agree(want[0].astype(mx.float16), want[0], 1.0)  # dtype
+    assert not kernels.outputs_agree(want[0][:2], want[0], 1.0)  # shape
+    assert not kernels.outputs_agree([want[0]], [want[0], want[0]], 1.0)  # count
 
 
 def test_check_kernel_says_why_it_refuses(caplog):
     x = mx.arange(4, dtype=mx.float32)
-    assert mlxrunner.check_kernel("k", lambda: x * 2, lambda: x + x, 1e-6)
+    assert kernels.check_kernel("k", lambda: x * 2, lambda: x + x, 1e-6)
     assert logged(caplog) == ""
-    assert not mlxrunner.check_kernel("my kernel", lambda: x * 3, lambda: x + x, 1e-3)
+    assert not kernels.check_kernel("my kernel", lambda: x * 3, lambda: x + x, 1e-3)
     assert logged(caplog).strip() == (
         "my kernel disagrees with MLX's operations; using MLX's operations")
 
     def refused():
         raise ValueError("[custom_kernel] refused\nsecond line")
 
-    assert not mlxrunner.check_kernel("my kernel", refused, lambda: x, 1e-3,
-                                      against="the plain step")
+    assert not kernels.check_kernel("my kernel", refused, lambda: x, 1e-3,
+                                    against="the plain step")
     assert logged(caplog).strip() == (
         "my kernel unavailable (ValueError: [custom_kernel] refused); using the plain step")
 
@@ -41,13 +41,13 @@ def test_check_kernel_says_why_it_refuses(caplog):
 def test_switch_allows(monkeypatch):
     variable, known = "MLXRUNNER_TEST_KERNELS", ("a", "b")
     monkeypatch.delenv(variable, raising=False)
-    assert mlxrunner.switch_allows(variable, "a", known)
+    assert kernels.switch_allows(variable, "a", known)
     for value, allowed in (("1", {"a", "b"}), ("0", set()), ("a", {"a"}), (" a,b ", {"a", "b"})):
         monkeypatch.setenv(variable, value)
-        assert {n for n in known if mlxrunner.switch_allows(variable, n, known)} == allowed
+        assert {n for n in known if kernels.switch_allows(variable, n, known)} == allowed
     monkeypatch.setenv(variable, "a,c")  # a typo must not turn kernels off unnoticed
     with pytest.raises(mlxrunner.MLXRunnerError, match="unknown kernel 'c'"):
-        mlxrunner.switch_allows(variable, "a", known)
+        kernels.switch_allows(variable, "a", known)
 
 
 def _graph_labels(*outputs: mx.array) -> list[str]:
@@ -60,15 +60,15 @@ def _graph_labels(*outputs: mx.array) -> list[str]:
 
 
 def test_constants_are_made_once_and_are_no_operation_in_a_trace():
-    a = mlxrunner.constant((3, 1, 2), mx.int32)
-    assert a is mlxrunner.constant((3, 1, 2), mx.int32)  # made once
+    a = constant((3, 1, 2), mx.int32)
+    assert a is constant((3, 1, 2), mx.int32)  # made once
     assert a.tolist() == [3, 1, 2] and a.dtype == mx.int32
-    assert mlxrunner.constant((3, 1, 2), mx.float32).dtype == mx.float32
-    r = mlxrunner.arange_constant(5)
-    assert r is mlxrunner.arange_constant(5) and r.tolist() == [0, 1, 2, 3, 4]
+    assert constant((3, 1, 2), mx.float32).dtype == mx.float32
+    r = arange_constant(5)
+    assert r is arange_constant(5) and r.tolist() == [0, 1, 2, 3, 4]
 
     def positions(offset: mx.array, made_once: bool) -> mx.array:
-        steps = mlxrunner.arange_constant(6) if made_once else mx.arange(6)
+        steps = arange_constant(6) if made_once else mx.arange(6)
         return offset + steps
 
     for made_once in (True, False):
@@ -88,19 +88,19 @@ def test_project_equals_the_product_on_every_path(monkeypatch, shape):
     monkeypatch.setattr(kernels, "on_cuda", lambda: True)
     x = mx.random.normal(shape, key=mx.random.key(1))
     weight = mx.random.normal((48, shape[-1]), key=mx.random.key(2))
-    got = mlxrunner.project(x, weight.T)
+    got = kernels.project(x, weight.T)
     assert got.shape == (*shape[:-1], 48)
     assert mx.allclose(got, x @ weight.T, atol=1e-5).item()
     residual = mx.random.normal(got.shape, key=mx.random.key(5))
     for cuda in (True, False):  # a separate add on CUDA, one AddMM elsewhere
         monkeypatch.setattr(kernels, "on_cuda", lambda c=cuda: c)
-        with_residual = mlxrunner.project(x, weight.T, residual)
+        with_residual = kernels.project(x, weight.T, residual)
         assert mx.allclose(with_residual, x @ weight.T + residual, atol=1e-5).item()
     monkeypatch.setattr(kernels, "on_cuda", lambda: True)
     rows = x.size // shape[-1]
     row_products = 1 < rows <= kernels.ROW_PRODUCT_MAX_ROWS and shape[-1] % 32 == 0
     assert kernels.row_products_serve(rows, x, weight.T) == row_products
-    traced = mx.compile(lambda a: mlxrunner.project(a, weight.T))
+    traced = mx.compile(lambda a: kernels.project(a, weight.T))
     assert ("GatherMM" in _graph_labels(traced(x))) == row_products
 
 
@@ -131,8 +131,8 @@ def test_project_rows_round_as_one_row_products_on_cuda(dtype, n):
     with mx.stream(mx.gpu):
         x = mx.random.normal((n, 256), key=mx.random.key(3)).astype(dtype)
         weight = mx.random.normal((1024, 256), key=mx.random.key(4)).astype(dtype)
-        block = mlxrunner.project(x, weight.T)
-        rows = mx.concatenate([mlxrunner.project(x[i:i + 1], weight.T) for i in range(n)])
+        block = kernels.project(x, weight.T)
+        rows = mx.concatenate([kernels.project(x[i:i + 1], weight.T) for i in range(n)])
         assert mx.array_equal(block, rows).item()
         assert mx.allclose(block.astype(mx.float32), (x @ weight.T).astype(mx.float32),
                            rtol=2e-2, atol=2e-2).item()

@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlxrunner
 import mlxrunner.nn as mnn
 import mlxrunner.nn.cuda_deltanet as cuda
 import mlxrunner.nn.deltanet as dn
 import mlxrunner.nn.kernels as kernels
+import mlxrunner.plugin
 from mlxrunner.testing.cuda_emulation import emulate_kernel, emulation_available
 
 mx.set_default_device(mx.cpu)
@@ -229,7 +229,7 @@ def test_a_short_prompt_runs_as_kernel_blocks_and_equals_the_chunked_form(monkey
     x = mx.random.normal((2, 3 + 37, 48), key=mx.random.key(6))
 
     def run():
-        cache = mlxrunner.RecurrentCache()
+        cache = mlxrunner.plugin.RecurrentCache()
         first = layer(x[:, :3], cache)
         rest = layer(x[:, 3:], cache)
         return [first, rest, cache.conv_tail, cache.recurrent_state], cache.offset

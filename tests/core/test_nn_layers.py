@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import mlxrunner.nn as mnn
-from mlxrunner import KVCache, RingCache
+from mlxrunner.plugin import KVCache, RingCache
 
 mx.set_default_device(mx.cpu)
 

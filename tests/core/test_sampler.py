@@ -9,7 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxrunner import Distribution, Sampler, SamplerOptionError, SamplerOptions
+from mlxrunner import SamplerOptionError, SamplerOptions
+from mlxrunner.plugin import Distribution, Sampler
 
 # ---- helpers ---------------------------------------------------------------
 

@@ -7,8 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxrunner import DraftConfigError, DraftModel, DraftProposal
+from mlxrunner import DraftConfigError
 from mlxrunner.model import build_draft, draft_setting
+from mlxrunner.plugin import DraftModel, DraftProposal
 from mlxrunner.testing.speculative import ScriptedDraft, ToyTarget
 
 mx.set_default_device(mx.cpu)

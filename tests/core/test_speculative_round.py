@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxrunner import Distribution, DraftProposal, GenerationResult, Sampler, SamplerOptions
+from mlxrunner import GenerationResult, SamplerOptions
 from mlxrunner.decode import (
     DepthController,
     SpeculativeStats,
@@ -15,6 +15,7 @@ from mlxrunner.decode import (
     speculative_generate,
     speculative_stream,
 )
+from mlxrunner.plugin import Distribution, DraftProposal, Sampler
 from mlxrunner.testing.speculative import (
     ScriptedDraft,
     ToyTarget,

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlxrunner
+import mlxrunner.plugin
 from mlxrunner import testing
 from mlxrunner.testing import (
     check_cache_rollback,
@@ -28,7 +29,7 @@ from mlxrunner.testing import (
 VOCAB, HIDDEN = 32, 16
 
 
-class StateCache(mlxrunner.Cache):
+class StateCache(mlxrunner.plugin.Cache):
     """Recurrent state plus the states captured at scheduled offsets during a forward."""
 
     def __init__(self) -> None:
@@ -110,13 +111,13 @@ class MLPLayer(nn.Module):
         return x + self.down(nn.gelu(self.up(self.norm(x))))
 
 
-class ToyModel(mlxrunner.Model):
+class ToyModel(mlxrunner.plugin.Model):
     # What the broken variants change:
     tap_shift = 0            # -1: tap the input of layer t; +1: the output of layer t + 1
     causal = True            # False: prefill attends to later tokens
     rope_offset = True       # False: positions restart at 0 in every forward
     state_cache_cls: type = StateCache
-    kv_cache_cls: type = mlxrunner.KVCache
+    kv_cache_cls: type = mlxrunner.plugin.KVCache
 
     def __init__(self, config=None) -> None:
         super().__init__(config or {})
@@ -189,7 +190,7 @@ class ForgetfulStateCache(StateCache):
         self.discard_snapshots()
 
 
-class StuckKVCache(mlxrunner.KVCache):
+class StuckKVCache(mlxrunner.plugin.KVCache):
     """Ignores restore: the rejected drafts stay in the cache."""
 
     def restore(self, offset: int) -> None:

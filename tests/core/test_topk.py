@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxrunner import topk_indices
+from mlxrunner.plugin import topk_indices
 
 CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
 
@@ -413,19 +413,19 @@ def test_prepare_settles_the_check_before_a_trace(fresh_kernel_state, kernel_cal
                                                   monkeypatch) -> None:
     """prepare_topk_indices runs the first-use check eagerly, so a later call (inside a
     trace) finds it settled; on the CPU and for k = 1 it does nothing."""
-    import mlxrunner
+    from mlxrunner.plugin import prepare_topk_indices
 
     topk, calls = fresh_kernel_state, kernel_calls
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
-    mlxrunner.prepare_topk_indices(1, 5000, 1)
+    prepare_topk_indices(1, 5000, 1)
     assert calls == []
-    mlxrunner.prepare_topk_indices(1, 5000, 16)
+    prepare_topk_indices(1, 5000, 16)
     assert calls == [(2, 5000)] and (5000, 16, "mlx.core.float32", 1) in topk._kernel_checked
     got = mx.compile(lambda x: topk._topk_gpu(x, 16))(mx.array(mixed_rows(1, 5000, seed=2)))
     assert (np.array(got) == reference(mixed_rows(1, 5000, seed=2), 16)).all()
     assert calls == [(2, 5000), (1, 5000)]  # no second check
     monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
-    mlxrunner.prepare_topk_indices(1, 7000, 16)
+    prepare_topk_indices(1, 7000, 16)
     assert calls == [(2, 5000), (1, 5000)]
 
 

@@ -15,8 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlxrunner import KVCache, Model, settings
+from mlxrunner import settings
 from mlxrunner.chat import get_renderer
+from mlxrunner.plugin import KVCache, Model
 
 httpx = pytest.importorskip("httpx")
 

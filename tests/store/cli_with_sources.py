@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 
 import mlxrunner
+import mlxrunner.plugin
 from mlxrunner import host as plugins
 from mlxrunner.cli import main
 from mlxrunner.store import PackagedModel
@@ -51,6 +52,6 @@ if __name__ == "__main__":
         _pause_after(os if spec["after"] == "replace" else mx, spec["after"], spec["match"],
                      Path(spec["signal"]))
     plugins.host().add_plugin(
-        types.SimpleNamespace(register_models=mlxrunner.hookimpl(_register_models)),
+        types.SimpleNamespace(register_models=mlxrunner.plugin.hookimpl(_register_models)),
         "store-test-sources")
     sys.exit(main(sys.argv[1:]))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import mlxrunner
+import mlxrunner.plugin
 from mlxrunner import host as plugins
 
 HERE = Path(__file__).resolve().parent
@@ -119,7 +120,7 @@ def sources_host():
             for name, obj in models.items():
                 register(name, obj)
 
-        module = types.SimpleNamespace(register_models=mlxrunner.hookimpl(register_models))
+        module = types.SimpleNamespace(register_models=mlxrunner.plugin.hookimpl(register_models))
         host = plugins.reset(plugins.PluginHost())
         host.add_plugin(module, "store-test-sources")
         return host

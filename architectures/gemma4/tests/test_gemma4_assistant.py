@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 
 import mlxrunner
 from mlxrunner import DraftConfigError, ModelFolderError, SamplerOptions
+from mlxrunner.plugin import DraftModel, Model, Sampler
 from mlxrunner.testing.speculative import (
     ToyTarget,
     build_draft,
@@ -79,7 +80,7 @@ def attach(models: dict[str, Path], draft: Path, target: str = "e2b"):
 
 
 @pytest.fixture(scope="module")
-def pairs(models) -> dict[str, tuple[mlxrunner.Model, mlxrunner.DraftModel]]:
+def pairs(models) -> dict[str, tuple[Model, DraftModel]]:
     return {name: attach(models, ASSISTANT / name, target) for name, target in TARGET_OF.items()}
 
 
@@ -153,7 +154,7 @@ def test_a_greedy_round_proposes_transformers_tokens(pairs, name):
     ref = reference(name)
     prompt, token = ref["ids_20"], int(ref["token_20"])
     caches = target.make_cache()
-    session = draft.new_session(mlxrunner.Sampler(GREEDY, target.vocab_size))
+    session = draft.new_session(Sampler(GREEDY, target.vocab_size))
     for chunk in (prompt[:13], prompt[13:]):  # a prefill in two chunks
         _, tapped = target(mx.array(chunk)[None], caches, taps=list(draft.taps))
         session.prefill(tapped)
@@ -234,8 +235,8 @@ def _proposal_fit(target, draft, name: str) -> float:
     records for that row."""
     prompt = [5, 9, 3, 7]
     caches = target.make_cache()
-    session = draft.new_session(mlxrunner.Sampler(SamplerOptions(temperature=0.7, seed=1),
-                                                  target.vocab_size))
+    session = draft.new_session(Sampler(SamplerOptions(temperature=0.7, seed=1),
+                                        target.vocab_size))
     _, tapped = target(mx.array(prompt)[None], caches, taps=list(draft.taps))
     session.prefill(tapped)
     first = session.propose(11, len(prompt), 3)
@@ -370,7 +371,7 @@ def test_bad_assistant_configs_and_weights_are_one_clear_error(tmp_path, models)
 def test_the_session_refuses_caches_of_another_generation(pairs):
     target, draft = pairs["e2b_plain"]
     caches = target.make_cache()
-    session = draft.new_session(mlxrunner.Sampler(GREEDY, target.vocab_size))
+    session = draft.new_session(Sampler(GREEDY, target.vocab_size))
     _, tapped = target(mx.array([[5, 6, 7]]), caches, taps=list(draft.taps))
     target.make_cache()  # another generation's caches, made after this one's
     with pytest.raises(RuntimeError, match="not this generation's"):

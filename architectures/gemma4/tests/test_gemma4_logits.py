@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import mlxrunner
+from mlxrunner.plugin import Model
 from mlxrunner.testing import (
     check_compiled_step,
     check_prefill_decode,
@@ -35,7 +36,7 @@ TOLERANCE = 1e-4
 TAP_TOLERANCE = 1e-5  # relative to the largest |hidden value|
 
 
-def load(folder: Path) -> mlxrunner.Model:
+def load(folder: Path) -> Model:
     return mlxrunner.load_model(folder)
 
 
@@ -49,7 +50,7 @@ def max_err(a: mx.array, b: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def models() -> dict[str, mlxrunner.Model]:
+def models() -> dict[str, Model]:
     return {name: load(FIXTURES / name) for name in NAMES}
 
 

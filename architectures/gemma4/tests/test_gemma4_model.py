@@ -14,7 +14,8 @@ from mlx.utils import tree_flatten
 from mlxrunner_gemma4 import Gemma4Config, Gemma4Model
 
 import mlxrunner
-from mlxrunner import KVCache, ModelFolderError, RingCache
+from mlxrunner import ModelFolderError
+from mlxrunner.plugin import KVCache, RingCache, registered
 from mlxrunner.testing import check_prefill_decode
 
 mx.set_default_device(mx.cpu)
@@ -88,7 +89,7 @@ def test_gemma4_e2b_facts():
 
 
 def test_gemma4_registered_through_the_entry_point():
-    registry = mlxrunner.registered("architectures")
+    registry = registered("architectures")
     for name in ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM", "gemma4", "gemma4_text"):
         assert registry[name].obj is Gemma4Model
         assert registry[name].plugin == "gemma4"

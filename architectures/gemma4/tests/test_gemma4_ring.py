@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlxrunner
-from mlxrunner import RingCache
+from mlxrunner.plugin import Model, RingCache
 from mlxrunner.testing import check_cache_rollback
 
 mx.set_default_device(mx.cpu)
@@ -157,7 +157,7 @@ def test_gemma4_ring_refuses_unscheduled_offsets():
 # -- whole models ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def models() -> dict[str, mlxrunner.Model]:
+def models() -> dict[str, Model]:
     return {name: mlxrunner.load_model(FIXTURES / name) for name in ("e2b", "dense")}
 
 

@@ -21,6 +21,7 @@ from mlxrunner_llama import plugin
 from mlxrunner_llama.model import Llama
 
 import mlxrunner
+from mlxrunner.plugin import Model, registered
 from mlxrunner.testing import (
     check_compiled_step,
     check_prefill_decode,
@@ -55,7 +56,7 @@ def max_err(a: mx.array, b: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def models() -> dict[str, mlxrunner.Model]:
+def models() -> dict[str, Model]:
     return {name: mlxrunner.load_model(FIXTURES / name) for name in NAMES}
 
 
@@ -74,7 +75,7 @@ def test_fixtures_are_small_and_cover_the_family():
 
 
 def test_registered_under_the_family_names():
-    registry = mlxrunner.registered("architectures")
+    registry = registered("architectures")
     assert plugin.ARCHITECTURE_NAMES == ("LlamaForCausalLM", "llama", "MistralForCausalLM",
                                          "mistral")
     for name in plugin.ARCHITECTURE_NAMES:

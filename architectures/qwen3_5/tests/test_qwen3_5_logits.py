@@ -17,6 +17,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxrunner
+from mlxrunner.plugin import RecurrentCache, registered
 from mlxrunner.testing import check_prefill_decode
 
 mx.set_default_device(mx.cpu)
@@ -93,7 +94,7 @@ def test_half_precision_runs_close_to_float32(dtype, rel_tol, fixture_model, ref
     rows = [model(ids[:, :120], cache)] + [model(ids[:, t:t + 1], cache) for t in range(120, 130)]
     assert max_err(mx.concatenate(rows, axis=1)[0], expected) < rel_tol * scale
     for c in cache:  # the DeltaNet state stays float32 whatever the compute dtype
-        if isinstance(c, mlxrunner.RecurrentCache):
+        if isinstance(c, RecurrentCache):
             assert c.recurrent_state.dtype == mx.float32
             assert c.conv_tail.dtype == dtype
 
@@ -210,7 +211,7 @@ def test_load_model_through_registry(tmp_path):
     """The entry point registers every name; load_model picks the class by architecture."""
     from mlxrunner_qwen3_5 import Qwen3_5
 
-    registry = mlxrunner.registered("architectures")
+    registry = registered("architectures")
     for name in ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "qwen3_5",
                  "qwen3_5_text"):
         assert registry[name].obj is Qwen3_5

@@ -31,7 +31,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxrunner
-import mlxrunner.plugin
+from mlxrunner.plugin import registered
 from mlxrunner.testing import check_prefill_decode, check_taps_against, run_conformance
 
 mx.set_default_device(mx.cpu)
@@ -138,7 +138,7 @@ def test_fixture_is_small():
 
 
 def test_registered_names_and_sparse_layers(models):
-    registry = mlxrunner.plugin.registered("architectures")
+    registry = registered("architectures")
     classes = {registry[name].obj for name in MOE_NAMES}
     assert len(classes) == 1
     model = models["per_expert"]
@@ -338,7 +338,7 @@ def test_missing_expert_is_one_clear_error(tmp_path):
 
 
 def test_dense_class_refuses_experts():
-    registry = mlxrunner.plugin.registered("architectures")
+    registry = registered("architectures")
     config = json.loads((FIXTURE / "config.json").read_text())
     with pytest.raises(mlxrunner.ModelFolderError, match="qwen3_5_moe"):
         registry["qwen3_5"].obj(config)

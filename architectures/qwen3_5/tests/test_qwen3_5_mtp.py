@@ -39,7 +39,8 @@ import pytest
 from mlxrunner_qwen3_5.mtp import MTPSession, Qwen3_5MTP
 
 import mlxrunner
-from mlxrunner import DraftProposal, KVCache, Sampler, SamplerOptions
+from mlxrunner import SamplerOptions
+from mlxrunner.plugin import DraftProposal, KVCache, Sampler
 from mlxrunner.testing.speculative import (
     build_draft,
     check_speculative_greedy,

@@ -17,8 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mlxrunner
-from mlxrunner import KVCache, RecurrentCache
+from mlxrunner.plugin import Cache, KVCache, RecurrentCache
 from mlxrunner.testing import check_cache_rollback, run_conformance
 
 mx.set_default_device(mx.cpu)
@@ -161,4 +160,4 @@ def test_recurrent_cache_refuses_a_snapshot_it_did_not_capture():
 def test_caches_are_exported_kinds(fixture_model):
     caches = fixture_model(NAME).make_cache()
     assert [type(c) for c in caches] == [RecurrentCache] * 3 + [KVCache]
-    assert all(isinstance(c, mlxrunner.Cache) for c in caches)
+    assert all(isinstance(c, Cache) for c in caches)

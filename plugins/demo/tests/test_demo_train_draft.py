@@ -15,7 +15,8 @@ from mlx.utils import tree_flatten
 train = pytest.importorskip("mlxrunner_dflash.train",
                             reason="the DFlash plugin (mlxrunner-dflash) is not installed")
 
-from mlxrunner import Sampler, SamplerOptions, load_model  # noqa: E402
+from mlxrunner import SamplerOptions, load_model  # noqa: E402
+from mlxrunner.plugin import Sampler  # noqa: E402
 from mlxrunner.testing.speculative import ToyTarget, random_draft  # noqa: E402
 
 mx.set_default_device(mx.cpu)

@@ -11,7 +11,8 @@ import pytest
 from mlxrunner_dflash import DFlash2DraftModel, DFlashDraftModel
 from mlxrunner_dflash.dflash2 import CandidateSelector, block_convolve, greedy_path, sampled_path
 
-from mlxrunner import DraftConfigError, Model, Sampler, SamplerOptions, settings
+from mlxrunner import DraftConfigError, SamplerOptions, settings
+from mlxrunner.plugin import Model, Sampler
 from mlxrunner.testing.speculative import (
     ToyTarget,
     build_draft,

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlxrunner
+from mlxrunner.plugin import Model
 from mlxrunner.testing import (
     check_cache_rollback,
     check_prefill_decode,
@@ -22,10 +23,10 @@ from mlxrunner.testing import (
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NAMES = ["tiny-example-llama", "tiny-example-llama-tied"]
-_models: dict[str, mlxrunner.Model] = {}
+_models: dict[str, Model] = {}
 
 
-def model_named(name: str) -> mlxrunner.Model:
+def model_named(name: str) -> Model:
     if name not in _models:
         _models[name] = mlxrunner.load_model(FIXTURES / name)
     return _models[name]

@@ -20,6 +20,7 @@ from mlxrunner_example_architecture import plugin
 from mlxrunner_example_architecture.model import ExampleLlama
 
 import mlxrunner
+from mlxrunner.plugin import KVCache
 from mlxrunner.testing import check_taps_against
 
 LOGITS_ATOL = 1e-4  # float32 on the CPU: MLX vs torch differ by ~1e-5 on these fixtures
@@ -96,7 +97,7 @@ def test_config_reading():
     old = {k: v for k, v in base.items() if k != "rope_parameters"} | {"rope_theta": 123.0}
     assert ExampleLlama(old).layers[0].self_attn.rope.base == 123.0
     assert len(model.make_cache()) == 3
-    assert all(isinstance(c, mlxrunner.KVCache) for c in model.make_cache())
+    assert all(isinstance(c, KVCache) for c in model.make_cache())
 
 
 @pytest.mark.parametrize("change, message", [

@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlxrunner
-from mlxrunner import ParsedMessage, RenderContext, ToolCall, testing
+from mlxrunner import testing
+from mlxrunner.plugin import ParsedMessage, RenderContext, ToolCall
 
 FAST = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])

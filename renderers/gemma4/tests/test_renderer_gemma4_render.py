@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import mlxrunner
-from mlxrunner import ConversationError, RenderContext
+from mlxrunner import ConversationError
+from mlxrunner.plugin import RenderContext
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]

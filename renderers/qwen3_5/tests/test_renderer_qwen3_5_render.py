@@ -10,6 +10,7 @@ import pytest
 
 import mlxrunner
 from mlxrunner import ConversationError
+from mlxrunner.plugin import Parser, Renderer
 
 REPO = Path(__file__).resolve().parents[3]
 SHARED = Path(os.environ.get("MLXRUNNER_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -22,8 +23,8 @@ def renderer():
 
 
 def test_registered_under_its_name(renderer):
-    assert isinstance(renderer, mlxrunner.Renderer)
-    assert isinstance(mlxrunner.get_parser("qwen3.5"), mlxrunner.Parser)
+    assert isinstance(renderer, Renderer)
+    assert isinstance(mlxrunner.get_parser("qwen3.5"), Parser)
 
 
 def test_goldens_byte_identical(renderer):
