@@ -37,7 +37,8 @@ def test_default_is_another_name_for_smollm2(tmp_path):
     assert _run("cp", str(demo), "smollm2:135m", env=env).returncode == 0
     shown = _run("show", "default", "--json", env=env)
     assert shown.returncode == 0, shown.stderr
-    assert Path(json.loads(shown.stdout)["model"]).parent == tmp_path / "store"
+    info = json.loads(shown.stdout)
+    assert info["model"] == "default" and Path(info["folder"]).parent == tmp_path / "store"
 
 
 def test_unreachable_index_falls_back_to_the_demo_in_one_line(tmp_path):
@@ -50,7 +51,8 @@ def test_unreachable_index_falls_back_to_the_demo_in_one_line(tmp_path):
     assert len(ours) == 1 and "could not fetch smollm2:135m" in ours[0] \
         and "running demo-qwen3.5 instead" in ours[0]
     out = json.loads(run.stdout)
-    assert Path(out["model"]).name == "model" and len(out["tokens"]) == 4
+    assert out["model"] == "default" and Path(out["folder"]).name == "model"
+    assert len(out["tokens"]) == 4
     # nothing half-fetched is left that looks like a model
     listed = _run("list", env=env)
     assert listed.returncode == 0 and "smollm2" not in listed.stdout

@@ -66,3 +66,20 @@ def test_bounds_for_the_model_class():
     assert bounds["sliding_window"] == ConfigBound(int, 0, 2**20)
     assert bounds["intermediate_size"].per_layer
     assert "hidden_act" not in bounds and "layer_widths" not in bounds
+
+
+def test_mistakes_in_a_config_class_fail_where_it_is_defined():
+    with pytest.raises(TypeError, match="bounds need an int or float annotation"):
+        class Unchecked(ConfigFields):  # bounds on a type they cannot check
+            sizes: list[int] = config_field(low=1)
+
+    class PerLayer(ConfigFields):
+        widths: int | tuple[int, ...] = config_field(low=1, high=64, per_layer=True)
+        scale: float = config_field(1.0)
+
+    assert PerLayer.from_config({"widths": [2, 3]}).widths == (2, 3)
+    assert PerLayer.from_config({"widths": 4}).widths == 4
+    with pytest.raises(ModelFolderError, match="widths must be an integer from 1 to 64"):
+        PerLayer.from_config({"widths": [2, 65]})
+    with pytest.raises(ModelFolderError, match="scale is too large"):
+        PerLayer.from_config({"widths": 1, "scale": 10 ** 400})

@@ -135,3 +135,24 @@ def test_plugin_names_at_the_root_say_where_they_belong_now() -> None:
     assert seen == ["mlxrunner.KVCache: import it from mlxrunner.plugin",
                     "mlxrunner.attend: import it from mlxrunner.nn"]
 
+
+
+def test_a_model_may_set_its_capabilities_in_init() -> None:
+    """What the Model base declares (eos_token_ids, layer_kv_sources, ...) may be set on the
+    instance too, lists included (mlx's Module would file a list in the parameter tree after
+    deleting the class's declaration, which fails)."""
+    from mlxrunner.plugin import Model
+
+    class Declares(Model):
+        def __init__(self, config: dict) -> None:
+            super().__init__(config)
+            self.eos_token_ids = [7, 8]
+            self.layer_kv_sources = [0, 0, 1]
+            self.default_renderer = "mine"
+
+    model = Declares({})
+    assert model.eos_token_ids == [7, 8] and model.layer_kv_sources == [0, 0, 1]
+    assert model.default_renderer == "mine" and model.parameters() == {}
+    plain = Model({})
+    assert plain.eos_token_ids == () and plain.layer_kv_sources is None
+    assert plain.default_renderer is None and plain.supports_taps

@@ -111,7 +111,8 @@ def test_create_list_show_run_rm_with_a_quantized_target_and_draft(demo_model, s
 
     ran = json.loads(run_cli(capsys, "run", "tiny:q4", PROMPT, "--max-tokens", "40",
                              "--json", "--temperature", "0"))
-    assert ran["model"] == "tiny:q4" and ran["tokens"] == want
+    assert ran["model"] == "tiny:q4" and ran["folder"] == str(entry)
+    assert ran["tokens"] == want
     assert ran["statistics"]["run"]["mode"] == "speculative"
 
     assert run_cli(capsys, "cp", "tiny:q4", "mine/tiny").strip() == \

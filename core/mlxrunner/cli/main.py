@@ -113,15 +113,14 @@ def cmd_show(args: argparse.Namespace) -> int:
         "taps": bool(getattr(model, "supports_taps", False)),
         "defaults": {k: v for k, v in vars(bundle.defaults).items() if v is not None},
     }
-    if not Path(args.model).expanduser().exists():
-        info["folder"] = str(bundle.path)
+    info["folder"] = str(Path(bundle.path).expanduser().resolve())
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     for key in ("model", "folder", "architecture", "parameters", "layers", "vocab_size",
                 "target_precision", "draft", "draft_precision", "renderer", "parser", "taps"):
-        if key not in info:
-            continue
+        if key == "folder" and info["folder"] == info["model"]:
+            continue  # (a folder was named)
         value = info[key]
         if key == "parameters":
             value = _human_count(value)
@@ -411,6 +410,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             else result.tokens
         reply = text.finish() if text.stopped else tok.decode(shown)
         out: dict[str, Any] = {"model": model_label(model_arg, bundle),
+                               "folder": str(Path(bundle.path).expanduser().resolve()),
                                "prompt_tokens": len(prompt_ids),
                                "tokens": result.tokens, "text": reply,
                                "finish_reason": result.finish_reason, "statistics": stats}

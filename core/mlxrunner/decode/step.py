@@ -108,6 +108,9 @@ class _Traced:
     def __init__(self, function: Callable[..., list[mx.array]]) -> None:
         self.function = function
         self.calls = 0
+        #: checked calls by thread: MLX keeps a compiled function's trace per thread, so each
+        #: thread's first call and first replay are checked
+        self.checks: dict[int, int] = {}
         self.records: list[object] | None = None
         self.counts: list[int] | None = None
 
@@ -161,7 +164,8 @@ class CompiledSteps:
             if not self._traced:
                 self._fingerprint = weights_fingerprint(self.model)
             traced = self._traced[key] = _Traced(mx.compile(self._graph(ids.shape[1], taps)))
-        checking = traced.calls < 2
+        thread = threading.get_ident()
+        checking = traced.checks.get(thread, 0) < 2
         live = [(i, c) for i, c in enumerate(caches) if c is not None]
         shadows = [_detached(c) for _, c in live] if checking else None
         # the caches as they were, for finding the layer that differs (lazy copies: computed
@@ -175,6 +179,8 @@ class CompiledSteps:
                           f"{str(exc).splitlines()[0] if str(exc) else '?'})")
             return None
         traced.calls += 1
+        if checking:
+            traced.checks[thread] = traced.checks.get(thread, 0) + 1
         if host_bound(declined):  # (this result is right)
             self._host_bound.add((ids.shape, _switches()))
             del self._traced[key]

@@ -59,14 +59,35 @@ def config_field(default: Any = dataclasses.MISSING, *, low: float | None = None
 class ConfigFields:
     """Base of an architecture's config dataclass (see the module)."""
 
+    #: each config field's kind (int, float, bool, str; None: not checked), by field name
+    _config_kinds: typing.ClassVar[dict[str, type | None]] = {}
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         dataclasses.dataclass(frozen=True)(cls)
+        # the annotations resolved now, so that a plugin's mistake fails at its import
+        try:
+            hints = typing.get_type_hints(cls)
+        except (NameError, TypeError) as exc:
+            raise TypeError(f"{cls.__name__}: a field's annotation cannot be resolved at "
+                            f"run time ({exc})") from None
+        kinds: dict[str, type | None] = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # (a dataclass: above)
+            spec = f.metadata.get(_SPEC)
+            if spec is None:
+                continue
+            kind = _kind(hints.get(f.name), spec.per_layer)
+            bounded = spec.low is not None or spec.high is not None or spec.per_layer
+            if bounded and kind not in (int, float):
+                raise TypeError(f"{cls.__name__}.{f.name}: bounds need an int or float "
+                                f"annotation, got {hints.get(f.name)!r}")
+            kinds[f.name] = kind
+        cls._config_kinds = kinds
 
     @classmethod
     def from_config(cls: type[C], config: Mapping[str, Any], where: str = "config.json") -> C:
         """The declared fields read from ``config`` (see the module)."""
-        kinds = typing.get_type_hints(cls)
+        kinds = cls._config_kinds
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # (a dataclass: see above)
             spec = f.metadata.get(_SPEC)
@@ -80,27 +101,29 @@ class ConfigFields:
                     raise ModelFolderError(f"{where} lacks {key!r}, which {cls.__name__} "
                                            "needs")
                 continue
-            values[f.name] = _checked(where, key, value, _kind(kinds.get(f.name)), spec)
+            values[f.name] = _checked(where, key, value, kinds.get(f.name), spec)
         return cls(**values)
 
     @classmethod
     def bounds(cls) -> dict[str, ConfigBound]:
         """The declared bounds by config key (for ``Model.config_bounds``)."""
-        kinds = typing.get_type_hints(cls)
         found = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            spec, kind = f.metadata.get(_SPEC), _kind(kinds.get(f.name))
+            spec, kind = f.metadata.get(_SPEC), cls._config_kinds.get(f.name)
             if spec is not None and kind in (bool, int, float):
                 found[spec.key or f.name] = _bound(kind, spec)
         return found
 
 
-def _kind(annotation: Any) -> type | None:
-    """``int`` of ``int``, ``int | None`` and ``Optional[int]``; None for other types."""
+def _kind(annotation: Any, per_layer: bool = False) -> type | None:
+    """``int`` of ``int``, ``int | None`` and ``Optional[int]`` (per layer also of ``int |
+    tuple[int, ...]``); None for other types."""
     if annotation in _KINDS:
         return typing.cast(type, annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if per_layer:  # the list of per-layer values beside the one value
+            kinds = [a for a in kinds if typing.get_origin(a) not in (tuple, list)]
         if len(kinds) == 1 and kinds[0] in _KINDS:
             return typing.cast(type, kinds[0])
     return None
@@ -119,6 +142,9 @@ def _checked(where: str, key: str, value: Any, kind: type | None, spec: _FieldSp
     if kind is None:  # (a structure the architecture checks itself)
         return value
     check_value(where, key, value, _bound(kind, spec))
-    if spec.per_layer and isinstance(value, list):
-        return tuple(kind(v) for v in value)
-    return kind(value)
+    try:
+        if spec.per_layer and isinstance(value, list):
+            return tuple(kind(v) for v in value)
+        return kind(value)
+    except OverflowError:
+        raise ModelFolderError(f"{where}: {key} is too large") from None

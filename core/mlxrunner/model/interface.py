@@ -27,16 +27,17 @@ class Model(nn.Module):
     ``nn.Module`` treats plain dict attributes as parameter trees).
     """
 
-    # -- what a subclass may offer (the core reads these; override what applies) ----------
+    # -- what a subclass may offer (the core reads these; override what applies, on the class
+    # or in __init__) -------------------------------------------------------------------
     #: whether ``__call__`` honours ``taps`` (drafts need it)
-    supports_taps: ClassVar[bool] = True
+    supports_taps: bool = True
     #: the chat format used when the user names none (if a plugin provides that name; else
     #: the folder's own Jinja template renders)
-    default_renderer: ClassVar[str | None] = None
+    default_renderer: str | None = None
     #: the output parser used when the user names none (if a plugin provides that name)
-    default_parser: ClassVar[str | None] = None
+    default_parser: str | None = None
     #: token ids that end a reply besides the tokenizer's own end-of-sequence ids
-    eos_token_ids: ClassVar[tuple[int, ...]] = ()
+    eos_token_ids: Sequence[int] = ()
     #: the registered draft architecture a checkpoint of this model may carry beside its
     #: weights (an MTP head), loaded as its draft when the checkpoint has one
     checkpoint_draft: ClassVar[str | None] = None
@@ -48,6 +49,17 @@ class Model(nn.Module):
 
     def __init__(self, config: dict[str, Any]) -> None:  # noqa: ARG002
         super().__init__()
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        # A capability set in __init__ is a plain attribute: mlx's Module would file a list
+        # or tuple as a child of the parameter tree, first deleting what the class declares.
+        if key == "layer_kv_sources" and type(self).layer_kv_sources is \
+                Model.layer_kv_sources:
+            object.__setattr__(self, "_layer_kv_sources", value)
+        elif key in _CAPABILITIES:
+            object.__setattr__(self, key, value)
+        else:
+            super().__setattr__(key, value)
 
     # -- weights ------------------------------------------------------------
     # The core traces this model's decode steps (mlxrunner.decode.step); a trace holds the
@@ -100,7 +112,8 @@ class Model(nn.Module):
         """For each layer, the layer whose keys and values it attends over (its own index,
         or an earlier layer's where layers share them); None: every layer its own. A
         pipeline split (``--distributed pipeline``) never separates the two."""
-        return None
+        # (set in __init__: Model.__setattr__ keeps it here)
+        return self.__dict__.get("_layer_kv_sources")
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], tensors: dict[str, mx.array]
@@ -133,6 +146,11 @@ class Model(nn.Module):
     def weight_precision(self) -> str:
         """A short description of the weights' precision: ``bfloat16``, ``4-bit affine`` ..."""
         return weight_precision_of(self)
+
+
+#: what Model.__setattr__ keeps as plain attributes
+_CAPABILITIES = frozenset({"supports_taps", "default_renderer", "default_parser",
+                           "eos_token_ids", "checkpoint_draft", "layer_kv_sources"})
 
 
 def reads_gguf(cls: type) -> bool:

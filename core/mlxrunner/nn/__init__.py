@@ -10,8 +10,6 @@ any architecture's).
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..constants import arange_constant, constant
 from ..lazy import lazy_exports
 from .attention import KV, attend, store
@@ -69,10 +67,6 @@ _PLUMBING = {name: "kernels" for name in (
     "check_kernel", "host_bound", "host_declined", "host_products", "kernel_allowed",
     "on_cuda", "outputs_agree", "project", "serves", "switch_allows")}
 _PLUMBING.update(folded_attention="attention", prepare_attend="attention")
-_getattr, __dir__ = lazy_exports(
+__getattr__, __dir__ = lazy_exports(
     __name__, _PLUMBING, listed=__all__,
     moved={name: "internal to the core; kept for plugins written before" for name in _PLUMBING})
-
-
-def __getattr__(name: str) -> Any:
-    return _getattr(name)

@@ -30,8 +30,8 @@ import mlx.core as mx
 from .. import settings
 from ..cache.frame import active_frame
 from ..constants import arange_constant, constant
-from .cuda_build import CudaKernel
-from .kernels import code_of, on_cuda, serves
+from .cuda_build import CudaKernel, kernel_code
+from .kernels import on_cuda, serves
 
 #: MLX's function, as imported (while a thread traces a forward, the core routes calls of
 #: ``mx.fast.scaled_dot_product_attention`` from that thread through :func:`attend`)
@@ -420,7 +420,7 @@ def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
                   lambda p: _launch(p[0], p[1], p[2], scale, p[3], splits=3 if split else 1),
                   lambda p: folded_attention(*p[:3], scale=scale, mask=p[3]), probe,
                   2e-3 if dtype == mx.float32 else 5e-2, against="MLX's operations",
-                  source=code_of(__file__))
+                  source=kernel_code(__file__))
 
 
 def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, length: int,

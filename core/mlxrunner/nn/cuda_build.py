@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .kernels import kernel_cache_folder
+from .kernels import code_of, kernel_cache_folder
 
 log = logging.getLogger("mlxrunner.nn")
 
@@ -252,3 +252,17 @@ class CudaKernel:
         return list(self._in_mlx()(
             inputs=list(inputs), template=list(template), grid=grid, threadgroup=threadgroup,
             output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes)))
+
+
+def kernel_code(*module_files: str) -> str | None:
+    """What a kept verdict of a kernel depends on (:func:`mlxrunner.nn.kernels.serves`'s
+    ``source``): the texts of the modules that define the kernel and its reference, and how
+    this machine builds it (NVRTC's version, the architecture and headers, this module's
+    text; or MLX's own build). None where a text cannot be read."""
+    texts = [code_of(f) for f in (*module_files, __file__)]
+    if any(t is None for t in texts):
+        return None
+    build = builder()
+    how = "mlx" if build is None else \
+        f"nvrtc {build.nvrtc.version} {build.arch} {' '.join(build.nvrtc.includes)}"
+    return "\0".join([*(t for t in texts if t is not None), how])

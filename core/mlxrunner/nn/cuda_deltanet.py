@@ -15,12 +15,13 @@ interior states from).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from .cuda_build import CudaKernel
-from .kernels import code_of, kernel_allowed, serves
+from .cuda_build import CudaKernel, kernel_code
+from .kernels import kernel_allowed, serves
 
 # Three block-wide float sums at once, for every thread (after the kWarps, red [3 * kWarps],
 # lane and warp declarations of a kernel): the step and block kernels' norms.
@@ -322,6 +323,9 @@ DELTANET_BLOCK_SOURCE = r"""
 
 _kernels: dict[str, Any] = {}
 
+#: the module whose operations the kernels are checked against (part of a kept verdict)
+_DELTANET_FILE = str(Path(__file__).with_name("deltanet.py"))
+
 _INPUTS = ["proj", "conv_tail", "state", "conv_weight", "A_log", "dt_bias", "norm_weight"]
 
 
@@ -398,7 +402,7 @@ def _serves(kind: str, args: tuple[mx.array, ...], fallback: Callable[..., tuple
 
     return serves("deltanet", case, lambda p: _launch(kind, p, *dims), lambda p: fallback(*p),
                   probe, _tolerance(qkv.dtype), against="the compiled MLX operations",
-                  source=code_of(__file__))
+                  source=kernel_code(__file__, _DELTANET_FILE))
 
 
 def step(args: tuple[mx.array, ...], fallback: Callable[..., tuple[mx.array, ...]],

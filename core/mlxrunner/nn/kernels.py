@@ -345,6 +345,11 @@ def serves(name: str, case: Hashable, kernel: Callable[[Any], Outputs],
     return verdict
 
 
+#: the keys of ``mx.device_info()`` that name a device
+STABLE_DEVICE_FACTS = frozenset({"device_name", "architecture", "total_memory",
+                                 "memory_size", "compute_capability"})
+
+
 def lasting_key(name: str, case: Hashable, source: str, tolerance: float,
                 mlx_version: str | None = None, device: str | None = None) -> str:
     """What a kept verdict is filed under: a digest of the kernel's name, case, source and
@@ -352,7 +357,10 @@ def lasting_key(name: str, case: Hashable, source: str, tolerance: float,
     if mlx_version is None:
         mlx_version = str(getattr(mx, "__version__", "?"))
     if device is None:
-        device = json.dumps(mx.device_info(), sort_keys=True, default=str)
+        # what names the device, not what changes while it runs (free memory)
+        info = mx.device_info()
+        device = json.dumps({k: info[k] for k in sorted(info) if k in STABLE_DEVICE_FACTS},
+                            default=str)
     text = "\0".join([name, repr(case), hashlib.sha256(source.encode()).hexdigest(),
                       repr(float(tolerance)), mlx_version, device])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -379,18 +387,25 @@ class VerdictStore:
 
 
 @functools.cache
-def code_of(module_file: str) -> str:
+def code_of(module_file: str) -> str | None:
     """A module's own text: the ``source`` of :func:`serves` for the kernels it defines (any
-    change to the module, a launch constant's included, checks them again)."""
-    return Path(module_file).read_text(encoding="utf-8")
+    change to the module, a launch constant's included, checks them again); None where it
+    cannot be read (then no verdict is kept)."""
+    try:
+        return Path(module_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def kernel_cache_folder() -> Path:
-    """MLX's kernel cache folder (``MLX_PTX_CACHE_DIR``, else MLX's default) with the core's
-    own ``mlxrunner`` folder in it."""
-    folder = settings.current().kernel_cache or os.path.join(
-        tempfile.gettempdir(), "mlx", str(getattr(mx, "__version__", "unknown")), "ptx")
-    return Path(folder) / "mlxrunner"
+    """Where the core keeps what it built and learnt of its kernels: ``mlxrunner/`` in MLX's
+    kernel cache folder when ``MLX_PTX_CACHE_DIR`` names one, else this user's own cache
+    folder (not a shared temporary folder: a cubin found there is run)."""
+    chosen = settings.current().kernel_cache
+    if chosen:
+        return Path(chosen) / "mlxrunner"
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(home) / "mlxrunner" / "kernels" / str(getattr(mx, "__version__", "unknown"))
 
 
 def verdict_store() -> VerdictStore | None:
