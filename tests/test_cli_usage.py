@@ -49,6 +49,9 @@ def test_version_names_the_installed_distribution(tmp_path):
     (["--bogus"], "mlxrunner: error: unrecognized arguments: --bogus"),
     (["run", "--max-tokens", "0"],
      "mlxrunner: error: run: argument --max-tokens/-n/--num-predict: '0' is not"),
+    # the bounds the server's APIs take (it refused what the command line took)
+    (["run", "--temperature", "-1"],
+     "mlxrunner: error: run: argument --temperature: '-1' is not a number >= 0"),
 ])
 def test_a_usage_error_is_one_line_with_one_prefix(tmp_path, args, expected):
     result = cli(*args, cwd=tmp_path)

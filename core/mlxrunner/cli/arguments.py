@@ -22,6 +22,19 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def at_least(minimum: float) -> Callable[[str], float]:
+    """An argparse type: a finite number of at least ``minimum``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not minimum <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number >= {minimum:g}")
+        return value
+    return parse
+
+
 def port(text: str) -> int:
     """An argparse type: a TCP port (0: any free one)."""
     try:

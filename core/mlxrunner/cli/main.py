@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from ..errors import MLXRunnerError, PluginError
 from ..host import manager as plugins
 from . import bench, store
-from .arguments import count, output_format, port
+from .arguments import at_least, count, output_format, port
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -168,7 +168,9 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     from ..decode.options import OPTION_HELP
 
     for name, kind in _sampler_flags().items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+        # the bounds the server's APIs take (the temperature: 0 is greedy, as there)
+        parse = at_least(0.0) if name == "temperature" else kind
+        p.add_argument("--" + name.replace("_", "-"), type=parse, default=None,
                        help=OPTION_HELP.get(name))
     p.add_argument("--logprobs", action="store_true", default=None,
                    help=OPTION_HELP["logprobs"] + " (decodes without drafting)")
