@@ -177,3 +177,44 @@ def test_logprobs_survive_the_batch_compacting_under_a_queued_step(model):
     assert grew >= 8 and scheduler.batch.rows < grew  # it compacted
     assert requests[-1].tokens == alone.tokens
     assert requests[-1].logprobs == alone.logprobs
+
+
+class _FailingConstraint:
+    """A constraint that allows every token, then fails at its ``fail_at``-th mask (or
+    ``advance``): a grammar engine error inside one request."""
+
+    def __init__(self, vocab_size: int, fail_at: int, where: str) -> None:
+        self.words_count = (vocab_size + 31) // 32
+        self.calls, self.fail_at, self.where = 0, fail_at, where
+        self.complete = False
+
+    def words(self):
+        import numpy as np
+
+        self.calls += 1
+        if self.where == "words" and self.calls >= self.fail_at:
+            raise RuntimeError("grammar engine error: stand-in")
+        return np.full(self.words_count, -1, dtype=np.int32)
+
+    def advance(self, token: int) -> None:
+        if self.where == "advance" and self.calls >= self.fail_at:
+            raise RuntimeError("grammar engine error: stand-in")
+
+
+@pytest.mark.parametrize("where", ["words", "advance"])
+def test_one_requests_grammar_failure_ends_it_alone(tiny, where):
+    """A request whose structured output fails mid-way ends with its own error; the rows
+    decoding beside it finish with what each gives alone."""
+    model = tiny("example")
+    prompts = _prompts(model.vocab_size, [6, 4, 8], seed=5)
+    greedy = SamplerOptions(temperature=0)
+    scheduler = Scheduler(model)
+    others = [scheduler.submit(BatchRequest(prompts[i], OPTIONS[i], 12)) for i in (0, 2)]
+    failing = scheduler.submit(BatchRequest(
+        prompts[1], greedy, 12, constraint=_FailingConstraint(model.vocab_size, 4, where)))
+    scheduler.run_until_idle()
+    assert failing.finish_reason == "error" and "stand-in" in str(failing.error)
+    assert len(failing.tokens) < 12
+    for request, i in zip(others, (0, 2)):
+        assert request.finish_reason == "length" and request.error is None
+        assert request.tokens == _alone(model, prompts[i], OPTIONS[i], 12).tokens

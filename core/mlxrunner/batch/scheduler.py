@@ -95,8 +95,11 @@ class BatchRequest:
     prefix_cache: Any = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
-    #: None while running, then "stop" (a stop id or the callback), "length" or "cancel"
+    #: None while running, then "stop" (a stop id or the callback), "length", "cancel" or
+    #: "error" (this request's own structured output failed: :attr:`error`; the other rows
+    #: went on)
     finish_reason: str | None = None
+    error: Exception | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     cancelled: bool = False
 
@@ -155,6 +158,8 @@ class _Sequence:
         self.row = -1
         self.admitted = admitted
         self.decode_start = 0.0
+        #: this sequence's own failure (its grammar), which ends it at its next token
+        self.error: Exception | None = None
 
     @property
     def prompt(self) -> Sequence[int]:
@@ -162,9 +167,14 @@ class _Sequence:
 
     def allowed(self, vocab_size: int) -> mx.array | None:
         """The constraint's mask of the next token ([1, V]), or None."""
-        if self.constraint is None:
+        if self.constraint is None or self.error is not None:
             return None
-        return allowed_rows([self.constraint.words()], vocab_size)
+        try:
+            words = self.constraint.words()
+        except Exception as exc:  # this request's own failure: the batch goes on
+            self.error = exc
+            return None  # (this row's token is drawn unmasked and dropped: see _deliver)
+        return allowed_rows([words], vocab_size)
 
 
 @dataclass
@@ -708,6 +718,9 @@ class Scheduler:
         """Hand a sampled token to its request; returns whether the sequence goes on (else
         it is finished and its row freed)."""
         request = seq.request
+        if seq.error is not None:
+            self._fail(seq, seq.error)
+            return False
         seq.history.append(token)
         request.tokens.append(token)
         request.stats.generated_tokens += 1
@@ -726,7 +739,11 @@ class Scheduler:
             self._finish(seq, "stop")
             return False
         if seq.constraint is not None:
-            seq.constraint.advance(token)
+            try:
+                seq.constraint.advance(token)
+            except Exception as exc:
+                self._fail(seq, exc)
+                return False
             if seq.constraint.complete:
                 self._finish(seq, "stop")
                 return False
@@ -735,6 +752,13 @@ class Scheduler:
             return False
         return True
 
+    def _fail(self, seq: _Sequence, exc: Exception) -> None:
+        """End one sequence on its own failure; the batch's other rows go on."""
+        log.warning("mlxrunner: a request's structured output failed (%s: %s); it ends, the "
+                    "batch goes on", type(exc).__name__, exc)
+        seq.request.error = exc
+        self._finish(seq, "error")
+
     def _finish(self, seq: _Sequence, reason: str) -> None:
         request = seq.request
         if seq.decode_start:
@@ -742,7 +766,7 @@ class Scheduler:
         request.finish_reason = reason
         seq.caches = None
         if seq.row >= 0 and self._running.get(seq.row) is seq:
-            if request.prefix_cache is not None and reason != "cancel":
+            if request.prefix_cache is not None and reason not in ("cancel", "error"):
                 # what the row was fed (a queued step's token included), as generate keeps
                 fed = self.batch.row_offsets[seq.row]
                 solo = self._row_caches(seq.row)

@@ -265,6 +265,10 @@ class Engine:
         """A batched job's reply, from its finished request."""
         request, reply, text = job.request, job.reply, job.text
         assert request is not None and text is not None
+        if request.error is not None:  # this request's own failure (the batch went on)
+            self.counts["failed"] += 1
+            job.future.set_exception(request.error)
+            return
         reply.text = text.finish()
         reply.finish_reason = "cancelled" if request.finish_reason == "cancel" \
             else str(request.finish_reason)
