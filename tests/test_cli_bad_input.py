@@ -218,3 +218,14 @@ def test_every_command_has_a_working_help(capsys):
         if code not in (0, None) or "usage:" not in out:
             failed[" ".join(args) or "(none)"] = (code, err.strip())
     assert failed == {}
+
+
+def test_a_prompt_beyond_the_context_is_one_line_before_any_prefill(tmp_path: Path) -> None:
+    """The demo's context is 4,096 positions; a prompt of about 1.5 times that is refused
+    with its length and the context, without reading it into the model."""
+    result = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "run", "demo-qwen3.5", "-",
+                             "--max-tokens", "2"], input="x " * 6200, capture_output=True,
+                            text=True, cwd=tmp_path, timeout=120)
+    err = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and result.stdout == ""
+    assert len(err) == 1 and "demo-qwen3.5's context is 4096 positions" in err[0], err

@@ -277,3 +277,15 @@ def load(path: str | Path, draft: str | Path | None = None, renderer: str | None
                          "gguf": gguf,
                          "stop": params.get("stop"),
                          "system": modelfile.system if modelfile else None})
+
+
+def context_length(bundle: Bundle) -> int | None:
+    """The model's context (positions it was made for), where its config says."""
+    configs = [bundle.config, bundle.config.get("text_config") or {}]
+    for config in configs:
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions",
+                    "seq_length"):
+            value = config.get(key) if isinstance(config, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None

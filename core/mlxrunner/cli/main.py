@@ -354,6 +354,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     prompt_text, prompt_ids = build_prompt(bundle, prompt, raw=args.raw, system=args.system,
                                            think=think)
+    from ..bundle import context_length
+
+    context = context_length(bundle)
+    if context is not None and len(prompt_ids) >= context:
+        raise MLXRunnerError(f"the prompt is {len(prompt_ids)} tokens; {model_arg}'s context is "
+                             f"{context} positions")
     tok = bundle.tokenizer
     stop_ids = bundle.stop_token_ids()
     stream = not args.json

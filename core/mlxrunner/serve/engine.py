@@ -24,7 +24,7 @@ from http import HTTPStatus
 from typing import Any
 
 from ..batch import BatchRequest, Scheduler
-from ..bundle import Bundle
+from ..bundle import Bundle, context_length
 from ..cache import prefix_cache_for
 from ..chat.streaming import TextStream
 from ..decode.generation import generate
@@ -395,18 +395,6 @@ class Engine:
 def _first_stop(text: str, stops: list[str]) -> str | None:
     found = [(text.find(s), s) for s in stops if s in text]
     return min(found)[1] if found else None
-
-
-def context_length(bundle: Bundle) -> int | None:
-    """The model's context (positions it was made for), where its config says."""
-    configs = [bundle.config, bundle.config.get("text_config") or {}]
-    for config in configs:
-        for key in ("max_position_embeddings", "max_sequence_length", "n_positions",
-                    "seq_length"):
-            value = config.get(key) if isinstance(config, Mapping) else None
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
 
 
 @dataclass
