@@ -291,6 +291,27 @@ def test_cli_runs_and_shows_a_gguf_file(tmp_path, tokenizer):
     show = _cli("show", str(tmp_path / "tiny.gguf"))
     assert show.returncode == 0, show.stderr
     assert "GGUF" in show.stdout and "Q8_0" in show.stdout
+    assert f"model             {tmp_path / 'tiny.gguf'}" in show.stdout
+
+
+def test_a_served_gguf_model_says_its_format_and_size(tmp_path, tokenizer):
+    """/api/tags and /api/show of a GGUF model: format gguf, the file's size, its weights'
+    type (they said safetensors and 0)."""
+    httpx = pytest.importorskip("httpx")
+    from mlxrunner.serve import Listener, Service, bind, create_app
+
+    config = _config(tokenizer)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, config, _hf_weights(config, seed=6), tokenizer, Q.Q8_0)
+    service = Service(mlxrunner.load(path), name="tiny")
+    listener = Listener(create_app(service), bind("127.0.0.1", 0)).start()
+    try:
+        entry = httpx.get(listener.url + "/api/tags").json()["models"][0]
+        assert entry["size"] == path.stat().st_size
+        assert entry["details"]["format"] == "gguf"
+        assert entry["details"]["quantization_level"] == "Q8_0"
+    finally:
+        listener.stop()
 
 
 def _corrupt(path: Path, at: int, data: bytes) -> None:

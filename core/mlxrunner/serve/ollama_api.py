@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 from importlib import metadata
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -235,12 +236,18 @@ def _digest(service: Service) -> str:
 
 def _details(service: Service) -> dict[str, Any]:
     config = service.bundle.config
-    return {"parent_model": "", "format": "safetensors",
+    gguf = service.bundle.extra.get("gguf")
+    if gguf is not None:  # llama.cpp's file: its own tensor types (the first, the weights')
+        level = gguf.type_names()[0] if gguf.type_names() else ""
+    elif config.get("quantization"):
+        level = f"Q{config['quantization'].get('bits', 4)}"
+    else:
+        level = str(config.get("dtype", config.get("torch_dtype", "")))
+    return {"parent_model": "", "format": "gguf" if gguf is not None else "safetensors",
             "family": str(config.get("model_type", "")),
             "families": [str(config.get("model_type", ""))],
             "parameter_size": _parameter_size(service),
-            "quantization_level": "Q4" if config.get("quantization") else
-            str(config.get("dtype", config.get("torch_dtype", "")))}
+            "quantization_level": level}
 
 
 def _parameter_size(service: Service) -> str:
@@ -252,6 +259,10 @@ def _parameter_size(service: Service) -> str:
 
 
 def _size(service: Service) -> int:
+    """The model's weights on disk: its GGUF file, or its safetensors files."""
+    gguf = service.bundle.extra.get("gguf")
+    if gguf is not None:
+        return int(Path(gguf.path).stat().st_size)
     return sum(f.stat().st_size for f in service.bundle.path.glob("*.safetensors"))
 
 
