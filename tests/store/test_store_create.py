@@ -69,6 +69,7 @@ def test_create_list_show_run_rm_with_a_quantized_target_and_draft(demo_model, s
     assert "created tiny:q4 (q4, draft q8" in out
 
     listing = run_cli(capsys, "list").splitlines()
+    assert run_cli(capsys, "ls").splitlines() == listing  # ollama's other name for it
     assert listing[0].split() == ["NAME", "SIZE", "ARCHITECTURE", "PRECISION", "DRAFT",
                                   "MODIFIED"]
     assert listing[1].split()[:1] + listing[1].split()[3:6] == [

@@ -35,23 +35,28 @@ class CommandRegistry:
     def command(self, name: str, help: str,
                 add_arguments: Callable[[argparse.ArgumentParser], None],
                 run: Callable[[argparse.Namespace], int | None], *,
-                plugin: str = "mlxrunner") -> None:
-        """Add command ``name``; ``plugin`` (the plugin host passes it) names who adds it.
-        A name already taken is a PluginError naming both; nothing is added. Should
-        ``add_arguments`` raise, the half-built command is taken out again."""
-        if name in self.handlers:
-            owner = self.owners[name]
-            raise PluginError(f"command {name!r} is registered by both {owner} and {plugin}; "
-                              f"the name stays with {owner} (the later registration is "
-                              "skipped)")
-        parser = self._subparsers.add_parser(name, help=help, description=help)
+                plugin: str = "mlxrunner", aliases: Sequence[str] = ()) -> None:
+        """Add command ``name`` (and its ``aliases``, other names of it); ``plugin`` (the
+        plugin host passes it) names who adds it. A name already taken is a PluginError
+        naming both; nothing is added. Should ``add_arguments`` raise, the half-built
+        command is taken out again."""
+        for taken in (name, *aliases):
+            if taken in self.handlers:
+                owner = self.owners[taken]
+                raise PluginError(f"command {taken!r} is registered by both {owner} and "
+                                  f"{plugin}; the name stays with {owner} (the later "
+                                  "registration is skipped)")
+        parser = self._subparsers.add_parser(name, help=help, description=help,
+                                             aliases=list(aliases))
         try:
             add_arguments(parser)
         except BaseException:
-            self._remove_parser(name)
+            for added in (name, *aliases):
+                self._remove_parser(added)
             raise
-        self.handlers[name] = run
-        self.owners[name] = plugin
+        for added in (name, *aliases):
+            self.handlers[added] = run
+            self.owners[added] = plugin
 
     def _remove_parser(self, name: str) -> None:
         """Undo ``add_parser(name)`` (argparse has no public way to)."""

@@ -139,7 +139,7 @@ def register(command: Callable[..., None]) -> None:
 
     command("pull", "fetch a model into the store (a registered name, or a Hugging Face "
             "repository org/name)", lambda p: p.add_argument("name"), cmd_pull)
-    command("list", "list the models in the store", add_list, cmd_list)
+    command("list", "list the models in the store", add_list, cmd_list, aliases=("ls",))
     command("rm", "delete models from the store",
             lambda p: p.add_argument("names", nargs="+", metavar="NAME"), cmd_rm)
 
