@@ -13,6 +13,7 @@ NVRTC cannot be loaded or the build fails, the kernel is ``mx.fast.cuda_kernel``
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import hashlib
 import logging
@@ -254,6 +255,7 @@ class CudaKernel:
             output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes)))
 
 
+@functools.cache  # (asked at every attend on CUDA: worked out once)
 def kernel_code(*module_files: str) -> str | None:
     """What a kept verdict of a kernel depends on (:func:`mlxrunner.nn.kernels.serves`'s
     ``source``): the texts of the modules that define the kernel and its reference, and how
