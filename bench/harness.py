@@ -10,6 +10,8 @@ import argparse
 import gc
 import json
 import os
+import platform
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -233,6 +235,36 @@ def print_nodes(nodes: dict[str, dict[str, Any]], top: int = 10) -> None:
                                            list(n["by_kernel"].items())[:top]), flush=True)
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser, repeats: int) -> None:
+    """A decoder bench's run: dtype, prompt and generated tokens, repeats, ``--quick``
+    (:func:`quick_shape`)."""
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=128, help="generated tokens")
+    parser.add_argument("--repeats", type=int, default=repeats, help="timed runs per row")
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU-sized run: 4 layers, vocabulary 16384, prompt 128, 16 new")
+
+
+def quick_shape(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a copy), cut to the ``--quick`` shape where asked."""
+    config = dict(config)
+    if args.quick:
+        config.update(num_hidden_layers=4, vocab_size=16384)
+        args.prompt, args.new = 128, 16
+    return config
+
+
+def results_header(shape: str, config: dict[str, Any], args: argparse.Namespace,
+                   device: str) -> dict[str, Any]:
+    """What a decoder bench's JSON starts with: the shape, the run and the machine."""
+    return {"config": shape, "layers": config["num_hidden_layers"],
+            "vocab": config["vocab_size"], "dtype": args.dtype, "prompt": args.prompt,
+            "new": args.new, "device": device, "mlx": mx.__version__,
+            "platform": platform.platform(), "mlx_settings": mlx_settings(),
+            "repeats": args.repeats, "mlx_lm": None}
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options every model bench takes, after its own: mlx-lm skip, JSON path, seed."""
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm comparison")
@@ -289,6 +321,13 @@ def record_reference(results: dict[str, Any], best: dict[str, float],
                                                          theirs[f"{key}_runs"]))
             for key in ("prefill", "decode")}
     return results["ratio"]
+
+
+def ratio_spread(ours: list[float], theirs: list[float]) -> dict[str, float]:
+    """The per-repeat ratios of two rows' rates (the rows took turns): median and range."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "n": len(ratios)}
 
 
 def write_json(path: Path | None, results: dict[str, Any]) -> None:

@@ -13,7 +13,6 @@ each queued before the previous token is read).
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 from typing import Any
 
@@ -60,12 +59,7 @@ def build_mlx_lm(config: dict[str, Any], weights: dict[str, mx.array]) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    parser.add_argument("--new", type=int, default=128, help="generated tokens")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (best kept)")
-    parser.add_argument("--quick", action="store_true",
-                        help="CPU-sized run: 4 layers, vocabulary 16384, prompt 128, 16 new")
+    harness.add_shape_arguments(parser, repeats=3)
     parser.add_argument("--narrow", action="store_true",
                         help="the same layers and operations at a width (hidden 256, "
                         "vocabulary 2048) that leaves the GPU idle: a step's host time alone")
@@ -74,10 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
     harness.apply_common_arguments(args)
-    config = dict(LLAMA_3_2_1B)
-    if args.quick:
-        config.update(num_hidden_layers=4, vocab_size=16384)
-        args.prompt, args.new = 128, 16
+    config = harness.quick_shape(args, LLAMA_3_2_1B)
     if args.narrow:
         config.update(hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                       num_key_value_heads=1, vocab_size=2048)
@@ -103,13 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                key=mx.random.key(args.seed))
     reference, reference_version = harness.load_reference(
         lambda: build_mlx_lm(config, weights), skip=args.no_mlx_lm)
-    results: dict[str, Any] = {
-        "config": shape, "layers": config["num_hidden_layers"],
-        "vocab": config["vocab_size"], "dtype": args.dtype, "prompt": args.prompt,
-        "new": args.new, "device": device, "mlx": mx.__version__,
-        "platform": platform.platform(), "mlx_settings": harness.mlx_settings(),
-        "mlx_lm": None,
-    }
+    results = harness.results_header(shape, config, args, device)
     if reference is not None:
         harness.record_parity(ours, reference, prompt, results)
     rows: dict[str, Any] = {"mlxrunner": ours}

@@ -12,8 +12,6 @@ range; the run also says whether the compiled step stayed on and how many steps 
 from __future__ import annotations
 
 import argparse
-import platform
-import statistics
 import sys
 from typing import Any
 
@@ -47,28 +45,14 @@ def build_mlx_lm(config: dict[str, Any], weights: dict[str, mx.array]) -> Any:
     return model
 
 
-def spread(runs_a: list[float], runs_b: list[float]) -> dict[str, float]:
-    ratios = [a / b for a, b in zip(runs_a, runs_b)]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-            "n": len(ratios)}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    parser.add_argument("--new", type=int, default=128, help="generated tokens")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row")
-    parser.add_argument("--quick", action="store_true",
-                        help="CPU-sized run: 4 layers, vocabulary 16384, prompt 128, 16 new")
+    harness.add_shape_arguments(parser, repeats=5)
     harness.add_switched_argument(parser, "compile=0")
     harness.add_common_arguments(parser)
     args = parser.parse_args(argv)
     harness.apply_common_arguments(args)
-    config = dict(QWEN3_0_6B)
-    if args.quick:
-        config.update(num_hidden_layers=4, vocab_size=16384)
-        args.prompt, args.new = 128, 16
+    config = harness.quick_shape(args, QWEN3_0_6B)
     dtype = DTYPES[args.dtype]
     device = str(mx.default_device())
     print(f"Qwen3 bench (written as the docs teach): 0.6B shape (layers "
@@ -88,13 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                                key=mx.random.key(args.seed))
     reference, reference_version = harness.load_reference(
         lambda: build_mlx_lm(config, weights), skip=args.no_mlx_lm)
-    results: dict[str, Any] = {
-        "config": "Qwen3-0.6B shape", "layers": config["num_hidden_layers"],
-        "vocab": config["vocab_size"], "dtype": args.dtype, "prompt": args.prompt,
-        "new": args.new, "device": device, "mlx": mx.__version__,
-        "platform": platform.platform(), "mlx_settings": harness.mlx_settings(),
-        "repeats": args.repeats, "mlx_lm": None,
-    }
+    results = harness.results_header("Qwen3-0.6B shape", config, args, device)
     if reference is not None:
         harness.record_parity(ours, reference, prompt, results)
     rows: dict[str, Any] = {"mlxrunner": ours}
@@ -115,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if reference is not None:
         harness.record_reference(results, best["mlx-lm"], reference_version)
         for key in ("decode", "prefill"):
-            s = spread(best["mlxrunner"][f"{key}_runs"], best["mlx-lm"][f"{key}_runs"])
+            s = harness.ratio_spread(best["mlxrunner"][f"{key}_runs"],
+                                     best["mlx-lm"][f"{key}_runs"])
             results[f"{key}_ratio_spread"] = s
             print(f"  {key} mlxrunner / mlx-lm: median {s['median']:.2f}x "
                   f"(range {s['min']:.2f}-{s['max']:.2f}, {s['n']} repeats)", flush=True)
