@@ -1,101 +1,174 @@
-"""The default model with its draft against plain decoding, on held-out chat prompts.
+"""The default model on this machine's CPU: mlxrunner against llama.cpp on the same GGUF file.
 
-For each held-out prompt (``plugins/smollm2/recipe/prompts.py``, subjects the draft never
-trained on), greedy: plain decoding, then speculative decoding with the pair's draft, both
-on one warm model in this process. Reports per prompt and in total: tokens, tokens/s of
-each, tau (tokens committed per target forward of a round), whether the outputs are
-identical, and the speedup (speculative tokens/s over plain tokens/s, summed over prompts).
+Rows, each a median over ``--repeats`` rounds in which the tools take turns (one process
+each, both loaded, greedy, the same token ids):
 
-    python bench/default_model.py [MODEL] [--prompts 40] [--max-tokens 256] [--json F]
+- ``decode``: tokens/s writing ``--max-tokens`` tokens after a short chat prompt (ours:
+  ``mlxrunner.generate``'s decode rate; llama.cpp: ``Llama.eval`` of one token at a time
+  after greedy sampling, as its generate loop does).
+- ``prompt``: tokens/s reading a ``--prompt-tokens`` prompt from an empty cache.
+- ``first token``: seconds from a chat turn "Hi" (rendered with the model's own template)
+  to its first token in a process that has just loaded the model, as the conversation
+  meets it (ours only; a fresh process per repeat).
 
-MODEL defaults to ``default``; the machine is named in the JSON (device, platform).
+llama.cpp comes from llama-cpp-python (an optional bench dependency: ``pip install
+llama-cpp-python``; the rows are skipped without it), run with 1 thread and with every core
+(``--llama-threads``). CPU figures on a shared machine move by 30%: compare the ratio
+medians, whose range is printed beside them.
+
+    python bench/default_model.py [--model default] [--repeats 5] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
 import mlxrunner
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "plugins" / "smollm2" / "recipe"))
-from prompts import prompts  # noqa: E402
+PROMPT = "Write a short poem about the sea."
+LONG_TEXT = ("The history of the sea is long, and sailors have told stories about it for as "
+             "long as there have been ships. ")
 
 
-def run_one(bundle: Any, ids: list[int], max_tokens: int, draft: Any) -> tuple[Any, float]:
+def gguf_file(bundle: Any, model: str) -> Path:
+    """The GGUF file the bundle was loaded from."""
+    path = Path(bundle.path)
+    if path.is_file():
+        return path
+    files = sorted(path.glob("*.gguf"))
+    if not files:
+        raise SystemExit(f"{model}: not a GGUF model ({path})")
+    return files[0]
+
+
+def ours_rates(bundle: Any, chat_ids: list[int], long_ids: list[int],
+               max_tokens: int) -> tuple[float, float]:
     greedy = mlxrunner.SamplerOptions(temperature=0)
-    t0 = time.perf_counter()
-    result = mlxrunner.generate(bundle.model, ids, options=greedy, max_tokens=max_tokens,
-                                eos_ids=bundle.stop_token_ids(), draft=draft)
-    return result, time.perf_counter() - t0
+    decoded = mlxrunner.generate(bundle.model, chat_ids, options=greedy, max_tokens=max_tokens)
+    read = mlxrunner.generate(bundle.model, long_ids, options=greedy, max_tokens=1)
+    return decoded.stats.tokens_per_second, read.stats.prefill_tokens_per_second
+
+
+def llama_rates(llm: Any, chat_ids: list[int], long_ids: list[int],
+                max_tokens: int) -> tuple[float, float]:
+    llm.reset()
+    llm.eval(chat_ids)
+    start = time.perf_counter()
+    for _ in range(max_tokens):
+        token = llm.sample(temp=0.0)
+        llm.eval([token])
+    decode = max_tokens / (time.perf_counter() - start)
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(long_ids)
+    prompt = len(long_ids) / (time.perf_counter() - start)
+    return decode, prompt
+
+
+FIRST_TOKEN = """
+import sys, time, mlxrunner
+bundle = mlxrunner.load(sys.argv[1])
+start = time.perf_counter()
+ids = bundle.tokenizer.encode(bundle.renderer.render([{"role": "user", "content": "Hi"}]))
+seen = []
+mlxrunner.generate(bundle.model, ids, options=mlxrunner.SamplerOptions(temperature=0),
+                   max_tokens=1, on_token=lambda t: seen.append(time.perf_counter()))
+print(seen[0] - start)
+"""
+
+
+def first_token_seconds(model: str) -> float:
+    out = subprocess.run([sys.executable, "-c", FIRST_TOKEN, model], capture_output=True,
+                         text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", default="default")
-    ap.add_argument("--prompts", type=int, default=40)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=2, help="prompts run first, not counted")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=320)
+    ap.add_argument("--llama-threads", default=f"1,{os.cpu_count() or 1}",
+                    help="comma-separated thread counts for llama.cpp")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+
     bundle = mlxrunner.load(args.model)
-    if bundle.draft is None:
-        print(f"{args.model}: has no draft", file=sys.stderr)
-        return 1
-    texts = prompts("heldout", args.prompts + args.warmup)
-    rows = []
-    print(f"{'prompt':52} {'tokens':>6} {'plain/s':>8} {'spec/s':>8} {'tau':>5} same",
-          flush=True)
-    for n, text in enumerate(texts):
-        rendered = bundle.renderer.render([{"role": "user", "content": text}])
-        ids = bundle.tokenizer.encode(rendered)
-        plain, plain_s = run_one(bundle, ids, args.max_tokens, None)
-        spec, spec_s = run_one(bundle, ids, args.max_tokens, bundle.draft)
-        if n < args.warmup:
-            continue
-        stats = spec.stats
-        rows.append({"prompt": text, "tokens": len(plain.tokens),
-                     "plain_decode_s": plain.stats.decode_seconds,
-                     "spec_decode_s": stats.decode_seconds,
-                     "plain_total_s": plain_s, "spec_total_s": spec_s,
-                     "rounds": stats.rounds, "committed_in_rounds": stats.committed_in_rounds,
-                     "tau": stats.tau,
-                     "identical": spec.tokens == plain.tokens})
-        r = rows[-1]
-        print(f"{r['prompt'][:52]:52} {r['tokens']:6d} "
-              f"{r['tokens'] / max(r['plain_decode_s'], 1e-9):8.1f} "
-              f"{r['tokens'] / max(r['spec_decode_s'], 1e-9):8.1f} {r['tau']:5.2f} "
-              f"{'yes' if r['identical'] else 'NO'}", flush=True)
-    tokens = sum(r["tokens"] for r in rows)
-    plain_s = sum(r["plain_decode_s"] for r in rows)
-    spec_s = sum(r["spec_decode_s"] for r in rows)
-    rounds = sum(r["rounds"] for r in rows)
-    committed = sum(r["committed_in_rounds"] for r in rows)
-    summary = {
-        "model": str(bundle.path), "draft": str(bundle.draft_path),
-        "device": str(mx.default_device()), "platform": platform.platform(),
-        "prompts": len(rows), "tokens": tokens,
-        "plain_tokens_per_s": tokens / plain_s if plain_s else 0.0,
-        "spec_tokens_per_s": tokens / spec_s if spec_s else 0.0,
-        "speedup": plain_s / spec_s if spec_s else 0.0,
-        "tau": committed / rounds if rounds else 0.0,
-        "identical": all(r["identical"] for r in rows),
-    }
-    print(f"total: {tokens} tokens, plain {summary['plain_tokens_per_s']:.1f} tok/s, "
-          f"speculative {summary['spec_tokens_per_s']:.1f} tok/s, speedup "
-          f"{summary['speedup']:.2f}x, tau {summary['tau']:.2f}, identical "
-          f"{summary['identical']} ({summary['device']})")
+    tokenizer = bundle.tokenizer
+    chat_ids = tokenizer.encode(bundle.renderer.render([{"role": "user", "content": PROMPT}]))
+    long_ids = tokenizer.encode(LONG_TEXT * (1 + args.prompt_tokens // 20))[:args.prompt_tokens]
+    # a warm-up: first-use checks, the host kernels' build
+    ours_rates(bundle, chat_ids, long_ids[:32], 8)
+
+    peers: dict[str, Any] = {}
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama-cpp-python is not installed: its rows are skipped "
+              "(pip install llama-cpp-python)", file=sys.stderr)
+    else:
+        path = gguf_file(bundle, args.model)
+        for threads in sorted({int(t) for t in args.llama_threads.split(",") if t.strip()}):
+            llm = Llama(str(path), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+                        verbose=False)
+            llama_rates(llm, chat_ids, long_ids[:32], 8)
+            peers[f"llama.cpp {threads} thread{'s' if threads > 1 else ''}"] = llm
+
+    ours: dict[str, list[float]] = {"decode": [], "prompt": []}
+    theirs: dict[str, dict[str, list[float]]] = {n: {"decode": [], "prompt": []} for n in peers}
+    for _ in range(args.repeats):
+        d, p = ours_rates(bundle, chat_ids, long_ids, args.max_tokens)
+        ours["decode"].append(d)
+        ours["prompt"].append(p)
+        for name, llm in peers.items():
+            d, p = llama_rates(llm, chat_ids, long_ids, args.max_tokens)
+            theirs[name]["decode"].append(d)
+            theirs[name]["prompt"].append(p)
+    first = [first_token_seconds(args.model) for _ in range(args.repeats)]
+
+    rows: list[dict[str, Any]] = []
+    for what in ("decode", "prompt"):
+        row: dict[str, Any] = {"row": what, "unit": "tokens/s", "ours": spread(ours[what])}
+        for name in peers:
+            ratios = [a / b for a, b in zip(ours[what], theirs[name][what])]
+            row[name] = spread(theirs[name][what])
+            row[f"ours / {name}"] = spread(ratios)
+        rows.append(row)
+    rows.append({"row": "first token of 'Hi'", "unit": "s", "ours": spread(first)})
+
+    header = f"{'':22} {'ours':>16}" + "".join(f" {n:>22} {'ratio':>18}" for n in peers)
+    print(header)
+    for row in rows:
+        o = row["ours"]
+        line = f"{row['row'] + ' (' + row['unit'] + ')':22} {o['median']:8.2f} " \
+               f"[{o['min']:.1f}-{o['max']:.1f}]"
+        for name in peers:
+            if name in row:
+                t, r = row[name], row[f"ours / {name}"]
+                line += f" {t['median']:12.1f} [{t['min']:.0f}-{t['max']:.0f}]" \
+                        f" {r['median']:6.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
+        print(line)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+        result = {"bench": "default_model", "model": args.model,
+                  "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                              "cpus": os.cpu_count()},
+                  "repeats": args.repeats, "max_tokens": args.max_tokens,
+                  "prompt_tokens": len(long_ids), "rows": rows}
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

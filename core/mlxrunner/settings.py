@@ -13,8 +13,9 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_ROW_PRODUCTS`` (``1``/``0``): on CUDA, short products (a few rows) as one-row
   products (see ``mlxrunner.nn.kernels.project``).
 - ``MLXRUNNER_HOST_PRODUCTS`` (``1``/``0``): on MLX's CPU device off macOS, float32 products
-  through numpy's BLAS, quantized weights dequantized once for them, the decode steps that
-  run enough of them eager (see ``mlxrunner.nn.kernels.host_products``).
+  on the host (numpy's BLAS; quantized weights through the core's C loops, see
+  ``mlxrunner.nn.host_quantized``), the decode steps that run enough of them eager, and the
+  core's layers on the host in the forwards run to generate (``mlxrunner.nn.host_ops``).
 - ``MLXRUNNER_LOAD_PLUGINS``: the plugins that load (comma-separated distribution or entry
   point names, as ``mlxrunner plugins`` lists them, compared as PEP 503 normalises them;
   empty: none; unset: all; a name no installed plugin has is one warning). The core's

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from ..cache.prefix import PrefixCache
 from ..model.interface import Model
+from ..nn.host_ops import hosting
 from .grammar import Constraint, allowed_rows
 from .sampler import Sampler, penalties_active
 from .step import forward
@@ -97,11 +98,14 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
         chunk_ids = ids[:, begin:end]
         extra: Sequence[mx.array] = ()
         if taps:
-            out, tapped = cast("tuple[mx.array, mx.array]", model(chunk_ids, cache, taps=taps))
+            with hosting():
+                out, tapped = cast("tuple[mx.array, mx.array]",
+                                   model(chunk_ids, cache, taps=taps))
             tapped_parts.append(tapped)
             extra = on_taps(tapped) if on_taps is not None else (tapped,)
         else:
-            out = cast(mx.array, model(chunk_ids, cache))
+            with hosting():
+                out = cast(mx.array, model(chunk_ids, cache))
         # Only the last chunk's logits are wanted: earlier chunks evaluate the caches alone,
         # so their vocabulary head (the widest matmul) is never computed.
         wanted = []

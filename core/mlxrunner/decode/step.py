@@ -41,6 +41,7 @@ from ..cache import RowFrame, TraceFrame, framing
 from ..cache.frame import active_frame
 from ..nn import attend
 from ..nn.attention import mlx_attention
+from ..nn.host_ops import hosting
 from ..nn.kernels import host_bound, host_declined
 
 log = logging.getLogger("mlxrunner.decode")
@@ -57,7 +58,14 @@ ATTRIBUTE = "_mlxrunner_steps"
 def forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
             taps: Sequence[int] | None = None) -> Any:
     """``model(ids, caches)`` (``taps=taps``: ``(logits, tapped)``), through a traced forward
-    where one applies (see the module)."""
+    where one applies (see the module); an eager one with the core's layers on the host
+    where products run there (:mod:`mlxrunner.nn.host_ops`)."""
+    with hosting():
+        return _forward(model, ids, caches, taps)
+
+
+def _forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
+             taps: Sequence[int] | None) -> Any:
     taps = None if taps is None else tuple(int(t) for t in taps)
     if caches is not None and settings.current().compile:
         result = compiled_steps(model).forward(ids, caches, taps)

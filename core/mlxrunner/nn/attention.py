@@ -31,6 +31,7 @@ from .. import settings
 from ..cache.frame import active_frame
 from ..constants import arange_constant, constant
 from .cuda_build import CudaKernel, kernel_code
+from .host_ops import host_attention
 from .kernels import on_cuda, serves
 
 #: MLX's function, as imported (while a thread traces a forward, the core routes calls of
@@ -146,6 +147,9 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
         if chosen == "kernel" and _kernel_serves(q, keys, values, mask):
             return _launch(q, keys, values, scale, mask)
         return folded_attention(q, keys, values, scale=scale, mask=mask)
+    hosted = host_attention(q, keys, values, mask, scale) if frame is None else None
+    if hosted is not None:
+        return hosted
     return mlx_attention(q, keys, values, scale=scale, mask=mask)
 
 

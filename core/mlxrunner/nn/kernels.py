@@ -195,6 +195,12 @@ def host_declined() -> int:
     return getattr(_declined, "count", 0)
 
 
+def note_declined(work: int) -> None:
+    """Count ``work`` multiply-adds of a host product a traced function asked for (see
+    :func:`host_declined`)."""
+    _declined.count = host_declined() + work
+
+
 def host_bound(declined: int) -> bool:
     """Whether the host products traced since :func:`host_declined` returned ``declined``
     add up to ``HOST_TRACE_MIN_WORK``: that trace should give way to eager forwards."""
@@ -210,7 +216,7 @@ def host_matmul(x: mx.array, weight_t: mx.array) -> mx.array | None:
     try:
         y = cast(mx.array, _host_matmul(x.reshape(rows, x.shape[-1]), weight_t))
     except ValueError:  # "[eval] ... not allowed" while tracing
-        _declined.count = host_declined() + rows * x.shape[-1] * weight_t.shape[-1]
+        note_declined(rows * x.shape[-1] * weight_t.shape[-1])
         return None
     return y.reshape(*x.shape[:-1], weight_t.shape[-1])
 

@@ -7,13 +7,15 @@ checkpoint names and shapes: on first use their weights are concatenated along t
 rows and each layer's arrays are rebound to row views of the concatenation, so memory is not
 doubled; new weights loaded later (other array objects) are noticed and packed again.
 
-Where products run on the host BLAS (:func:`mlxrunner.nn.host_products`), a quantized
-layer's weights are dequantized to float32 once, on first use, and its products read that
-copy: on these CPUs MLX's quantized loops cost as much as its reference float product,
-several times the host's (bench/cpu_products.py). The copy costs 4 bytes per weight (the
-default model's 135M: 540 MB beside its 98 MB of quantized weights); copies stop while
-MLX's memory would pass ``DEQUANTIZED_MEMORY_SHARE`` of the machine's, and the layers past
-that keep MLX's quantized product.
+Where products run on the host (:func:`mlxrunner.nn.host_products`), a 4- or 8-bit quantized
+layer's products in the core's forwards for generation read its quantized words through the
+core's C loops (:mod:`mlxrunner.nn.host_quantized`). Elsewhere (no C compiler, another width,
+a gradient) its weights are dequantized to float32 once, on first use, for numpy's BLAS: on
+these CPUs MLX's quantized loops cost as much as its reference float product, several times
+the host's (bench/cpu_products.py). The copy costs 4 bytes per weight (the default model's
+135M: 540 MB beside its 98 MB of quantized weights); copies stop while MLX's memory would
+pass ``DEQUANTIZED_MEMORY_SHARE`` of the machine's, and the layers past that keep MLX's
+quantized product.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .derived import derived
+from .host_ops import host_active, host_add, host_split
+from .host_quantized import host_quantized_product
 from .kernels import host_eligible, host_project, project
 from .parallel import REDUCE, Parallel
 
@@ -62,15 +66,23 @@ def apply_linear(layer: nn.Module, x: mx.array, residual: mx.array | None = None
     if group is not None:
         return _reduced(layer, x, residual, group)
     if _is_float(layer) and "scales" not in layer:
+        w_t = _transposed(layer)
         bias = layer.get("bias")
-        if bias is not None:
-            w_t = _transposed(layer)
+        if bias is None:
+            if residual is None or not host_active():
+                return project(x, w_t, residual)
+            y = project(x, w_t)
+        else:
             hosted = host_project(x, w_t)
-            y = mx.addmm(bias, x, w_t) if hosted is None else hosted + bias
-            return y if residual is None else y + residual
-        return project(x, _transposed(layer), residual)
+            y = mx.addmm(bias, x, w_t) if hosted is None else _add(hosted, bias)
+        return y if residual is None else _add(y, residual)
     y = _quantized_product(layer, x) if _is_quantized(layer) else layer(x)
-    return y if residual is None else residual + y
+    return y if residual is None else _add(y, residual)
+
+
+def _add(y: mx.array, residual: mx.array) -> mx.array:
+    hosted = host_add(y, residual)
+    return residual + y if hosted is None else hosted
 
 
 def _reduced(layer: nn.Module, x: mx.array, residual: mx.array | None,
@@ -93,14 +105,19 @@ def _reduced(layer: nn.Module, x: mx.array, residual: mx.array | None,
 def _quantized_product(layer: nn.Module, x: mx.array, with_bias: bool = True) -> mx.array:
     """``x`` times a quantized layer's weights, transposed (``nn.QuantizedLinear`` and
     ``nn.QuantizedEmbedding.as_linear``), plus its bias."""
-    w_t = _dequantized_t(layer, x)
-    y = None if w_t is None else host_project(x, w_t)
+    weight = layer["weight"]
+    in_dims = weight.shape[1] * 32 // layer.bits
+    y = host_quantized_product(layer, x) if host_eligible(x, in_dims, weight.shape[0]) \
+        else None
+    if y is None:
+        w_t = _dequantized_t(layer, x)
+        y = None if w_t is None else host_project(x, w_t)
     if y is None:
         y = mx.quantized_matmul(x, layer["weight"], scales=layer["scales"],
                                 biases=layer.get("biases"), transpose=True,
                                 group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
     bias = layer.get("bias") if with_bias else None
-    return y if bias is None else y + bias
+    return y if bias is None else _add(y, bias)
 
 
 _over_budget_said = False
@@ -228,9 +245,12 @@ class _Pack:
         if self.joined is None:
             return None, [apply_linear(layer, x) for layer in self.layers]
         y = apply_linear(self.joined, x)
+        if not self.cuts:
+            return y, [y]
+        hosted = host_split(y, self.cuts)
         # (mx.split's stub says it returns an array: it returns a list)
         return y, (mx.split(y, self.cuts, axis=-1)  # type: ignore[return-value]
-                   if self.cuts else [y])
+                   if hosted is None else hosted)
 
 
 def _pack_kind(layers: tuple[nn.Module, ...]) -> tuple[Any, ...] | None:

@@ -8,6 +8,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .host_ops import host_silu_mul
 from .linear import Linear, apply_linear, linears
 from .parallel import Column, Row
 
@@ -60,4 +61,6 @@ class GatedMLP(nn.Module):
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         """``mlp(x)`` (``+ residual``, added in the down projection)."""
         gate, up = linears(x, self.gate_proj, self.up_proj)
-        return apply_linear(self.down_proj, self._act(gate, up), residual)
+        hosted = host_silu_mul(gate, up) if self._act is silu_mul else None
+        return apply_linear(self.down_proj, self._act(gate, up) if hosted is None else hosted,
+                            residual)

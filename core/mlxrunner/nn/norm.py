@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .derived import derived
+from .host_ops import host_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -27,12 +28,15 @@ class RMSNorm(nn.Module):
             w.astype(mx.float32) + self.offset).astype(w.dtype))
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.applied_weight(), self.eps)
+        weight = self.applied_weight()
+        hosted = host_rms_norm(x, weight, self.eps)
+        return mx.fast.rms_norm(x, weight, self.eps) if hosted is None else hosted
 
 
 def rms_norm(x: mx.array, eps: float = 1e-6) -> mx.array:
     """The weightless RMS norm ``x / rms(x)``."""
-    return mx.fast.rms_norm(x, None, eps)
+    hosted = host_rms_norm(x, None, eps)
+    return mx.fast.rms_norm(x, None, eps) if hosted is None else hosted
 
 
 @mx.compile

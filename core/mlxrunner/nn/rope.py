@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .host_ops import host_rope
+
 KINDS = ("default", "linear", "llama3", "yarn", "proportional")
 
 
@@ -48,6 +50,11 @@ class RoPE(nn.Module):
             scaled = x[..., :self.dims] * mx.array(self.mscale, x.dtype)
             x = scaled if self.dims == x.shape[-1] else mx.concatenate(
                 [scaled, x[..., self.dims:]], axis=-1)
+        hosted = None if self.mscale != 1.0 else host_rope(
+            x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
+            offset=offset, freqs=self._freqs)
+        if hosted is not None:
+            return hosted
         if self._freqs is None:
             return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base,
                                 scale=self.scale, offset=offset)
