@@ -24,7 +24,7 @@ import pytest
 import mlxrunner
 import mlxrunner.nn as mnn
 from mlxrunner import settings
-from mlxrunner.nn import host_ops, host_quantized
+from mlxrunner.nn import host_build, host_ops
 from mlxrunner_test_support import EXAMPLE_CONFIG, write_model_folder
 
 mx.set_default_device(mx.cpu)
@@ -43,7 +43,7 @@ def close(got: mx.array, want: mx.array, tolerance: float = TOLERANCE) -> bool:
 
 @pytest.fixture
 def kernels():
-    built = host_quantized.host_kernels()
+    built = host_build.host_kernels()
     if built is None:
         pytest.skip("no C compiler here: quantized layers keep float32 copies")
     return built
@@ -62,7 +62,7 @@ def test_quantized_products_agree_with_mlx(kernels, bits, group):
     q, s, b = quantized(200, 384, group, bits)
     want_w = mx.dequantize(q, s, b, group_size=group, bits=bits)
     arrays = (np.asarray(q), np.asarray(s), np.asarray(b))
-    for rows in (1, 3, 4, 5, host_quantized.KERNEL_MAX_ROWS, host_quantized.KERNEL_MAX_ROWS + 1,
+    for rows in (1, 3, 4, 5, host_build.KERNEL_MAX_ROWS, host_build.KERNEL_MAX_ROWS + 1,
                  70):
         x = mx.random.normal((rows, 384), key=mx.random.key(rows))
         got = mx.array(kernels.product(np.asarray(x), *arrays, group_size=group, bits=bits))
@@ -72,7 +72,7 @@ def test_quantized_products_agree_with_mlx(kernels, bits, group):
 def test_a_products_rows_do_not_depend_on_the_row_count(kernels):
     q, s, b = quantized(512, 576, 32, 4)
     arrays = (np.asarray(q), np.asarray(s), np.asarray(b))
-    x = np.asarray(mx.random.normal((host_quantized.KERNEL_MAX_ROWS, 576)))
+    x = np.asarray(mx.random.normal((host_build.KERNEL_MAX_ROWS, 576)))
     block = kernels.product(x, *arrays, group_size=32, bits=4)
     for r in range(x.shape[0]):
         alone = kernels.product(np.ascontiguousarray(x[r:r + 1]), *arrays, group_size=32, bits=4)
@@ -83,9 +83,9 @@ def test_split_and_whole_products_are_the_same(kernels, monkeypatch):
     q, s, b = quantized(1024, 1024, 64, 4)
     arrays = (np.asarray(q), np.asarray(s), np.asarray(b))
     x = np.asarray(mx.random.normal((2, 1024)))
-    monkeypatch.setattr(host_quantized, "SPLIT_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(host_build, "SPLIT_MIN_WEIGHTS", 1)
     split = kernels.product(x, *arrays, group_size=64, bits=4)
-    monkeypatch.setattr(host_quantized, "SPLIT_MIN_WEIGHTS", 1 << 40)
+    monkeypatch.setattr(host_build, "SPLIT_MIN_WEIGHTS", 1 << 40)
     whole = kernels.product(x, *arrays, group_size=64, bits=4)
     assert np.array_equal(split, whole)
 
@@ -96,7 +96,7 @@ def _product_in_child(kernels, x, arrays, want, done) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 def test_split_products_from_two_threads_and_a_forked_child(kernels, monkeypatch):
-    monkeypatch.setattr(host_quantized, "SPLIT_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(host_build, "SPLIT_MIN_WEIGHTS", 1)
     q, s, b = quantized(512, 512, 32, 4)
     arrays = (np.asarray(q), np.asarray(s), np.asarray(b))
     x = np.asarray(mx.random.normal((1, 512)))
@@ -175,10 +175,21 @@ def test_long_query_blocks_attend_in_slices(monkeypatch):
     assert got is not None and close(got, want)
 
 
+@pytest.fixture(params=["C loops", "numpy"])
+def loops(request, monkeypatch):
+    """The host layers through the core's C loops (where built) and through numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(host_ops, "host_kernels", lambda: None)
+    elif host_build.host_kernels() is None:
+        pytest.skip("no C compiler here")
+    return request.param
+
+
 @pytest.mark.parametrize("traditional", [False, True])
-@pytest.mark.parametrize("offset", [0, 7, 30000])
-def test_rope_agrees_with_mlx(traditional, offset):
+@pytest.mark.parametrize("offset", [0, 7, 30000, "per row"])
+def test_rope_agrees_with_mlx(traditional, offset, loops):
     x = mx.random.normal((2, 3, 5, 64))
+    offset = mx.array([3, 900]) if offset == "per row" else mx.array(offset)
     freqs = mx.exp(mx.linspace(0, 6, 16))
     cases = [dict(dims=64, base=10000.0, scale=1.0, freqs=None),
              dict(dims=32, base=500000.0, scale=0.5, freqs=None),
@@ -189,12 +200,12 @@ def test_rope_agrees_with_mlx(traditional, offset):
         with host_ops.hosting():
             got = host_ops.host_rope(x, case["dims"], traditional=traditional,
                                      base=case["base"], scale=case["scale"],
-                                     offset=mx.array(offset), freqs=case["freqs"])
+                                     offset=offset, freqs=case["freqs"])
         assert got is not None
         assert close(got, want), case
 
 
-def test_norm_activation_add_and_split_agree_with_mlx():
+def test_norm_activation_add_and_split_agree_with_mlx(loops):
     x = mx.random.normal((2, 3, 96))
     w = mx.random.normal((96,))
     with host_ops.hosting():

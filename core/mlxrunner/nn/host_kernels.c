@@ -13,6 +13,7 @@
    of rows in the call, so a verify block's rows equal one-row decode steps bit for bit. */
 
 #define _POSIX_C_SOURCE 200809L
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -41,7 +42,7 @@ typedef struct {
 } product_args;
 
 
-int mlxr_abi_version(void) { return 1; }
+int mlxr_abi_version(void) { return 2; }
 
 /* x [rows, in] reordered per 32-element chunk so that a 4-bit chunk's unpacked nibbles meet
    their activations: the low nibbles of bytes 0..7 are elements 0, 2, ..., 14, of bytes
@@ -225,7 +226,113 @@ static inline void block_avx2_8bit(const float *xs, const float *sums, long r0, 
     }
 ROW_BLOCKS(4bit)
 ROW_BLOCKS(8bit)
+
+/* ---- AVX-512 ----------------------------------------------------------------------------
+   Sixteen lanes hold a 4-bit chunk's even elements (low nibbles) or odd ones (high); each
+   group's sixteen values scale * q + bias are a table the nibbles index (one permute per
+   sixteen weights, no conversion), so no bias term is summed apart. 8-bit words are
+   widened and dequantized with one multiply-add. */
+
+__attribute__((target("avx512f"), always_inline))
+static inline void block_avx512_4bit(const float *xs, long r0, const int nr, long in_dims,
+                                     const uint32_t *w, const float *scales,
+                                     const float *biases, long o_begin, long o_end,
+                                     long group, float *y, long out_dims) {
+    long groups = in_dims / group, chunks = group / 32, bytes_per_row = in_dims / 2;
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (long o = o_begin; o < o_end; o++) {
+        const uint8_t *wo = (const uint8_t *)w + o * bytes_per_row;
+        __m512 acc[ROW_BLOCK];
+        for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+        for (long g = 0; g < groups; g++) {
+            __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(scales[o * groups + g]),
+                                           _mm512_set1_ps(biases[o * groups + g]));
+            for (long c = 0; c < chunks; c++) {
+                long e = (g * chunks + c) * 32;
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wo + e / 2)));
+                __m512 we = _mm512_permutexvar_ps(_mm512_and_si512(v, low), table);
+                __m512 wd = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+                for (int r = 0; r < nr; r++) {
+                    const float *x = xs + (r0 + r) * in_dims + e;
+                    acc[r] = _mm512_fmadd_ps(we, _mm512_loadu_ps(x), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(wd, _mm512_loadu_ps(x + 16), acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++) y[(r0 + r) * out_dims + o] = _mm512_reduce_add_ps(acc[r]);
+    }
+}
+
+__attribute__((target("avx512f"), always_inline))
+static inline void block_avx512_8bit(const float *xs, long r0, const int nr, long in_dims,
+                                     const uint32_t *w, const float *scales,
+                                     const float *biases, long o_begin, long o_end,
+                                     long group, float *y, long out_dims) {
+    long groups = in_dims / group, chunks = group / 32;
+    for (long o = o_begin; o < o_end; o++) {
+        const uint8_t *wo = (const uint8_t *)w + o * in_dims;
+        __m512 acc[ROW_BLOCK];
+        for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+        for (long g = 0; g < groups; g++) {
+            __m512 s = _mm512_set1_ps(scales[o * groups + g]);
+            __m512 b = _mm512_set1_ps(biases[o * groups + g]);
+            for (long c = 0; c < chunks; c++) {
+                long e = (g * chunks + c) * 32;
+                __m512 q0 = _mm512_cvtepi32_ps(
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wo + e))));
+                __m512 q1 = _mm512_cvtepi32_ps(
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wo + e + 16))));
+                __m512 w0 = _mm512_fmadd_ps(q0, s, b), w1 = _mm512_fmadd_ps(q1, s, b);
+                for (int r = 0; r < nr; r++) {
+                    const float *x = xs + (r0 + r) * in_dims + e;
+                    acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++) y[(r0 + r) * out_dims + o] = _mm512_reduce_add_ps(acc[r]);
+    }
+}
+
+#define ROW_BLOCKS_512(bits)                                                                  \
+    __attribute__((target("avx512f")))                                                       \
+    static void rows_avx512_##bits(const float *xs, long rows, long in_dims,                  \
+                                   const uint32_t *w, const float *scales,                    \
+                                   const float *biases, long o_begin, long o_end, long group, \
+                                   float *y, long out_dims) {                                 \
+        for (long r0 = 0; r0 < rows; r0 += ROW_BLOCK) {                                       \
+            long left = rows - r0;                                                            \
+            if (left >= 4)                                                                    \
+                block_avx512_##bits(xs, r0, 4, in_dims, w, scales, biases, o_begin, o_end,    \
+                                    group, y, out_dims);                                      \
+            else if (left == 3)                                                               \
+                block_avx512_##bits(xs, r0, 3, in_dims, w, scales, biases, o_begin, o_end,    \
+                                    group, y, out_dims);                                      \
+            else if (left == 2)                                                               \
+                block_avx512_##bits(xs, r0, 2, in_dims, w, scales, biases, o_begin, o_end,    \
+                                    group, y, out_dims);                                      \
+            else                                                                              \
+                block_avx512_##bits(xs, r0, 1, in_dims, w, scales, biases, o_begin, o_end,    \
+                                    group, y, out_dims);                                      \
+        }                                                                                     \
+    }
+ROW_BLOCKS_512(4bit)
+ROW_BLOCKS_512(8bit)
 #endif
+
+static int use_avx512(void) {
+#ifdef HAVE_X86
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f");
+    }
+    return known;
+#else
+    return 0;
+#endif
+}
 
 static int use_avx2(void) {
 #ifdef HAVE_X86
@@ -240,8 +347,8 @@ static int use_avx2(void) {
 #endif
 }
 
-/* Which loops serve: 2 AVX2 + FMA, 1 portable. */
-int mlxr_path(void) { return use_avx2() ? 2 : 1; }
+/* Which loops serve: 3 AVX-512, 2 AVX2 + FMA, 1 portable. */
+int mlxr_path(void) { return use_avx512() ? 3 : use_avx2() ? 2 : 1; }
 
 /* the outputs [o_begin, o_end) of one product */
 static int product_range(const product_args *a) {
@@ -254,6 +361,22 @@ static int product_range(const product_args *a) {
         free(xp);
         return -2;
     }
+#ifdef HAVE_X86
+    if (use_avx512()) {
+        if (a->bits == 4) {
+            for (long r = 0; r < rows; r++)
+                reorder_4bit(a->x + r * in_dims, xp + r * in_dims, in_dims);
+            rows_avx512_4bit(xp, rows, in_dims, a->weight, a->scales, a->biases, a->o_begin,
+                             a->o_end, group, a->y, a->out_dims);
+        } else {
+            rows_avx512_8bit(a->x, rows, in_dims, a->weight, a->scales, a->biases,
+                             a->o_begin, a->o_end, group, a->y, a->out_dims);
+        }
+        free(sums);
+        free(xp);
+        return 0;
+    }
+#endif
     for (long r = 0; r < rows; r++)
         group_sums(a->x + r * in_dims, sums + r * groups, in_dims, group);
 #ifdef HAVE_X86
@@ -417,4 +540,55 @@ int mlxr_dequantize(const uint32_t *weight, const float *scales, const float *bi
         }
     }
     return 0;
+}
+
+/* ---- the layers between products (mlxrunner.nn.host_ops) ---------------------------------
+   Each as MLX's function computes it in float32; rows are the leading dimensions. */
+
+/* y = x * (1 / sqrt(mean(x * x) + eps)) (* weight, where given), row by row */
+void mlxr_rms_norm(const float *x, const float *weight, long rows, long dims, float eps,
+                   float *y) {
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * dims;
+        float *yr = y + r * dims;
+        float sum = 0.0f;
+        for (long i = 0; i < dims; i++) sum += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(sum / (float)dims + eps);
+        if (weight)
+            for (long i = 0; i < dims; i++) yr[i] = xr[i] * inv * weight[i];
+        else
+            for (long i = 0; i < dims; i++) yr[i] = xr[i] * inv;
+    }
+}
+
+/* RoPE of x [outer, L, D] (outer: batch rows times heads, heads_per_row of them to a batch
+   row) over its first dims: the angle of position p and pair i is positions[b, l] * inv[i]
+   (positions [B or 1, L], already offset and scaled); rotate-half pairs (i, i + dims / 2),
+   or neighbouring ones where traditional. The dims past `dims` are copied. */
+void mlxr_rope(const float *x, long outer, long heads_per_row, long L, long D, long dims,
+               int traditional, const float *positions, long position_rows, const float *inv,
+               float *y) {
+    long half = dims / 2;
+    for (long o = 0; o < outer; o++) {
+        long b = position_rows > 1 ? o / heads_per_row : 0;
+        for (long l = 0; l < L; l++) {
+            const float *xr = x + (o * L + l) * D;
+            float *yr = y + (o * L + l) * D;
+            float p = positions[b * L + l];
+            for (long i = 0; i < half; i++) {
+                float theta = p * inv[i];
+                float c = cosf(theta), s = sinf(theta);
+                long i1 = traditional ? 2 * i : i, i2 = traditional ? 2 * i + 1 : i + half;
+                float x1 = xr[i1], x2 = xr[i2];
+                yr[i1] = x1 * c - x2 * s;
+                yr[i2] = x1 * s + x2 * c;
+            }
+            for (long i = dims; i < D; i++) yr[i] = xr[i];
+        }
+    }
+}
+
+/* y = gate / (1 + exp(-gate)) * up */
+void mlxr_silu_mul(const float *gate, const float *up, long n, float *y) {
+    for (long i = 0; i < n; i++) y[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 
+from .host_build import host_kernels
 from .kernels import host_products
 
 #: a slice of queries' scores holds at most this many float32 values (64 MB)
@@ -98,6 +99,9 @@ def host_rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array 
     w = None if weight is None else host_array(weight)
     if a is None or (weight is not None and w is None):
         return None
+    loops = host_kernels()
+    if loops is not None and (w is None or w.shape == (a.shape[-1],)):
+        return mx.array(loops.rms_norm(np.ascontiguousarray(a), w, eps))
     y = a * (np.float32(1.0) / np.sqrt(np.mean(a * a, axis=-1, keepdims=True, dtype=np.float32)
                                        + np.float32(eps)))
     return mx.array(y if w is None else y * w)
@@ -135,6 +139,11 @@ def host_rope(x: mx.array, dims: int, *, traditional: bool, base: float | None, 
         assert base is not None
         inv = _inverse_frequencies(half, float(base))
     positions = (np.arange(a.shape[-2], dtype=np.float32) + start) * np.float32(scale)
+    loops = host_kernels()
+    if loops is not None and a.ndim >= 3:
+        rows = positions.reshape(-1, a.shape[-2])  # [B or 1, L]
+        return mx.array(loops.rope(np.ascontiguousarray(a), dims, traditional,
+                                   np.ascontiguousarray(rows), np.ascontiguousarray(inv)))
     theta = positions[..., None] * inv  # [..., L, half]
     cos, sin = np.cos(theta), np.sin(theta)
     out = a.copy()
@@ -165,6 +174,9 @@ def host_silu_mul(gate: mx.array, up: mx.array) -> mx.array | None:
     g, u = host_array(gate), host_array(up)
     if g is None or u is None:
         return None
+    loops = host_kernels()
+    if loops is not None:
+        return mx.array(loops.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u)))
     return mx.array(g / (np.float32(1.0) + np.exp(-g)) * u)
 
 
