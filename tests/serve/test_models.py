@@ -118,3 +118,28 @@ def test_stored_models_are_offered_and_answer(demo_service: Any, demo_bundle: An
             models.unload("mine:copy")
     finally:
         store.forget_root()
+
+
+def test_ps_and_stop_ask_the_running_server(models_server: Any, capsys: Any) -> None:
+    from mlxrunner.cli import main
+
+    url, _ = models_server
+    assert httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "x", "raw": True,
+                                                   "stream": False,
+                                                   "options": {"num_predict": 1}},
+                      timeout=120).status_code == 200
+    capsys.readouterr()
+    assert main(["ps", "--url", url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "SIZE", "CONTEXT", "UNTIL"]
+    assert [line.split()[0] for line in lines[1:]] == ["demo", "tiny"]
+    assert main(["stop", "tiny", "--url", url]) == 0
+    assert _loaded(url) == ["demo"]
+    assert main(["stop", "tiny", "--url", url]) == 1  # no longer loaded: one line
+    assert "tiny is not loaded" in capsys.readouterr().err
+    assert main(["stop", "demo", "--url", url]) == 1  # the starting model stays
+    assert "demo stays loaded" in capsys.readouterr().err
+    assert _loaded(url) == ["demo"]
+    assert main(["ps", "--url", "http://127.0.0.1:9"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no mlxrunner server at http://127.0.0.1:9" in err[0]

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from ..errors import MLXRunnerError, PluginError
 from ..host import manager as plugins
-from . import bench, store
+from . import bench, client, store
 from .arguments import at_least, count, output_format, port
 
 DEFAULT_PROMPT = "What is the capital of France?"
@@ -717,6 +717,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
     simple("serve", "serve a model over OpenAI's, Ollama's and Anthropic's HTTP APIs", cmd_serve,
            _add_serve_arguments)
     store.register(registry.command)  # pull, list, rm, cp, create
+    client.register(registry.command)  # ps, stop
     return parser, registry
 
 
