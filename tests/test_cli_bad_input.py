@@ -229,3 +229,21 @@ def test_a_prompt_beyond_the_context_is_one_line_before_any_prefill(tmp_path: Pa
     err = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and result.stdout == ""
     assert len(err) == 1 and "demo-qwen3.5's context is 4096 positions" in err[0], err
+
+
+def test_render_for_a_model_uses_its_renderer_or_says_it_has_none(tmp_path,
+                                                                    example_model_folder):
+    conv = tmp_path / "c.json"
+    conv.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    one_line_error(cli("render", "--model", str(example_model_folder), str(conv), cwd=tmp_path),
+                   "has no chat format", "--renderer")
+    (example_model_folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    shown = cli("render", "--model", str(example_model_folder), str(conv), cwd=tmp_path)
+    assert shown.returncode == 0 and shown.stdout == "<user>hi<assistant>"
+    (example_model_folder / "Modelfile").write_text("FROM .\nRENDERER qwen3.5\n")
+    shown = cli("render", "--model", str(example_model_folder), str(conv), cwd=tmp_path)
+    assert shown.returncode == 0 and "<|im_start|>user\nhi<|im_end|>" in shown.stdout
+    one_line_error(cli("render", "--renderer", "jinja", str(conv), cwd=tmp_path),
+                   "--model MODEL", "--template FILE")
+    one_line_error(cli("render", str(conv), cwd=tmp_path), "--renderer NAME or --model MODEL")

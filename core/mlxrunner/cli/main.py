@@ -509,9 +509,25 @@ def cmd_render(args: argparse.Namespace) -> int:
                 from None
     if args.model_name:
         context.model_name = args.model_name
-    renderer = get_renderer(args.renderer, context)
+    if args.model is not None:
+        # the renderer the model runs with (its Modelfile's, its architecture's or its
+        # template through jinja), unless --renderer names another
+        from ..bundle import load
+
+        bundle = load(args.model, renderer=args.renderer, use_draft=False)
+        if bundle.renderer is None:
+            raise MLXRunnerError(f"{args.model}: the model has no chat format (no renderer "
+                                 "and no chat template): name one with --renderer")
+        renderer, name = bundle.renderer, str(bundle.renderer_name)
+    elif args.renderer is None:
+        raise MLXRunnerError("render needs --renderer NAME or --model MODEL")
+    elif args.renderer == "jinja" and context.chat_template is None:
+        raise MLXRunnerError("the jinja renderer renders a model's own template: name the "
+                             "model (--model MODEL) or the template (--template FILE)")
+    else:
+        renderer, name = get_renderer(args.renderer, context), args.renderer
     think = None if args.think is None else args.think == "on"
-    with plugins.plugin_code("renderers", args.renderer):
+    with plugins.plugin_code("renderers", name):
         text = renderer.render(messages, tools, think=think,
                                add_generation_prompt=not args.no_generation_prompt)
     sys.stdout.write(text)
@@ -704,7 +720,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, CommandRegistry]:
     def add_render(p: argparse.ArgumentParser) -> None:
         p.add_argument("file", help="conversation JSON: a list of messages or "
                                     "{\"messages\": [...], \"tools\": [...]}")
-        p.add_argument("--renderer", required=True)
+        p.add_argument("--renderer", help="a renderer by name (`mlxrunner renderers`)")
+        p.add_argument("--model", help="render as this model would (a folder, store name or "
+                                       "registered name): its renderer and template")
         p.add_argument("--tools", help="tools JSON (a list)")
         p.add_argument("--think", choices=["on", "off"])
         p.add_argument("--template", help="template file for the jinja renderer")
