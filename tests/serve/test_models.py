@@ -106,9 +106,16 @@ def test_stored_models_are_offered_and_answer(demo_service: Any, demo_bundle: An
                             bind("127.0.0.1", 0)).start()
         try:
             url = listener.url
-            tags = [m["model"] for m in httpx.get(url + "/api/tags").json()["models"]]
+            tagged = {m["model"]: m for m in httpx.get(url + "/api/tags").json()["models"]}
             listed = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
-            assert "mine:copy" in tags and "mine:copy" in listed
+            assert "mine:copy" in tagged and "mine:copy" in listed
+            # not loaded yet: what the store's manifest says
+            entry = store.default_store().get("mine:copy")
+            assert entry is not None
+            unloaded = tagged["mine:copy"]
+            assert unloaded["size"] == entry.manifest.size > 0
+            assert unloaded["details"]["format"] == "safetensors"
+            assert unloaded["details"]["family"] == entry.manifest.architecture
             reply = httpx.post(url + "/api/chat", timeout=120, json={
                 "model": "mine:copy", "messages": [{"role": "user", "content": "class A"}],
                 "stream": False, "options": {"num_predict": 3, "temperature": 0}})

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from ..bundle import parameter_count
 from ..chat.formats import ParsedMessage
 from ..decode.grammar import Format, GrammarError
+from ..store.store import StoreError, default_store
 from .chat import ChatTurn, chat_prompt, raw_prompt
 from .common import (
     STOP_STRINGS,
@@ -289,10 +290,30 @@ async def tags(request: Request) -> dict[str, Any]:
     entries = []
     for name in models.names():
         service = models.find(name)
-        entries.append(_model_entry(service) if service is not None else
-                       {"name": name, "model": name, "modified_at": _now(), "size": 0,
-                        "digest": hashlib.sha256(name.encode()).hexdigest(), "details": {}})
+        entries.append(_model_entry(service) if service is not None else _unloaded_entry(name))
     return {"models": entries}
+
+
+def _unloaded_entry(name: str) -> dict[str, Any]:
+    """A model not loaded: what the store's manifest says of it (size, when it changed, its
+    architecture and precision), or only its name (a registered model not yet pulled, a
+    folder of --models-dir)."""
+    entry: dict[str, Any] = {"name": name, "model": name, "modified_at": _now(), "size": 0,
+                             "digest": hashlib.sha256(name.encode()).hexdigest(),
+                             "details": {}}
+    try:
+        stored = default_store().get(name)
+    except StoreError:
+        stored = None
+    if stored is not None:
+        m = stored.manifest
+        precision = m.target_precision or ""
+        entry.update(size=int(m.size), modified_at=datetime.fromtimestamp(
+            m.modified, timezone.utc).isoformat(), details={
+            "format": "gguf" if precision.startswith("gguf") else "safetensors",
+            "family": m.architecture or "", "families": [m.architecture or ""],
+            "quantization_level": precision.removeprefix("gguf ")})
+    return entry
 
 
 @router.get("/api/ps", tags=["ollama"])
