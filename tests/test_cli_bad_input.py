@@ -247,3 +247,16 @@ def test_render_for_a_model_uses_its_renderer_or_says_it_has_none(tmp_path,
     one_line_error(cli("render", "--renderer", "jinja", str(conv), cwd=tmp_path),
                    "--model MODEL", "--template FILE")
     one_line_error(cli("render", str(conv), cwd=tmp_path), "--renderer NAME or --model MODEL")
+
+
+def test_a_draft_by_store_name_and_an_unknown_draft_name(tmp_path, example_model_folder,
+                                                          monkeypatch):
+    monkeypatch.setenv("MLXRUNNER_MODELS", str(tmp_path / "store"))
+    one_line_error(cli("run", str(example_model_folder), "hi", "--draft", "nodraft",
+                       cwd=tmp_path), "draft: unknown model 'nodraft'")
+    one_line_error(cli("run", str(example_model_folder), "hi", "--draft", "org/draft-repo",
+                       cwd=tmp_path), "mlxrunner pull org/draft-repo")
+    assert cli("cp", str(example_model_folder), "mine", cwd=tmp_path).returncode == 0
+    # a stored model by name: found (an example model is no draft: refused as one)
+    result = cli("run", str(example_model_folder), "hi", "--draft", "mine", cwd=tmp_path)
+    assert "unknown model" not in result.stderr and "not found" not in result.stderr

@@ -154,13 +154,17 @@ def choose_parser_name(explicit: str | None, modelfile_choice: str | None, model
 
 def find_draft(folder: Path, explicit: str | Path | None, modelfile_draft: str | None
                ) -> Path | None:
-    """Draft choice: argument, Modelfile DRAFT, the folder's ``draft/``, a bundle's tensors."""
+    """Draft choice: argument, Modelfile DRAFT, the folder's ``draft/``, a bundle's tensors.
+    A chosen draft is a folder, a store name (a Hub repository once pulled) or a registered
+    name, as a target is; one that is none of these is one line saying so."""
     for chosen in (explicit, modelfile_draft):
         if chosen:
-            path = Path(chosen).expanduser()
-            if not path.exists() and str(chosen) not in plugins.host().registry("models"):
-                raise ModelFolderError(f"{path}: draft folder not found")
-            return resolve_model_path(chosen)
+            try:
+                return resolve_model_path(chosen)
+            except ModelFolderError as exc:
+                said = str(exc).replace("model folder not found", "draft folder not found")
+                raise ModelFolderError(said if said != str(exc) else f"draft: {exc}") \
+                    from None
     if (folder / "draft" / "config.json").exists():
         return folder / "draft"
     return None
