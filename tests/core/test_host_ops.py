@@ -267,3 +267,27 @@ def test_a_quantized_model_decodes_the_same_with_host_layers_on_and_off(tmp_path
         off = mlxrunner.generate(bundle.model, prompt, options=greedy, max_tokens=24)
     assert on.tokens == off.tokens
     assert (1, 256) in calls  # the decode steps' products ran on the host
+
+
+def test_a_model_whose_products_run_on_the_host_is_never_traced(tmp_path, kernels):
+    """Its prefill ran 4M+ weights' products on the host (as a decode step would), so its
+    decode steps run eagerly from the first: no trace is made (tracing the default model's
+    first step cost 0.3 s) and no float32 copy of its quantized weights either."""
+    from mlxrunner.decode import compiled_steps
+
+    config = dict(EXAMPLE_CONFIG, hidden_size=512, intermediate_size=2048, head_dim=128)
+    folder = write_model_folder(tmp_path / "m", config, seed=4)
+    bundle = mlxrunner.load(str(folder))
+    nn.quantize(bundle.model, group_size=64, bits=4)
+    greedy = mlxrunner.SamplerOptions(temperature=0)
+    mx.eval(bundle.model.parameters())
+    before = mx.get_active_memory()
+    got = mlxrunner.generate(bundle.model, list(range(3, 20)), options=greedy, max_tokens=6)
+    assert compiled_steps(bundle.model).traces_made == 0
+    # no float32 copies: 8M weights would hold 32 MB more
+    assert mx.get_active_memory() - before < 8 * 2**20
+    with settings.overridden(host_products=False):
+        traced = mlxrunner.generate(bundle.model, list(range(3, 20)), options=greedy,
+                                    max_tokens=6)
+    assert compiled_steps(bundle.model).traces_made > 0
+    assert got.tokens == traced.tokens

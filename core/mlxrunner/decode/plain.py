@@ -19,10 +19,9 @@ import mlx.core as mx
 
 from ..cache.prefix import PrefixCache
 from ..model.interface import Model
-from ..nn.host_ops import hosting
 from .grammar import Constraint, allowed_rows
 from .sampler import Sampler, penalties_active
-from .step import forward
+from .step import eager_forward, forward
 
 PREFILL_CHUNK = 512
 
@@ -98,14 +97,12 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
         chunk_ids = ids[:, begin:end]
         extra: Sequence[mx.array] = ()
         if taps:
-            with hosting():
-                out, tapped = cast("tuple[mx.array, mx.array]",
-                                   model(chunk_ids, cache, taps=taps))
+            out, tapped = cast("tuple[mx.array, mx.array]",
+                               eager_forward(model, chunk_ids, cache, taps))
             tapped_parts.append(tapped)
             extra = on_taps(tapped) if on_taps is not None else (tapped,)
         else:
-            with hosting():
-                out = cast(mx.array, model(chunk_ids, cache))
+            out = cast(mx.array, eager_forward(model, chunk_ids, cache))
         # Only the last chunk's logits are wanted: earlier chunks evaluate the caches alone,
         # so their vocabulary head (the widest matmul) is never computed.
         wanted = []

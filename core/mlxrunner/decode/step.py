@@ -42,7 +42,7 @@ from ..cache.frame import active_frame
 from ..nn import attend
 from ..nn.attention import mlx_attention
 from ..nn.host_ops import hosting
-from ..nn.kernels import host_bound, host_declined
+from ..nn.kernels import HOST_TRACE_MIN_WORK, host_bound, host_declined, host_weights_run
 
 log = logging.getLogger("mlxrunner.decode")
 
@@ -75,7 +75,20 @@ def _forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
         # batched caches run only through their stand-ins (per-row masks): untraced here
         logits, tapped = compiled_steps(model).through_stand_ins(ids, caches, taps)
         return logits if taps is None else (logits, tapped)
-    return model(ids, caches) if taps is None else model(ids, caches, taps=taps)
+    return eager_forward(model, ids, caches, taps)
+
+
+def eager_forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
+                  taps: Sequence[int] | None = None) -> Any:
+    """``model(ids, caches)`` (with ``taps``) untraced, the core's layers on the host where
+    products run there; whether its host products rule out traces is noted for the model
+    (:meth:`CompiledSteps.saw_eager_forward`)."""
+    before = host_weights_run()
+    with hosting():
+        out = model(ids, caches) if taps is None else model(ids, caches, taps=taps)
+    if caches is not None:
+        compiled_steps(model).saw_eager_forward(host_weights_run() - before)
+    return out
 
 
 def _batched(caches: Sequence[Any]) -> bool:
@@ -136,11 +149,24 @@ class CompiledSteps:
         self._traced: dict[Hashable, _Traced] = {}
         #: (input shape, settings) of forwards whose traces met host products: run eagerly
         self._host_bound: set[Hashable] = set()
+        #: settings under which an eager forward ran enough host products that every
+        #: forward would (host products apply by weight, not by row): none is traced
+        self._host_bound_settings: set[Hashable] = set()
         self._fingerprint: tuple[int, ...] | None = None
+        #: forwards traced so far (each a compile of its own)
+        self.traces_made = 0
 
     def clear(self) -> None:
         self._traced.clear()
         self._fingerprint = None
+
+    def saw_eager_forward(self, host_weights: int) -> None:
+        """An eager forward of the model ran host products over ``host_weights`` weights
+        (:func:`mlxrunner.nn.kernels.host_weights_run`): at ``HOST_TRACE_MIN_WORK`` or more,
+        a trace would be declined for them, so none is tried (a trace costs the first step
+        of a CPU run a fraction of a second)."""
+        if host_weights >= HOST_TRACE_MIN_WORK:
+            self._host_bound_settings.add(_switches())
 
     def replays(self) -> int:
         """How many calls replayed a trace (the first call of each traces it)."""
@@ -165,13 +191,15 @@ class CompiledSteps:
     def _forward(self, ids: mx.array, caches: Sequence[Any], taps: tuple[int, ...] | None
                  ) -> Result | None:
         key = self._key(ids, caches, taps)
-        if key is None or (ids.shape, _switches()) in self._host_bound:
+        if key is None or (ids.shape, _switches()) in self._host_bound \
+                or _switches() in self._host_bound_settings:
             return None
         traced = self._traced.get(key)
         if traced is None:
             if not self._traced:
                 self._fingerprint = weights_fingerprint(self.model)
             traced = self._traced[key] = _Traced(mx.compile(self._graph(ids.shape[1], taps)))
+            self.traces_made += 1
         thread = threading.get_ident()
         checking = traced.checks.get(thread, 0) < 2
         live = [(i, c) for i, c in enumerate(caches) if c is not None]

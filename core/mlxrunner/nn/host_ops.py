@@ -53,9 +53,23 @@ def hosting() -> Iterator[None]:
         _state.depth = depth
 
 
+@contextmanager
+def unhosted() -> Iterator[None]:
+    """The core's layers as MLX's operations in this thread, even inside :func:`hosting`
+    (a check comparing a traced forward with the eager one compares tracing alone)."""
+    held = getattr(_state, "off", 0)
+    _state.off = held + 1
+    try:
+        yield
+    finally:
+        _state.off = held
+
+
 def host_active() -> bool:
-    """Whether this thread is inside :func:`hosting` where products run on the host."""
-    return getattr(_state, "depth", 0) > 0 and host_products()
+    """Whether this thread is inside :func:`hosting` (and not :func:`unhosted`) where
+    products run on the host."""
+    return (getattr(_state, "depth", 0) > 0 and not getattr(_state, "off", 0)
+            and host_products())
 
 
 def host_array(x: mx.array) -> np.ndarray | None:

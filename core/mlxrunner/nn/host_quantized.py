@@ -21,7 +21,7 @@ import numpy as np
 
 from .host_build import KERNEL_MAX_ROWS, SOURCE, HostKernels, host_kernels
 from .host_ops import host_active
-from .kernels import HOST_PRODUCT_TOLERANCE, code_of, note_declined, serves
+from .kernels import HOST_PRODUCT_TOLERANCE, code_of, note_declined, note_host_run, serves
 
 #: the attribute a quantized layer holds its host arrays under: (MLX sources, numpy views)
 _HELD = "_mlxrunner_host_quantized"
@@ -54,6 +54,7 @@ def host_quantized_product(layer: Any, x: mx.array) -> mx.array | None:
     if not _serves(kernels, bits, group, in_dims):
         return None
     y = kernels.product(x_host, *arrays, group_size=group, bits=bits)
+    note_host_run(in_dims * weight.shape[0])
     # shaped before it becomes an MLX array: a reshape there is an operation to wait for
     return mx.array(y.reshape(*x.shape[:-1], weight.shape[0]))
 

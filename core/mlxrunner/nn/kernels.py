@@ -195,6 +195,19 @@ def host_declined() -> int:
     return getattr(_declined, "count", 0)
 
 
+def host_weights_run() -> int:
+    """The weights (in x out, each product counted once whatever its rows) of the host
+    products run in this thread so far: a forward that raised this by
+    ``HOST_TRACE_MIN_WORK`` or more would have been declined traced, one row as many (see
+    mlxrunner.decode.step)."""
+    return getattr(_declined, "run", 0)
+
+
+def note_host_run(weights: int) -> None:
+    """Count a host product over ``weights`` weights (see :func:`host_weights_run`)."""
+    _declined.run = host_weights_run() + weights
+
+
 def note_declined(work: int) -> None:
     """Count ``work`` multiply-adds of a host product a traced function asked for (see
     :func:`host_declined`)."""
@@ -218,6 +231,7 @@ def host_matmul(x: mx.array, weight_t: mx.array) -> mx.array | None:
     except ValueError:  # "[eval] ... not allowed" while tracing
         note_declined(rows * x.shape[-1] * weight_t.shape[-1])
         return None
+    note_host_run(x.shape[-1] * weight_t.shape[-1])
     return y.reshape(*x.shape[:-1], weight_t.shape[-1])
 
 

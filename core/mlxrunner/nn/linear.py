@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .derived import derived
 from .host_ops import host_active, host_add, host_split
@@ -107,17 +108,29 @@ def _quantized_product(layer: nn.Module, x: mx.array, with_bias: bool = True) ->
     ``nn.QuantizedEmbedding.as_linear``), plus its bias."""
     weight = layer["weight"]
     in_dims = weight.shape[1] * 32 // layer.bits
-    y = host_quantized_product(layer, x) if host_eligible(x, in_dims, weight.shape[0]) \
-        else None
-    if y is None:
-        w_t = _dequantized_t(layer, x)
-        y = None if w_t is None else host_project(x, w_t)
+    y = None
+    if host_eligible(x, in_dims, weight.shape[0]):
+        y = host_quantized_product(layer, x)
+        if y is None and _readable(x):
+            w_t = _dequantized_t(layer, x)
+            y = None if w_t is None else host_project(x, w_t)
+        # (traced rows: MLX's product, and no float32 copy made for a trace that the
+        # decode step declines)
     if y is None:
         y = mx.quantized_matmul(x, layer["weight"], scales=layer["scales"],
                                 biases=layer.get("biases"), transpose=True,
                                 group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
     bias = layer.get("bias") if with_bias else None
     return y if bias is None else _add(y, bias)
+
+
+def _readable(x: mx.array) -> bool:
+    """Whether the host can read ``x`` (not inside a traced function)."""
+    try:
+        np.asarray(x)
+    except ValueError:  # "[eval] ... not allowed" while tracing
+        return False
+    return True
 
 
 _over_budget_said = False

@@ -50,6 +50,7 @@ from .. import settings
 from ..cache import Cache
 from ..decode.step import compiled_steps, forward
 from ..model.interface import Model
+from ..nn.host_ops import unhosted
 
 __all__ = [
     "compiled_steps",
@@ -462,7 +463,8 @@ def check_compiled_step(model: Model, prompt_ids: IdsLike, *, steps: int = 5, bl
 
     def run(compiled: bool) -> list[Any]:
         outs = []
-        with settings.overridden(compile=compiled):
+        # eager forwards as MLX's operations, as a trace computes (not the host's layers)
+        with settings.overridden(compile=compiled), unhosted():
             caches = _fresh_caches(model)
             _forward(model, ids, caches)
             offset = ids.shape[1]
