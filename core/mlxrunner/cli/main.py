@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -298,7 +299,6 @@ def build_prompt(bundle: Any, prompt: str, *, raw: bool, system: str | None,
 def cmd_run(args: argparse.Namespace) -> int:
     group = _join_job(args)
     model_arg, prompt = _split_model_and_prompt(args.args)
-    model_given = model_arg is not None
     if model_arg is None:
         if "default" not in plugins.host().registry("models"):
             raise MLXRunnerError(
@@ -315,9 +315,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if prompt is None and not chat:
         piped = sys.stdin.read().rstrip("\n") if not interactive else ""
         prompt = piped if piped.strip() else DEFAULT_PROMPT
-    if not chat and not model_given:
-        # The default model's point is the comparison: its statistics beside plain decoding.
-        args.compare = True
     prompt = prompt if prompt is not None else DEFAULT_PROMPT
     if group is not None:
         if chat:
@@ -329,7 +326,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ..chat.streaming import TextStream
     from ..decode.generation import generate
 
+    started = time.perf_counter()
     bundle = _load_model_arguments(model_arg, args)
+    load_seconds = time.perf_counter() - started
     options = bundle.defaults.merged(_sampler_overrides(args))
     if group is not None and options.seed is None:
         # every rank must draw the same tokens: rank 0's seed for all
@@ -390,6 +389,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         """An ``on_token`` that ends a run where the Modelfile's stop strings end the text."""
         return TextStream(tok, stop_ids, stops).add if stops else None
 
+    if args.compare and bundle.draft is None:
+        print(f"({model_label(model_arg, bundle)} has no draft, so --compare has nothing to "
+              "compare: this is plain decoding; --draft attaches one)", file=sys.stderr,
+              flush=True)
     if args.compare and bundle.draft is not None:
         # Warm both paths over the whole run first (first calls trace and compile each
         # shape: every verify length and commit size a run meets), so the comparison
@@ -407,6 +410,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if result.finish_reason == "length":
             print(cap_notice(max_tokens), file=sys.stderr, flush=True)
     stats = {"run": result.stats.as_dict()}
+    stats["run"]["load_seconds"] = round(load_seconds, 3)
     if args.compare and bundle.draft is not None:
         plain = generate(bundle.model, prompt_ids, options=options, max_tokens=max_tokens,
                          eos_ids=stop_ids, on_token=until_stop_string(),
@@ -447,6 +451,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if "plain" in stats:
             lines += describe_comparison(stats["run"], stats["plain"], stats["speedup"],
                                          stats["identical_to_plain"], explain=args.verbose)
+        lines.append(f"load: {load_seconds:.2f} s; total: "
+                     f"{time.perf_counter() - started:.2f} s (load, then every generation "
+                     "above)")
         print("\n".join(lines), file=sys.stderr)
     return 0
 
@@ -468,7 +475,9 @@ def format_logprobs(tokenizer: Any, tokens: Sequence[int],
                     logprobs: Sequence[dict[str, Any]]) -> str:
     """One line per generated token: the token, its log-probability, then the most likely
     tokens at that step with theirs (``--top-logprobs``)."""
-    lines = ["logprobs (token, log-probability, most likely tokens):"]
+    alternatives_asked = any(info.get("top_logprobs") for info in logprobs)
+    lines = ["logprobs (token, log-probability" + (", most likely tokens):" if
+                                                  alternatives_asked else "):")]
     for token, info in zip(tokens, logprobs):
         alternatives = "  ".join(f"{tokenizer.decode([i])!r} {lp:.4f}"
                                  for i, lp in info.get("top_logprobs") or ())
