@@ -74,3 +74,48 @@ def test_the_key_and_origins_are_read_once_from_the_environment() -> None:
     assert found.api_key == "sesame" and found.origins == ("https://a.example", "app://*")
     assert "sesame" not in repr(found)  # a secret stays out of logs and tracebacks
     assert Settings.from_environment({}).api_key is None
+
+
+def test_ctrl_c_ends_open_streams_with_an_error_event_and_exits_cleanly(demo_bundle: Any
+                                                                        ) -> None:
+    """Ctrl-C while a reply streams: the stream's last event says the server is shutting
+    down (it is not cut off), the process exits within seconds (status 130), and no traceback is
+    printed."""
+    import signal
+    import threading
+
+    httpx = pytest.importorskip("httpx")
+    process = subprocess.Popen([sys.executable, "-m", "mlxrunner.cli", "serve", "demo-qwen3.5",
+                                "--port", "0"], stderr=subprocess.PIPE, text=True)
+    events: list[str] = []
+    streaming = threading.Event()
+
+    def client(url: str) -> None:
+        body = {"prompt": "def fibonacci(n):", "max_tokens": 8000, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if line.strip():
+                    events.append(line)
+                    streaming.set()
+
+    try:
+        assert process.stderr is not None
+        while not (line := process.stderr.readline()).startswith("mlxrunner: serving"):
+            assert line
+        url = "http://" + line.split("http://")[1].split()[0]
+        reader = threading.Thread(target=client, args=(url,), daemon=True)
+        reader.start()
+        assert streaming.wait(120)
+        process.send_signal(signal.SIGINT)
+        reader.join(timeout=30)
+        assert not reader.is_alive()
+        assert process.wait(timeout=30) == 130  # as a shell reports Ctrl-C
+        err = process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    last = [e for e in events if e != "data: [DONE]"][-1]
+    assert "the server is shutting down" in last, events[-3:]

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import socket
 import threading
+import time
 import types
 from typing import Any
 
@@ -311,6 +312,44 @@ def test_an_idle_connection_is_closed_by_the_server(demo_service: Any) -> None:
             while chunk := sock.recv(65536):  # ends when the server closes the connection
                 received += chunk
         assert received.startswith(b"HTTP/1.1 200") and received.endswith(b'{"status":"ok"}')
+    finally:
+        listener.stop()
+
+
+@pytest.mark.parametrize("partial", [
+    b"GET /health HTTP/1.1\r\nHost: localhost\r\n",  # headers never end
+    b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json"
+    b"\r\ncontent-length: 100\r\n\r\n{\"prompt\":",  # nor does the body
+])
+def test_a_request_sent_too_slowly_is_a_408_and_closed(demo_service: Any, partial: bytes
+                                                       ) -> None:
+    """A client that sends part of a request and stops holds its connection no longer than
+    the read timeout (many such clients would take every file the process may open); a
+    connection that sends whole requests slowly but in time is served."""
+    from mlxrunner.serve import Listener, bind, create_app
+
+    listener = Listener(create_app(demo_service), bind("127.0.0.1", 0),
+                        read_timeout=1.0).start()
+    try:
+        host, port = listener.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(partial)
+            started = time.monotonic()
+            received = b""
+            while chunk := sock.recv(65536):  # ends when the server closes the connection
+                received += chunk
+            waited = time.monotonic() - started
+        assert received.startswith(b"HTTP/1.1 408") and b"did not arrive" in received
+        assert 0.9 <= waited < 30
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            for piece in (b"GET /health HTTP/1.1\r\n", b"Host: localhost\r\n",
+                          b"Connection: close\r\n\r\n"):
+                sock.sendall(piece)
+                time.sleep(0.2)
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
     finally:
         listener.stop()
 

@@ -56,6 +56,17 @@ class RequestError(MLXRunnerError):
         self.headers = dict(headers or {})
 
 
+class ShuttingDownError(RequestError):
+    """The server is stopping (Ctrl-C): open replies end with this, new requests get it."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down", status=HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+#: what an open stream's queue receives when the server stops
+_CLOSING = object()
+
+
 class BusyError(RequestError):
     """The queue is full: 503 with ``Retry-After``."""
 
@@ -133,6 +144,10 @@ class Engine:
         self.queue_size = queue_size
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
+        #: set once the server stops: open replies end, new ones are refused
+        self.closing = threading.Event()
+        #: open streams' event loops and piece queues (each told when the server stops)
+        self._open: set[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = set()
         self.running = 0  # jobs in the batch or decoding alone
         #: jobs so far: submitted, done, cancelled (their client left midway), skipped (their
         #: client left before they began), failed
@@ -173,6 +188,8 @@ class Engine:
         called on the worker thread with each decided piece of text."""
         job = _Job(generation, on_text, time.monotonic() + self.request_timeout)
         with self._lock:
+            if self.closing.is_set():
+                raise ShuttingDownError()
             waiting = self.waiting
             if waiting >= self.queue_size:
                 raise BusyError(waiting)
@@ -300,6 +317,19 @@ class Engine:
         """End the worker thread once the jobs queued before have run."""
         self._jobs.put(None)
 
+    def shut_down(self) -> None:
+        """The server is stopping (from any thread): every open stream ends with a
+        :class:`ShuttingDownError` event, every waiting reply with that error, their
+        generations are cancelled, and new requests are refused."""
+        with self._lock:
+            self.closing.set()
+            opened = list(self._open)
+        for loop, pieces in opened:
+            try:
+                loop.call_soon_threadsafe(pieces.put_nowait, _CLOSING)
+            except RuntimeError:  # that loop is closed: nothing waits there
+                pass
+
     def _run(self, job: _Job) -> Reply:
         bundle, request = self.bundle, job.generation
         started = time.monotonic()
@@ -353,26 +383,38 @@ class Engine:
                        ) -> Reply | None:
         """The whole reply, or None when the awaitable ``disconnected()`` finishes first (the
         client has gone): the generation is cancelled then."""
+        loop = asyncio.get_running_loop()
+        closing: asyncio.Queue[Any] = asyncio.Queue()
         job = self.submit(generation)
         waiting = asyncio.wrap_future(job.future)
         watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+        stopper = asyncio.ensure_future(closing.get())
+        with self._lock:
+            self._open.add((loop, closing))
         try:
-            if watcher is None:
-                return await waiting
-            done, _ = await asyncio.wait({waiting, watcher},
+            if self.closing.is_set():
+                raise ShuttingDownError()
+            done, _ = await asyncio.wait({waiting, stopper} | ({watcher} if watcher else set()),
                                          return_when=asyncio.FIRST_COMPLETED)
-            return waiting.result() if waiting in done else None
+            if waiting in done:
+                return waiting.result()
+            if stopper in done:
+                raise ShuttingDownError()
+            return None
         finally:
             job.cancel.set()  # a no-op once it is done
-            if watcher is not None:
-                watcher.cancel()
+            with self._lock:
+                self._open.discard((loop, closing))
+            for task in (watcher, stopper):
+                if task is not None:
+                    task.cancel()
 
     def stream(self, generation: Generation) -> AsyncIterator[str | Reply]:
         """Queue ``generation`` now (:class:`BusyError` before any byte is sent) and give
         its text pieces as they are decided, then the :class:`Reply`. Closing the iterator
         (the client has gone) cancels the generation."""
         loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        pieces: asyncio.Queue[Any] = asyncio.Queue()
 
         def on_text(piece: str) -> None:
             loop.call_soon_threadsafe(pieces.put_nowait, piece)
@@ -380,14 +422,22 @@ class Engine:
         job = self.submit(generation, on_text)
         job.future.add_done_callback(
             lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
+        with self._lock:
+            self._open.add((loop, pieces))
+            if self.closing.is_set():
+                pieces.put_nowait(_CLOSING)
 
         async def items() -> AsyncIterator[str | Reply]:
             try:
                 while (piece := await pieces.get()) is not None:
+                    if piece is _CLOSING:
+                        raise ShuttingDownError()
                     yield piece
                 yield job.future.result()
             finally:
                 job.cancel.set()
+                with self._lock:
+                    self._open.discard((loop, pieces))
 
         return items()
 

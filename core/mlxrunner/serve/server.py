@@ -3,6 +3,7 @@ then uvicorn on it, in this thread (``mlxrunner serve``) or another (tests, note
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import socket
@@ -20,11 +21,60 @@ from .errors import OPENAI, error_bytes
 log = logging.getLogger("mlxrunner.serve")
 #: seconds an idle keep-alive connection stays open (``--keep-alive-timeout``)
 DEFAULT_KEEP_ALIVE = 5
+#: seconds a request's headers and body may take to arrive once its first byte has (a
+#: client sending them slowly holds a connection, and enough of them every file the
+#: process may open)
+REQUEST_READ_TIMEOUT = 30.0
+#: connections (and requests in flight) at once; past it, 503 at once (macOS lets a
+#: process open 256 files by default)
+MAX_CONNECTIONS = 200
 
 
 class JSONErrorsH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, with a request it cannot parse (a garbage request line,
     an over-long header) answered in JSON like every other error, not plain text."""
+
+    read_timeout = REQUEST_READ_TIMEOUT
+    _read_timer: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._read_timer is None and self.conn.their_state is not h11.DONE:
+            self._read_timer = self.loop.call_later(self.read_timeout, self._read_timed_out)
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.SEND_BODY and \
+                self.conn.their_state is not h11.IDLE:  # the whole request is in
+            self._stop_read_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_read_timer()
+        super().connection_lost(exc)
+
+    def _stop_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _read_timed_out(self) -> None:
+        """The request did not arrive whole in time: 408 where nothing was answered yet,
+        and the connection is closed."""
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        log.info("mlxrunner: a request took longer than %g s to arrive: connection closed",
+                 self.read_timeout)
+        if self.cycle is None or not self.cycle.response_started:
+            body = error_bytes(OPENAI, 408, f"the request did not arrive within "
+                                            f"{self.read_timeout:g} s")
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: " + str(len(body)).encode()
+                + b"\r\n\r\n" + body)
+        if self.cycle is not None:
+            self.cycle.disconnected = True
+        self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         body = error_bytes(OPENAI, 400, f"invalid HTTP request ({msg})")
@@ -59,18 +109,49 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app's engines when it starts to stop (Ctrl-C): their
+    open replies end with an error event at once, so the graceful shutdown finds no
+    response left to cancel mid-stream."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Any) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def _shut_down_engines(app: Any) -> None:
+    models = getattr(getattr(app, "state", None), "models", None)
+    if models is None:
+        return
+    try:
+        services = [service for service, _ in models.loaded()]
+    except Exception:  # stopping must go on whatever the models' state
+        log.exception("mlxrunner: could not reach the loaded models to stop them")
+        return
+    for service in services:
+        service.engine.shut_down()
+
+
 class Listener:
     """uvicorn serving ``app`` on an already bound socket."""
 
     def __init__(self, app: Any, sock: socket.socket, *,
-                 keep_alive_timeout: int = DEFAULT_KEEP_ALIVE) -> None:
+                 keep_alive_timeout: int = DEFAULT_KEEP_ALIVE,
+                 read_timeout: float = REQUEST_READ_TIMEOUT) -> None:
         self.sock = sock
-        config = uvicorn.Config(app, http=JSONErrorsH11Protocol, lifespan="off",
+        protocol = type("Protocol", (JSONErrorsH11Protocol,), {"read_timeout": read_timeout})
+        config = uvicorn.Config(app, http=protocol, lifespan="off",
                                 access_log=False, log_config=None,
                                 timeout_keep_alive=keep_alive_timeout,
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-                                timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+                                timeout_graceful_shutdown=5,
+                                limit_concurrency=MAX_CONNECTIONS)
+        self.server = _Server(config, lambda: _shut_down_engines(app))
         self._thread: threading.Thread | None = None
 
     @property
@@ -93,6 +174,7 @@ class Listener:
         return self
 
     def stop(self) -> None:
+        """Stop serving (the engines, which other listeners may share, keep running)."""
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
