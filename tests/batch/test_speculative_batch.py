@@ -6,11 +6,14 @@ seeded sampling: its solo speculative draws)."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import mlxrunner
-from mlxrunner import SamplerOptions
+from mlxrunner import SamplerOptions, settings
 from mlxrunner.batch import BatchRequest, Scheduler
 from mlxrunner.testing.speculative import ScriptedDraft, random_draft, speculative_tokens
 
@@ -92,3 +95,59 @@ def test_greedy_drafted_rows_pause_and_resume_drafting(model):
         assert request.tokens == want
     # the controller's warm-up visits the full depth, 1, the middle and none
     assert {0, 1, 4} <= set(scheduler.round_depths)
+
+
+GEMMA4_FIXTURES = (Path(__file__).resolve().parents[2] / "architectures" / "gemma4" / "tests"
+                   / "fixtures")
+
+
+@pytest.mark.parametrize("assistant", ["e2b_plain", "e2b_ordered"])
+def test_gemma4_assistant_rows_give_their_solo_greedy_outputs(tmp_path, assistant,
+                                                              monkeypatch):
+    """The assistant attends over its target's caches: in the batch it reads its own row's
+    (not the solo caches it started with, nor another sequence's), rows joining and leaving,
+    the rounds drafting at full depth (lockstep) so the rings wrap."""
+    pytest.importorskip("mlxrunner_gemma4", reason="the gemma4 plugin is not installed")
+    from mlxrunner_test_support import write_tokenizer
+
+    folder = tmp_path / "e2b"
+    shutil.copytree(GEMMA4_FIXTURES / "e2b", folder)
+    (folder / "reference.npz").unlink(missing_ok=True)
+    write_tokenizer(folder)
+    bundle = mlxrunner.load(folder, draft=GEMMA4_FIXTURES / "assistant" / assistant)
+    model, draft = bundle.model, bundle.draft
+    proposed = []
+    made = type(draft).new_session
+
+    def counted(self, sampler):  # count the rounds' proposals
+        session = made(self, sampler)
+        propose = session.propose
+
+        def counting(*args):
+            proposed.append(args)
+            return propose(*args)
+
+        session.propose = counting
+        return session
+
+    monkeypatch.setattr(type(draft), "new_session", counted)
+    prompts = _prompts(model.vocab_size, [6, 11, 4, 9, 7], seed=8)
+    budgets = [30, 14, 24, 12, 20]
+    with settings.overridden(lockstep=True):
+        alone = [mlxrunner.generate(model, p, options=GREEDY, max_tokens=m).tokens
+                 for p, m in zip(prompts, budgets)]
+        one = _run(model, [BatchRequest(prompts[0], GREEDY, budgets[0], draft=draft)], 1)
+        assert one[0].tokens == alone[0]
+        # five rows through two or three places: they join as others leave
+        proposed.clear()
+        for places in (2, 3):
+            scheduler = Scheduler(model, max_sequences=places)
+            requests = [BatchRequest(p, GREEDY, m, draft=draft)
+                        for p, m in zip(prompts, budgets)]
+            for request in requests:
+                scheduler.submit(request)
+                scheduler.step()
+            scheduler.run_until_idle()
+            for request, want in zip(requests, alone):
+                assert request.error is None and request.tokens == want
+        assert len(proposed) > 40  # rounds drafted, in every row

@@ -24,6 +24,7 @@ own: the target's caches are read, never written.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -263,9 +264,15 @@ class AssistantSession(DraftSession):
         self.rows = 0
         self.dtype = draft.dtype
 
+    def bind_target_caches(self, caches: Sequence[Any] | None) -> None:
+        if caches is None:
+            self.caches = None
+            return
+        self.caches = {t: caches[i] for t, i in self.draft.gemma_target.last_kv_layers().items()}
+
     def prefill(self, tapped: mx.array) -> None:
         if self.caches is None:
-            # the generation's caches: made by the target just before this session
+            # none bound: the caches the target made last (a session used on its own)
             self.caches = self.draft.gemma_target.shared_caches()
         self.rows += int(tapped.shape[1])
         self._check_caches(self.rows)

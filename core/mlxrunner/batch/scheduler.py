@@ -145,6 +145,8 @@ class _Sequence:
             self.caches = model.make_cache()
         draft = request.draft
         self.session = None if draft is None else draft.new_session(self.sampler)
+        if self.session is not None:  # its own caches, whatever make_cache made since
+            self.session.bind_target_caches(self.caches)
         self.taps: tuple[int, ...] = () if draft is None else tuple(draft.taps)
         #: a greedy sequence of a block draft: it drafts through the batch's shared context
         #: of that draft (its session's context is handed over when it joins)
@@ -392,6 +394,8 @@ class Scheduler:
             session.extend_tokens([int(token)])
         if self._deliver(seq, int(token), info):
             row = self.batch.add(seq.caches)
+            if session is not None:  # its caches are the batch's row now (bound per round)
+                session.bind_target_caches(None)
             for shared in self._contexts.values():  # a row for every row of the batch
                 shared.set_rows(self.batch.rows)
             seq.caches = None
@@ -560,8 +564,13 @@ class Scheduler:
             if seq.shared or not depth[row]:
                 continue
             assert seq.session is not None  # only a drafted sequence drafts
+            bound = seq.request.draft is not None and seq.request.draft.reads_target_caches
+            if bound:  # its row of the batch's caches, as views, for this round's proposals
+                seq.session.bind_target_caches(self._row_caches(row, copy=False))
             proposal = seq.session.propose(seq.history[-1], len(seq.history) - 1, depth[row])
             mx.async_eval(proposal.tokens)
+            if bound:  # (a view kept past the verify forward would stop its writing in place)
+                seq.session.bind_target_caches(None)
             drafts = proposal.tokens.reshape(-1).astype(mx.int32)
             proposals[row] = (drafts, proposal.distribution())
             body[row:row + 1, :depth[row]] = drafts[None]
@@ -778,9 +787,11 @@ class Scheduler:
                 self._contexts[id(request.draft)].remove(seq.row)
             seq.row = -1
 
-    def _row_caches(self, row: int) -> list[Cache | None] | None:
+    def _row_caches(self, row: int, copy: bool = True) -> list[Cache | None] | None:
         """One row's caches as a solo sequence's, in arrays of their own (the batch writes
-        its buffers on); None for a cache kind the prefix cache does not keep."""
+        its buffers on), or as views of the batch's (``copy`` False: read now, not kept);
+        None for a cache kind the prefix cache does not keep."""
+        own: Callable[[mx.array], mx.array] = mx.array if copy else (lambda a: a)
         solo = self.model.make_cache()
         for mine, batched in zip(solo, self.batch.caches):
             if mine is None or batched is None:
@@ -788,14 +799,14 @@ class Scheduler:
             held = cast(Any, batched)
             n = self.batch.row_offsets[row]
             if type(mine) is RecurrentCache:
-                mine.conv_tail = mx.array(held.conv_tail[row:row + 1])
-                mine.recurrent_state = mx.array(held.recurrent_state[row:row + 1])
+                mine.conv_tail = own(held.conv_tail[row:row + 1])
+                mine.recurrent_state = own(held.recurrent_state[row:row + 1])
             elif type(mine) is KVCache:
-                mine.keys = mx.array(held.keys[row:row + 1, :, :n])
-                mine.values = mx.array(held.values[row:row + 1, :, :n])
+                mine.keys = own(held.keys[row:row + 1, :, :n])
+                mine.values = own(held.values[row:row + 1, :, :n])
             elif type(mine) is RingCache:
-                mine.keys = mx.array(held.keys[row:row + 1])
-                mine.values = mx.array(held.values[row:row + 1])
+                mine.keys = own(held.keys[row:row + 1])
+                mine.values = own(held.values[row:row + 1])
             else:
                 return None
             mine.offset = n

@@ -535,6 +535,7 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
     caches = hit.caches if hit is not None else model.make_cache()
     live = [c for c in caches if c is not None]
     session = draft.new_session(sampler)
+    session.bind_target_caches(caches)
     session.extend_tokens(prompt)
     history = list(prompt)
     eos = frozenset(eos_ids)

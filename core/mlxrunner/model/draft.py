@@ -85,6 +85,13 @@ class DraftSession:
         self.sampler = sampler
         self.temperature = float(sampler.options.temperature)
 
+    def bind_target_caches(self, caches: Sequence[Any] | None) -> None:
+        """The target's caches of this generation, read-only (as ``make_cache`` lists them;
+        None: let go of them). Whoever runs the generation binds them before the prefill and
+        before each round's :meth:`propose`, since a batch moves a sequence's caches into
+        its rows: a draft that attends over the target's keys and values
+        (``reads_target_caches``) keeps them; the default ignores them."""
+
     def extend_tokens(self, ids: Sequence[int]) -> None:
         """The token ids the generation commits, in order: the prompt before prefill, then
         the first token, then each round's emitted tokens before that round's
