@@ -436,3 +436,50 @@ def test_smollm2_matches_transformers():
     want = _transformers_logits(path, ids)
     got = _logits(bundle.model, ids)
     assert np.abs(got - want).max() < 2e-3 * np.abs(want).max()
+
+
+def test_convert_and_create_write_safetensors_folders_from_a_gguf_file(tmp_path, tokenizer,
+                                                                      monkeypatch):
+    """`convert` writes the folder of a GGUF file (its 4/8-bit blocks as MLX's affine
+    quantization: the same logits; its tokenizer and template: the same prompt ids);
+    `--quantize` dequantizes and quantizes again (logits within that quantization's error);
+    `create --quantize` from a Modelfile FROM the file stores such a folder."""
+    config = _config(tokenizer)
+    write_gguf(tmp_path / "tiny.gguf", config, _hf_weights(config, seed=7), tokenizer, Q.Q4_1)
+    run = _cli("convert", str(tmp_path / "tiny.gguf"), str(tmp_path / "out"))
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    original, folder = mlxrunner.load(tmp_path / "tiny.gguf"), mlxrunner.load(tmp_path / "out")
+    want = _logits(original.model, PROMPT)
+    assert np.abs(_logits(folder.model, PROMPT) - want).max() < 1e-5 * max(1, np.abs(want).max())
+    chat = [{"role": "user", "content": "hello there"}]
+    assert folder.tokenizer.encode(folder.renderer.render(chat)) == \
+        original.tokenizer.encode(original.renderer.render(chat))
+    assert _cli("convert", str(tmp_path / "tiny.gguf"), str(tmp_path / "out")).returncode == 1
+    run = _cli("convert", str(tmp_path / "tiny.gguf"), str(tmp_path / "q8"), "--quantize", "q8")
+    assert run.returncode == 0, run.stderr
+    requantized = _logits(mlxrunner.load(tmp_path / "q8").model, PROMPT)
+    assert np.abs(requantized - want).max() < 0.05 * max(1, np.abs(want).max())
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"][
+        "bits"] == 8
+    # create --quantize FROM the file
+    monkeypatch.setenv("MLXRUNNER_MODELS", str(tmp_path / "store"))
+    (tmp_path / "Modelfile").write_text("FROM ./tiny.gguf\nPARAMETER temperature 0\n")
+    made = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "create", "tq", "-f",
+                           str(tmp_path / "Modelfile"), "--quantize", "q8"],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    from mlxrunner import store
+
+    store.forget_root()  # the store this test named
+    try:
+        stored = mlxrunner.load("tq")
+    finally:
+        monkeypatch.delenv("MLXRUNNER_MODELS")
+        store.forget_root()
+    assert stored.defaults.temperature == 0
+    assert np.abs(_logits(stored.model, PROMPT) - requantized).max() < 1e-5 * max(
+        1, np.abs(want).max())
+    bad = _cli("convert", str(tmp_path / "Modelfile"), str(tmp_path / "x"))
+    assert bad.returncode == 1 and "not a GGUF file" in bad.stderr

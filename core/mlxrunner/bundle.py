@@ -216,8 +216,9 @@ def load(path: str | Path, draft: str | Path | None = None, renderer: str | None
         modelfile = inherit_modelfile(cast(Modelfile, modelfile), current)
     gguf = None
     if gguf_path is not None and distributed is not None:
-        raise ModelFolderError(f"{gguf_path}: a GGUF file does not load sharded (convert it "
-                               "to a safetensors folder)")
+        raise ModelFolderError(f"{gguf_path}: a GGUF file does not load sharded (`mlxrunner "
+                               f"convert {gguf_path.name} FOLDER` writes a safetensors "
+                               "folder that does)")
     if gguf_path is not None:
         gguf, config, model = load_gguf_model(gguf_path, dtype)
         tokenizer = gguf_tokenizer(gguf)

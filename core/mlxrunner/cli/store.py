@@ -122,6 +122,22 @@ def cmd_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..model.gguf import is_gguf
+    from ..store.creation import convert_gguf
+
+    source = Path(args.source).expanduser()
+    if not is_gguf(source) or not source.is_file():
+        raise StoreError(f"{source}: not a GGUF file (convert reads *.gguf files)")
+    destination = Path(args.destination).expanduser()
+    convert_gguf(source, destination, args.quantize)
+    print(f"converted {source.name} to {destination}"
+          + (f" ({args.quantize})" if args.quantize else ""))
+    return 0
+
+
 def _add_create(p: argparse.ArgumentParser) -> None:
     p.add_argument("name")
     p.add_argument("-f", "--file", default="Modelfile",
@@ -151,6 +167,16 @@ def register(command: Callable[..., None]) -> None:
     command("create", "create a model in the store from a Modelfile (optionally quantized)",
             _add_create, cmd_create)
 
+    def add_convert(p: argparse.ArgumentParser) -> None:
+        p.add_argument("source", help="a GGUF file")
+        p.add_argument("destination", help="the model folder to write (a new one)")
+        p.add_argument("--quantize", "-q", choices=sorted(QUANTIZATIONS),
+                       help="dequantize and quantize again with MLX (default: the file's "
+                            "own 4- and 8-bit blocks, kept as they are)")
+
+    command("convert", "write a GGUF file's model as a safetensors folder", add_convert,
+            cmd_convert)
+
 
 def is_stored(name: str) -> bool:
     """Whether the store holds ``name`` (``run NAME`` with no prompt takes it as a model)."""
@@ -160,4 +186,5 @@ def is_stored(name: str) -> bool:
         return False
 
 
-__all__ = ["cmd_cp", "cmd_create", "cmd_list", "cmd_pull", "cmd_rm", "is_stored", "register"]
+__all__ = ["cmd_convert", "cmd_cp", "cmd_create", "cmd_list", "cmd_pull", "cmd_rm", "is_stored",
+           "register"]

@@ -188,6 +188,87 @@ def _write_part(module: nn.Module, source: Path, folder: Path, spec: tuple[str, 
     _write_config(config, folder / "config.json")
 
 
+def write_gguf_folder(gguf_path: Path, folder: Path,
+                      spec: tuple[str, int, int] | None = None) -> None:
+    """A Hugging Face folder from a GGUF file, in ``folder`` (which exists and is empty):
+    ``config.json``, the weights as safetensors, ``tokenizer.json`` and
+    ``tokenizer_config.json`` (its tokens and chat template). Without ``spec`` the weights
+    are what loading the file gives (its 4- and 8-bit blocks as MLX's affine quantization,
+    the same numbers); with one, they are dequantized to float32 and quantized again."""
+    from ..model.gguf import gguf_source, gguf_tokenizer
+    from ..model.loading import build_model
+
+    gguf, config, weights = gguf_source(gguf_path)
+    config = dict(config)
+    if spec is not None:
+        held = config.pop("quantization", None) or {}
+        weights = _dequantized(weights, int(held.get("group_size", 32)))
+        module = build_model(config, str(gguf_path))
+        weights, count = quantize_weights(module, weights, spec, declared_dtype(config))
+        if count == 0:
+            raise StoreError(f"{gguf_path}: no module can be quantized with group size "
+                             f"{spec[2]}")
+        config["quantization"] = _quantization_record(spec)
+        config["quantization_config"] = _quantization_record(spec)
+    elif "quantization" in config:
+        config["quantization_config"] = config["quantization"]
+    _save_weights(weights, folder)
+    _write_config(config, folder / "config.json")
+    tokenizer = gguf_tokenizer(gguf)
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    settings: dict[str, Any] = {"add_bos_token": tokenizer.add_bos_token}
+    for role in ("bos", "eos", "pad", "unk"):
+        token = getattr(tokenizer, f"{role}_token")
+        if token is not None:
+            settings[f"{role}_token"] = token
+    if tokenizer.chat_template is not None:
+        settings["chat_template"] = tokenizer.chat_template
+    extra_eos = sorted(set(tokenizer.eos_ids) - {tokenizer.eos_id})
+    if extra_eos:  # an end-of-turn token beside the end of text
+        (folder / "generation_config.json").write_text(json.dumps(
+            {"eos_token_id": [i for i in [tokenizer.eos_id, *extra_eos] if i is not None]},
+            indent=2) + "\n", encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n",
+                                                  encoding="utf-8")
+
+
+def convert_gguf(gguf_path: Path, destination: Path, quantize: str | None = None) -> None:
+    """``mlxrunner convert``: the Hugging Face folder of a GGUF file at ``destination`` (a
+    new folder), written under a temporary name and renamed when whole."""
+    spec = check_quantization(quantize)
+    if destination.exists():
+        raise StoreError(f"{destination}: already exists (name a new folder)")
+    parent = destination.parent
+    if not parent.is_dir():
+        raise StoreError(f"{parent}: no such folder")
+    building = parent / f".{destination.name}.converting-{os.getpid()}"
+    building.mkdir()
+    try:
+        write_gguf_folder(gguf_path, building, spec)
+        os.replace(building, destination)
+    finally:
+        if building.exists():
+            shutil.rmtree(building, ignore_errors=True)
+
+
+def _dequantized(weights: dict[str, mx.array], group: int) -> dict[str, mx.array]:
+    """Packed weights (uint32, with their ``scales`` and ``biases``: MLX's affine mode in
+    groups of ``group``, each module's bits read off its shapes) as float32."""
+    packed = {name[:-len(".weight")] for name, value in weights.items()
+              if name.endswith(".weight") and value.dtype == mx.uint32}
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        prefix, _, part = name.rpartition(".")
+        if prefix not in packed:
+            out[name] = value
+        elif part == "weight":
+            scales = weights[f"{prefix}.scales"]
+            bits = value.shape[-1] * 32 // (scales.shape[-1] * group)
+            out[name] = mx.dequantize(value, scales, weights.get(f"{prefix}.biases"),
+                                      group_size=group, bits=bits, dtype=mx.float32)
+    return out
+
+
 def _quoted(value: str) -> str:
     if "\n" in value or value != value.strip() or not value:
         return f'"""{value}"""'
@@ -246,12 +327,11 @@ def create(store: Store, name: str, modelfile: str | Path, quantize: str | None 
               "from": str(bundle.path.absolute()), "quantize": quantize,
               "draft_quantize": draft_quantize}
     gguf = bundle.extra.get("gguf")
-    if gguf is not None and target_spec is not None:
-        raise StoreError(f"{gguf.path}: GGUF weights are kept as the file stores them; "
-                         "--quantize takes safetensors weights")
     with store.writing(name, source) as building:
         weights = "."
-        if gguf is not None:  # the file is the weights, tokenizer and template
+        if gguf is not None and target_spec is not None:  # dequantized, quantized again
+            write_gguf_folder(gguf.path, building, target_spec)
+        elif gguf is not None:  # the file is the weights, tokenizer and template
             _link_or_copy(gguf.path, building / gguf.path.name, store.root)
             weights = f"./{gguf.path.name}"
         else:
