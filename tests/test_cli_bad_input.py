@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ)
@@ -260,3 +262,31 @@ def test_a_draft_by_store_name_and_an_unknown_draft_name(tmp_path, example_model
     # a stored model by name: found (an example model is no draft: refused as one)
     result = cli("run", str(example_model_folder), "hi", "--draft", "mine", cwd=tmp_path)
     assert "unknown model" not in result.stderr and "not found" not in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device link"])
+def test_a_config_that_is_no_regular_file_is_refused_at_once(tmp_path, example_model_folder,
+                                                            kind):
+    """A FIFO named config.json would block the reader for good; a link to /dev/zero would
+    be read until memory runs out: each is one line, at once."""
+    config = example_model_folder / "config.json"
+    config.unlink()
+    if kind == "fifo":
+        os.mkfifo(config)
+    else:
+        if not os.path.exists("/dev/zero"):
+            pytest.skip("no /dev/zero here")
+        config.symlink_to("/dev/zero")
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path), "config.json",
+                   "not a regular file")
+    (example_model_folder / "Modelfile").unlink(missing_ok=True)
+    os.mkfifo(example_model_folder / "Modelfile")
+    one_line_error(cli("show", str(example_model_folder / "Modelfile"), cwd=tmp_path),
+                   "Modelfile")
+
+
+def test_an_oversized_chat_template_is_refused_before_compiling(tmp_path):
+    (tmp_path / "t.jinja").write_text("{{ 'x' }}" * 200_000)  # 1.8 MB
+    (tmp_path / "c.json").write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    one_line_error(cli("render", "--renderer", "jinja", "--template", "t.jinja", "c.json",
+                       cwd=tmp_path), "past the limit")

@@ -108,8 +108,17 @@ def make_environment() -> LimitedEnvironment:
     return env
 
 
+#: the longest chat template compiled: the longest published ones are tens of kilobytes; a
+#: template of 40 MB (a GGUF file's metadata) took minutes to compile
+MAX_TEMPLATE_CHARS = 1 << 20
+
+
 def compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template; a syntax error is a one-line ``ModelFolderError``."""
+    """Compile a chat template; a syntax error or an oversized template is a one-line
+    ``ModelFolderError``."""
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise ModelFolderError(f"chat template is {len(source)} characters, past the limit of "
+                               f"{MAX_TEMPLATE_CHARS}")
     try:
         return make_environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +151,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
     """Parse and check a GGUF file's header: metadata and the tensors' byte ranges."""
     p = Path(path)
     try:
+        if not stat.S_ISREG(p.stat().st_mode):  # a FIFO would block, a device never end
+            raise ModelFolderError(f"{p}: not a regular file")
         f = p.open("rb")
     except OSError as exc:
         raise ModelFolderError(f"{p}: cannot be read ({exc.strerror or exc})") from None

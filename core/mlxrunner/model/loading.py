@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import stat
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, cast
 
@@ -32,13 +33,39 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
-def read_json(path: Path, what: str) -> Any:
-    """A JSON file's value; missing, oversized or malformed is one ModelFolderError naming
-    ``what``."""
+def check_regular(path: Path, what: str) -> None:
+    """Refuse a model folder's file that is not a regular file (through a link or not): a
+    FIFO would block its reader for good, a device (a link to /dev/zero) never ends."""
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise ModelFolderError(f"{path}: {what} is larger than {MAX_JSON_BYTES} bytes")
-        return json.loads(path.read_text(encoding="utf-8"))
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ModelFolderError(f"{path.parent}: no {what} ({path.name})") from None
+    except OSError as exc:
+        raise ModelFolderError(f"{path}: {what} cannot be read ({exc.strerror or exc})") \
+            from None
+    if not stat.S_ISREG(mode):
+        raise ModelFolderError(f"{path}: {what} is not a regular file")
+
+
+def read_bounded(path: Path, what: str, limit: int) -> bytes:
+    """A regular file's bytes, at most ``limit`` of them (more is one ModelFolderError)."""
+    check_regular(path, what)
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise ModelFolderError(f"{path}: {what} cannot be read ({exc.strerror or exc})") \
+            from None
+    if len(data) > limit:
+        raise ModelFolderError(f"{path}: {what} is larger than {limit} bytes")
+    return data
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file's value; missing, not a regular file, oversized or malformed is one
+    ModelFolderError naming ``what``."""
+    try:
+        return json.loads(read_bounded(path, what, MAX_JSON_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise ModelFolderError(f"{path.parent}: no {what} ({path.name})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -176,6 +203,7 @@ def weight_files(folder: Path, prefix: str = "model") -> list[Path]:
         raise ModelFolderError(f"{folder}: no safetensors weights{hint}")
     for f in files:
         check_inside(folder, f, f"weight file {f.name!r}")
+        check_regular(f, f"weight file {f.name!r}")
     return files
 
 

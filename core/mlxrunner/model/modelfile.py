@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+import stat
 from dataclasses import dataclass, field, replace
 from os import PathLike
 from pathlib import Path
@@ -50,6 +51,8 @@ PARAMETER_TYPES: dict[str, type] = {
     "num_ctx": int,
 }
 
+#: a Modelfile is a few lines; one this large is not one
+MAX_MODELFILE_BYTES = 1 << 20
 _SUPPORTED = ("FROM", "DRAFT", "RENDERER", "PARSER", "PARAMETER", "SYSTEM")
 # Ollama instructions that mean nothing here: named in the error so users know why.
 _OLLAMA_ONLY = {
@@ -110,11 +113,16 @@ def read_modelfile(path: str | PathLike[str]) -> Modelfile:
     """Read and check the Modelfile at ``path``."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO, a device: never read
+            raise ModelfileError(f"{path}: not a regular file")
+        with path.open("rb") as handle:
+            data = handle.read(MAX_MODELFILE_BYTES + 1)
     except FileNotFoundError:
         raise ModelfileError(f"{path}: no such file") from None
     except OSError as err:
         raise ModelfileError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if len(data) > MAX_MODELFILE_BYTES:
+        raise ModelfileError(f"{path}: larger than {MAX_MODELFILE_BYTES} bytes")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
