@@ -49,6 +49,20 @@ def kernels():
     return built
 
 
+@pytest.fixture
+def product_calls(kernels, monkeypatch):
+    """The rows' shapes of every quantized product the C loops run from here on."""
+    calls = []
+    real = kernels.product
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "product", counted)
+    return calls
+
+
 def quantized(out_dims: int, in_dims: int, group: int, bits: int, seed: int = 0):
     w = mx.random.normal((out_dims, in_dims), key=mx.random.key(seed))
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
@@ -123,18 +137,11 @@ def test_split_products_from_two_threads_and_a_forked_child(kernels, monkeypatch
     assert child.exitcode == 0 and done.get(timeout=1) is True
 
 
-def test_quantized_layers_run_on_the_host_only_while_hosting(kernels, monkeypatch):
+def test_quantized_layers_run_on_the_host_only_while_hosting(product_calls):
     layer = nn.QuantizedLinear(512, 256, bias=True, group_size=64, bits=4)
     layer.bias = mx.random.normal((256,))
     x = mx.random.normal((1, 2, 512))
-    calls = []
-    real = kernels.product
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kernels, "product", counted)
+    calls = product_calls
     want = layer(x)
     with host_ops.hosting():
         got = mnn.apply_linear(layer, x)
@@ -245,21 +252,14 @@ def test_gradients_through_the_layers_are_mlxs():
     assert float(mx.abs(grad).max()) > 0
 
 
-def test_a_quantized_model_decodes_the_same_with_host_layers_on_and_off(tmp_path, kernels,
-                                                                      monkeypatch):
+def test_a_quantized_model_decodes_the_same_with_host_layers_on_and_off(tmp_path,
+                                                                      product_calls):
     # products of at least HOST_PRODUCT_MIN_SIZE weights: hidden 256, MLP 512
     config = dict(EXAMPLE_CONFIG, hidden_size=256, intermediate_size=512, head_dim=64)
     folder = write_model_folder(tmp_path / "m", config, seed=3)
     bundle = mlxrunner.load(str(folder))
     nn.quantize(bundle.model, group_size=32, bits=4)
-    calls = []
-    real = kernels.product
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kernels, "product", counted)
+    calls = product_calls
     prompt = list(range(3, 40))
     greedy = mlxrunner.SamplerOptions(temperature=0)
     on = mlxrunner.generate(bundle.model, prompt, options=greedy, max_tokens=24)
