@@ -229,7 +229,9 @@ def test_the_hugging_face_cache_layout_is_inside(tmp_path):
     repo = tmp_path / "models--org--name"
     (repo / "blobs").mkdir(parents=True)
     blob = repo / "blobs" / "0123abcd"
-    mx.save_safetensors(str(blob), {"a": mx.zeros((2,))})
+    # (MLX adds the .safetensors suffix a name lacks; the cache's blobs have none)
+    mx.save_safetensors(str(blob) + ".safetensors", {"a": mx.zeros((2,))})
+    (repo / "blobs" / "0123abcd.safetensors").rename(blob)
     snapshot = repo / "snapshots" / "rev"
     snapshot.mkdir(parents=True)
     (snapshot / "model.safetensors").symlink_to("../../blobs/0123abcd")
