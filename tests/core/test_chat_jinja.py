@@ -118,3 +118,20 @@ def test_reaching_an_unsafe_attribute_is_reported_as_the_templates_fault():
 def test_syntax_errors_name_the_line():
     with pytest.raises(ModelFolderError, match="syntax error at line 2"):
         JinjaRenderer("ok\n{% if %}")
+
+
+def test_text_parts_and_absent_content_reach_a_string_template_as_strings():
+    """A template written for string content (SmolLM2's, most older ones) takes OpenAI's
+    content parts, Anthropic's text blocks and an assistant turn of tool calls only (content
+    null): parts joined by a line, none as empty; a list with other parts stays a list."""
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] + '|' }}"
+                "{% endfor %}")
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    assert render(template, [{"role": "user", "content": parts}]) == "<user>Hi\nthere|"
+    calls = [{"type": "function", "function": {"name": "w", "arguments": "{}"}}]
+    assert render(template, [{"role": "user", "content": "x"},
+                             {"role": "assistant", "content": None, "tool_calls": calls}]) \
+        == "<user>x|<assistant>|"
+    # a template that reads lists gets them as transformers passes them
+    listed = "{% for m in messages %}{{ m['content'] | length }}{% endfor %}"
+    assert render(listed, [{"role": "user", "content": parts}]) == "2"

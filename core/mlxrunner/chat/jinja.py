@@ -128,6 +128,21 @@ def compile_template(source: str) -> jinja2.Template:
         raise ModelFolderError("chat template is nested too deeply to compile") from None
 
 
+def _text_content(message: dict[str, Any]) -> dict[str, Any]:
+    """Content as a template written for strings reads it: text parts joined by a line
+    (OpenAI's content parts, Anthropic's blocks, as Ollama joins them), none at all (an
+    assistant turn of tool calls only) as empty. A list holding other parts (an image) stays
+    a list. (Tried only where the conversation as transformers passes it fails.)"""
+    content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
+    if isinstance(content, list) and all(
+            isinstance(part, Mapping) and part.get("type") == "text"
+            and isinstance(part.get("text"), str) for part in content):
+        return {**message, "content": "\n".join(part["text"] for part in content)}
+    return message
+
+
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
     reasoning = reasoning_of(message)
     if reasoning is None:
@@ -170,12 +185,23 @@ class JinjaRenderer:
                tools: Sequence[Mapping[str, Any]] | None = None, *,
                think: bool | None = None, add_generation_prompt: bool = True) -> str:
         checked, checked_tools = validate_conversation(messages, tools)
-        checked = [_alias_reasoning(m) for m in checked]
         variables = dict(self.variables)
         if think is not None:
             variables["enable_thinking"] = bool(think)
-        variables.update(messages=checked, tools=checked_tools, documents=None,
+        variables.update(tools=checked_tools, documents=None,
                          add_generation_prompt=add_generation_prompt)
+        prepared = [_alias_reasoning(m) for m in checked]
+        try:
+            return self._render_checked({**variables, "messages": prepared})
+        except ConversationError:
+            # a template written for string content: the messages as it reads them, if
+            # that differs (text parts joined, absent content empty)
+            plain = [_alias_reasoning(_text_content(m)) for m in checked]
+            if plain == prepared:
+                raise
+            return self._render_checked({**variables, "messages": plain})
+
+    def _render_checked(self, variables: dict[str, Any]) -> str:
         try:
             return self._render_limited(variables)
         except LimitExceeded as exc:
