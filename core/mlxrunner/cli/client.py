@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import urllib.error
-import urllib.request
 from datetime import datetime, timezone
 from typing import Any
 
@@ -28,6 +26,9 @@ def add_url(p: argparse.ArgumentParser) -> None:
 
 
 def _ask(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    import urllib.error  # (here: every command's --help would import them)
+    import urllib.request
+
     from .. import settings
 
     base = url.rstrip("/")
