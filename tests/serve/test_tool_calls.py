@@ -147,3 +147,26 @@ def test_ollama_anthropic_and_responses_tool_calls(tool_server: Any) -> None:
     [function_call] = [item for item in response.output if item.type == "function_call"]
     assert json.loads(function_call.arguments) == {"city": "Paris"}
     assert response.status == "completed"
+
+
+def test_tools_for_a_model_without_a_tool_call_parser_are_a_400(serve_with: Any,
+                                                                tmp_path: Any) -> None:
+    """A model with no tool-call parser (the default model's template through jinja) would
+    drop tools unseen: the request is refused naming the model, as Ollama refuses it;
+    without tools it answers."""
+    pytest.importorskip("mlxrunner_example_architecture")
+    import mlxrunner
+    from mlxrunner.serve import Service
+    from mlxrunner_test_support import write_model_folder
+
+    folder = write_model_folder(tmp_path / "plain")
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
+    server = serve_with(Service(mlxrunner.load(folder), name="plain"))
+    body = {"model": "plain", "messages": ASK, "max_tokens": 2, "temperature": 0}
+    refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "tools": [TOOL]},
+                         timeout=120)
+    assert refused.status_code == 400
+    assert "plain does not support tools" in refused.json()["error"]["message"]
+    assert httpx.post(server.url + "/v1/chat/completions", json=body,
+                      timeout=120).status_code == 200

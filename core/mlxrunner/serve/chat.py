@@ -33,6 +33,11 @@ class ChatTurn:
             with plugin_code("renderers", bundle.renderer_name):
                 self.prompt = bundle.renderer.render(self.messages, self.tools, think=think,
                                                      add_generation_prompt=True)
+            # no parser to find calls in the reply (the default model's): tools would be
+            # dropped unseen; refused, as Ollama refuses them
+            if self.tools and bundle.parser_name is None:
+                raise RequestError(f"{service.name} does not support tools (it has no tool "
+                                   "call parser)", param="tools")
         except ConversationError as exc:
             raise RequestError(str(exc).splitlines()[0], param="messages") from None
         self._parser_name = bundle.parser_name
