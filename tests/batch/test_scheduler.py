@@ -108,9 +108,25 @@ def test_a_long_prompt_does_not_stall_the_running_streams(model):
     assert streaming.tokens == _alone(model, prompts[0], greedy, 12).tokens
 
 
+def test_a_short_prompt_sent_after_a_long_one_starts_within_a_step(model):
+    """The prompts being prefilled take turns, a chunk each: a short request does not wait
+    for every chunk of a long prompt sent before it (2 tokens waited 112 s behind 2,890)."""
+    prompts = _prompts(model.vocab_size, [40, 3], seed=9)
+    greedy = SamplerOptions(temperature=0)
+    scheduler = Scheduler(model, prefill_chunk=8)
+    long = scheduler.submit(BatchRequest(prompts[0], greedy, 4))
+    scheduler.step()  # the long prompt's first chunk
+    short = scheduler.submit(BatchRequest(prompts[1], greedy, 4))
+    scheduler.step()
+    assert short.tokens and not long.tokens  # 3 tokens prefilled before the next 8 of 40
+    scheduler.run_until_idle()
+    assert long.tokens == _alone(model, prompts[0], greedy, 4).tokens
+    assert short.tokens == _alone(model, prompts[1], greedy, 4).tokens
+
+
 def test_short_prompts_start_together_within_a_chunk_of_tokens(model):
-    """A step prefills up to ``prefill_chunk`` prompt tokens over the oldest admitted prompts:
-    a chunk that would pass the budget waits for the next step."""
+    """A step prefills up to ``prefill_chunk`` prompt tokens over the admitted prompts, one
+    chunk each: a chunk that would pass the budget waits for the next step."""
     prompts = _prompts(model.vocab_size, [3, 3, 3, 6, 11], seed=8)
     greedy = SamplerOptions(temperature=0)
     scheduler = Scheduler(model, prefill_chunk=8)

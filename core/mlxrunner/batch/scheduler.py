@@ -7,11 +7,12 @@ prefilled, and the running set, whose rows share one batch of caches
 1. drops cancelled requests; admits waiting ones while the running set and the memory
    budget allow (first come, first served: a request that does not fit blocks the ones
    behind it, so none is starved);
-2. prefills up to one chunk's tokens of the oldest admitted prompts (batch 1 each, through
-   the same prefill as :func:`mlxrunner.generate`, at the same chunk boundaries): short
-   prompts start together, a long prompt takes several steps and the running streams go on
-   meanwhile; a finished prompt samples its first token and its caches are copied into a
-   free row;
+2. prefills up to one chunk's tokens of the admitted prompts, one chunk each, those with the
+   fewest chunks so far first (batch 1 each, through the same prefill as
+   :func:`mlxrunner.generate`, at the same chunk boundaries): short prompts start together, a
+   long prompt takes several steps while the running streams go on and a short prompt sent
+   after it starts within a step; a finished prompt samples its first token and its caches
+   are copied into a free row;
 3. runs one batched forward over every running row (one token each, through the core's
    compiled step) and samples each row with its own sampler, stop ids and token budget.
 
@@ -133,6 +134,8 @@ class _Sequence:
         self.needs_host = self.penalised or self.constraint is not None
         self.plain_greedy = self.sampler.greedy and not self.needs_host
         self.prefilled = 0
+        #: prompt chunks prefilled so far (those with fewer go first)
+        self.chunks = 0
         #: the whole prompt's logits, where the prefix cache held all of it
         self.cached_logits: mx.array | None = None
         self.caches: list[Cache | None] | None
@@ -280,14 +283,17 @@ class Scheduler:
         sequence; returns whether work remains."""
         self._drop_cancelled()
         self._admit()
-        # prompt chunks of the oldest admitted sequences, up to one chunk's tokens: short
-        # prompts start together (a chunk is at most that long: a step's first one fits)
+        # prompt chunks, up to one chunk's tokens a step, one chunk a sequence, those that
+        # had the fewest chunks first (then the oldest): a short prompt sent after a long one
+        # starts within a step, not after all of the long one (a chunk is at most that
+        # long: a step's first fits)
         budget = self.prefill_chunk
-        while self._prefilling:
-            size = self._chunk_size(self._prefilling[0])
+        for seq in sorted(self._prefilling, key=lambda s: s.chunks):
+            size = self._chunk_size(seq)
             if size > budget:
-                break
-            self._prefill_chunk(self._prefilling[0])
+                continue
+            self._prefill_chunk(seq)
+            seq.chunks += 1
             budget -= size
         if self._running or self._pending:
             self._decode_step()
@@ -379,7 +385,7 @@ class Scheduler:
                         logits=logits if end == len(seq.prompt) else None)
         if end < len(seq.prompt):
             return
-        self._prefilling.popleft()
+        self._prefilling.remove(seq)
         stats = seq.request.stats
         stats.prompt_tokens = len(seq.prompt)
         stats.target_forwards += 1
