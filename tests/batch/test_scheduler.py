@@ -124,6 +124,25 @@ def test_a_short_prompt_sent_after_a_long_one_starts_within_a_step(model):
     assert short.tokens == _alone(model, prompts[1], greedy, 4).tokens
 
 
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(model):
+    """Short prompts arriving every step go before it, but not for ever: a prompt passed
+    over for a few steps goes first."""
+    prompts = _prompts(model.vocab_size, [40] + [3] * 30, seed=10)
+    greedy = SamplerOptions(temperature=0)
+    scheduler = Scheduler(model, prefill_chunk=8, max_sequences=64)
+    long = scheduler.submit(BatchRequest(prompts[0], greedy, 2))
+    shorts = []
+    steps = 0
+    while not long.tokens:
+        shorts.append(scheduler.submit(BatchRequest(prompts[1 + steps % 30], greedy, 2)))
+        scheduler.step()
+        steps += 1
+        assert steps <= 5 * 3, "the long prompt was starved"
+    scheduler.run_until_idle()
+    assert long.tokens == _alone(model, prompts[0], greedy, 2).tokens
+    assert shorts[0].tokens == _alone(model, prompts[1], greedy, 2).tokens
+
+
 def test_short_prompts_start_together_within_a_chunk_of_tokens(model):
     """A step prefills up to ``prefill_chunk`` prompt tokens over the admitted prompts, one
     chunk each: a chunk that would pass the budget waits for the next step."""

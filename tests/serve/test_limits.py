@@ -317,15 +317,16 @@ def test_an_idle_connection_is_closed_by_the_server(demo_service: Any) -> None:
 
 
 @pytest.mark.parametrize("partial", [
+    b"",  # nothing at all
     b"GET /health HTTP/1.1\r\nHost: localhost\r\n",  # headers never end
     b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json"
     b"\r\ncontent-length: 100\r\n\r\n{\"prompt\":",  # nor does the body
 ])
 def test_a_request_sent_too_slowly_is_a_408_and_closed(demo_service: Any, partial: bytes
                                                        ) -> None:
-    """A client that sends part of a request and stops holds its connection no longer than
-    the read timeout (many such clients would take every file the process may open); a
-    connection that sends whole requests slowly but in time is served."""
+    """A client that sends part of a request (or nothing) and stops holds its connection no
+    longer than the read timeout (many such clients would take every place the server has);
+    a connection that sends whole requests slowly but in time is served."""
     from mlxrunner.serve import Listener, bind, create_app
 
     listener = Listener(create_app(demo_service), bind("127.0.0.1", 0),

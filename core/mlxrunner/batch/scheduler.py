@@ -75,6 +75,11 @@ BATCH_PROBE_EVERY = 64
 TokenCallback = Callable[[int, "dict[str, Any] | None"], "bool | None"]
 
 
+#: steps a prompt being prefilled may be passed over (for prompts with fewer chunks) before
+#: it goes first
+PREFILL_PATIENCE = 2
+
+
 @dataclass(eq=False)
 class BatchRequest:
     """One sequence to generate: its prompt (token ids), sampler options, token budget,
@@ -134,8 +139,9 @@ class _Sequence:
         self.needs_host = self.penalised or self.constraint is not None
         self.plain_greedy = self.sampler.greedy and not self.needs_host
         self.prefilled = 0
-        #: prompt chunks prefilled so far (those with fewer go first)
+        #: prompt chunks prefilled so far (those with fewer go first), and steps since its last
         self.chunks = 0
+        self.waited = 0
         #: the whole prompt's logits, where the prefix cache held all of it
         self.cached_logits: mx.array | None = None
         self.caches: list[Cache | None] | None
@@ -285,15 +291,19 @@ class Scheduler:
         self._admit()
         # prompt chunks, up to one chunk's tokens a step, one chunk a sequence, those that
         # had the fewest chunks first (then the oldest): a short prompt sent after a long one
-        # starts within a step, not after all of the long one (a chunk is at most that
-        # long: a step's first fits)
+        # starts within a step, not after all of the long one; one passed over for
+        # PREFILL_PATIENCE steps goes first, so a stream of new prompts cannot starve it (a
+        # chunk is at most that long: a step's first fits)
         budget = self.prefill_chunk
-        for seq in sorted(self._prefilling, key=lambda s: s.chunks):
+        order = sorted(self._prefilling, key=lambda s: (s.waited < PREFILL_PATIENCE, s.chunks))
+        for seq in order:
             size = self._chunk_size(seq)
             if size > budget:
+                seq.waited += 1
                 continue
             self._prefill_chunk(seq)
             seq.chunks += 1
+            seq.waited = 0
             budget -= size
         if self._running or self._pending:
             self._decode_step()

@@ -115,7 +115,8 @@ def host_rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array 
         return None
     loops = host_kernels()
     if loops is not None and (w is None or w.shape == (a.shape[-1],)):
-        return mx.array(loops.rms_norm(np.ascontiguousarray(a), w, eps))
+        return mx.array(loops.rms_norm(np.ascontiguousarray(a),
+                                       None if w is None else np.ascontiguousarray(w), eps))
     y = a * (np.float32(1.0) / np.sqrt(np.mean(a * a, axis=-1, keepdims=True, dtype=np.float32)
                                        + np.float32(eps)))
     return mx.array(y if w is None else y * w)

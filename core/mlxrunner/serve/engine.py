@@ -422,12 +422,12 @@ class Engine:
         job = self.submit(generation, on_text)
         job.future.add_done_callback(
             lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
-        with self._lock:
-            self._open.add((loop, pieces))
-            if self.closing.is_set():
-                pieces.put_nowait(_CLOSING)
 
         async def items() -> AsyncIterator[str | Reply]:
+            with self._lock:  # told when the server stops (from here to the finally below)
+                self._open.add((loop, pieces))
+                if self.closing.is_set():
+                    pieces.put_nowait(_CLOSING)
             try:
                 while (piece := await pieces.get()) is not None:
                     if piece is _CLOSING:

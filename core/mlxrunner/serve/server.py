@@ -37,6 +37,12 @@ class JSONErrorsH11Protocol(H11Protocol):
     read_timeout = REQUEST_READ_TIMEOUT
     _read_timer: asyncio.TimerHandle | None = None
 
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # a connection that sends nothing holds a place too (past MAX_CONNECTIONS, every
+        # request is a 503)
+        self._read_timer = self.loop.call_later(self.read_timeout, self._read_timed_out)
+
     def data_received(self, data: bytes) -> None:
         if self._read_timer is None and self.conn.their_state is not h11.DONE:
             self._read_timer = self.loop.call_later(self.read_timeout, self._read_timed_out)
@@ -120,7 +126,10 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.should_exit:
-            self._on_exit()
+            # not in the signal handler: it runs on the event loop's thread between two
+            # bytecodes, maybe inside a section that holds an engine's lock
+            threading.Thread(target=self._on_exit, name="mlxrunner-shutdown",
+                             daemon=True).start()
         super().handle_exit(sig, frame)
 
 

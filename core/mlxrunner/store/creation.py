@@ -259,8 +259,8 @@ def _dequantized(weights: dict[str, mx.array], group: int) -> dict[str, mx.array
     out: dict[str, mx.array] = {}
     for name, value in weights.items():
         prefix, _, part = name.rpartition(".")
-        if prefix not in packed:
-            out[name] = value
+        if prefix not in packed or part not in ("weight", "scales", "biases"):
+            out[name] = value  # (a module's own bias stays)
         elif part == "weight":
             scales = weights[f"{prefix}.scales"]
             bits = value.shape[-1] * 32 // (scales.shape[-1] * group)
