@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import stat
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -51,7 +52,11 @@ def read_bounded(path: Path, what: str, limit: int) -> bytes:
     """A regular file's bytes, at most ``limit`` of them (more is one ModelFolderError)."""
     check_regular(path, what)
     try:
-        with path.open("rb") as handle:
+        # opened without blocking and checked again: a FIFO swapped in since is refused
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(descriptor, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise ModelFolderError(f"{path}: {what} is not a regular file")
             data = handle.read(limit + 1)
     except OSError as exc:
         raise ModelFolderError(f"{path}: {what} cannot be read ({exc.strerror or exc})") \

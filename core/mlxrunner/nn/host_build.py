@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -129,23 +130,27 @@ def _raise_for(code: int) -> None:
         raise ValueError(f"host quantized product: a case it does not take ({code})")
 
 
-def _compiler() -> str | None:
-    chosen = os.environ.get("CC")
+def _compiler() -> list[str] | None:
+    """The compiler's command: ``CC`` (words, as make splits it: ``ccache gcc``), else the
+    first of cc, gcc and clang found."""
+    chosen = shlex.split(os.environ.get("CC", ""))
     if chosen:
-        return shutil.which(chosen)
+        found = shutil.which(chosen[0])
+        return None if found is None else [found, *chosen[1:]]
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     return None
 
 
-def _build_key(source: str, compiler: str) -> str:
-    """What a built library is filed under: the source, the compiler (its path, size and
-    modification time: a changed compiler builds again) and the machine."""
-    facts = [source, compiler, platform.machine(), platform.system()]
+def _build_key(source: str, compiler: list[str]) -> str:
+    """What a built library is filed under: the source, the compiler (its command, and its
+    program's size and modification time: a changed compiler builds again) and the
+    machine."""
+    facts = [source, *compiler, platform.machine(), platform.system()]
     try:
-        stat = os.stat(compiler)
+        stat = os.stat(compiler[0])
         facts += [str(stat.st_size), str(stat.st_mtime_ns)]
     except OSError:
         pass
@@ -184,12 +189,12 @@ def _load() -> HostKernels:
         os.close(handle)
         try:
             done = subprocess.run(
-                [compiler, "-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-o", temporary,
+                [*compiler, "-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-o", temporary,
                  str(SOURCE), "-lm"],
                 capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
             if done.returncode:
                 lines = (done.stderr or done.stdout or "").strip().splitlines()
-                raise RuntimeError(f"{Path(compiler).name} exited {done.returncode}"
+                raise RuntimeError(f"{Path(compiler[0]).name} exited {done.returncode}"
                                    + (f": {lines[0]}" if lines else ""))
             os.replace(temporary, built)
         finally:
