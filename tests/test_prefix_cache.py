@@ -189,3 +189,24 @@ def test_speculative_hit_rebuilds_the_draft_session(tmp_path):
         sessions.append(session)
     warm_q, cold_q = (s.propose(7, len(third), 3).distribution().probs for s in sessions)
     assert mx.allclose(warm_q, cold_q, atol=1e-5).item()
+
+
+def test_the_default_budget_scales_with_the_model_and_the_setting_overrides_it():
+    """Four times the weights, between 256 MiB and 2 GiB (and at most an eighth of the
+    machine): a 135M model's server no longer keeps 2 GiB of state; MLXRUNNER_PREFIX_CACHE_MIB
+    says otherwise."""
+    from mlxrunner import settings
+    from mlxrunner.cache import KVCache, default_prefix_budget, prefix_cache_for
+
+    mib = 1 << 20
+    assert default_prefix_budget(98 * mib) == min(392 * mib, default_prefix_budget(None))
+    assert default_prefix_budget(10 * mib) == min(256 * mib, default_prefix_budget(None))
+    assert default_prefix_budget(4000 * mib) == default_prefix_budget(None) <= 2048 * mib
+
+    def make_cache():
+        return [KVCache()]
+
+    assert prefix_cache_for(make_cache, 98 * mib).budget_bytes == default_prefix_budget(
+        98 * mib)
+    with settings.overridden(prefix_cache_mib=64):
+        assert prefix_cache_for(make_cache, 98 * mib).budget_bytes == 64 * mib

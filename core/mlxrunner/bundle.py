@@ -71,6 +71,14 @@ class Bundle:
         return frozenset(ids)
 
 
+def weights_bytes(model: nn.Module) -> int:
+    """The bytes of the model's arrays as loaded (quantized ones packed)."""
+    from mlx.utils import tree_flatten
+
+    flat = cast("list[tuple[str, Any]]", tree_flatten(model.parameters()))
+    return sum(int(v.nbytes) for _, v in flat if isinstance(v, mx.array))
+
+
 def parameter_count(model: nn.Module) -> int:
     """Parameters as the unquantized model would have them (packed weights unpacked)."""
     total = 0

@@ -22,7 +22,8 @@ is not noticed halfway through a generation, and a bad value is one clear error 
   built-ins always load.
 - ``MLXRUNNER_PREFIX_CACHE`` (``1``/``0``, default 1): ``serve`` and the chat keep model state
   across requests and turns (:class:`mlxrunner.cache.PrefixCache`), holding at most
-  ``MLXRUNNER_PREFIX_CACHE_MIB`` MiB of arrays per model (default 2048).
+  ``MLXRUNNER_PREFIX_CACHE_MIB`` MiB of arrays per model (default: scaled to the model and
+  the machine, see ``mlxrunner.cache.prefix_cache_for``).
 - ``MLXRUNNER_API_KEY``: the bearer token ``mlxrunner serve`` requires (unset: none).
 - ``MLXRUNNER_ORIGINS``: browser origins ``mlxrunner serve`` accepts beyond this machine's
   (comma-separated glob patterns, as Ollama's ``OLLAMA_ORIGINS``; ``*``: any).
@@ -57,7 +58,8 @@ class Settings:
     host_products: bool = True
     load_plugins: tuple[str, ...] | None = None
     prefix_cache: bool = True
-    prefix_cache_mib: int = 2048
+    #: None: scaled to the model and the machine (mlxrunner.cache.prefix_cache_for)
+    prefix_cache_mib: int | None = None
     api_key: str | None = field(default=None, repr=False)  # a secret: not in reprs
     origins: tuple[str, ...] = ()
     #: MLX's kernel cache folder (``MLX_PTX_CACHE_DIR``, MLX's own switch; None: MLX's
@@ -85,7 +87,8 @@ class Settings:
             load_plugins=None if plugins is None else tuple(
                 p.strip() for p in plugins.split(",") if p.strip()),
             prefix_cache=_flag(env, "MLXRUNNER_PREFIX_CACHE", True),
-            prefix_cache_mib=_mib(env, "MLXRUNNER_PREFIX_CACHE_MIB", 2048),
+            prefix_cache_mib=_mib(env, "MLXRUNNER_PREFIX_CACHE_MIB")
+            if env.get("MLXRUNNER_PREFIX_CACHE_MIB", "").strip() else None,
             api_key=env.get("MLXRUNNER_API_KEY") or None,
             origins=tuple(o.strip() for o in env.get("MLXRUNNER_ORIGINS", "").split(",")
                           if o.strip()),
@@ -101,8 +104,8 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return value == "1"
 
 
-def _mib(env: Mapping[str, str], name: str, default: int) -> int:
-    value = env.get(name, str(default)).strip()
+def _mib(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name, "").strip()
     if not value.isdigit():
         raise SettingsError(f"{name}={value!r}: use a whole number of MiB")
     return int(value)

@@ -31,6 +31,7 @@ nothing after it) goes first, until the arrays held fit.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -397,13 +398,37 @@ def _with_capacity(keys: mx.array, values: mx.array, length: int, step: int
     return keys, values
 
 
-def prefix_cache_for(make_cache: MakeCache) -> PrefixCache | None:
+#: the default budget's bounds, and its share of the weights and of the machine's memory
+PREFIX_BUDGET_MIN = 256 << 20
+PREFIX_BUDGET_MAX = 2048 << 20
+PREFIX_BUDGET_PER_WEIGHT_BYTE = 4
+PREFIX_BUDGET_MACHINE_SHARE = 8
+
+
+def default_prefix_budget(weights_bytes: int | None) -> int:
+    """Bytes of cached state for a model of ``weights_bytes`` (None: not known): four times
+    its weights, at least 256 MiB, at most 2 GiB and an eighth of this machine's memory (a
+    135M model's server grew to 2.9 GB under the fixed 2 GiB)."""
+    budget = PREFIX_BUDGET_MAX if weights_bytes is None else max(
+        PREFIX_BUDGET_MIN, min(PREFIX_BUDGET_MAX, PREFIX_BUDGET_PER_WEIGHT_BYTE * weights_bytes))
+    try:
+        machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf: no share known
+        return budget
+    return min(budget, machine // PREFIX_BUDGET_MACHINE_SHARE)
+
+
+def prefix_cache_for(make_cache: MakeCache, weights_bytes: int | None = None
+                     ) -> PrefixCache | None:
     """The prefix cache ``serve`` and the chat keep for a model (``make_cache``: its
-    ``make_cache``), as the settings say (``MLXRUNNER_PREFIX_CACHE``,
-    ``MLXRUNNER_PREFIX_CACHE_MIB``); None when they turn it off or the model keeps a cache
+    ``make_cache``; ``weights_bytes``: its weights' size), as the settings say
+    (``MLXRUNNER_PREFIX_CACHE``, ``MLXRUNNER_PREFIX_CACHE_MIB``, else
+    :func:`default_prefix_budget`); None when they turn it off or the model keeps a cache
     kind it cannot rebuild."""
     chosen = settings.current()
     if not chosen.prefix_cache:
         return None
-    cache = PrefixCache(make_cache, budget_bytes=chosen.prefix_cache_mib << 20)
+    budget = chosen.prefix_cache_mib << 20 if chosen.prefix_cache_mib is not None \
+        else default_prefix_budget(weights_bytes)
+    cache = PrefixCache(make_cache, budget_bytes=budget)
     return cache if cache.supported else None

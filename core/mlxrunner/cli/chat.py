@@ -27,6 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ..bundle import weights_bytes
 from ..cache import prefix_cache_for
 from ..chat.formats import ParsedMessage
 from ..chat.streaming import TextStream
@@ -179,7 +180,7 @@ class ChatSession:
         self.messages: list[dict[str, Any]] = \
             [{"role": "system", "content": system}] if system else []
         self._explained = False
-        self.prefix_cache = prefix_cache_for(bundle.model.make_cache)
+        self.prefix_cache = prefix_cache_for(bundle.model.make_cache, weights_bytes(bundle.model))
 
     # -- the conversation ------------------------------------------------------
     @property

@@ -615,6 +615,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "API key: anyone who reaches it can use the model (--api-key or "
               "MLXRUNNER_API_KEY)", file=sys.stderr)
     draft = f", draft {type(bundle.draft).__name__}" if bundle.draft is not None else ""
+    if args.verbose:
+        kept = service.engine.prefix_cache
+        print("mlxrunner: prefix cache " + (f"up to {kept.budget_bytes >> 20} MiB of model "
+                                            "state (MLXRUNNER_PREFIX_CACHE_MIB)" if kept is not
+                                            None else "off"), file=sys.stderr, flush=True)
     print(f"mlxrunner: serving {service.name}{draft} on {listener.url} (OpenAI /v1, Ollama "
           "/api, Anthropic /v1/messages; Ctrl-C stops)", file=sys.stderr, flush=True)
     try:

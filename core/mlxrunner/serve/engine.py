@@ -24,7 +24,7 @@ from http import HTTPStatus
 from typing import Any
 
 from ..batch import BatchRequest, Scheduler
-from ..bundle import Bundle, context_length
+from ..bundle import Bundle, context_length, weights_bytes
 from ..cache import prefix_cache_for
 from ..chat.streaming import TextStream
 from ..decode.generation import generate
@@ -139,7 +139,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.stop_ids = bundle.stop_token_ids()
         #: state kept across requests (None: off, or a model whose caches it cannot keep)
-        self.prefix_cache = prefix_cache_for(bundle.model.make_cache)
+        self.prefix_cache = prefix_cache_for(bundle.model.make_cache, weights_bytes(bundle.model))
         self.request_timeout = request_timeout
         self.queue_size = queue_size
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
