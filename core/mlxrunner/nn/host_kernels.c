@@ -112,120 +112,89 @@ __attribute__((target("avx2,fma"))) static inline __m256 widen(__m128i bytes) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
 }
 
-/* 4-bit: xs reordered (reorder_4bit) */
+/* a 32-weight chunk at element e of an output row as four vectors of eight, in the order of
+   their activations (4-bit: xs reordered by reorder_4bit; 8-bit: as they are) */
 __attribute__((target("avx2,fma"), always_inline))
-static inline void block_avx2_4bit(const float *xs, const float *sums, long r0, const int nr,
-                                   long in_dims, const uint32_t *w, const float *scales,
-                                   const float *biases, long o_begin, long o_end, long group,
-                                   float *y, long out_dims) {
-    long groups = in_dims / group, chunks = group / 32, bytes_per_row = in_dims / 2;
-    const __m128i low = _mm_set1_epi8(0x0f);
-    {
-        for (long o = o_begin; o < o_end; o++) {
-            const uint8_t *wo = (const uint8_t *)w + o * bytes_per_row;
-            __m256 acc[ROW_BLOCK];
-            for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
-            for (long g = 0; g < groups; g++) {
-                __m256 t[ROW_BLOCK];
-                for (int r = 0; r < nr; r++) t[r] = _mm256_setzero_ps();
-                for (long c = 0; c < chunks; c++) {
-                    long e = (g * chunks + c) * 32;
-                    __m128i b = _mm_loadu_si128((const __m128i *)(wo + e / 2));
-                    __m128i lo = _mm_and_si128(b, low);
-                    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-                    __m256 l0 = widen(lo), l1 = widen(_mm_srli_si128(lo, 8));
-                    __m256 h0 = widen(hi), h1 = widen(_mm_srli_si128(hi, 8));
-                    for (int r = 0; r < nr; r++) {
-                        const float *x = xs + (r0 + r) * in_dims + e;
-                        __m256 u = _mm256_mul_ps(l0, _mm256_loadu_ps(x));
-                        u = _mm256_fmadd_ps(l1, _mm256_loadu_ps(x + 8), u);
-                        u = _mm256_fmadd_ps(h0, _mm256_loadu_ps(x + 16), u);
-                        u = _mm256_fmadd_ps(h1, _mm256_loadu_ps(x + 24), u);
-                        t[r] = _mm256_add_ps(t[r], u);
-                    }
-                }
-                __m256 s = _mm256_set1_ps(scales[o * groups + g]);
-                for (int r = 0; r < nr; r++) acc[r] = _mm256_fmadd_ps(t[r], s, acc[r]);
-            }
-            for (int r = 0; r < nr; r++) {
-                const float *sm = sums + (r0 + r) * groups;
-                const float *bo = biases + o * groups;
-                float bias = 0.0f;
-                for (long g = 0; g < groups; g++) bias += bo[g] * sm[g];
-                y[(r0 + r) * out_dims + o] = hsum8(acc[r]) + bias;
-            }
-        }
+static inline void unpack_avx2(const uint8_t *wo, long e, const int bits, __m256 q[4]) {
+    if (bits == 4) {
+        const __m128i low = _mm_set1_epi8(0x0f);
+        __m128i b = _mm_loadu_si128((const __m128i *)(wo + e / 2));
+        __m128i lo = _mm_and_si128(b, low);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        q[0] = widen(lo), q[1] = widen(_mm_srli_si128(lo, 8));
+        q[2] = widen(hi), q[3] = widen(_mm_srli_si128(hi, 8));
+    } else {
+        __m128i b0 = _mm_loadu_si128((const __m128i *)(wo + e));
+        __m128i b1 = _mm_loadu_si128((const __m128i *)(wo + e + 16));
+        q[0] = widen(b0), q[1] = widen(_mm_srli_si128(b0, 8));
+        q[2] = widen(b1), q[3] = widen(_mm_srli_si128(b1, 8));
     }
 }
 
 __attribute__((target("avx2,fma"), always_inline))
-static inline void block_avx2_8bit(const float *xs, const float *sums, long r0, const int nr,
-                                   long in_dims, const uint32_t *w, const float *scales,
-                                   const float *biases, long o_begin, long o_end, long group,
-                                   float *y, long out_dims) {
-    long groups = in_dims / group, chunks = group / 32;
-    {
-        for (long o = o_begin; o < o_end; o++) {
-            const uint8_t *wo = (const uint8_t *)w + o * in_dims;
-            __m256 acc[ROW_BLOCK];
-            for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
-            for (long g = 0; g < groups; g++) {
-                __m256 t[ROW_BLOCK];
-                for (int r = 0; r < nr; r++) t[r] = _mm256_setzero_ps();
-                for (long c = 0; c < chunks; c++) {
-                    long e = (g * chunks + c) * 32;
-                    __m128i b0 = _mm_loadu_si128((const __m128i *)(wo + e));
-                    __m128i b1 = _mm_loadu_si128((const __m128i *)(wo + e + 16));
-                    __m256 q0 = widen(b0), q1 = widen(_mm_srli_si128(b0, 8));
-                    __m256 q2 = widen(b1), q3 = widen(_mm_srli_si128(b1, 8));
-                    for (int r = 0; r < nr; r++) {
-                        const float *x = xs + (r0 + r) * in_dims + e;
-                        __m256 u = _mm256_mul_ps(q0, _mm256_loadu_ps(x));
-                        u = _mm256_fmadd_ps(q1, _mm256_loadu_ps(x + 8), u);
-                        u = _mm256_fmadd_ps(q2, _mm256_loadu_ps(x + 16), u);
-                        u = _mm256_fmadd_ps(q3, _mm256_loadu_ps(x + 24), u);
-                        t[r] = _mm256_add_ps(t[r], u);
-                    }
+static inline void block_avx2(const float *xs, const float *sums, long r0, const int nr,
+                              long in_dims, const uint32_t *w, const float *scales,
+                              const float *biases, long o_begin, long o_end, long group,
+                              const int bits, float *y, long out_dims) {
+    long groups = in_dims / group, chunks = group / 32, bytes_per_row = in_dims * bits / 8;
+    for (long o = o_begin; o < o_end; o++) {
+        const uint8_t *wo = (const uint8_t *)w + o * bytes_per_row;
+        __m256 acc[ROW_BLOCK];
+        for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+        for (long g = 0; g < groups; g++) {
+            __m256 t[ROW_BLOCK];
+            for (int r = 0; r < nr; r++) t[r] = _mm256_setzero_ps();
+            for (long c = 0; c < chunks; c++) {
+                long e = (g * chunks + c) * 32;
+                __m256 q[4];
+                unpack_avx2(wo, e, bits, q);
+                for (int r = 0; r < nr; r++) {
+                    const float *x = xs + (r0 + r) * in_dims + e;
+                    __m256 u = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+                    u = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), u);
+                    u = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), u);
+                    u = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), u);
+                    t[r] = _mm256_add_ps(t[r], u);
                 }
-                __m256 s = _mm256_set1_ps(scales[o * groups + g]);
-                for (int r = 0; r < nr; r++) acc[r] = _mm256_fmadd_ps(t[r], s, acc[r]);
             }
-            for (int r = 0; r < nr; r++) {
-                const float *sm = sums + (r0 + r) * groups;
-                const float *bo = biases + o * groups;
-                float bias = 0.0f;
-                for (long g = 0; g < groups; g++) bias += bo[g] * sm[g];
-                y[(r0 + r) * out_dims + o] = hsum8(acc[r]) + bias;
-            }
+            __m256 s = _mm256_set1_ps(scales[o * groups + g]);
+            for (int r = 0; r < nr; r++) acc[r] = _mm256_fmadd_ps(t[r], s, acc[r]);
+        }
+        for (int r = 0; r < nr; r++) {
+            const float *sm = sums + (r0 + r) * groups;
+            const float *bo = biases + o * groups;
+            float bias = 0.0f;
+            for (long g = 0; g < groups; g++) bias += bo[g] * sm[g];
+            y[(r0 + r) * out_dims + o] = hsum8(acc[r]) + bias;
         }
     }
 }
 
 /* one function per row count, so that the per-row accumulators live in registers */
-#define ROW_BLOCKS(bits)                                                                     \
+#define ROW_BLOCKS(name, bits)                                                               \
     __attribute__((target("avx2,fma")))                                                     \
-    static void rows_avx2_##bits(const float *xs, const float *sums, long rows, long in_dims, \
+    static void rows_avx2_##name(const float *xs, const float *sums, long rows, long in_dims, \
                                  const uint32_t *w, const float *scales, const float *biases, \
                                  long o_begin, long o_end, long group, float *y,              \
                                  long out_dims) {                                             \
         for (long r0 = 0; r0 < rows; r0 += ROW_BLOCK) {                                       \
             long left = rows - r0;                                                            \
             if (left >= 4)                                                                    \
-                block_avx2_##bits(xs, sums, r0, 4, in_dims, w, scales, biases, o_begin,       \
-                                  o_end, group, y, out_dims);                                 \
+                block_avx2(xs, sums, r0, 4, in_dims, w, scales, biases, o_begin, o_end,       \
+                           group, bits, y, out_dims);                                         \
             else if (left == 3)                                                               \
-                block_avx2_##bits(xs, sums, r0, 3, in_dims, w, scales, biases, o_begin,       \
-                                  o_end, group, y, out_dims);                                 \
+                block_avx2(xs, sums, r0, 3, in_dims, w, scales, biases, o_begin, o_end,       \
+                           group, bits, y, out_dims);                                         \
             else if (left == 2)                                                               \
-                block_avx2_##bits(xs, sums, r0, 2, in_dims, w, scales, biases, o_begin,       \
-                                  o_end, group, y, out_dims);                                 \
+                block_avx2(xs, sums, r0, 2, in_dims, w, scales, biases, o_begin, o_end,       \
+                           group, bits, y, out_dims);                                         \
             else                                                                              \
-                block_avx2_##bits(xs, sums, r0, 1, in_dims, w, scales, biases, o_begin,       \
-                                  o_end, group, y, out_dims);                                 \
+                block_avx2(xs, sums, r0, 1, in_dims, w, scales, biases, o_begin, o_end,       \
+                           group, bits, y, out_dims);                                         \
         }                                                                                     \
     }
-ROW_BLOCKS(4bit)
-ROW_BLOCKS(8bit)
+ROW_BLOCKS(4bit, 4)
+ROW_BLOCKS(8bit, 8)
 
 /* ---- AVX-512 ----------------------------------------------------------------------------
    Sixteen lanes hold a 4-bit chunk's even elements (low nibbles) or odd ones (high); each
