@@ -191,8 +191,9 @@ class CompiledSteps:
     def _forward(self, ids: mx.array, caches: Sequence[Any], taps: tuple[int, ...] | None
                  ) -> Result | None:
         key = self._key(ids, caches, taps)
-        if key is None or (ids.shape, _switches()) in self._host_bound \
-                or _switches() in self._host_bound_settings:
+        switches = _switches()
+        if key is None or (ids.shape, switches) in self._host_bound \
+                or switches in self._host_bound_settings:
             return None
         traced = self._traced.get(key)
         if traced is None:
@@ -218,7 +219,7 @@ class CompiledSteps:
         if checking:
             traced.checks[thread] = traced.checks.get(thread, 0) + 1
         if host_bound(declined):  # (this result is right)
-            self._host_bound.add((ids.shape, _switches()))
+            self._host_bound.add((ids.shape, switches))
             del self._traced[key]
         if shadows is not None:
             eager = self._eager(ids, caches, live, shadows, taps)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -43,26 +43,25 @@ _state = threading.local()
 
 
 @contextmanager
-def hosting() -> Iterator[None]:
-    """Let the core's layers run on the host in this thread (see the module)."""
-    depth = getattr(_state, "depth", 0)
-    _state.depth = depth + 1
+def _raised(counter: str) -> Iterator[None]:
+    """This thread's ``counter`` one higher while the block runs (nested blocks nest)."""
+    held = getattr(_state, counter, 0)
+    setattr(_state, counter, held + 1)
     try:
         yield
     finally:
-        _state.depth = depth
+        setattr(_state, counter, held)
 
 
-@contextmanager
-def unhosted() -> Iterator[None]:
+def hosting() -> AbstractContextManager[None]:
+    """Let the core's layers run on the host in this thread (see the module)."""
+    return _raised("depth")
+
+
+def unhosted() -> AbstractContextManager[None]:
     """The core's layers as MLX's operations in this thread, even inside :func:`hosting`
     (a check comparing a traced forward with the eager one compares tracing alone)."""
-    held = getattr(_state, "off", 0)
-    _state.off = held + 1
-    try:
-        yield
-    finally:
-        _state.off = held
+    return _raised("off")
 
 
 def host_active() -> bool:
@@ -205,7 +204,7 @@ def host_attention(q: mx.array, keys: mx.array, values: mx.array,
             and q.dtype == keys.dtype == values.dtype == mx.float32
             and keys.shape[1] and q.shape[1] % keys.shape[1] == 0
             and keys.shape[2] == values.shape[2]
-            and (mask is None or mask == "causal" or (
+            and (mask is None or (isinstance(mask, str) and mask == "causal") or (
                 isinstance(mask, mx.array) and mask.dtype in (mx.bool_, mx.float32)))):
         return None
     try:
