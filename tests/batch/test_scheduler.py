@@ -189,7 +189,7 @@ def test_bad_requests_say_what_is_wrong(model):
         scheduler.submit(BatchRequest([model.vocab_size]))
     with pytest.raises(ValueError, match="max_tokens"):
         scheduler.submit(BatchRequest([1], max_tokens=0))
-    with pytest.raises(ValueError, match="one options and max_tokens each"):
+    with pytest.raises(ValueError, match="one max_tokens each"):
         generate_batch(model, [[1], [2]], max_tokens=[3])
     assert scheduler.idle
 

@@ -101,9 +101,76 @@ def test_a_prefix_hit_fills_the_caches_and_gives_the_cold_output(tiny: Any) -> N
         assert again.stats.cached_tokens > len(follow[0])
 
 
-def test_a_draft_with_a_constraint_or_cache_is_refused(tiny: Any) -> None:
-    model = tiny("qwen3_5")
-    scheduler = Scheduler(model)
-    with pytest.raises(ValueError, match="decodes it alone"):
-        scheduler.submit(BatchRequest([1, 2, 3], draft=object(),
-                                      prefix_cache=PrefixCache(model.make_cache)))
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma4"])
+def test_drafted_rows_with_a_prefix_cache_give_their_solo_outputs(tiny: Any, name: str) -> None:
+    """A drafted sequence with the prefix cache joins the batch: a hit rebuilds its draft's
+    session from the tapped states kept with the caches, and what it stores (its prompt's
+    chunks, then the reply) keeps its taps for the next turn, as generate does alone."""
+    pytest.importorskip("mlxrunner_dflash", reason="the dflash plugin is not installed")
+    from mlxrunner.testing.speculative import random_draft
+
+    model = tiny(name)
+    draft = random_draft(model, "DFlash2DraftModel", seed=3)
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, model.vocab_size, 11).tolist()
+    prompts = [base] + [base + rng.integers(0, model.vocab_size, n).tolist() for n in (6, 3)]
+    options = [SamplerOptions(temperature=0), SamplerOptions(temperature=0),
+               SamplerOptions(temperature=0.9, seed=7)]
+    alone_cache = PrefixCache(model.make_cache, block=4)
+    batch_cache = PrefixCache(model.make_cache, block=4)
+    first = mlxrunner.generate(model, base, options=options[0], max_tokens=5, draft=draft,
+                               prefix_cache=alone_cache)
+    scheduler = Scheduler(model, max_sequences=4)
+    warm = scheduler.submit(BatchRequest(base, options[0], 5, draft=draft,
+                                         prefix_cache=batch_cache))
+    scheduler.run_until_idle()
+    assert warm.tokens == first.tokens
+    alone = [mlxrunner.generate(model, p, options=o, max_tokens=8, draft=draft,
+                                prefix_cache=alone_cache) for p, o in zip(prompts, options)]
+    cold = [mlxrunner.generate(model, p, options=o, max_tokens=8, draft=draft)
+            for p, o in zip(prompts, options)]
+    requests = [scheduler.submit(BatchRequest(p, o, 8, draft=draft, prefix_cache=batch_cache))
+                for p, o in zip(prompts, options)]
+    scheduler.run_until_idle()
+    for a, c, r in zip(alone, cold, requests):
+        assert r.tokens == a.tokens == c.tokens
+        assert r.stats.cached_tokens > 0
+        assert r.stats.as_dict()["mode"] == "speculative" and r.stats.rounds > 0
+    assert requests[0].stats.cached_tokens == len(base)  # met whole: no prefill
+    # the next turn starts from the sampled reply, stored with its taps
+    turn = prompts[2] + requests[2].tokens + [3, 4]
+    again = mlxrunner.generate(model, turn, options=options[2], max_tokens=6, draft=draft,
+                               prefix_cache=alone_cache)
+    request = scheduler.submit(BatchRequest(turn, options[2], 6, draft=draft,
+                                            prefix_cache=batch_cache))
+    scheduler.run_until_idle()
+    assert request.tokens == again.tokens
+    assert request.stats.cached_tokens > len(prompts[2])
+
+
+def test_drafted_rows_under_a_grammar_give_their_solo_outputs(demo: Any) -> None:
+    """A drafted sequence with a grammar joins the batch: its proposals are masked as alone
+    (kept, redrawn from q under the mask, or cut), its verify rows drawn under the same
+    masks; greedy and seeded rows give generate's tokens, beside a free drafted row."""
+    model, draft, eos = demo.model, demo.draft, frozenset(demo.stop_token_ids())
+    assert draft is not None  # the demo's DFlash2 draft
+    grammar = compile_format(SCHEMA, demo.tokenizer, model.vocab_size, eos)
+    prompts = [demo.tokenizer.encode(t) for t in ("def parse(line):", "x = {", "import os")]
+    options = [SamplerOptions(temperature=0), SamplerOptions(temperature=0.9, seed=4),
+               SamplerOptions(temperature=0.7, seed=9)]
+    constrained = [True, True, False]
+    budget = 24
+    alone = [mlxrunner.generate(model, p, options=o, max_tokens=budget, eos_ids=eos,
+                                draft=draft, constraint=grammar.constraint() if c else None)
+             for p, o, c in zip(prompts, options, constrained)]
+    scheduler = Scheduler(model, max_sequences=4)
+    requests = [scheduler.submit(BatchRequest(p, o, budget, eos, draft=draft,
+                                              constraint=grammar.constraint() if c else None))
+                for p, o, c in zip(prompts, options, constrained)]
+    scheduler.run_until_idle()
+    for a, r, c in zip(alone, requests, constrained):
+        assert r.tokens == a.tokens and r.finish_reason == a.finish_reason
+        assert r.stats.rounds > 0
+        if c and r.finish_reason == "stop":
+            text = demo.tokenizer.decode([t for t in r.tokens if t not in eos])
+            assert set(json.loads(text)) == {"n", "ok"}

@@ -15,6 +15,7 @@ import pytest
 import mlxrunner
 from mlxrunner import SamplerOptions, settings
 from mlxrunner.batch import BatchRequest, Scheduler
+from mlxrunner.cache import PrefixCache
 from mlxrunner.testing.speculative import ScriptedDraft, random_draft, speculative_tokens
 
 GREEDY = SamplerOptions(temperature=0)
@@ -151,3 +152,46 @@ def test_gemma4_assistant_rows_give_their_solo_greedy_outputs(tmp_path, assistan
             for request, want in zip(requests, alone):
                 assert request.error is None and request.tokens == want
         assert len(proposed) > 40  # rounds drafted, in every row
+        # with a prefix cache: the second time round every prompt is met before
+        cache = PrefixCache(model.make_cache, block=4)
+        for turn in (1, 2):
+            requests = [BatchRequest(p, GREEDY, m, draft=draft, prefix_cache=cache)
+                        for p, m in zip(prompts, budgets)]
+            _run(model, requests, 3)
+            for request, want in zip(requests, alone):
+                assert request.error is None and request.tokens == want
+                assert (request.stats.cached_tokens > 0) == (turn == 2)
+
+
+def test_generate_batch_with_a_draft_equals_generate_per_prompt(tiny):
+    """One draft for all prompts (a logprob request decodes without it, as alone), then one
+    per prompt, with on_token ending one prompt early."""
+    pytest.importorskip("mlxrunner_dflash", reason="the dflash plugin is not installed")
+    model = tiny("qwen3_5")
+    draft = random_draft(model, "DFlash2DraftModel", seed=3)
+    prompts = _prompts(model.vocab_size, [7, 12, 5], seed=9)
+    options = [GREEDY, SAMPLED, SamplerOptions(temperature=0.7, seed=5, logprobs=True)]
+    alone = [mlxrunner.generate(model, p, options=o, max_tokens=10, draft=draft)
+             for p, o in zip(prompts, options)]
+    together = mlxrunner.generate_batch(model, prompts, options=options, max_tokens=10,
+                                        draft=draft)
+    for a, t in zip(alone, together):
+        assert t.tokens == a.tokens
+        assert t.stats.as_dict()["mode"] == a.stats.as_dict()["mode"]
+    assert len(together[2].logprobs) == len(together[2].tokens)
+    assert [e["logprob"] for e in together[2].logprobs] == \
+        pytest.approx([e["logprob"] for e in alone[2].logprobs], abs=1e-4)
+    seen: list[tuple[int, int]] = []
+
+    def on_token(i, token):
+        seen.append((i, token))
+        return i == 1 and len([s for s in seen if s[0] == 1]) == 3
+
+    each = mlxrunner.generate_batch(model, prompts[:2], options=options[:2], max_tokens=10,
+                                    draft=[draft, None], on_token=on_token)
+    assert each[0].tokens == alone[0].tokens and each[0].stats.rounds > 0
+    plain = mlxrunner.generate(model, prompts[1], options=options[1], max_tokens=10)
+    assert each[1].tokens == plain.tokens[:3] and each[1].finish_reason == "stop"
+    assert [t for i, t in seen if i == 0] == alone[0].tokens
+    with pytest.raises(ValueError, match="one draft each"):
+        mlxrunner.generate_batch(model, prompts, draft=[draft])

@@ -236,6 +236,23 @@ def test_greedy_speculative_equals_plain_over_200_tokens(bundle, depth):
         assert all(max(s.depths, key=s.depths.get) == 3 for s in stats)
 
 
+def test_the_head_drafts_in_a_batch_as_it_does_alone(bundle):
+    """Drafted rows in one continuous batch (greedy and seeded, beside an undrafted row)
+    give each prompt's solo output; the head drafted there."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, bundle.model.vocab_size, n).tolist() for n in (8, 5, 11)]
+    options = [SamplerOptions(temperature=0), SamplerOptions(temperature=0.8, seed=3),
+               SamplerOptions(temperature=0)]
+    drafts = [bundle.draft, bundle.draft, None]
+    alone = [mlxrunner.generate(bundle.model, p, options=o, max_tokens=12, draft=d)
+             for p, o, d in zip(prompts, options, drafts)]
+    together = mlxrunner.generate_batch(bundle.model, prompts, options=options, max_tokens=12,
+                                        draft=drafts)
+    for a, t in zip(alone, together):
+        assert t.tokens == a.tokens
+    assert together[0].stats.drafted > 0 and together[1].stats.drafted > 0
+
+
 SMALL = dict(vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
              layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
              num_key_value_heads=1, head_dim=8, linear_num_key_heads=1,

@@ -55,12 +55,20 @@ from ..decode import (
     SamplerOptions,
     allowed_rows,
     can_speculate,
-    decide,
     forward,
     logprob_entry,
     penalties_active,
     prefill,
     topk_indices,
+)
+from ..decode.speculative import (
+    GrammarPause,
+    RowProposal,
+    SpeculativeStats,
+    decide_row,
+    draft_name,
+    propose_row,
+    read_row,
 )
 from ..model.block_draft import BlockDraft, BlockDraftBatch, BlockDraftSession
 from ..model.interface import Model
@@ -144,19 +152,34 @@ class _Sequence:
         self.waited = 0
         #: the whole prompt's logits, where the prefix cache held all of it
         self.cached_logits: mx.array | None = None
+        draft = request.draft
+        if draft is not None and not isinstance(request.stats, SpeculativeStats):
+            request.stats = SpeculativeStats(draft=draft_name(draft))
+        self.taps: tuple[int, ...] = () if draft is None else tuple(draft.taps)
         self.caches: list[Cache | None] | None
+        hit = None
         if request.prefix_cache is not None:
-            hit = request.prefix_cache.lookup(request.prompt)
+            # a drafted sequence's hit holds the tapped states its draft is rebuilt from
+            hit = request.prefix_cache.lookup(request.prompt,
+                                              self.taps if draft is not None else None)
             self.caches, self.prefilled = hit.caches, hit.length
             self.cached_logits = hit.logits
             request.stats.cached_tokens = hit.length
         else:
             self.caches = model.make_cache()
-        draft = request.draft
+        #: a drafted sequence's tapped states of every position its caches hold (each
+        #: round's in an array of its own), stored with them in the prefix cache
+        self.kept_taps: list[mx.array] | None = \
+            [] if draft is not None and request.prefix_cache is not None else None
+        #: drafting paused after the grammar cut proposals to nothing (as alone)
+        self.pause = GrammarPause()
+        #: a sampled sequence's own depth where its draft adapts it: from its acceptance
+        #: alone (the fixed cost model), so that its draws are those of its solo run
+        self.depths = DepthController(draft.max_depth, measured=False) \
+            if draft is not None and draft.adaptive_depth and not self.sampler.greedy else None
         self.session = None if draft is None else draft.new_session(self.sampler)
         if self.session is not None:  # its own caches, whatever make_cache made since
             self.session.bind_target_caches(self.caches)
-        self.taps: tuple[int, ...] = () if draft is None else tuple(draft.taps)
         #: a greedy sequence of a block draft: it drafts through the batch's shared context
         #: of that draft (its session's context is handed over when it joins)
         self.shared = isinstance(draft, BlockDraft) and self.plain_greedy
@@ -166,6 +189,11 @@ class _Sequence:
         self.unsent_taps: list[mx.array] = []
         if self.session is not None:
             self.session.extend_tokens(self.history)
+            if hit is not None and hit.length:
+                assert hit.tapped is not None and self.kept_taps is not None  # asked for
+                self.session.prefill(hit.tapped)
+                mx.eval(*self.session.state)
+                self.kept_taps.append(hit.tapped)
         self.row = -1
         self.admitted = admitted
         self.decode_start = 0.0
@@ -175,6 +203,23 @@ class _Sequence:
     @property
     def prompt(self) -> Sequence[int]:
         return self.request.prompt
+
+    def keep_taps(self, tapped: mx.array) -> None:
+        """Keep the draft's tapped states of positions the caches now hold (in an array of
+        its own: a slice would keep the whole batch's taps alive)."""
+        if self.kept_taps is not None:
+            own = mx.array(tapped)
+            mx.async_eval(own)
+            self.kept_taps.append(own)
+
+    def tapped(self, length: int) -> tuple[tuple[int, ...], mx.array] | None:
+        """What the prefix cache keeps with ``length`` positions: the draft's taps and
+        their states, where this sequence keeps them for every position (else None)."""
+        kept = self.kept_taps
+        if not kept or sum(a.shape[1] for a in kept) < length:
+            return None
+        self.kept_taps = kept = [mx.concatenate(kept, axis=1)] if len(kept) > 1 else kept
+        return self.taps, kept[0][:, :length]
 
     def allowed(self, vocab_size: int) -> mx.array | None:
         """The constraint's mask of the next token ([1, V]), or None."""
@@ -214,10 +259,6 @@ def _check(request: BatchRequest, vocab_size: int) -> None:
         raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
     if request.draft is not None and not can_speculate(request.options):
         raise ValueError("logprob requests decode without a draft: pass draft=None")
-    if request.draft is not None and (request.constraint is not None or
-                                      request.prefix_cache is not None):
-        raise ValueError("a sequence with a draft takes no constraint or prefix cache in "
-                         "the batch (mlxrunner.generate decodes it alone with them)")
     bad = [t for t in request.prompt if not 0 <= int(t) < vocab_size]
     if bad:
         raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
@@ -385,13 +426,14 @@ class Scheduler:
         else:
             def to_draft(tapped: mx.array) -> list[mx.array]:
                 session.prefill(tapped)
+                seq.keep_taps(tapped)
                 return list(session.state)
 
             logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches, taps=seq.taps,
                                 on_taps=to_draft, chunk=end - start)
         seq.prefilled = end
         if cache is not None and seq.cached_logits is None:
-            cache.store(seq.prompt[:end], seq.caches,
+            cache.store(seq.prompt[:end], seq.caches, seq.tapped(end),
                         logits=logits if end == len(seq.prompt) else None)
         if end < len(seq.prompt):
             return
@@ -549,6 +591,10 @@ class Scheduler:
                 top = seq.request.draft.max_depth if chosen is None else \
                     min(chosen, seq.request.draft.max_depth)
                 n = max(0, min(top, left - 1))
+                if seq.depths is not None:
+                    n = seq.depths.choose(n)
+                if seq.constraint is not None:
+                    n = seq.pause.depth(n)
             depth[row] = n
         rows = self.batch.rows
         length = 1 + max(depth.values())
@@ -575,21 +621,11 @@ class Scheduler:
             else:
                 mine = mx.array([r in members for r in range(rows)], dtype=mx.bool_)
                 body = mx.where(mine[:, None], proposed, body)
-        proposals: dict[int, tuple[mx.array, Any]] = {}
-        for row, seq in running:
-            if seq.shared or not depth[row]:
-                continue
-            assert seq.session is not None  # only a drafted sequence drafts
-            bound = seq.request.draft is not None and seq.request.draft.reads_target_caches
-            if bound:  # its row of the batch's caches, as views, for this round's proposals
-                seq.session.bind_target_caches(self._row_caches(row, copy=False))
-            proposal = seq.session.propose(seq.history[-1], len(seq.history) - 1, depth[row])
-            mx.async_eval(proposal.tokens)
-            if bound:  # (a view kept past the verify forward would stop its writing in place)
-                seq.session.bind_target_caches(None)
-            drafts = proposal.tokens.reshape(-1).astype(mx.int32)
-            proposals[row] = (drafts, proposal.distribution())
-            body[row:row + 1, :depth[row]] = drafts[None]
+        proposals = {row: self._propose(row, seq, depth[row]) for row, seq in running
+                     if seq.session is not None and not seq.shared}
+        for row, proposal in proposals.items():
+            if proposal.drafts is not None:
+                body[row:row + 1, :proposal.n] = proposal.drafts[None]
         ids = mx.concatenate([mx.array(last, dtype=mx.int32)[:, None], body], axis=1)
         taps = sorted({t for _, seq in running for t in seq.taps})
         self.batch.keep_for_restore()
@@ -607,6 +643,7 @@ class Scheduler:
             accepted_rows = mx.sum(mx.cumprod(hits, axis=1), axis=1).astype(mx.int32)
             reads += [accepted_rows, target.reshape(-1)]
         spans: dict[int, tuple[int, int]] = {}
+        infos: dict[int, tuple[mx.array, mx.array, mx.array]] = {}  # rows without a draft
         at = rows + rows * length if groups else 0
         for row, seq in running:
             n = depth[row]
@@ -614,17 +651,14 @@ class Scheduler:
                 seq.sampler.skip(2 * n + 1)  # the keys decide's greedy path consumes
                 continue
             if seq.session is None:
-                parts = [seq.sampler.sample(logits[row, 0], seq.history,
-                                            seq.allowed(self.model.vocab_size)).reshape(1)]
+                allowed = seq.allowed(self.model.vocab_size)
+                joined = seq.sampler.sample(logits[row, 0], seq.history, allowed).reshape(1)
+                if seq.want_logprobs:
+                    infos[row] = seq.sampler.logprobs(logits[row, 0:1], joined, allowed)
             else:
-                drafts, q = proposals.get(row, (None, None))
-                histories = self._histories(seq, drafts, n)
-                p = seq.sampler.distributions(logits[row, :n + 1], histories)
-                decision = decide(seq.sampler, p, q, drafts)
-                parts = [decision.accepted.reshape(1), decision.fix_tokens]
-                if drafts is not None:
-                    parts.append(drafts)
-            joined = mx.concatenate(parts)
+                proposal = proposals[row]
+                joined = decide_row(seq.sampler, logits[row, :proposal.n + 1], proposal,
+                                    seq.history)
             reads.append(joined)
             spans[row] = (at, joined.shape[0])
             at += joined.shape[0]
@@ -640,9 +674,11 @@ class Scheduler:
             elif seq.session is None:
                 emitted[row] = ([values[spans[row][0]]], 0)
             else:
-                got = values[spans[row][0]:sum(spans[row])]
-                accepted = got[0]
-                emitted[row] = (got[2 + n:][:accepted] + [got[1 + accepted]], accepted)
+                n = proposals[row].n
+                drafts, accepted, fix = read_row(values[spans[row][0]:sum(spans[row])], n)
+                emitted[row] = (drafts[:accepted] + [fix], accepted)
+                if seq.constraint is not None:
+                    seq.pause.update(depth[row], n)
             offsets[row] = starts[row] + 1 + emitted[row][1]
         self.batch.restore_rows(offsets)
         top = max(depth.values())
@@ -652,12 +688,23 @@ class Scheduler:
                                             if depth[row] == chosen and chosen],
                                    time.perf_counter() - started)
         counts: dict[int, list[int]] = {key: [0] * rows for key in groups}
+        seconds = time.perf_counter() - started
         for row, seq in running:
             tokens, accepted = emitted[row]
-            seq.request.stats.target_forwards += 1
+            stats = seq.request.stats
+            if isinstance(stats, SpeculativeStats):
+                verified = proposals[row].n if row in proposals else depth[row]
+                stats.record_round(verified, accepted, len(tokens), seconds)
+                if seq.depths is not None:
+                    seq.depths.update(verified, accepted, seconds)
+            else:
+                stats.target_forwards += 1
+            if tapped is not None and seq.kept_taps is not None:
+                seq.keep_taps(self._own_taps(tapped[row:row + 1, :accepted + 1], taps,
+                                             seq.taps))
             going = True
             for token in tokens:
-                going = self._deliver(seq, token, None)
+                going = self._deliver(seq, token, infos.get(row))
                 if not going:
                     break
             if going and seq.session is not None:
@@ -692,18 +739,25 @@ class Scheduler:
             self._depth = DepthController(deepest, probe_every=BATCH_PROBE_EVERY)
         return self._depth
 
-    @staticmethod
-    def _histories(seq: _Sequence, drafts: mx.array | None, n: int) -> list[list[int]]:
-        """The penalty histories of a round's rows, as the solo round builds them."""
-        options = seq.sampler.options
-        history = seq.history
-        if drafts is not None and penalties_active(options):
-            draft_list = [int(t) for t in cast("list[int]", drafts.tolist())]
-            keep = options.repeat_last_n
-            base = list(history) if keep < 0 else list(history[-keep:]) if keep else []
-            return [base + draft_list[:i] for i in range(n + 1)]
-        base = list(history[-options.repeat_last_n:]) if options.repeat_last_n > 0 else []
-        return [base] * (n + 1)
+    def _propose(self, row: int, seq: _Sequence, n: int) -> RowProposal:
+        """A drafted sequence's proposal for this round (its grammar's masks included); a
+        grammar that fails ends the sequence (it verifies nothing: see _deliver)."""
+        assert seq.session is not None and seq.request.draft is not None  # drafted
+        constraint = seq.constraint if seq.error is None else None
+        bound = seq.request.draft.reads_target_caches
+        if bound:  # its row of the batch's caches, as views, for this round's proposals
+            seq.session.bind_target_caches(self._row_caches(row, copy=False))
+        try:
+            return propose_row(seq.session, seq.sampler, seq.history[-1],
+                               len(seq.history) - 1, n, constraint, self.model.vocab_size)
+        except Exception as exc:
+            if constraint is None:
+                raise
+            seq.error = exc  # this request's own failure: the batch goes on
+            return RowProposal(0)
+        finally:
+            if bound:  # (a view kept past the verify forward would stop its writing in place)
+                seq.session.bind_target_caches(None)
 
     def _own_taps(self, tapped: mx.array, taps: list[int], own: tuple[int, ...]) -> mx.array:
         """A draft's taps out of the batch's (the union of its drafts' taps)."""
@@ -721,6 +775,11 @@ class Scheduler:
             if self._running.get(row) is not seq:
                 continue  # finished or cancelled since the step was queued
             seq.request.stats.target_forwards += 1
+            if at in step.taps:
+                seq.keep_taps(step.taps[at])
+            elif seq.shared and step.tapped is not None and seq.kept_taps is not None:
+                r = step.launch_rows[at]
+                seq.keep_taps(self._own_taps(step.tapped[r:r + 1], step.tap_layers, seq.taps))
             going = self._deliver(seq, values[at], step.infos.get(at))
             if going and seq.session is not None:
                 if at in step.taps:
@@ -796,7 +855,7 @@ class Scheduler:
                 fed = self.batch.row_offsets[seq.row]
                 solo = self._row_caches(seq.row)
                 if solo is not None and fed <= len(seq.history):
-                    request.prefix_cache.store(seq.history[:fed], solo)
+                    request.prefix_cache.store(seq.history[:fed], solo, seq.tapped(fed))
             del self._running[seq.row]
             self.batch.remove(seq.row)
             if seq.shared:
@@ -848,27 +907,52 @@ class Scheduler:
                                   if row in moved]
 
 
+def _per_prompt(value: Any, n: int, one: Callable[[Any], bool], name: str) -> list[Any]:
+    """``value`` for each of ``n`` prompts: the same for all where ``one(value)``, else one
+    each."""
+    if one(value):
+        return [value] * n
+    each = list(value)
+    if len(each) != n:
+        raise ValueError(f"{n} prompts need one {name} each (or one for all), got {len(each)}")
+    return each
+
+
 def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *,
                    options: SamplerOptions | Sequence[SamplerOptions] | None = None,
                    max_tokens: int | Sequence[int] = 256,
                    eos_ids: frozenset[int] | set[int] = frozenset(),
+                   on_token: Callable[[int, int], bool | None] | None = None,
+                   draft: Any = None, constraints: Sequence[Any] | None = None,
+                   prefix_cache: Any = None,
                    max_sequences: int = 32, memory_budget: int | None = None
                    ) -> list[GenerationResult]:
     """Generate after each of ``prompts`` (token ids) in one continuous batch; each result
-    is what :func:`mlxrunner.generate` gives that prompt alone with the same options.
+    is what :func:`mlxrunner.generate` gives that prompt alone with the same arguments.
 
-    ``options`` and ``max_tokens``: one for all, or one per prompt.
+    ``options``, ``max_tokens`` and ``draft`` (a draft model, or None): one for all, or one
+    per prompt; a prompt asking for logprobs decodes without its draft, as alone.
+    ``constraints``: one structured-output constraint (or None) per prompt.
+    ``on_token(i, token)`` sees prompt ``i``'s tokens as they are decided; returning True
+    ends that one. ``prefix_cache``: one :class:`mlxrunner.cache.PrefixCache` for all.
     """
     n = len(prompts)
-    if isinstance(options, SamplerOptions) or options is None:
-        per_options = [options or SamplerOptions()] * n
-    else:
-        per_options = list(options)
-    per_max = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
-    if len(per_options) != n or len(per_max) != n:
-        raise ValueError(f"{n} prompts need one options and max_tokens each (or one for all)")
+    per_options = _per_prompt(options or SamplerOptions(), n,
+                              lambda v: isinstance(v, SamplerOptions), "options")
+    per_max = _per_prompt(max_tokens, n, lambda v: isinstance(v, int), "max_tokens")
+    per_draft = _per_prompt(draft, n, lambda v: not isinstance(v, (list, tuple)), "draft")
+    per_constraint = _per_prompt(constraints, n, lambda v: v is None, "constraint")
     scheduler = Scheduler(model, max_sequences=max_sequences, memory_budget=memory_budget)
-    requests = [scheduler.submit(BatchRequest(list(p), o, m, frozenset(eos_ids)))
-                for p, o, m in zip(prompts, per_options, per_max)]
+
+    def callback(i: int) -> TokenCallback | None:
+        if on_token is None:
+            return None
+        return lambda token, _: on_token(i, token)
+
+    requests = [scheduler.submit(BatchRequest(
+        list(p), o, m, frozenset(eos_ids), callback(i),
+        draft=d if can_speculate(o) else None, constraint=c, prefix_cache=prefix_cache))
+        for i, (p, o, m, d, c) in enumerate(zip(prompts, per_options, per_max, per_draft,
+                                                per_constraint))]
     scheduler.run_until_idle()
     return [r.result() for r in requests]

@@ -404,6 +404,94 @@ def constrain_proposal(sampler: Sampler, constraint: Constraint, proposal: Draft
     return kept, q_kept, words
 
 
+#: the most rounds in a row that a grammar makes skip drafting
+_MAX_IDLE_ROUNDS = 15
+
+
+@dataclass
+class RowProposal:
+    """What a round verifies in one row: the drafts (``[n]``, None for none), the q rows
+    they were drawn from and, under a grammar, the allowed tokens of each of the ``n + 1``
+    verify rows (``[n + 1, words]``)."""
+
+    n: int
+    drafts: mx.array | None = None
+    q: Distribution | None = None
+    allowed: mx.array | None = None
+
+
+def propose_row(session: DraftSession, sampler: Sampler, current: int, pos: int, n: int,
+                constraint: Constraint | None, vocab_size: int) -> RowProposal:
+    """Step 1 of a round for one sequence: ``n`` drafts after ``current`` (at ``pos``),
+    masked by ``constraint`` (at ``current``, which it has committed; left as it was)."""
+    proposal = session.propose(current, pos, n) if n > 0 else None
+    if constraint is not None:
+        words = [constraint.words()]
+        if proposal is None:
+            return RowProposal(0, allowed=allowed_rows(words, vocab_size))
+        kept, q, words = constrain_proposal(sampler, constraint, proposal)
+        return RowProposal(len(kept), mx.array(kept, dtype=mx.int32) if kept else None, q,
+                           allowed_rows(words, vocab_size))
+    if proposal is None:
+        return RowProposal(0)
+    # the device runs the draft while the host builds the verify forward
+    mx.async_eval(proposal.tokens)
+    return RowProposal(n, proposal.tokens.reshape(-1).astype(mx.int32), proposal.distribution())
+
+
+def penalty_histories(options: SamplerOptions, history: Sequence[int],
+                      drafts: mx.array | None, n: int) -> list[list[int]]:
+    """The penalty history of each of a round's ``n + 1`` verify rows: p_i's penalties see
+    the committed tokens and ``d[:i]`` (the drafts reach the host first: a sync only where
+    penalties are on)."""
+    if drafts is not None and penalties_active(options):
+        draft_list = [int(t) for t in cast("list[int]", drafts.tolist())]
+        keep = options.repeat_last_n
+        base = list(history) if keep < 0 else list(history[-keep:]) if keep else []
+        return [base + draft_list[:i] for i in range(n + 1)]
+    base = list(history[-options.repeat_last_n:]) if options.repeat_last_n > 0 else []
+    return [base] * (n + 1)
+
+
+def decide_row(sampler: Sampler, logits: mx.array, row: RowProposal,
+               history: Sequence[int]) -> mx.array:
+    """Steps 4-5 for one sequence, from its verify rows' logits (``[n + 1, V]``): lazily,
+    ``[accepted, fix tokens..., drafts...]``, which :func:`read_row` reads."""
+    p = sampler.distributions(logits, penalty_histories(sampler.options, history, row.drafts,
+                                                        row.n), row.allowed)
+    decision = decide(sampler, p, row.q, row.drafts)
+    parts = [decision.accepted.reshape(1), decision.fix_tokens]
+    return mx.concatenate(parts + ([row.drafts] if row.drafts is not None else []))
+
+
+def read_row(values: Sequence[int], n: int) -> tuple[list[int], int, int]:
+    """(drafts, accepted, fix) from a :func:`decide_row` read on the host."""
+    accepted = int(values[0])
+    return [int(t) for t in values[2 + n:]], accepted, int(values[1 + accepted])
+
+
+class GrammarPause:
+    """Rounds without drafting after a grammar cut a proposal to nothing (a greedy draft
+    whose choice the grammar forbids costs a draft forward for no token), longer each time
+    in a row, at most ``_MAX_IDLE_ROUNDS``."""
+
+    def __init__(self) -> None:
+        self.idle = self.backoff = 0
+
+    def depth(self, n: int) -> int:
+        """This round's depth where ``n`` was chosen."""
+        if self.idle > 0:
+            self.idle -= 1
+            return 0
+        return n
+
+    def update(self, asked: int, kept: int) -> None:
+        """A round asked for ``asked`` drafts and the grammar kept ``kept``."""
+        if asked > 0:
+            self.backoff = 0 if kept else min(2 * self.backoff + 1, _MAX_IDLE_ROUNDS)
+            self.idle = self.backoff
+
+
 def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSession,
               sampler: Sampler, taps: Sequence[int], history: Sequence[int], current: int,
               pos: int, n: int, constraint: Constraint | None = None) -> RoundOutcome:
@@ -412,64 +500,20 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
     ``constraint`` (at ``current``, which it has committed) masks the proposals and the
     target's distributions; the round leaves it as it found it."""
     live = [c for c in caches if c is not None]
-    proposal = session.propose(current, pos, n) if n > 0 else None
-    allowed = None
-    q: Distribution | None = None
-    if constraint is not None:
-        words = [constraint.words()]
-        if proposal is not None:
-            kept, q, words = constrain_proposal(sampler, constraint, proposal)
-            proposal = None
-            n = len(kept)
-            drafts = mx.array(kept, dtype=mx.int32) if kept else None
-        else:
-            drafts = None
-        allowed = allowed_rows(words, model.vocab_size)
-    elif proposal is not None:
-        # the device runs the draft while the host builds the verify forward
-        mx.async_eval(proposal.tokens)
-        drafts = proposal.tokens.reshape(-1).astype(mx.int32)
-        q = proposal.distribution()
-    else:
-        drafts = None
-    if drafts is not None:
-        ids = mx.concatenate([mx.array([current], dtype=mx.int32), drafts])[None]
-    else:
-        ids = mx.array([[current]], dtype=mx.int32)
-    offsets = range(pos + 1, pos + n + 1)
+    row = propose_row(session, sampler, current, pos, n, constraint, model.vocab_size)
+    ids = mx.array([[current]], dtype=mx.int32) if row.drafts is None else \
+        mx.concatenate([mx.array([current], dtype=mx.int32), row.drafts])[None]
     for cache in live:
-        cache.schedule_snapshots(offsets)
+        cache.schedule_snapshots(range(pos + 1, pos + row.n + 1))
     logits, tapped = forward(model, ids, caches, taps)
-    logits = logits[0]
     # the device runs the verify forward while the host builds the decision (MLX would
     # otherwise submit its last operations only at the round's sync)
     mx.async_eval(logits, tapped)
-    options = sampler.options
-    if drafts is not None and penalties_active(options):
-        # p_i's penalties see d[:i]: the drafts must reach the host first (an extra
-        # sync only when penalties are on; the verify forward is already queued).
-        draft_list = [int(t) for t in cast("list[int]", drafts.tolist())]
-        keep = options.repeat_last_n
-        base = list(history) if keep < 0 else list(history[-keep:]) if keep else []
-        histories = [base + draft_list[:i] for i in range(n + 1)]
-    else:
-        base = list(history[-options.repeat_last_n:]) if options.repeat_last_n > 0 else []
-        histories = [base] * (n + 1)
-    p = sampler.distributions(logits, histories, allowed)
-    decision = decide(sampler, p, q, drafts)
     # the round's one host sync: everything the host needs in one array, read once (each
     # read of a device array is a synchronisation, which costs a small model a decode step)
-    parts = [decision.accepted.reshape(1), decision.fix_tokens]
-    values = cast("list[int]",
-                  mx.concatenate(parts + ([drafts] if drafts is not None else [])).tolist())
-    accepted = int(values[0])
-    fix = int(values[1 + accepted])
-    draft_list = [int(t) for t in values[2 + n:]] if drafts is not None else []
-    return RoundOutcome(draft_list, accepted, fix, tapped)
-
-
-#: the most rounds in a row that a grammar makes skip drafting
-_MAX_IDLE_ROUNDS = 15
+    values = cast("list[int]", decide_row(sampler, logits[0], row, history).tolist())
+    drafts, accepted, fix = read_row(values, row.n)
+    return RoundOutcome(drafts, accepted, fix, tapped)
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -591,7 +635,7 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
         if first in eos or (constraint is not None and constraint.complete):
             return
         pos, current = len(prompt), first
-        idle_rounds = backoff = 0
+        pause = GrammarPause()
         while stats.generated_tokens < max_tokens:
             limit = min(draft.max_depth, max_tokens - stats.generated_tokens - 1)
             if depth is not None:
@@ -600,19 +644,14 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
                 n = controller.choose(limit)
             else:
                 n = max(0, limit)
-            if idle_rounds > 0:  # the grammar kept none of the last proposals: no draft
-                idle_rounds -= 1
-                n = 0
+            if constraint is not None:
+                n = pause.depth(n)
             t_round = time.perf_counter()
             outcome = run_round(model, caches, session, sampler, taps, history, current, pos, n,
                                 constraint)
             seconds = time.perf_counter() - t_round
-            if constraint is not None and n > 0:
-                # A proposal the grammar cut to nothing cost a draft forward for no token (a
-                # greedy draft whose choice the grammar forbids): skip drafting for a while,
-                # longer each time in a row.
-                backoff = 0 if outcome.drafts else min(2 * backoff + 1, _MAX_IDLE_ROUNDS)
-                idle_rounds = backoff
+            if constraint is not None:
+                pause.update(n, len(outcome.drafts))
             n = len(outcome.drafts)  # a grammar may have cut the proposal
             emitted = outcome.emitted
             finished = False

@@ -4,10 +4,9 @@ Generation is blocking MLX work. It runs on one worker thread, fed by a bounded 
 streams belong to the thread that made them, so a forward traced on one thread cannot be
 replayed on another. The worker drives one :class:`mlxrunner.batch.Scheduler`: requests join
 the running batch between its steps (up to ``max_batch`` at once), each decoded exactly as
-:func:`mlxrunner.generate` decodes it alone. A request the batch cannot take exactly (a draft
-together with a grammar or the prefix cache) runs alone through ``generate`` between two
-steps. The event loop only waits for it (``asyncio`` futures), and a request whose client has
-gone is cancelled between two tokens.
+:func:`mlxrunner.generate` decodes it alone: drafts, grammars and the prefix cache included.
+The event loop only waits for it (``asyncio`` futures), and a request whose client has gone
+is cancelled between two tokens.
 """
 
 from __future__ import annotations
@@ -217,12 +216,16 @@ class Engine:
                     closing = True
                 elif job.cancel.is_set() or not job.future.set_running_or_notify_cancel():
                     self.counts["skipped"] += 1
-                elif self._joins_batch(job):
-                    job.request = self._batch_request(job)
-                    scheduler.submit(job.request)
-                    active.append(job)
                 else:
-                    self._run_alone(job, len(active))
+                    try:
+                        job.request = self._batch_request(job)
+                        scheduler.submit(job.request)
+                    except Exception as exc:  # this request's own (a prompt it cannot take)
+                        self.counts["failed"] += 1
+                        job.future.set_exception(RequestError(str(exc))
+                                                 if isinstance(exc, ValueError) else exc)
+                        continue
+                    active.append(job)
             for job in active:
                 if job.cancel.is_set():
                     assert job.request is not None
@@ -245,14 +248,6 @@ class Engine:
                 active.remove(job)
                 self._end(job)
             self.running = len(active)
-
-    def _joins_batch(self, job: _Job) -> bool:
-        """Whether the batch decodes ``job`` exactly as generate would: a draft decodes
-        there without a grammar or the prefix cache only."""
-        options = job.generation.options
-        drafted = self.bundle.draft is not None and not (options.logprobs or
-                                                         options.top_logprobs)
-        return not drafted or (job.generation.grammar is None and self.prefix_cache is None)
 
     def _batch_request(self, job: _Job) -> BatchRequest:
         request = job.generation
@@ -302,6 +297,7 @@ class Engine:
         job.future.set_result(reply)
 
     def _run_alone(self, job: _Job, batched: int) -> None:
+        """Run ``job`` through ``generate`` on this thread (a distributed engine's jobs)."""
         self.running = batched + 1
         try:
             reply = self._run(job)
