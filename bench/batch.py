@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -125,6 +126,26 @@ def best_of(fn: Any, repeats: int) -> dict[str, float]:
     return dict(best, decode_runs=runs)
 
 
+def interleaved(runs: dict[str, Any], repeats: int) -> dict[str, list[dict[str, Any]]]:
+    """Each of ``runs`` (name: a function) ``repeats`` times, taking turns within each
+    repeat (after one warm-up each), so that a ratio of two is measured under the same
+    conditions repeat by repeat."""
+    for fn in runs.values():
+        fn()
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            results[name].append(fn())
+            gc.collect()
+    return results
+
+
+def median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median decode rate, with every run's rate."""
+    ordered = sorted(results, key=lambda r: r["decode_tok_s"])
+    return dict(ordered[len(ordered) // 2], decode_runs=[r["decode_tok_s"] for r in results])
+
+
 SOURCE_STARTS = ["def fibonacci(n):", "class Stack:", "import os\n\ndef walk(path):",
                  "def quicksort(items):", "def read_config(path):", "class LinkedList:",
                  "def parse_args():", "def merge(a, b):"]
@@ -150,16 +171,21 @@ def main_pair(args: argparse.Namespace) -> int:
     for n in streams:
         prompts = [bundle.tokenizer.encode(SOURCE_STARTS[i % len(SOURCE_STARTS)])
                    for i in range(n)]
-        row = {"streams": n,
-               "plain": best_of(lambda p=prompts: run_ours(model, p, new), args.repeats),
-               "drafts": best_of(lambda p=prompts: run_ours(model, p, new, draft),
-                                 args.repeats)}
+        runs = interleaved({"plain": lambda p=prompts: run_ours(model, p, new),
+                            "drafts": lambda p=prompts: run_ours(model, p, new, draft)},
+                           args.repeats)
+        ratios = [d["decode_tok_s"] / p["decode_tok_s"] if p["decode_tok_s"] else 0.0
+                  for p, d in zip(runs["plain"], runs["drafts"])]
+        row = {"streams": n, "plain": median_run(runs["plain"]),
+               "drafts": median_run(runs["drafts"]), "ratio_median": statistics.median(ratios),
+               "ratio_range": [min(ratios), max(ratios)], "ratios": ratios}
         rows.append(row)
         plain, drafted = row["plain"]["decode_tok_s"], row["drafts"]["decode_tok_s"]
         print(f"  {n:3d} streams: without drafts {plain:9.1f} tok/s, with drafts "
-              f"{drafted:9.1f} tok/s ({drafted / plain if plain else 0:5.2f}x); steps per "
-              f"depth {row['drafts']['round_depths']}, "
-              f"{row['drafts']['tokens_per_forward']:.2f} tokens a forward", flush=True)
+              f"{drafted:9.1f} tok/s: median {row['ratio_median']:.2f}x (range "
+              f"{min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} repeats); steps per depth "
+              f"{row['drafts']['round_depths']}, {row['drafts']['tokens_per_forward']:.2f} "
+              f"tokens a forward", flush=True)
     harness.write_json(args.json, {"bench": "batch-pair", "pair": args.pair, "new": new,
                                    "device": str(mx.default_device()), "mlx": mx.__version__,
                                    "rows": rows})
@@ -177,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--tiny 16)")
     parser.add_argument("--new", type=int, help="tokens generated per stream (default 128; "
                         "--tiny 16)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs (best kept)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs (best kept; --pair: taking turns, the median)")
     parser.add_argument("--layers", type=int, help="keep only the first N layers")
     parser.add_argument("--vocab", type=int, help="override the vocabulary size")
     parser.add_argument("--tiny", action="store_true",

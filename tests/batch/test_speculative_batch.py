@@ -195,3 +195,42 @@ def test_generate_batch_with_a_draft_equals_generate_per_prompt(tiny):
     assert [t for i, t in seen if i == 0] == alone[0].tokens
     with pytest.raises(ValueError, match="one draft each"):
         mlxrunner.generate_batch(model, prompts, draft=[draft])
+
+
+def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog):
+    """A draft whose proposal raises mid-generation: its sequence goes on without drafting
+    (plain decoding's tokens), the other rows, drafted or not, are untouched."""
+    prompts = _prompts(model.vocab_size, [6, 9, 5], seed=12)
+    budgets = [16, 14, 12]
+    alone = [mlxrunner.generate(model, p, options=GREEDY, max_tokens=m).tokens
+             for p, m in zip(prompts, budgets)]
+    drafts = [ScriptedDraft.for_script(model, p + a + [0] * 16, block_size=5)
+              for p, a in zip(prompts, alone)]
+    failing, calls = drafts[0], []
+    made = failing.new_session
+
+    def new_session(sampler):
+        session = made(sampler)
+        propose = session.propose
+
+        def broken(*args):
+            calls.append(args)
+            if len(calls) >= 2:
+                raise RuntimeError("the draft broke")
+            return propose(*args)
+
+        session.propose = broken
+        return session
+
+    failing.new_session = new_session
+    requests = [BatchRequest(prompts[0], GREEDY, budgets[0], draft=failing),
+                BatchRequest(prompts[1], GREEDY, budgets[1], draft=drafts[1]),
+                BatchRequest(prompts[2], GREEDY, budgets[2])]
+    with settings.overridden(lockstep=True):  # every step a round at full depth
+        _run(model, requests, 3)
+    for request, want in zip(requests, alone):
+        assert request.error is None and request.finish_reason == "length"
+        assert request.tokens == want
+    assert len(calls) == 2  # it was not asked again
+    assert requests[1].stats.target_forwards < len(requests[1].tokens)  # still drafting
+    assert "a draft failed (RuntimeError: the draft broke)" in caplog.text

@@ -46,6 +46,7 @@ import mlx.core as mx
 
 from .. import settings
 from ..cache import BatchCaches, Cache, KVCache, RecurrentCache, RingCache
+from ..cache.prefix import PrefixHit
 from ..decode import (
     PREFILL_CHUNK,
     DepthController,
@@ -71,6 +72,7 @@ from ..decode.speculative import (
     read_row,
 )
 from ..model.block_draft import BlockDraft, BlockDraftBatch, BlockDraftSession
+from ..model.draft import DraftSession
 from ..model.interface import Model
 
 log = logging.getLogger("mlxrunner.batch")
@@ -153,33 +155,18 @@ class _Sequence:
         #: the whole prompt's logits, where the prefix cache held all of it
         self.cached_logits: mx.array | None = None
         draft = request.draft
-        if draft is not None and not isinstance(request.stats, SpeculativeStats):
-            request.stats = SpeculativeStats(draft=draft_name(draft))
         self.taps: tuple[int, ...] = () if draft is None else tuple(draft.taps)
-        self.caches: list[Cache | None] | None
-        hit = None
-        if request.prefix_cache is not None:
-            # a drafted sequence's hit holds the tapped states its draft is rebuilt from
-            hit = request.prefix_cache.lookup(request.prompt,
-                                              self.taps if draft is not None else None)
-            self.caches, self.prefilled = hit.caches, hit.length
-            self.cached_logits = hit.logits
-            request.stats.cached_tokens = hit.length
-        else:
-            self.caches = model.make_cache()
+        self.caches: list[Cache | None] | None = None
         #: a drafted sequence's tapped states of every position its caches hold (each
         #: round's in an array of its own), stored with them in the prefix cache
-        self.kept_taps: list[mx.array] | None = \
-            [] if draft is not None and request.prefix_cache is not None else None
+        self.kept_taps: list[mx.array] | None = None
+        hit = self._look_up(model)
         #: drafting paused after the grammar cut proposals to nothing (as alone)
         self.pause = GrammarPause()
         #: a sampled sequence's own depth where its draft adapts it: from its acceptance
         #: alone (the fixed cost model), so that its draws are those of its solo run
-        self.depths = DepthController(draft.max_depth, measured=False) \
-            if draft is not None and draft.adaptive_depth and not self.sampler.greedy else None
-        self.session = None if draft is None else draft.new_session(self.sampler)
-        if self.session is not None:  # its own caches, whatever make_cache made since
-            self.session.bind_target_caches(self.caches)
+        self.depths: DepthController | None = None
+        self.session: DraftSession | None = None
         #: a greedy sequence of a block draft: it drafts through the batch's shared context
         #: of that draft (its session's context is handed over when it joins)
         self.shared = isinstance(draft, BlockDraft) and self.plain_greedy
@@ -187,18 +174,46 @@ class _Sequence:
         #: the draft's session takes in one commit when drafting resumes (not shared ones:
         #: their shared context takes each step's)
         self.unsent_taps: list[mx.array] = []
-        if self.session is not None:
-            self.session.extend_tokens(self.history)
-            if hit is not None and hit.length:
-                assert hit.tapped is not None and self.kept_taps is not None  # asked for
-                self.session.prefill(hit.tapped)
-                mx.eval(*self.session.state)
-                self.kept_taps.append(hit.tapped)
+        if draft is not None:
+            self._start_draft(draft, hit)
         self.row = -1
         self.admitted = admitted
         self.decode_start = 0.0
         #: this sequence's own failure (its grammar), which ends it at its next token
         self.error: Exception | None = None
+
+    def _look_up(self, model: Model) -> PrefixHit | None:
+        """Fresh caches, or those of the prompt's longest prefix the prefix cache holds (a
+        drafted sequence's hit with the tapped states its draft is rebuilt from)."""
+        request = self.request
+        if request.prefix_cache is None:
+            self.caches = model.make_cache()
+            return None
+        drafted = request.draft is not None
+        hit = request.prefix_cache.lookup(request.prompt, self.taps if drafted else None)
+        self.caches, self.prefilled = hit.caches, hit.length
+        self.cached_logits = hit.logits
+        request.stats.cached_tokens = hit.length
+        self.kept_taps = [] if drafted else None
+        return hit
+
+    def _start_draft(self, draft: Any, hit: PrefixHit | None) -> None:
+        """The draft's session over the prompt (a prefix hit's part from its kept taps)."""
+        stats = self.request.stats
+        if not isinstance(stats, SpeculativeStats):
+            self.request.stats = SpeculativeStats(
+                draft=draft_name(draft), prompt_tokens=stats.prompt_tokens,
+                cached_tokens=stats.cached_tokens)
+        if draft.adaptive_depth and not self.sampler.greedy:
+            self.depths = DepthController(draft.max_depth, measured=False)
+        session = self.session = draft.new_session(self.sampler)
+        session.bind_target_caches(self.caches)  # its own, whatever make_cache made since
+        session.extend_tokens(self.history)
+        if hit is not None and hit.length:
+            assert hit.tapped is not None and self.kept_taps is not None  # asked for
+            session.prefill(hit.tapped)
+            mx.eval(*session.state)
+            self.kept_taps.append(hit.tapped)
 
     @property
     def prompt(self) -> Sequence[int]:
@@ -250,6 +265,29 @@ class _Step:
     tapped: mx.array | None = None
     tap_layers: list[int] = field(default_factory=list)
     launch_rows: list[int] = field(default_factory=list)
+
+
+class _RoundPlan:
+    """One speculative round's rows: their depths and inputs, then their proposals, the
+    verified block's drafts, the drafts' taps and the logprob arrays of rows without one."""
+
+    def __init__(self, running: list[tuple[int, _Sequence]], depth: dict[int, int],
+                 rows: int) -> None:
+        self.running, self.depth, self.rows = running, depth, rows
+        self.length = 1 + max(depth.values())
+        self.last = [0] * rows
+        for row, seq in running:
+            self.last[row] = seq.history[-1]
+        #: the greedy rows of each block draft's shared context, by draft (id)
+        self.groups: dict[int, list[int]] = {}
+        for row, seq in running:
+            if seq.shared:
+                self.groups.setdefault(id(seq.request.draft), []).append(row)
+        self.proposals: dict[int, RowProposal] = {}
+        self.body = mx.zeros((rows, 0), dtype=mx.int32)
+        self.taps: list[int] = []
+        self.tapped: mx.array | None = None
+        self.infos: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
 
 
 def _check(request: BatchRequest, vocab_size: int) -> None:
@@ -416,18 +454,23 @@ class Scheduler:
         assert seq.caches is not None
         start = seq.prefilled
         end = self._chunk_end(seq)
-        session = seq.session
         cache = seq.request.prefix_cache
         if seq.cached_logits is not None:  # the whole prompt was cached
             logits, end = seq.cached_logits, len(seq.prompt)
-        elif session is None:
+        elif seq.session is None:
             logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches,
                                 chunk=end - start)
         else:
             def to_draft(tapped: mx.array) -> list[mx.array]:
-                session.prefill(tapped)
-                seq.keep_taps(tapped)
-                return list(session.state)
+                if seq.session is None:  # it failed on an earlier chunk
+                    return []
+                try:
+                    seq.session.prefill(tapped)
+                    seq.keep_taps(tapped)
+                    return list(seq.session.state)
+                except Exception as exc:
+                    self._drop_draft(seq, exc)
+                    return []
 
             logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches, taps=seq.taps,
                                 on_taps=to_draft, chunk=end - start)
@@ -448,6 +491,7 @@ class Scheduler:
         mx.eval(token, *(info or ()))
         stats.prefill_seconds = time.perf_counter() - seq.admitted
         seq.decode_start = time.perf_counter()
+        session = seq.session
         if session is not None:
             session.extend_tokens([int(token)])
         if self._deliver(seq, int(token), info):
@@ -583,90 +627,106 @@ class Scheduler:
             if seq.unsent_taps and seq.session is not None:
                 seq.session.commit(mx.concatenate(seq.unsent_taps, axis=1))
                 seq.unsent_taps = []
-        depth: dict[int, int] = {}
-        for row, seq in running:
-            n = 0
-            if seq.session is not None:
-                left = seq.request.max_tokens - len(seq.request.tokens)
-                top = seq.request.draft.max_depth if chosen is None else \
-                    min(chosen, seq.request.draft.max_depth)
-                n = max(0, min(top, left - 1))
-                if seq.depths is not None:
-                    n = seq.depths.choose(n)
-                if seq.constraint is not None:
-                    n = seq.pause.depth(n)
-            depth[row] = n
-        rows = self.batch.rows
-        length = 1 + max(depth.values())
-        last = [0] * rows
-        for row, seq in running:
-            last[row] = seq.history[-1]
-        # the verified block's drafts [rows, length - 1]: a shared context's rows all take
-        # its proposals (past a row's depth, or in a row not its own, they are verified and
-        # rolled back unread)
+        plan = _RoundPlan(running, {row: self._round_depth(seq, chosen) for row, seq in running},
+                          self.batch.rows)
+        self._round_propose(plan)
+        starts = self.batch.row_offsets
+        logits = self._round_verify(plan)
+        emitted = self._round_decide(plan, logits)
+        self.batch.restore_rows([start + 1 + emitted[row][1] if row in emitted else start
+                                 for row, start in enumerate(starts)])
+        top = max(plan.depth.values())
+        self.round_depths[top] = self.round_depths.get(top, 0) + 1
+        seconds = time.perf_counter() - started
+        if controller is not None and chosen is not None:
+            controller.update_rows(chosen, [emitted[row][1] for row, _ in running
+                                            if plan.depth[row] == chosen and chosen], seconds)
+        self._round_commit(plan, emitted, seconds)
+
+    def _round_depth(self, seq: _Sequence, chosen: int | None) -> int:
+        """How many drafts ``seq`` proposes this round (0 without a draft)."""
+        draft = seq.request.draft
+        if seq.session is None:
+            return 0
+        left = seq.request.max_tokens - len(seq.request.tokens)
+        top = draft.max_depth if chosen is None else min(chosen, draft.max_depth)
+        n = max(0, min(top, left - 1))
+        if seq.depths is not None:
+            n = seq.depths.choose(n)
+        return seq.pause.depth(n) if seq.constraint is not None else n
+
+    def _round_propose(self, plan: _RoundPlan) -> None:
+        """The verified block's drafts (``plan.body``, [rows, length - 1]): a shared
+        context's rows all take its proposals (past a row's depth, or in a row not its own,
+        they are verified and rolled back unread); the others propose one by one."""
+        rows, length = plan.rows, plan.length
         body = mx.zeros((rows, length - 1), dtype=mx.int32)
-        groups: dict[int, list[int]] = {}
-        for row, seq in running:
-            if seq.shared:
-                groups.setdefault(id(seq.request.draft), []).append(row)
-        for key, members in groups.items():
-            n = max(depth[row] for row in members)
+        for key, members in plan.groups.items():
+            n = max(plan.depth[row] for row in members)
             if n == 0:
                 continue
-            proposed = self._contexts[key].propose(last, n)
+            proposed = self._contexts[key].propose(plan.last, n)
             if n < length - 1:
                 proposed = mx.pad(proposed, [(0, 0), (0, length - 1 - n)])
-            if len(groups) == 1:
+            if len(plan.groups) == 1:
                 body = proposed
             else:
                 mine = mx.array([r in members for r in range(rows)], dtype=mx.bool_)
                 body = mx.where(mine[:, None], proposed, body)
-        proposals = {row: self._propose(row, seq, depth[row]) for row, seq in running
-                     if seq.session is not None and not seq.shared}
-        for row, proposal in proposals.items():
+        plan.proposals = {row: self._propose(row, seq, plan.depth[row])
+                          for row, seq in plan.running
+                          if seq.session is not None and not seq.shared}
+        for row, proposal in plan.proposals.items():
             if proposal.drafts is not None:
                 body[row:row + 1, :proposal.n] = proposal.drafts[None]
-        ids = mx.concatenate([mx.array(last, dtype=mx.int32)[:, None], body], axis=1)
-        taps = sorted({t for _, seq in running for t in seq.taps})
+        plan.body = body
+
+    def _round_verify(self, plan: _RoundPlan) -> mx.array:
+        """The one target forward over every row's block (logits [rows, length, V]; the
+        drafts' taps in ``plan.tapped``), the caches kept for the rows' restores."""
+        ids = mx.concatenate([mx.array(plan.last, dtype=mx.int32)[:, None], plan.body],
+                             axis=1)
+        plan.taps = sorted({t for _, seq in plan.running for t in seq.taps})
         self.batch.keep_for_restore()
-        starts = self.batch.row_offsets
-        out = forward(self.model, ids, self.batch.caches, taps or None)
-        logits, tapped = (out, None) if not taps else out
-        mx.async_eval(logits, *([] if tapped is None else [tapped]))
-        # the shared rows' acceptance, all rows at once
+        out = forward(self.model, ids, self.batch.caches, plan.taps or None)
+        logits, plan.tapped = (out, None) if not plan.taps else out
+        mx.async_eval(logits, *([] if plan.tapped is None else [plan.tapped]))
+        return logits
+
+    def _round_decide(self, plan: _RoundPlan, logits: mx.array
+                      ) -> dict[int, tuple[list[int], int]]:
+        """Each row's decision, read on the host at once: row -> (tokens it emits, drafts
+        accepted)."""
+        rows, length = plan.rows, plan.length
         reads: list[mx.array] = []
-        if groups:
+        if plan.groups:  # the shared rows' acceptance, all rows at once
             target = topk_indices(logits, 1)[..., 0]  # [rows, length]
-            deep = mx.array([depth.get(r, 0) for r in range(rows)], dtype=mx.int32)
+            deep = mx.array([plan.depth.get(r, 0) for r in range(rows)], dtype=mx.int32)
             within = mx.arange(length - 1, dtype=mx.int32)[None] < deep[:, None]
-            hits = ((target[:, :-1] == body) & within).astype(mx.int32)
-            accepted_rows = mx.sum(mx.cumprod(hits, axis=1), axis=1).astype(mx.int32)
-            reads += [accepted_rows, target.reshape(-1)]
+            hits = ((target[:, :-1] == plan.body) & within).astype(mx.int32)
+            reads += [mx.sum(mx.cumprod(hits, axis=1), axis=1).astype(mx.int32),
+                      target.reshape(-1)]
         spans: dict[int, tuple[int, int]] = {}
-        infos: dict[int, tuple[mx.array, mx.array, mx.array]] = {}  # rows without a draft
-        at = rows + rows * length if groups else 0
-        for row, seq in running:
-            n = depth[row]
+        at = rows + rows * length if plan.groups else 0
+        for row, seq in plan.running:
             if seq.shared:
-                seq.sampler.skip(2 * n + 1)  # the keys decide's greedy path consumes
+                seq.sampler.skip(2 * plan.depth[row] + 1)  # the keys decide's greedy path uses
                 continue
             if seq.session is None:
                 allowed = seq.allowed(self.model.vocab_size)
                 joined = seq.sampler.sample(logits[row, 0], seq.history, allowed).reshape(1)
                 if seq.want_logprobs:
-                    infos[row] = seq.sampler.logprobs(logits[row, 0:1], joined, allowed)
+                    plan.infos[row] = seq.sampler.logprobs(logits[row, 0:1], joined, allowed)
             else:
-                proposal = proposals[row]
+                proposal = plan.proposals[row]
                 joined = decide_row(seq.sampler, logits[row, :proposal.n + 1], proposal,
                                     seq.history)
             reads.append(joined)
             spans[row] = (at, joined.shape[0])
             at += joined.shape[0]
         values = cast("list[int]", mx.concatenate(reads).tolist())
-        offsets = list(starts)
         emitted: dict[int, tuple[list[int], int]] = {}
-        for row, seq in running:
-            n = depth[row]
+        for row, seq in plan.running:
             if seq.shared:
                 accepted = values[row]
                 first = rows + row * length
@@ -674,47 +734,44 @@ class Scheduler:
             elif seq.session is None:
                 emitted[row] = ([values[spans[row][0]]], 0)
             else:
-                n = proposals[row].n
+                n = plan.proposals[row].n
                 drafts, accepted, fix = read_row(values[spans[row][0]:sum(spans[row])], n)
                 emitted[row] = (drafts[:accepted] + [fix], accepted)
                 if seq.constraint is not None:
-                    seq.pause.update(depth[row], n)
-            offsets[row] = starts[row] + 1 + emitted[row][1]
-        self.batch.restore_rows(offsets)
-        top = max(depth.values())
-        self.round_depths[top] = self.round_depths.get(top, 0) + 1
-        if controller is not None and chosen is not None:
-            controller.update_rows(chosen, [emitted[row][1] for row, _ in running
-                                            if depth[row] == chosen and chosen],
-                                   time.perf_counter() - started)
-        counts: dict[int, list[int]] = {key: [0] * rows for key in groups}
-        seconds = time.perf_counter() - started
-        for row, seq in running:
+                    seq.pause.update(plan.depth[row], n)
+        return emitted
+
+    def _round_commit(self, plan: _RoundPlan, emitted: dict[int, tuple[list[int], int]],
+                      seconds: float) -> None:
+        """Hand out each row's tokens; each draft that goes on commits its accepted states."""
+        tapped, taps = plan.tapped, plan.taps
+        counts: dict[int, list[int]] = {key: [0] * plan.rows for key in plan.groups}
+        for row, seq in plan.running:
             tokens, accepted = emitted[row]
             stats = seq.request.stats
             if isinstance(stats, SpeculativeStats):
-                verified = proposals[row].n if row in proposals else depth[row]
+                verified = plan.proposals[row].n if row in plan.proposals else plan.depth[row]
                 stats.record_round(verified, accepted, len(tokens), seconds)
                 if seq.depths is not None:
                     seq.depths.update(verified, accepted, seconds)
             else:
                 stats.target_forwards += 1
-            if tapped is not None and seq.kept_taps is not None:
-                seq.keep_taps(self._own_taps(tapped[row:row + 1, :accepted + 1], taps,
-                                             seq.taps))
+            mine = None if tapped is None or seq.session is None else \
+                self._own_taps(tapped[row:row + 1, :accepted + 1], taps, seq.taps)
+            if mine is not None and seq.kept_taps is not None:
+                seq.keep_taps(mine)
             going = True
             for token in tokens:
-                going = self._deliver(seq, token, infos.get(row))
+                going = self._deliver(seq, token, plan.infos.get(row))
                 if not going:
                     break
             if going and seq.session is not None:
-                assert tapped is not None  # the drafted rows asked for taps
+                assert mine is not None  # the drafted rows asked for taps
                 seq.session.extend_tokens(tokens)
                 if seq.shared:
                     counts[id(seq.request.draft)][row] = accepted + 1
                 else:
-                    seq.session.commit(self._own_taps(tapped[row:row + 1, :accepted + 1],
-                                                      taps, seq.taps))
+                    seq.session.commit(mine)
         for key, committed in counts.items():
             assert tapped is not None  # the drafted rows asked for taps
             shared = self._contexts[key]
@@ -740,24 +797,41 @@ class Scheduler:
         return self._depth
 
     def _propose(self, row: int, seq: _Sequence, n: int) -> RowProposal:
-        """A drafted sequence's proposal for this round (its grammar's masks included); a
-        grammar that fails ends the sequence (it verifies nothing: see _deliver)."""
-        assert seq.session is not None and seq.request.draft is not None  # drafted
+        """A drafted sequence's proposal for this round (its grammar's masks included). A
+        draft that fails leaves its sequence decoding without it; a grammar that fails ends
+        its sequence (it verifies nothing: see _deliver)."""
+        session, draft = seq.session, seq.request.draft
+        assert session is not None and draft is not None  # drafted
+        proposal = None
+        if n > 0:
+            bound = draft.reads_target_caches
+            if bound:  # its row of the batch's caches, as views, for this round's proposals
+                session.bind_target_caches(self._row_caches(row, copy=False))
+            try:
+                proposal = session.propose(seq.history[-1], len(seq.history) - 1, n)
+            except Exception as exc:
+                self._drop_draft(seq, exc)
+            finally:
+                if bound:  # (a view kept past the verify forward would stop its writing)
+                    session.bind_target_caches(None)
         constraint = seq.constraint if seq.error is None else None
-        bound = seq.request.draft.reads_target_caches
-        if bound:  # its row of the batch's caches, as views, for this round's proposals
-            seq.session.bind_target_caches(self._row_caches(row, copy=False))
         try:
-            return propose_row(seq.session, seq.sampler, seq.history[-1],
-                               len(seq.history) - 1, n, constraint, self.model.vocab_size)
+            return propose_row(proposal, seq.sampler, constraint, self.model.vocab_size)
         except Exception as exc:
             if constraint is None:
                 raise
             seq.error = exc  # this request's own failure: the batch goes on
             return RowProposal(0)
-        finally:
-            if bound:  # (a view kept past the verify forward would stop its writing in place)
-                seq.session.bind_target_caches(None)
+
+    def _drop_draft(self, seq: _Sequence, exc: Exception) -> None:
+        """``seq``'s draft failed: it decodes on without drafting (plain decoding's output,
+        which a draft only speeds up); the batch's other rows go on."""
+        log.warning("mlxrunner: a draft failed (%s: %s); its sequence goes on without it",
+                    type(exc).__name__, exc)
+        if seq.shared and seq.row >= 0:
+            self._contexts[id(seq.request.draft)].remove(seq.row)
+        seq.session, seq.shared, seq.taps = None, False, ()
+        seq.kept_taps, seq.depths, seq.unsent_taps = None, None, []
 
     def _own_taps(self, tapped: mx.array, taps: list[int], own: tuple[int, ...]) -> mx.array:
         """A draft's taps out of the batch's (the union of its drafts' taps)."""

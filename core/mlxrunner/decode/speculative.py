@@ -420,11 +420,11 @@ class RowProposal:
     allowed: mx.array | None = None
 
 
-def propose_row(session: DraftSession, sampler: Sampler, current: int, pos: int, n: int,
+def propose_row(proposal: DraftProposal | None, sampler: Sampler,
                 constraint: Constraint | None, vocab_size: int) -> RowProposal:
-    """Step 1 of a round for one sequence: ``n`` drafts after ``current`` (at ``pos``),
-    masked by ``constraint`` (at ``current``, which it has committed; left as it was)."""
-    proposal = session.propose(current, pos, n) if n > 0 else None
+    """Step 1 of a round for one sequence, from its draft's ``proposal`` (None: no drafts),
+    masked by ``constraint`` (at the round's current token, which it has committed; left as
+    it was)."""
     if constraint is not None:
         words = [constraint.words()]
         if proposal is None:
@@ -436,7 +436,8 @@ def propose_row(session: DraftSession, sampler: Sampler, current: int, pos: int,
         return RowProposal(0)
     # the device runs the draft while the host builds the verify forward
     mx.async_eval(proposal.tokens)
-    return RowProposal(n, proposal.tokens.reshape(-1).astype(mx.int32), proposal.distribution())
+    drafts = proposal.tokens.reshape(-1).astype(mx.int32)
+    return RowProposal(drafts.shape[0], drafts, proposal.distribution())
 
 
 def penalty_histories(options: SamplerOptions, history: Sequence[int],
@@ -500,7 +501,8 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
     ``constraint`` (at ``current``, which it has committed) masks the proposals and the
     target's distributions; the round leaves it as it found it."""
     live = [c for c in caches if c is not None]
-    row = propose_row(session, sampler, current, pos, n, constraint, model.vocab_size)
+    row = propose_row(session.propose(current, pos, n) if n > 0 else None, sampler, constraint,
+                      model.vocab_size)
     ids = mx.array([[current]], dtype=mx.int32) if row.drafts is None else \
         mx.concatenate([mx.array([current], dtype=mx.int32), row.drafts])[None]
     for cache in live:
