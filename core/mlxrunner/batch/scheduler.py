@@ -66,6 +66,7 @@ from ..decode.speculative import (
     GrammarPause,
     RowProposal,
     SpeculativeStats,
+    TapRows,
     decide_row,
     draft_name,
     propose_row,
@@ -157,9 +158,9 @@ class _Sequence:
         draft = request.draft
         self.taps: tuple[int, ...] = () if draft is None else tuple(draft.taps)
         self.caches: list[Cache | None] | None = None
-        #: a drafted sequence's tapped states of every position its caches hold (each
-        #: round's in an array of its own), stored with them in the prefix cache
-        self.kept_taps: list[mx.array] | None = None
+        #: a drafted sequence's tapped states of every position its caches hold, stored with
+        #: them in the prefix cache
+        self.kept: TapRows | None = None
         hit = self._look_up(model)
         #: drafting paused after the grammar cut proposals to nothing (as alone)
         self.pause = GrammarPause()
@@ -194,7 +195,7 @@ class _Sequence:
         self.caches, self.prefilled = hit.caches, hit.length
         self.cached_logits = hit.logits
         request.stats.cached_tokens = hit.length
-        self.kept_taps = [] if drafted else None
+        self.kept = TapRows(self.taps) if drafted else None
         return hit
 
     def _start_draft(self, draft: Any, hit: PrefixHit | None) -> None:
@@ -210,31 +211,24 @@ class _Sequence:
         session.bind_target_caches(self.caches)  # its own, whatever make_cache made since
         session.extend_tokens(self.history)
         if hit is not None and hit.length:
-            assert hit.tapped is not None and self.kept_taps is not None  # asked for
+            assert hit.tapped is not None  # asked for
             session.prefill(hit.tapped)
             mx.eval(*session.state)
-            self.kept_taps.append(hit.tapped)
+            self.keep_taps(hit.tapped, own=True)
 
     @property
     def prompt(self) -> Sequence[int]:
         return self.request.prompt
 
-    def keep_taps(self, tapped: mx.array) -> None:
-        """Keep the draft's tapped states of positions the caches now hold (in an array of
-        its own: a slice would keep the whole batch's taps alive)."""
-        if self.kept_taps is not None:
-            own = mx.array(tapped)
-            mx.async_eval(own)
-            self.kept_taps.append(own)
+    def keep_taps(self, tapped: mx.array, *, own: bool = False) -> None:
+        """Keep the draft's tapped states of positions the caches now hold (where the
+        prefix cache keeps them)."""
+        if self.kept is not None:
+            self.kept.add(tapped, own=own)
 
     def tapped(self, length: int) -> tuple[tuple[int, ...], mx.array] | None:
-        """What the prefix cache keeps with ``length`` positions: the draft's taps and
-        their states, where this sequence keeps them for every position (else None)."""
-        kept = self.kept_taps
-        if not kept or sum(a.shape[1] for a in kept) < length:
-            return None
-        self.kept_taps = kept = [mx.concatenate(kept, axis=1)] if len(kept) > 1 else kept
-        return self.taps, kept[0][:, :length]
+        """What the prefix cache keeps with ``length`` positions (None: no taps)."""
+        return None if self.kept is None else self.kept.first(length)
 
     def allowed(self, vocab_size: int) -> mx.array | None:
         """The constraint's mask of the next token ([1, V]), or None."""
@@ -466,7 +460,7 @@ class Scheduler:
                     return []
                 try:
                     seq.session.prefill(tapped)
-                    seq.keep_taps(tapped)
+                    seq.keep_taps(tapped, own=True)
                     return list(seq.session.state)
                 except Exception as exc:
                     self._drop_draft(seq, exc)
@@ -758,7 +752,7 @@ class Scheduler:
                 stats.target_forwards += 1
             mine = None if tapped is None or seq.session is None else \
                 self._own_taps(tapped[row:row + 1, :accepted + 1], taps, seq.taps)
-            if mine is not None and seq.kept_taps is not None:
+            if mine is not None:
                 seq.keep_taps(mine)
             going = True
             for token in tokens:
@@ -831,7 +825,7 @@ class Scheduler:
         if seq.shared and seq.row >= 0:
             self._contexts[id(seq.request.draft)].remove(seq.row)
         seq.session, seq.shared, seq.taps = None, False, ()
-        seq.kept_taps, seq.depths, seq.unsent_taps = None, None, []
+        seq.kept, seq.depths, seq.unsent_taps = None, None, []
 
     def _own_taps(self, tapped: mx.array, taps: list[int], own: tuple[int, ...]) -> mx.array:
         """A draft's taps out of the batch's (the union of its drafts' taps)."""
@@ -851,7 +845,7 @@ class Scheduler:
             seq.request.stats.target_forwards += 1
             if at in step.taps:
                 seq.keep_taps(step.taps[at])
-            elif seq.shared and step.tapped is not None and seq.kept_taps is not None:
+            elif seq.shared and step.tapped is not None and seq.kept is not None:
                 r = step.launch_rows[at]
                 seq.keep_taps(self._own_taps(step.tapped[r:r + 1], step.tap_layers, seq.taps))
             going = self._deliver(seq, values[at], step.infos.get(at))

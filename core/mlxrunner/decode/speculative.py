@@ -522,20 +522,74 @@ def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSessio
 
 
 def _prefill(model: Model, prompt: Sequence[int], caches: list, session: DraftSession,
-             taps: Sequence[int], start: int = 0, tapped_rows: list[mx.array] | None = None,
+             taps: Sequence[int], start: int = 0, kept: TapRows | None = None,
              on_chunk: Callable[[int], None] | None = None) -> mx.array:
     """Plain decoding's chunked prefill (same chunks, so the same arithmetic), each chunk's
-    tapped states handed to the draft as they come (and kept in ``tapped_rows``); returns the
-    last row's logits. The caches already hold ``prompt[:start]``."""
+    tapped states handed to the draft as they come (and kept in ``kept``); returns the last
+    row's logits. The caches already hold ``prompt[:start]``."""
     def to_draft(tapped: mx.array) -> list[mx.array]:
         session.prefill(tapped)
-        if tapped_rows is not None:
-            tapped_rows.append(tapped)
+        if kept is not None:
+            kept.add(tapped, own=True)
         return list(session.state)
 
     logits, _ = prefill(model, prompt, caches, taps=taps, on_taps=to_draft, start=start,
                         on_chunk=on_chunk)
     return logits
+
+
+class TapRows:
+    """The draft's tapped states of every position a sequence's caches hold, which the
+    prefix cache keeps with them (a hit rebuilds the draft's session from them). Each part
+    is an array of its own: a slice would keep a whole verify block's taps alive."""
+
+    def __init__(self, taps: Sequence[int]) -> None:
+        self.taps = tuple(taps)
+        self.parts: list[mx.array] = []
+
+    def add(self, tapped: mx.array, *, own: bool = False) -> None:
+        """Positions' states ``[1, n, ...]`` after those kept (``own``: not a view)."""
+        if not own:
+            tapped = mx.array(tapped)
+            mx.async_eval(tapped)
+        self.parts.append(tapped)
+
+    def first(self, length: int) -> tuple[tuple[int, ...], mx.array] | None:
+        """The first ``length`` positions' states, with the taps they are of (None where
+        fewer are kept)."""
+        if not self.parts or sum(a.shape[1] for a in self.parts) < length:
+            return None
+        if len(self.parts) > 1:
+            self.parts = [mx.concatenate(self.parts, axis=1)]
+        return self.taps, self.parts[0][:, :length]
+
+
+def solo_controller(draft: DraftModel, sampler: Sampler) -> DepthController | None:
+    """The depth controller of a sequence decoding alone: a draft that adapts its depth
+    follows one, measured on this machine's rounds unless the draws must not depend on
+    timings (a seeded sampler; a distributed job's lockstep), then the fixed cost model; a
+    DFlash2-style draft drafts its whole block, unless measured plain steps are faster."""
+    measured = (sampler.greedy or sampler.options.seed is None) \
+        and not settings.current().lockstep
+    if draft.adaptive_depth:
+        return DepthController(draft.max_depth, measured=measured)
+    if measured:
+        return DepthController(draft.max_depth, full_only=True)
+    return None
+
+
+def settle(emitted: list[int], eos: frozenset[int], constraint: Constraint | None
+           ) -> tuple[list[int], bool]:
+    """A round's tokens up to the first that ends generation (an EOS, or the one that
+    completes the grammar, which advances through them), and whether one did."""
+    for i, token in enumerate(emitted):
+        if token in eos:
+            return emitted[:i + 1], True
+        if constraint is not None:
+            constraint.advance(token)
+            if constraint.complete:
+                return emitted[:i + 1], True
+    return emitted, False
 
 
 def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *,
@@ -566,56 +620,14 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
     if max_tokens <= 0:
         return
     if depth is None and controller is None:
-        # (timed depths differ between the ranks of a distributed job: lockstep drops them)
-        measured = (sampler.greedy or sampler.options.seed is None) \
-            and not settings.current().lockstep
-        if draft.adaptive_depth:
-            controller = DepthController(draft.max_depth, measured=measured)
-        elif measured:  # the whole block, unless plain steps are faster here
-            controller = DepthController(draft.max_depth, full_only=True)
+        controller = solo_controller(draft, sampler)
     taps = tuple(draft.taps)
     t0 = time.perf_counter()
-    # A prefix cache hit rebuilds the draft's session from the tapped states it kept with
-    # the target's caches: the session then holds what a prefill of those tokens gives.
-    hit = prefix_cache.lookup(prompt, taps) if prefix_cache is not None else None
-    caches = hit.caches if hit is not None else model.make_cache()
-    live = [c for c in caches if c is not None]
     session = draft.new_session(sampler)
-    session.bind_target_caches(caches)
-    session.extend_tokens(prompt)
+    caches, kept, logits = _start(model, session, prompt, taps, prefix_cache, stats)
+    live = [c for c in caches if c is not None]
     history = list(prompt)
     eos = frozenset(eos_ids)
-    # the tapped states of every row the caches hold, for the prefix cache
-    tapped_rows: list[mx.array] = []
-    if hit is not None and hit.length:
-        assert hit.tapped is not None  # asked for with the taps
-        session.prefill(hit.tapped)
-        mx.eval(*session.state)
-        tapped_rows.append(hit.tapped)
-        stats.cached_tokens = hit.length
-
-    def rows() -> mx.array:
-        joined = mx.concatenate(tapped_rows, axis=1) if len(tapped_rows) > 1 else \
-            tapped_rows[0]
-        tapped_rows[:] = [joined]
-        return joined
-
-    def keep(end: int) -> None:
-        if prefix_cache is not None:
-            prefix_cache.store(history[:end], caches, (taps, rows()[:, :end]))
-
-    def keep_chunk(end: int) -> None:
-        if end < len(prompt):  # the prompt's end is stored below, with its logits
-            keep(end)
-
-    if hit is not None and hit.logits is not None:  # the whole prompt, met before
-        logits = hit.logits
-    else:
-        logits = _prefill(model, prompt, caches, session, taps, stats.cached_tokens,
-                          tapped_rows if prefix_cache is not None else None,
-                          keep_chunk if prefix_cache is not None else None)
-        if prefix_cache is not None:
-            prefix_cache.store(prompt, caches, (taps, rows()), logits)
     first_allowed = None if constraint is None else \
         allowed_rows([constraint.words()], model.vocab_size)
     first = int(sampler.sample(logits, history, first_allowed))
@@ -640,12 +652,7 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
         pause = GrammarPause()
         while stats.generated_tokens < max_tokens:
             limit = min(draft.max_depth, max_tokens - stats.generated_tokens - 1)
-            if depth is not None:
-                n = max(0, min(depth, limit))
-            elif controller is not None:
-                n = controller.choose(limit)
-            else:
-                n = max(0, limit)
+            n = _depth(depth, controller, limit)
             if constraint is not None:
                 n = pause.depth(n)
             t_round = time.perf_counter()
@@ -655,32 +662,14 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
             if constraint is not None:
                 pause.update(n, len(outcome.drafts))
             n = len(outcome.drafts)  # a grammar may have cut the proposal
-            emitted = outcome.emitted
-            finished = False
-            for i, token in enumerate(emitted):
-                if token in eos:
-                    emitted, finished = emitted[:i + 1], True
-                    break
-                if constraint is not None:
-                    constraint.advance(token)
-                    if constraint.complete:
-                        emitted, finished = emitted[:i + 1], True
-                        break
+            emitted, finished = settle(outcome.emitted, eos, constraint)
             stats.record_round(n, outcome.accepted, len(outcome.emitted), seconds)
             if controller is not None:
                 controller.update(n, outcome.accepted, seconds)
             history.extend(emitted)
             stats.generated_tokens += len(emitted)
             if not finished and stats.generated_tokens < max_tokens:
-                if outcome.accepted < n:
-                    for cache in live:
-                        cache.restore(pos + 1 + outcome.accepted)
-                for cache in live:
-                    cache.discard_snapshots()
-                session.extend_tokens(emitted)
-                session.commit(outcome.tapped[:, :outcome.accepted + 1])
-                if prefix_cache is not None:
-                    tapped_rows.append(outcome.tapped[:, :outcome.accepted + 1])
+                _commit(live, session, kept, outcome, pos)
                 pos += outcome.accepted + 1
                 current = emitted[-1]
             else:
@@ -696,15 +685,71 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
         raise
     finally:
         stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
-        if prefix_cache is not None and completed:
+        if kept is not None and completed:
             if unsettled is not None:
                 # the last round kept its whole verify block: back to what it committed
                 at, accepted, tapped = unsettled
                 end = min(at + 1 + accepted, len(history))
                 for cache in live:
                     cache.restore(end)
-                tapped_rows.append(tapped[:, :end - at])
-            keep(live[0].offset if live else 0)
+                kept.add(tapped[:, :end - at])
+            end = live[0].offset if live else 0
+            assert prefix_cache is not None  # kept for it
+            prefix_cache.store(history[:end], caches, kept.first(end))
+
+
+def _start(model: Model, session: DraftSession, prompt: Sequence[int], taps: tuple[int, ...],
+           prefix_cache: PrefixCache | None, stats: SpeculativeStats
+           ) -> tuple[list[Cache | None], TapRows | None, mx.array]:
+    """The target's caches after ``prompt`` and its last logits, the draft's session over
+    it, and (with a prefix cache) the tapped states kept for the cache. A prefix hit
+    rebuilds the session from the tapped states kept with the target's caches: it then
+    holds what a prefill of those tokens gives."""
+    hit = prefix_cache.lookup(prompt, taps) if prefix_cache is not None else None
+    caches = hit.caches if hit is not None else model.make_cache()
+    session.bind_target_caches(caches)
+    session.extend_tokens(prompt)
+    kept = TapRows(taps) if prefix_cache is not None else None
+    if hit is not None and hit.length:
+        assert hit.tapped is not None and kept is not None  # asked for with the taps
+        session.prefill(hit.tapped)
+        mx.eval(*session.state)
+        kept.add(hit.tapped, own=True)
+        stats.cached_tokens = hit.length
+    if hit is not None and hit.logits is not None:  # the whole prompt, met before
+        return caches, kept, hit.logits
+
+    def keep(end: int, logits: mx.array | None = None) -> None:
+        if prefix_cache is not None and kept is not None:
+            prefix_cache.store(prompt[:end], caches, kept.first(end), logits)
+
+    logits = _prefill(model, prompt, caches, session, taps, stats.cached_tokens, kept,
+                      # the prompt's end is stored below, with its logits
+                      lambda end: keep(end) if end < len(prompt) else None)
+    keep(len(prompt), logits)
+    return caches, kept, logits
+
+
+def _depth(fixed: int | None, controller: DepthController | None, limit: int) -> int:
+    """A round's depth: ``fixed``, else the controller's choice, else the whole ``limit``."""
+    if fixed is not None:
+        return max(0, min(fixed, limit))
+    return controller.choose(limit) if controller is not None else max(0, limit)
+
+
+def _commit(live: list[Cache], session: DraftSession, kept: TapRows | None,
+            outcome: RoundOutcome, pos: int) -> None:
+    """A round that generation goes on after: the caches back to what it committed (at
+    ``pos`` its current token), the draft given its tokens and their tapped states."""
+    if outcome.accepted < len(outcome.drafts):
+        for cache in live:
+            cache.restore(pos + 1 + outcome.accepted)
+    for cache in live:
+        cache.discard_snapshots()
+    session.extend_tokens(outcome.emitted)
+    session.commit(outcome.tapped[:, :outcome.accepted + 1])
+    if kept is not None:
+        kept.add(outcome.tapped[:, :outcome.accepted + 1])
 
 
 def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int], *,
