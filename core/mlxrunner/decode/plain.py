@@ -137,25 +137,7 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
     stats = stats if stats is not None else GenerationStats()
     t0 = time.perf_counter()
     history = list(prompt)
-    hit = prefix_cache.lookup(prompt) if prefix_cache is not None else None
-    cache = hit.caches if hit is not None else model.make_cache()
-    stats.cached_tokens = hit.length if hit is not None else 0
-
-    def keep(end: int) -> None:
-        assert prefix_cache is not None
-        prefix_cache.store(history[:end], cache)
-
-    def keep_chunk(end: int) -> None:
-        if end < len(prompt):  # the prompt's end is stored below, with its logits
-            keep(end)
-
-    if hit is not None and hit.logits is not None:  # the whole prompt, met before
-        logits = hit.logits
-    else:
-        logits, _ = prefill(model, prompt, cache, start=stats.cached_tokens,
-                            on_chunk=keep_chunk if prefix_cache is not None else None)
-        if prefix_cache is not None:
-            prefix_cache.store(prompt, cache, logits=logits)
+    cache, logits = _start(model, prompt, prefix_cache, stats)
     stats.prompt_tokens = len(prompt)
     stats.target_forwards += 1
 
@@ -214,7 +196,29 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
             # the caches hold the tokens fed so far (a queued step's included)
             fed = [c.offset for c in cache if c is not None]
             if fed and fed[0] <= len(history):
-                keep(fed[0])
+                prefix_cache.store(history[:fed[0]], cache)
+
+
+def _start(model: Model, prompt: Sequence[int], prefix_cache: PrefixCache | None,
+           stats: GenerationStats) -> tuple[list[Any], mx.array]:
+    """The caches after ``prompt`` and its last logits: the longest prefix the prefix cache
+    holds is not prefilled again, and the cache keeps each prefill chunk's end and the
+    prompt's with its logits."""
+    hit = prefix_cache.lookup(prompt) if prefix_cache is not None else None
+    cache = hit.caches if hit is not None else model.make_cache()
+    stats.cached_tokens = hit.length if hit is not None else 0
+    if hit is not None and hit.logits is not None:  # the whole prompt, met before
+        return cache, hit.logits
+
+    def keep_chunk(end: int) -> None:
+        if prefix_cache is not None and end < len(prompt):  # the end: below, with logits
+            prefix_cache.store(prompt[:end], cache)
+
+    logits, _ = prefill(model, prompt, cache, start=stats.cached_tokens,
+                        on_chunk=keep_chunk if prefix_cache is not None else None)
+    if prefix_cache is not None:
+        prefix_cache.store(prompt, cache, logits=logits)
+    return cache, logits
 
 
 def logprob_entry(info: Any) -> dict[str, Any] | None:

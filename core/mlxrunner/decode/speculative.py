@@ -685,17 +685,24 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
         raise
     finally:
         stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
-        if kept is not None and completed:
-            if unsettled is not None:
-                # the last round kept its whole verify block: back to what it committed
-                at, accepted, tapped = unsettled
-                end = min(at + 1 + accepted, len(history))
-                for cache in live:
-                    cache.restore(end)
-                kept.add(tapped[:, :end - at])
-            end = live[0].offset if live else 0
-            assert prefix_cache is not None  # kept for it
-            prefix_cache.store(history[:end], caches, kept.first(end))
+        if prefix_cache is not None and kept is not None and completed:
+            _keep_end(prefix_cache, caches, kept, history, unsettled)
+
+
+def _keep_end(prefix_cache: PrefixCache, caches: list[Cache | None], kept: TapRows,
+              history: list[int], unsettled: tuple[int, int, mx.array] | None) -> None:
+    """Store what the caches hold once generation ended, the last round's rollback done
+    first where it was skipped (``unsettled``: its position, accepted drafts and taps)."""
+    live = [c for c in caches if c is not None]
+    if unsettled is not None:
+        # the last round kept its whole verify block: back to what it committed
+        at, accepted, tapped = unsettled
+        end = min(at + 1 + accepted, len(history))
+        for cache in live:
+            cache.restore(end)
+        kept.add(tapped[:, :end - at])
+    end = live[0].offset if live else 0
+    prefix_cache.store(history[:end], caches, kept.first(end))
 
 
 def _start(model: Model, session: DraftSession, prompt: Sequence[int], taps: tuple[int, ...],
