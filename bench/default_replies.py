@@ -7,7 +7,9 @@ A sentence is a run of text ending in ``.``, ``!``, ``?`` or a line end, compare
 trimming and lower-casing; one said three or more times counts as a loop. A reply that
 reached the cap must be followed by the cap notice on stderr.
 
-    python bench/default_replies.py [--model default] [--json out.json]
+    python bench/default_replies.py [--model default] [--json out.json] [RUN OPTIONS...]
+
+Options it does not know go to every ``mlxrunner run`` (e.g. ``--repeat-penalty 1.2``).
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args, run_options = ap.parse_known_args(argv)
     rows = []
     for prompt in PROMPTS:
-        run = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "run", args.model, prompt],
+        run = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "run", args.model, prompt,
+                              *run_options],
                              capture_output=True, text=True, timeout=600)
         if run.returncode != 0:
             print(f"{prompt!r}: exit {run.returncode}: {run.stderr.strip()[-300:]}",
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
           "each saying so")
     if args.json:
         args.json.write_text(json.dumps({"bench": "default_replies", "model": args.model,
+                                         "run_options": run_options,
                                          "rows": rows, "loops": loops, "capped": capped},
                                         indent=2) + "\n")
     return 0 if loops == 0 else 1

@@ -216,7 +216,9 @@ def test_a_conversation_at_a_terminal(pane_factory, home: Path):
     pane.type("/bye")
     assert pane.exit_status() == 0
 
-    saved = json.loads((home / "conversations" / "talk.json").read_text(encoding="utf-8"))
+    # inside the moved store (MLXRUNNER_MODELS), not beside it
+    saved = json.loads((home / "models" / "conversations" / "talk.json")
+                       .read_text(encoding="utf-8"))
     messages = saved["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"] * 3
     assert [m["content"] for m in messages[::2]] == ["def add(a, b):", "class Foo:\n    pass",
@@ -254,3 +256,40 @@ def test_a_one_shot_run_shows_its_prompt(pane_factory):
     assert pane.exit_status() == 0
     lines = [line for line in pane.screen().splitlines() if line.strip()]
     assert lines[0] == ">>> def add(a, b):" and len(lines) >= 2, lines  # then the reply
+
+
+def test_a_stored_model_by_name_at_a_terminal(pane_factory, home: Path):
+    """A model stored under a name: a typo of it is one line and a non-zero exit (no
+    conversation, the name never a prompt); its bare name runs its ``:latest``, whose
+    ``/show info`` names it as stored; a reply at the token cap says so; ``/save`` writes
+    inside the moved store."""
+    modelfile = home / "Modelfile"
+    modelfile.write_text(f"FROM {demo.MODEL_PATH}\n", encoding="utf-8")
+    env = {**os.environ, "MLXRUNNER_MODELS": str(home / "models")}
+    subprocess.run([sys.executable, "-m", "mlxrunner.cli", "create", "mysmol:latest", "-f",
+                    str(modelfile)], env=env, check=True, capture_output=True, timeout=300)
+
+    typo = pane_factory("mysmoll")
+    assert typo.exit_status() != 0
+    said = [line for line in typo.screen().splitlines()
+            if line.strip() and not line.startswith("Pane is dead")]
+    assert len(said) == 1 and "unknown model 'mysmoll'" in said[0] and \
+        "mysmol:latest" in said[0], said
+
+    pane = pane_factory("mysmol", "--max-tokens", "6")
+    pane.wait_prompts(1, "the first prompt")
+    pane.type("def add(a, b):")
+    screen = pane.wait_prompts(2, "the reply")
+    assert "(the reply reached the 6-token cap; /set parameter num_predict N)" in screen
+    pane.type("/show info")
+    screen = pane.wait_prompts(3, "/show info")
+    named = [line.split() for line in screen.splitlines() if line.strip().startswith("model ")]
+    assert named and named[-1][1] in ("mysmol", "mysmol:latest"), screen
+    pane.type("/save talk")
+    pane.wait(lambda s: "Saved conversation 'talk' (2 messages)" in s, "/save")
+    pane.type("/bye")
+    assert pane.exit_status() == 0
+    saved = json.loads((home / "models" / "conversations" / "talk.json")
+                       .read_text(encoding="utf-8"))
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
+    assert not (home / "conversations").exists()

@@ -313,8 +313,8 @@ def test_the_chat_files_follow_the_model_store_or_their_own_variable(tmp_path):
     assert history_path({}) == home / "history"
     assert conversations_folder({}) == home / "conversations"
     moved = {"MLXRUNNER_MODELS": str(tmp_path / "store" / "models")}
-    assert history_path(moved) == tmp_path / "store" / "history"
-    assert conversations_folder(moved) == tmp_path / "store" / "conversations"
+    assert history_path(moved) == tmp_path / "store" / "models" / "history"
+    assert conversations_folder(moved) == tmp_path / "store" / "models" / "conversations"
     own = {**moved, "MLXRUNNER_HISTORY": str(tmp_path / "h")}
     assert history_path(own) == tmp_path / "h"
 

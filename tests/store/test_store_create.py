@@ -207,3 +207,11 @@ def test_rm_cp_and_run_by_name(demo_model, store_root, capsys, monkeypatch):
     capsys.readouterr()
     ran = json.loads(run_cli(capsys, "run", "demo-copy", "--max-tokens", "4", "--json"))
     assert ran["model"] == "demo-copy" and ran["prompt_tokens"] > 0
+    # as in Ollama, a bare name is also its ":latest" and the reverse
+    assert run_cli(capsys, "cp", "demo-copy", "mine:latest").strip() == \
+        "copied 'demo-copy' to 'mine:latest'"
+    for name in ("mine", "mine:latest", "demo-copy:latest"):
+        assert default_store().get(name) is not None, name
+    assert default_store().get("mine:v2") is None and default_store().get("min") is None
+    ran = json.loads(run_cli(capsys, "run", "mine", "def f():", "--max-tokens", "2", "--json"))
+    assert ran["model"] == "mine" and len(ran["tokens"]) == 2

@@ -171,8 +171,12 @@ class ChatSession:
 
     def __init__(self, bundle: Any, options: SamplerOptions, *, max_tokens: int,
                  think: bool | None, system: str | None, write: Callable[[str], Any],
-                 color: bool, verbose: bool, conversations: Path | None) -> None:
+                 color: bool, verbose: bool, conversations: Path | None,
+                 name: str | None = None) -> None:
         self.bundle, self.options, self.max_tokens = bundle, options, max_tokens
+        #: how the model is named to the user: as given (a store or registered name as it
+        #: is, not the store's folder), else its folder
+        self.name = name or str(bundle.path)
         self.think, self.verbose, self.color = think, verbose, color
         self.write, self.conversations = write, conversations
         self.stops: list[str] = bundle.stop_strings()
@@ -315,7 +319,7 @@ class ChatSession:
             count = getattr(context, "num_parameters", None)
             draft = type(bundle.draft).__name__ if bundle.draft is not None else "none"
             turns = sum(1 for m in self.messages if m["role"] == "user")
-            rows = [("model", str(bundle.path)), ("architecture", arch),
+            rows = [("model", self.name), ("architecture", arch),
                     ("parameters", f"{count:,}" if count else "-"), ("draft", draft),
                     ("renderer", bundle.renderer_name or "-"),
                     ("parser", bundle.parser_name or "-"),
@@ -350,7 +354,7 @@ class ChatSession:
         try:
             path = conversation_file(self.conversations, name)
             save_conversation(path, SavedConversation(
-                model=str(self.bundle.path), messages=self.messages,
+                model=self.name, messages=self.messages,
                 parameters=dict(self.parameters), num_predict=self.max_tokens,
                 think=self.think))
         except MLXRunnerError as exc:
@@ -375,7 +379,7 @@ class ChatSession:
         self.stops = list(stops) if isinstance(stops, list) else self.bundle.stop_strings()
         self.max_tokens = saved.num_predict or self.max_tokens
         self.think = saved.think
-        note = "" if saved.model == str(self.bundle.path) else \
+        note = "" if saved.model in (self.name, str(self.bundle.path)) else \
             f"; it was saved with {saved.model}, replies now come from this model"
         self.say(f"Loaded conversation '{name}' ({len(self.messages)} messages){note}")
 
@@ -429,17 +433,19 @@ def _read_input(read: Callable[[str], str]) -> tuple[str, bool]:
 def chat_loop(bundle: Any, options: Any, *, max_tokens: int, think: bool | None = None,
               system: str | None = None, read: Callable[[str], str] = input,
               write: Callable[[str], Any] | None = None, color: bool = False,
-              verbose: bool = False, conversations: Path | None = None) -> list[dict]:
+              verbose: bool = False, conversations: Path | None = None,
+              name: str | None = None) -> list[dict]:
     """Run the chat until ``/bye`` or end of input; returns the conversation.
 
-    ``conversations`` is the folder ``/save`` and ``/load`` use (None: they are off)."""
+    ``conversations`` is the folder ``/save`` and ``/load`` use (None: they are off);
+    ``name`` what the user called the model (None: its folder)."""
     write = write or _write_out
     if bundle.renderer is None:
         raise MLXRunnerError(f"{bundle.path}: no chat format to chat with (pass a prompt, "
                              "or --renderer NAME)")
     session = ChatSession(bundle, options, max_tokens=max_tokens, think=think, system=system,
                           write=write, color=color, verbose=verbose,
-                          conversations=conversations)
+                          conversations=conversations, name=name)
     write(HELP + "\n")
     while True:
         try:

@@ -1,7 +1,8 @@
 """Where the chat keeps what outlives a session, and its line editor.
 
-The chat's files live under one folder, ``~/.mlxrunner`` (the parent of ``MLXRUNNER_MODELS``
-when that moves the model store, so a moved store takes them along): the input history in
+The chat's files live under one folder, ``~/.mlxrunner`` (inside the store when
+``MLXRUNNER_MODELS`` moves it, so a moved store takes them along and nothing lands beside
+it; the store reads only its entries' folders): the input history in
 ``history`` (``MLXRUNNER_HISTORY`` names another file) and saved conversations in
 ``conversations/``.
 
@@ -29,12 +30,12 @@ HISTORY_LENGTH = 1000
 
 
 def chat_home(env: Mapping[str, str] | None = None) -> Path:
-    """The folder of the chat's files: the model store's parent when ``MLXRUNNER_MODELS``
-    moves the store, else ``~/.mlxrunner``."""
+    """The folder of the chat's files: the model store when ``MLXRUNNER_MODELS`` moves it,
+    else ``~/.mlxrunner``."""
     env = os.environ if env is None else env
-    models = env.get("MLXRUNNER_MODELS")
+    models = env.get("MLXRUNNER_MODELS", "").strip()
     if models:
-        return Path(models).expanduser().parent
+        return Path(models).expanduser()
     return Path("~/.mlxrunner").expanduser()
 
 

@@ -351,7 +351,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             chat_loop(bundle, options, max_tokens=max_tokens, think=think, system=system,
                       read=editor.read if editor is not None else _read_piped_line,
                       color=sys.stdout.isatty(), verbose=args.verbose,
-                      conversations=conversations_folder())
+                      conversations=conversations_folder(),
+                      name=model_label(model_arg, bundle))
         finally:
             if editor is not None:
                 editor.save()

@@ -64,6 +64,13 @@ def folder_name(name: str) -> str:
     return quote(check_name(name), safe="._+-")
 
 
+def _tag_forms(name: str) -> tuple[str, ...]:
+    """The other spelling of ``name``'s default tag: ``NAME`` <-> ``NAME:latest``."""
+    if name.endswith(":latest"):
+        return (name[:-len(":latest")],)
+    return () if ":" in name.rsplit("/", 1)[-1] else (f"{name}:latest",)
+
+
 def name_of_folder(folder: str) -> str:
     return unquote(folder)
 
@@ -147,15 +154,17 @@ class Store:
         return self.root / folder_name(name)
 
     def get(self, name: str) -> Entry | None:
-        """The entry called ``name``, if the store holds it whole."""
-        try:
-            folder = self.path_of(name)
-        except StoreError:
-            return None
-        manifest = Manifest.read(folder / MANIFEST)
-        if manifest is None or manifest.name != name:
-            return None
-        return Entry(folder, manifest)
+        """The entry called ``name``, if the store holds it whole; as in Ollama, a name
+        without a tag is also its ``:latest`` (and ``NAME:latest`` also a bare ``NAME``)."""
+        for candidate in (name, *_tag_forms(name)):
+            try:
+                folder = self.path_of(candidate)
+            except StoreError:
+                return None
+            manifest = Manifest.read(folder / MANIFEST)
+            if manifest is not None and manifest.name == candidate:
+                return Entry(folder, manifest)
+        return None
 
     def entries(self) -> list[Entry]:
         """Every whole entry, by name (temporaries and folders without a manifest are not
