@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--tiny 16)")
     parser.add_argument("--new", type=int, help="tokens generated per stream (default 128; "
                         "--tiny 16)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs (best kept; --pair: taking turns, the median)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs (best kept; --pair: taking turns, the median)")
     parser.add_argument("--layers", type=int, help="keep only the first N layers")
     parser.add_argument("--vocab", type=int, help="override the vocabulary size")
     parser.add_argument("--tiny", action="store_true",

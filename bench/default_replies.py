@@ -61,9 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="a file of other prompts, one a line (default: the 20 above)")
     args, run_options = ap.parse_known_args(argv)
+    prompts = PROMPTS if args.prompts is None else [
+        line.strip() for line in args.prompts.read_text(encoding="utf-8").splitlines()
+        if line.strip()]
     rows = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         run = subprocess.run([sys.executable, "-m", "mlxrunner.cli", "run", args.model, prompt,
                               *run_options],
                              capture_output=True, text=True, timeout=600)

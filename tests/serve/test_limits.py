@@ -431,3 +431,85 @@ def test_completions_default_to_openais_16_tokens(served: Any) -> None:
     assert usage["completion_tokens"] <= 16
     assert usage["completion_tokens"] == 16 or reply.json()["choices"][0]["finish_reason"] == \
         "stop"
+
+
+def _four_streams_beside(url: str, bad: Any) -> tuple[list[str], list[str], Any]:
+    """Four chats (greedy) one at a time, then streamed together while ``bad()`` runs:
+    (alone, together, what bad returned)."""
+    import json
+
+    prompts = [f"def f{i}(x):" for i in range(4)]
+
+    def body(prompt: str) -> dict[str, Any]:
+        return {"model": "demo", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 16, "temperature": 0}
+
+    alone = [httpx.post(url + "/v1/chat/completions", json=body(p), timeout=120)
+             .json()["choices"][0]["message"]["content"] for p in prompts]
+    together: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        text = []
+        with httpx.stream("POST", url + "/v1/chat/completions",
+                          json={**body(prompts[i]), "stream": True}, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    text.append(json.loads(line[6:])["choices"][0]["delta"].get("content")
+                                or "")
+        together[i] = "".join(text)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    got = bad()
+    for t in threads:
+        t.join(300)
+    return alone, [together.get(i, "") for i in range(4)], got
+
+
+def test_a_failing_parser_fails_its_request_alone(failing_plugin: Any, serve_with: Any,
+                                                  demo_bundle: Any, demo_service: Any) -> None:
+    """Four streams of one service decode while a request to another service of the same
+    engine (its parser raises) arrives: it gets its 500 naming the plugin, the four finish
+    with what each gives alone."""
+    from mlxrunner.serve import Service
+
+    good = serve_with(demo_service)
+    failing = serve_with(Service(dataclasses.replace(demo_bundle, parser=_FailingParser(),
+                                                     parser_name="failing"),
+                                 name="demo", engine=demo_service.engine))
+    alone, together, bad = _four_streams_beside(
+        good.url, lambda: httpx.post(failing.url + "/v1/chat/completions",
+                                     json={**CHAT, "max_tokens": 8}, timeout=120))
+    assert bad.status_code == 500 and "parser 'failing'" in bad.json()["error"]["message"]
+    assert together == alone
+
+
+def test_a_draft_that_raises_leaves_every_request_its_reply(serve_with: Any) -> None:
+    """The model's draft raises on its third proposal while four requests decode together:
+    each drafted sequence goes on without it, every reply is the one plain decoding gives."""
+    from mlxrunner.serve import Service
+
+    bundle = mlxrunner.load("demo-qwen3.5")  # its own draft object, patched below
+    plain = serve_with(Service(dataclasses.replace(bundle, draft=None), name="demo"))
+    calls: list[Any] = []
+    made = bundle.draft.new_batch  # greedy rows draft through the draft's shared context
+
+    def new_batch(*args: Any) -> Any:
+        shared = made(*args)
+        propose = shared.propose
+
+        def breaking(*args: Any) -> Any:
+            calls.append(args)
+            if len(calls) == 3:
+                raise RuntimeError("the draft broke")
+            return propose(*args)
+
+        shared.propose = breaking
+        return shared
+
+    bundle.draft.new_batch = new_batch
+    broken = serve_with(Service(bundle, name="demo"))
+    alone, _, _ = _four_streams_beside(plain.url, lambda: None)
+    _, together, _ = _four_streams_beside(broken.url, lambda: None)
+    assert len(calls) >= 3 and together == alone

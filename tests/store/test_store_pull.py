@@ -15,7 +15,6 @@ import mlxrunner
 from mlxrunner.errors import ModelFolderError
 from mlxrunner.model import resolve_model_path
 from mlxrunner.store import FetchError, HubModel, PackagedModel, Store, StoreError, pull
-from mlxrunner_test_support import logged
 
 
 def source_of(wheel, **changes) -> PackagedModel:

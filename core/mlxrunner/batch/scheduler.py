@@ -655,11 +655,17 @@ class Scheduler:
         they are verified and rolled back unread); the others propose one by one."""
         rows, length = plan.rows, plan.length
         body = mx.zeros((rows, length - 1), dtype=mx.int32)
-        for key, members in plan.groups.items():
+        for key, members in list(plan.groups.items()):
             n = max(plan.depth[row] for row in members)
             if n == 0:
                 continue
-            proposed = self._contexts[key].propose(plan.last, n)
+            try:
+                proposed = self._contexts[key].propose(plan.last, n)
+            except Exception as exc:  # its rows go on without their draft
+                for row in members:
+                    self._drop_draft(self._running[row], exc)
+                del plan.groups[key]
+                continue
             if n < length - 1:
                 proposed = mx.pad(proposed, [(0, 0), (0, length - 1 - n)])
             if len(plan.groups) == 1:
