@@ -170,3 +170,48 @@ def test_tools_for_a_model_without_a_tool_call_parser_are_a_400(serve_with: Any,
     assert "plain does not support tools" in refused.json()["error"]["message"]
     assert httpx.post(server.url + "/v1/chat/completions", json=body,
                       timeout=120).status_code == 200
+
+
+def test_two_step_round_trips_through_the_official_clients(tool_server: Any) -> None:
+    """Each official client asks, gets the tool call, sends the tool's result back in its
+    own shape and gets the next reply (a longer prompt: the result was rendered)."""
+    ollama = pytest.importorskip("ollama")
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=tool_server.url + "/v1", api_key="x", max_retries=0)
+    first = client.chat.completions.create(model="demo", messages=ASK, tools=[TOOL],
+                                           max_tokens=64, temperature=0,
+                                           extra_body={"think": False})
+    [call] = first.choices[0].message.tool_calls
+    second = client.chat.completions.create(
+        model="demo", max_tokens=4, temperature=0, tools=[TOOL], extra_body={"think": False},
+        messages=[*ASK, first.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+    claude = anthropic.Anthropic(base_url=tool_server.url, api_key="x", max_retries=0)
+    tools = [{"name": "get_weather", "description": "the weather in a city",
+              "input_schema": TOOL["function"]["parameters"]}]
+    asked = claude.messages.create(model="demo", max_tokens=64, messages=ASK, tools=tools,
+                                   thinking={"type": "disabled"}, extra_body={"temperature": 0})
+    [use] = [b for b in asked.content if b.type == "tool_use"]
+    answered = claude.messages.create(
+        model="demo", max_tokens=4, tools=tools, thinking={"type": "disabled"},
+        extra_body={"temperature": 0},
+        messages=[*ASK, {"role": "assistant", "content": asked.content},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                "content": "sunny, 21 C"}]}])
+
+    def prompt(usage: Any) -> int:  # (Anthropic counts the prefix cache's part apart)
+        return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+    assert prompt(answered.usage) > prompt(asked.usage)
+
+    ask = ollama.Client(host=tool_server.url)
+    chat = ask.chat("demo", ASK, tools=[TOOL], think=False,
+                    options={"temperature": 0, "num_predict": 64})
+    again = ask.chat("demo", [*ASK, chat.message,
+                              {"role": "tool", "tool_name": "get_weather",
+                               "content": "sunny, 21 C"}],
+                     tools=[TOOL], think=False, options={"temperature": 0, "num_predict": 4})
+    assert again.prompt_eval_count > chat.prompt_eval_count
