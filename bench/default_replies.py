@@ -2,7 +2,8 @@
 repeat a sentence three times or more, and does every reply cut at the token cap say so.
 
 Each prompt goes through ``mlxrunner run default PROMPT`` (a fresh process, the model's
-Modelfile defaults: greedy, repeat penalty 1.1; the 256-token cap), as a user would type it.
+Modelfile defaults: greedy, repeat penalty 1.15 over the last 256 tokens; the 256-token
+cap), as a user would type it.
 A sentence is a run of text ending in ``.``, ``!``, ``?`` or a line end, compared after
 trimming and lower-casing; one said three or more times counts as a loop. A reply that
 reached the cap must be followed by the cap notice on stderr.

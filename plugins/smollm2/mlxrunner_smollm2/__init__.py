@@ -15,9 +15,12 @@ SMOLLM2_135M = PackagedModel(
     # Greedy: this small quantized model's answers start on near-ties (the Quick start's
     # first token: 'The' at log-probability -1.88, 'L' at -1.96), and a sampled 'L' runs off
     # into French; `/set parameter temperature` or --temperature samples. Greedy alone
-    # loops: 7 of 20 varied chat prompts repeated a sentence 3+ times until the cap, none
-    # with Ollama's default repeat penalty (1.1 over the last 64 tokens)
-    modelfile=["PARAMETER temperature 0", "PARAMETER repeat_penalty 1.1"],
+    # loops: 7 of 20 varied chat prompts (bench/default_replies.py) repeated a sentence 3+
+    # times; with Ollama's default penalty (1.1 over the last 64 tokens) 1 of 20 and 1 of 12
+    # held-out prompts (lists: its ingredients, a recipe's steps); with 1.15 over the last
+    # 256, none of either.
+    modelfile=["PARAMETER temperature 0", "PARAMETER repeat_penalty 1.15",
+               "PARAMETER repeat_last_n 256"],
     licence="Apache-2.0",
     fallback="demo-qwen3.5",
 )
