@@ -36,8 +36,9 @@ import numpy as np
 from .host_build import host_kernels
 from .kernels import host_products
 
-#: a slice of queries' scores holds at most this many float32 values (64 MB)
-SCORES_MAX_ELEMENTS = 1 << 24
+#: a slice of queries' scores holds at most this many float32 values (4 MB: the passes over
+#: them stay in the caches)
+SCORES_MAX_ELEMENTS = 1 << 20
 
 _state = threading.local()
 
@@ -229,21 +230,27 @@ def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
     for begin in range(0, L, step):
         end = min(L, begin + step)
         n = end - begin
+        # causal: query l sees keys up to S - L + l, so the slice reads keys [0, seen) only
+        # and masks the triangle of its last n of them
+        seen = S - L + end if isinstance(mask, str) else S
         # a group's query heads as the rows of one product per key/value head
         rows = (grouped[:, :, :, begin:end] * np.float32(scale)).reshape(B, Hk, rep * n, D)
-        scores = np.matmul(rows, key_t).reshape(B, Hk, rep, n, S)
-        if isinstance(mask, str):  # causal: query l sees keys up to S - L + l
-            visible = np.arange(S)[None, :] <= (S - L + np.arange(begin, end))[:, None]
-            scores = np.where(visible, scores, np.float32(-np.inf))
+        scores = np.matmul(rows, key_t[..., :seen]).reshape(B, Hk, rep, n, seen)
+        if isinstance(mask, str):
+            tail = scores[..., max(0, seen - n):]
+            hidden = np.arange(tail.shape[-1])[None, :] > \
+                np.arange(n)[:, None] + (tail.shape[-1] - n)
+            tail[..., hidden] = np.float32(-np.inf)
         elif mask is not None:
             part = mask[:, :, :, begin:end]
             if part.dtype == np.bool_:
                 scores = np.where(part, scores, np.float32(-np.inf))
             else:
-                scores = scores + part.astype(np.float32)
+                scores += part.astype(np.float32)
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        out[:, :, :, begin:end] = np.matmul(scores.reshape(B, Hk, rep * n, S),
-                                            values).reshape(B, Hk, rep, n, -1)
+        total = scores.sum(axis=-1, keepdims=True)  # [B, Hk, rep, n, 1]
+        # normalised after the product: n x D divisions, not n x seen
+        mixed = np.matmul(scores.reshape(B, Hk, rep * n, seen), values[:, :, :seen])
+        out[:, :, :, begin:end] = mixed.reshape(B, Hk, rep, n, -1) / total
     return out.reshape(B, Hq, L, values.shape[-1])
