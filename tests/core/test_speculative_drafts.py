@@ -1,5 +1,7 @@
-"""The DraftModel base: settings read from a draft config, one clear DraftConfigError for
-each mismatch with the target, borrowed or own embedding and head; DraftProposal."""
+"""The draft bases: a DraftModel declares its taps and depth, and each mismatch with the
+target is one clear DraftConfigError; a BlockDraft reads its block settings (top level; the
+dflash plugin's own format keeps them in ``dflash_config``: its tests) and borrows the
+target's embedding and head unless its checkpoint has its own; DraftProposal."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ import numpy as np
 import pytest
 
 from mlxrunner import DraftConfigError
-from mlxrunner.model import build_draft, draft_setting
-from mlxrunner.plugin import DraftModel, DraftProposal
+from mlxrunner.model import build_draft
+from mlxrunner.plugin import BlockDraft, DraftModel, DraftProposal
 from mlxrunner.testing.speculative import ScriptedDraft, ToyTarget
 
 mx.set_default_device(mx.cpu)
@@ -19,30 +21,45 @@ def _target(vocab: int = 32) -> ToyTarget:
     return ToyTarget({"vocab_size": vocab, "hidden_size": 16})
 
 
-def _config(**section):
-    base = {"target_layer_ids": [0], "block_size": 4, "mask_token_id": 3}
-    base.update(section)
-    return {"architectures": ["ScriptedDraft"], "dflash_config": base}
+class _Block(BlockDraft):
+    """A block draft's settings alone (never run)."""
 
 
-@pytest.mark.parametrize("section, top, message", [
-    ({"target_layer_ids": [0, 0]}, {}, "not strictly ascending"),
-    ({"target_layer_ids": []}, {}, "target_layer_ids is empty"),
-    ({"target_layer_ids": [2]}, {}, r"\[2\] are outside the target's 1 layers"),
-    ({"mask_token_id": 32}, {}, "mask_token_id 32 is outside the target's vocabulary of 32"),
-    ({"mask_token_id": -1}, {}, "mask_token_id -1 is outside"),
-    ({"block_size": 1}, {}, "block_size must be at least 2, got 1"),
-    ({}, {"vocab_size": 31}, "vocabulary 31 differs from the target's 32"),
-    ({}, {"hidden_size": 8}, "hidden size 8 differs from the target's embedding width 16"),
-    ({"num_target_layers": 2}, {}, "made for a target with 2 layers, this one has 1"),
-    ({"target_layer_ids": None}, {}, "no target_layer_ids"),
-    ({"block_size": "eight"}, {}, "malformed setting"),
+def _config(**settings):
+    base = {"architectures": ["_Block"], "target_layer_ids": [0], "block_size": 4,
+            "mask_token_id": 3}
+    base.update(settings)
+    return base
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"taps": []}, "ScriptedDraft: taps is empty"),
+    ({"taps": [0, 0]}, r"taps \[0, 0\] are not strictly ascending"),
+    ({"taps": [2]}, r"taps \[2\] are outside the target's 1 layers"),
+    ({"block_size": 1}, "must draft at least 1 token"),
 ])
-def test_each_mismatch_is_one_clear_draft_config_error(section, top, message):
-    config = _config(**section)
-    config.update(top)
+def test_a_drafts_taps_and_depth_are_checked_in_one_line(config, message):
     with pytest.raises(DraftConfigError, match=message) as info:
-        build_draft(ScriptedDraft, config, _target())
+        build_draft(ScriptedDraft, {"architectures": ["ScriptedDraft"], **config}, _target())
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"target_layer_ids": [0, 0]}, "target_layer_ids .* not strictly ascending"),
+    ({"target_layer_ids": []}, "target_layer_ids is empty"),
+    ({"target_layer_ids": [2]}, r"\[2\] are outside the target's 1 layers"),
+    ({"mask_token_id": 32}, "mask_token_id 32 is outside the target's vocabulary of 32"),
+    ({"mask_token_id": -1}, "mask_token_id -1 is outside"),
+    ({"block_size": 1}, "block_size must be at least 2, got 1"),
+    ({"vocab_size": 31}, "vocabulary 31 differs from the target's 32"),
+    ({"hidden_size": 8}, "hidden size 8 differs from the target's embedding width 16"),
+    ({"num_target_layers": 2}, "made for a target with 2 layers, this one has 1"),
+    ({"target_layer_ids": None}, "no target_layer_ids"),
+    ({"block_size": "eight"}, "malformed setting"),
+])
+def test_each_block_setting_mismatch_is_one_clear_draft_config_error(settings, message):
+    with pytest.raises(DraftConfigError, match=message) as info:
+        build_draft(_Block, _config(**settings), _target())
     assert "\n" not in str(info.value)
 
 
@@ -50,35 +67,36 @@ def test_a_target_without_taps_is_refused():
     target = _target()
     target.supports_taps = False
     with pytest.raises(DraftConfigError, match="does not expose layer taps"):
-        build_draft(ScriptedDraft, _config(), target)
+        build_draft(ScriptedDraft, {"architectures": ["ScriptedDraft"]}, target)
 
 
-def test_settings_come_from_dflash_config_then_the_top_level():
-    config = {"block_size": 16, "dflash_config": {"block_size": 8}, "mask_token_id": 5}
-    assert draft_setting(config, "block_size") == 8
-    assert draft_setting(config, "mask_token_id") == 5
-    assert draft_setting(config, "missing", 7) == 7
-    draft = build_draft(ScriptedDraft, _config(block_size=6), _target())
+def test_block_settings_and_the_depth_they_give():
+    draft = build_draft(_Block, _config(block_size=6), _target())
     assert (draft.taps, draft.block_size, draft.max_depth, draft.mask_token_id) == \
         ((0,), 6, 5, 3)
     # the target stays out of the draft's parameters
     assert draft.parameters() == {}
+    scripted = ScriptedDraft.for_script(_target(), [1, 2, 3], block_size=5)
+    assert (scripted.taps, scripted.max_depth) == ((0,), 4)
 
 
 def test_embedding_and_head_are_borrowed_unless_the_checkpoint_has_its_own():
     import mlx.nn as nn
 
     target = _target()
-    draft = build_draft(ScriptedDraft, _config(), target)
     ids = mx.array([[1, 2]])
-    np.testing.assert_array_equal(np.array(draft.embed_tokens(ids)),
-                                  np.array(target.embed_tokens(ids)))
     h = mx.ones((1, 16))
-    np.testing.assert_array_equal(np.array(draft.raw_logits(h)), np.array(target.raw_logits(h)))
+    for cls, config in ((ScriptedDraft, {"architectures": ["ScriptedDraft"]}),
+                        (_Block, _config())):
+        draft = build_draft(cls, config, target)
+        np.testing.assert_array_equal(np.array(draft.embed_tokens(ids)),
+                                      np.array(target.embed_tokens(ids)))
+        np.testing.assert_array_equal(np.array(draft.raw_logits(h)),
+                                      np.array(target.raw_logits(h)))
 
-    own = ScriptedDraft.config_for_checkpoint(_config(), ["embed_tokens.weight"])
+    own = _Block.config_for_checkpoint(_config(), ["embed_tokens.weight"])
     assert own["draft_own_embedding"] and not own["draft_own_head"]
-    draft = build_draft(ScriptedDraft, own, target)
+    draft = build_draft(_Block, own, target)
     draft["embed_tokens"] = nn.Embedding(32, 16)
     table = np.array(draft["embed_tokens"].weight)
     np.testing.assert_allclose(np.array(draft.embed_tokens(ids)), table[[1, 2]][None])
@@ -94,10 +112,13 @@ def test_point_mass_proposals_are_one_hot():
     np.testing.assert_array_equal(np.array(q.prob_of(mx.array([9, 4]))), [0.0, 0.0])
 
 
-def test_the_base_class_leaves_sessions_to_subclasses():
+def test_the_base_class_leaves_taps_depth_and_sessions_to_subclasses():
     class Bare(DraftModel):
-        pass
+        taps = (0,)
+        max_depth = 2
 
-    draft = build_draft(Bare, _config(), _target())
+    draft = build_draft(Bare, {}, _target())
     with pytest.raises(NotImplementedError):
         draft.new_session(None)
+    with pytest.raises(NotImplementedError):
+        _ = DraftModel({}, _target()).taps

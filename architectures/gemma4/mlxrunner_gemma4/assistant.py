@@ -128,12 +128,9 @@ class Gemma4AssistantDraft(DraftModel):
     def __init__(self, config: dict[str, Any], target: Model) -> None:
         settings = _settings(config)
         cfg = _text_config(config)
-        # The base's settings: the target's last layer is tapped (its final-normed state
-        # seeds a round); a round drafts up to ``depth`` tokens; no mask token is used.
-        super().__init__({**config, "target_layer_ids": [target.num_layers - 1],
-                          "block_size": settings.depth + 1, "mask_token_id": 0,
-                          "hidden_size": settings.backbone_hidden_size,
-                          "vocab_size": cfg.vocab_size}, target)
+        super().__init__(config, target)
+        #: the target's last layer is tapped (its final-normed state seeds a round)
+        self._taps = (target.num_layers - 1,)
         self.assistant = settings
         self.args = cfg
         backbone, hidden = settings.backbone_hidden_size, cfg.hidden_size
@@ -159,6 +156,15 @@ class Gemma4AssistantDraft(DraftModel):
             out[key] = ordering
         return out
 
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self._taps
+
+    @property
+    def max_depth(self) -> int:
+        """Up to ``num_assistant_tokens`` drafts a round."""
+        return self.assistant.depth
+
     def validate(self, target: Model) -> None:
         super().validate(target)
         name = "Gemma 4 assistant"
@@ -166,6 +172,13 @@ class Gemma4AssistantDraft(DraftModel):
             raise DraftConfigError(f"{name}: the target must be a Gemma 4 model, not "
                                    f"{type(target).__name__}")
         cfg, t = self.args, target.args
+        if cfg.vocab_size != target.vocab_size:
+            raise DraftConfigError(f"{name}: vocabulary {cfg.vocab_size} differs from the "
+                                   f"target's {target.vocab_size}")
+        if self.assistant.backbone_hidden_size != target.hidden_size:
+            raise DraftConfigError(f"{name}: its backbone's hidden size "
+                                   f"{self.assistant.backbone_hidden_size} differs from the "
+                                   f"target's {target.hidden_size} (backbone_hidden_size)")
         sources = target.last_kv_layers()
         for i, layer_type in enumerate(cfg.layer_types):
             source = sources.get(layer_type)

@@ -28,7 +28,7 @@ committed rows are computed again from the target's own states at the next commi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -59,24 +59,17 @@ class Qwen3_5MTP(DraftModel):
                            "model.language_model.mtp.")
     config_bounds = {"mtp_num_hidden_layers": ConfigBound(int, 0, 64)}
 
-    @classmethod
-    def config_for_checkpoint(cls, config: dict[str, Any],
-                              tensor_names: Iterable[str]) -> dict[str, Any]:
-        """The target's config with the draft settings the head implies: the tap of the
-        target's last layer, ``MAX_DEPTH`` drafts a round (no mask token: 0 fills the slot)."""
-        config = super().config_for_checkpoint(config, tensor_names)
-        layers = config.get("num_hidden_layers")
-        if type(layers) is not int or layers < 1:
-            raise DraftConfigError(f"Qwen3_5MTP: num_hidden_layers {layers!r} is not a layer "
-                                   "count")
-        config.update(target_layer_ids=[layers - 1], block_size=MAX_DEPTH + 1, mask_token_id=0)
-        return config
-
     def __init__(self, config: dict[str, Any], target: Any) -> None:
         super().__init__(config, target)
         if not isinstance(target, Qwen3_5):
             raise DraftConfigError(f"Qwen3_5MTP drafts for a Qwen3.5 target, not "
                                    f"{type(target).__name__}")
+        layers = config.get("num_hidden_layers")
+        if type(layers) is not int or layers < 1:
+            raise DraftConfigError(f"Qwen3_5MTP: num_hidden_layers {layers!r} is not a layer "
+                                   "count")
+        #: the head reads the target's last layer (its state before the final norm)
+        self._taps = (layers - 1,)
         count = config.get("mtp_num_hidden_layers", 1)
         if count != 1:
             raise DraftConfigError(f"Qwen3_5MTP supports mtp_num_hidden_layers 1 (the released "
@@ -95,6 +88,14 @@ class Qwen3_5MTP(DraftModel):
         feed_forward = getattr(target, "layer_mlp", lambda index: None)(0)
         self.layers = [DecoderLayer(cfg, FULL, feed_forward)]
         self.norm = mnn.RMSNorm(hidden, eps, offset=1.0)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self._taps
+
+    @property
+    def max_depth(self) -> int:
+        return MAX_DEPTH
 
     # -- loading -------------------------------------------------------------------------
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

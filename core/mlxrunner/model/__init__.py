@@ -14,10 +14,9 @@ _EXPORTS: dict[str, str] = {
     "DraftModel": "draft",
     "DraftProposal": "draft",
     "DraftSession": "draft",
-    "DraftSettings": "draft",
+    "BlockSettings": "block_draft",
     "BUNDLE_PREFIX": "draft",
     "build_draft": "draft",
-    "draft_setting": "draft",
     "load_draft": "draft",
     # the target's weights
     "DTYPES": "loading",

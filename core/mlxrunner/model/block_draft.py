@@ -29,7 +29,8 @@ for every row and one commit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -37,18 +38,140 @@ import mlx.core as mx
 from .. import settings
 from ..cache.batched import grow_rows
 from ..cache.context import ContextCache, RowContext, TracedContext
+from ..errors import DraftConfigError
 from ..nn.kernels import host_bound, host_declined
 from .draft import DraftModel, DraftProposal, DraftSession
 
 
+@dataclass(frozen=True)
+class BlockSettings:
+    """What every block draft declares in its config (:meth:`BlockDraft.setting`)."""
+
+    taps: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    hidden_size: int
+    vocab_size: int | None = None
+    num_target_layers: int | None = None
+    own_embedding: bool = False
+    own_head: bool = False
+
+
 class BlockDraft(DraftModel):
-    """Base class of block drafts: the round's machinery (see the module)."""
+    """Base class of block drafts: their settings and the round's machinery (see the
+    module). The settings (``target_layer_ids``, ``block_size``, ``mask_token_id``, and
+    ``hidden_size``, ``vocab_size``, ``num_target_layers`` where given) are read through
+    :meth:`setting`; :meth:`embed_tokens` and :meth:`raw_logits` use the draft's own
+    ``embed_tokens`` / ``lm_head`` modules when its checkpoint has them (``own_embedding`` /
+    ``own_head``), else the target's."""
+
+    taps_setting = "target_layer_ids"
 
     def __init__(self, config: dict[str, Any], target: Any) -> None:
         super().__init__(config, target)
+        self.settings = self._read_settings(config, target)
         self._graphs: dict[tuple[Any, ...], Callable[..., Any]] = {}
         #: keys of graphs whose traces met products on the host BLAS: run eagerly
         self._host_bound: set[tuple[Any, ...]] = set()
+
+    @classmethod
+    def setting(cls, config: Mapping[str, Any], key: str, default: Any = None) -> Any:
+        """One of the block settings in ``config``: its top-level key, else ``default``. A
+        draft format that keeps them elsewhere (DFlash's ``dflash_config``) overrides this."""
+        value = config.get(key)
+        return default if value is None else value
+
+    def _read_settings(self, config: Mapping[str, Any], target: Any) -> BlockSettings:
+        taps = self.setting(config, "target_layer_ids")
+        if taps is None:
+            raise DraftConfigError(f"{type(self).__name__}: the draft config has no "
+                                   "target_layer_ids")
+        try:
+            vocab = config.get("vocab_size")
+            n_target = self.setting(config, "num_target_layers")
+            return BlockSettings(
+                taps=tuple(int(t) for t in taps),
+                block_size=int(self.setting(config, "block_size", 0)),
+                mask_token_id=int(self.setting(config, "mask_token_id", -1)),
+                hidden_size=int(config.get("hidden_size") or target.hidden_size),
+                vocab_size=int(vocab) if vocab is not None else None,
+                num_target_layers=int(n_target) if n_target is not None else None,
+                own_embedding=bool(config.get("draft_own_embedding", False)),
+                own_head=bool(config.get("draft_own_head", False)))
+        except (TypeError, ValueError) as exc:
+            raise DraftConfigError(f"{type(self).__name__}: the draft config has a malformed "
+                                   f"setting ({exc})") from None
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.settings.taps
+
+    @property
+    def block_size(self) -> int:
+        return self.settings.block_size
+
+    @property
+    def max_depth(self) -> int:
+        """Most drafts per round: ``block_size - 1``."""
+        return self.block_size - 1
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.settings.mask_token_id
+
+    @property
+    def own_embedding(self) -> bool:
+        return self.settings.own_embedding
+
+    @property
+    def own_head(self) -> bool:
+        return self.settings.own_head
+
+    @classmethod
+    def config_for_checkpoint(cls, config: dict[str, Any],
+                              tensor_names: Iterable[str]) -> dict[str, Any]:
+        """Records whether the checkpoint carries its own embedding table or head
+        (``draft_own_embedding`` / ``draft_own_head``), unless the config says so."""
+        names = set(tensor_names)
+        config = super().config_for_checkpoint(config, names)
+        config.setdefault("draft_own_embedding", "embed_tokens.weight" in names)
+        config.setdefault("draft_own_head", "lm_head.weight" in names)
+        return config
+
+    def validate(self, target: Any) -> None:
+        name = type(self).__name__
+        if self.block_size < 2:  # (before the base's depth check: the setting's own words)
+            raise DraftConfigError(f"{name}: block_size must be at least 2, got "
+                                   f"{self.block_size}")
+        super().validate(target)
+        own, layers, vocab = self.settings, target.num_layers, target.vocab_size
+        if own.num_target_layers is not None and own.num_target_layers != layers:
+            raise DraftConfigError(f"{name}: draft was made for a target with "
+                                   f"{own.num_target_layers} layers, this one has {layers}")
+        if not 0 <= self.mask_token_id < vocab:
+            raise DraftConfigError(f"{name}: mask_token_id {self.mask_token_id} is outside the "
+                                   f"target's vocabulary of {vocab}")
+        if own.vocab_size is not None and own.vocab_size != vocab:
+            raise DraftConfigError(f"{name}: vocabulary {own.vocab_size} differs from "
+                                   f"the target's {vocab}")
+        if not self.own_embedding and own.hidden_size != target.hidden_size:
+            raise DraftConfigError(f"{name}: hidden size {own.hidden_size} differs from "
+                                   f"the target's embedding width {target.hidden_size}")
+
+    def embed_tokens(self, ids: mx.array) -> mx.array:
+        """Token embeddings: the draft's own table if it has one, else the target's."""
+        if self.own_embedding:
+            return self["embed_tokens"](ids)
+        return self.target.embed_tokens(ids)
+
+    def raw_logits(self, hidden: mx.array) -> mx.array:
+        """The output head on normalised hidden states: the draft's own ``lm_head``, its own
+        embedding when tied (``tie_word_embeddings``, default true), else the target's."""
+        if self.own_head:
+            return self["lm_head"](hidden)
+        if self.own_embedding and self.config.get("tie_word_embeddings", True):
+            return self["embed_tokens"].as_linear(hidden)
+        return self.target.raw_logits(hidden)
 
     # -- the subclass's math ----------------------------------------------------------------
     @property

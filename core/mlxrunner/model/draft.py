@@ -135,20 +135,6 @@ class DraftSession:
         return self.sampler.draw(Distribution(probs.astype(mx.float32), ids))
 
 
-@dataclass(frozen=True)
-class DraftSettings:
-    """What every block draft declares (read from ``dflash_config`` or the top level)."""
-
-    taps: tuple[int, ...]
-    block_size: int
-    mask_token_id: int
-    hidden_size: int
-    vocab_size: int | None = None
-    num_target_layers: int | None = None
-    own_embedding: bool = False
-    own_head: bool = False
-
-
 class _Borrowed:
     """Holds the target outside the draft's parameter tree (an ``nn.Module`` would adopt it)."""
 
@@ -158,62 +144,31 @@ class _Borrowed:
         self.target = target
 
 
-def _section(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    inner = config.get("dflash_config")
-    return inner if isinstance(inner, Mapping) else {}
-
-
-def draft_setting(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    """A draft setting: ``dflash_config[key]`` first, then the top level, else ``default``."""
-    section = _section(config)
-    if key in section and section[key] is not None:
-        return section[key]
-    value = config.get(key)
-    return default if value is None else value
-
-
 class DraftModel(nn.Module):
     """Base class of draft architectures.
 
-    Built as ``cls(config, target)`` from the draft's parsed ``config.json``. The
-    base reads the settings every block draft has (``target_layer_ids``,
-    ``block_size``, ``mask_token_id``; from ``dflash_config`` or the top level),
-    keeps the target out of its own parameters, and gives :meth:`embed_tokens`
-    and :meth:`raw_logits` that use the draft's own ``embed_tokens`` / ``lm_head``
-    modules when the subclass made them (``own_embedding`` / ``own_head``), else
-    the target's. Keep parsed settings in plain attributes or dataclasses (an
-    ``nn.Module`` treats dict attributes as parameter trees).
+    Built as ``cls(config, target)`` from the draft's parsed ``config.json`` (or the target's,
+    for a draft its checkpoint carries). A subclass declares :attr:`taps` (the target layers
+    whose states it reads) and :attr:`max_depth` (most drafts a round), and makes sessions
+    (:meth:`new_session`). The base keeps the target out of its own parameters and gives
+    :meth:`embed_tokens` and :meth:`raw_logits` that are the target's. Keep parsed settings
+    in plain attributes or dataclasses (an ``nn.Module`` treats dict attributes as parameter
+    trees). A block draft (DFlash's kind) subclasses :class:`~mlxrunner.plugin.BlockDraft`.
     """
 
-    #: a session may change its depth from round to round (the DFlash depth
-    #: controller); False: always draft ``block_size - 1`` (budget permitting)
+    #: a session may change its depth from round to round (the core's depth controller);
+    #: False: always draft ``max_depth`` (budget permitting)
     adaptive_depth: bool = False
     #: the draft attends over the target's own caches (a Gemma 4 assistant): it cannot run
     #: beside a target sharded over several processes, whose caches each hold a part
     reads_target_caches: bool = False
+    #: what errors call the taps (a draft format's own name for them)
+    taps_setting: str = "taps"
 
     def __init__(self, config: dict[str, Any], target: Model) -> None:
         super().__init__()
         self._config = MappingProxyType(dict(config))
         self._borrowed = _Borrowed(target)
-        raw_taps = draft_setting(config, "target_layer_ids")
-        if raw_taps is None:
-            raise DraftConfigError("draft config has no target_layer_ids (dflash_config)")
-        try:
-            vocab = config.get("vocab_size")
-            n_target = draft_setting(config, "num_target_layers")
-            self.settings = DraftSettings(
-                taps=tuple(int(t) for t in raw_taps),
-                block_size=int(draft_setting(config, "block_size", 0)),
-                mask_token_id=int(draft_setting(config, "mask_token_id", -1)),
-                hidden_size=int(config.get("hidden_size") or target.hidden_size),
-                vocab_size=int(vocab) if vocab is not None else None,
-                num_target_layers=int(n_target) if n_target is not None else None,
-                own_embedding=bool(config.get("draft_own_embedding", False)),
-                own_head=bool(config.get("draft_own_head", False)),
-            )
-        except (TypeError, ValueError) as exc:
-            raise DraftConfigError(f"draft config has a malformed setting ({exc})") from None
 
     # -- the contract ----------------------------------------------------------
     @property
@@ -227,29 +182,14 @@ class DraftModel(nn.Module):
 
     @property
     def taps(self) -> tuple[int, ...]:
-        """Target layers whose states feed the context (``target_layer_ids``)."""
-        return self.settings.taps
-
-    @property
-    def block_size(self) -> int:
-        return self.settings.block_size
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.settings.mask_token_id
-
-    @property
-    def own_embedding(self) -> bool:
-        return self.settings.own_embedding
-
-    @property
-    def own_head(self) -> bool:
-        return self.settings.own_head
+        """Target layers whose states the draft reads, ascending (the sessions get them
+        joined: ``[1, rows, len(taps) * hidden]``)."""
+        raise NotImplementedError
 
     @property
     def max_depth(self) -> int:
-        """Most drafts per round: ``block_size - 1``."""
-        return self.block_size - 1
+        """Most drafts a round proposes."""
+        raise NotImplementedError
 
     def new_session(self, sampler: Sampler) -> DraftSession:
         """A fresh per-generation session drawing from ``sampler``'s stream."""
@@ -258,69 +198,42 @@ class DraftModel(nn.Module):
     @classmethod
     def config_for_checkpoint(cls, config: dict[str, Any],
                               tensor_names: Iterable[str]) -> dict[str, Any]:
-        """The config to build with, given the checkpoint's tensor names.
-
-        The base records whether the checkpoint carries its own embedding table
-        or head (``draft_own_embedding`` / ``draft_own_head``), unless the config
-        says so itself. Subclasses may settle further optional parts this way.
-        """
-        names = set(tensor_names)
-        config = dict(config)
-        config.setdefault("draft_own_embedding", "embed_tokens.weight" in names)
-        config.setdefault("draft_own_head", "lm_head.weight" in names)
-        return config
+        """The config to build with, given the checkpoint's tensor names (a subclass may
+        settle optional parts this way). The base changes nothing."""
+        return dict(config)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map checkpoint names to this module's names; drop what is not used."""
         return weights
 
     def validate(self, target: Model) -> None:
-        """Check this draft fits ``target``; raise one clear :class:`DraftConfigError`."""
+        """Check this draft fits ``target``; raise one clear :class:`DraftConfigError`. The
+        base checks the taps and the depth; a subclass adds its own checks."""
         name = type(self).__name__
         if not target.supports_taps:
             raise DraftConfigError(f"{type(target).__name__} does not expose layer taps, "
                                    f"which the {name} draft needs")
-        taps = list(self.taps)
+        taps, what = list(self.taps), self.taps_setting
         if not taps:
-            raise DraftConfigError(f"{name}: target_layer_ids is empty")
+            raise DraftConfigError(f"{name}: {what} is empty")
         if any(b <= a for a, b in zip(taps, taps[1:])):
-            raise DraftConfigError(f"{name}: target_layer_ids {taps} are not strictly ascending")
+            raise DraftConfigError(f"{name}: {what} {taps} are not strictly ascending")
         layers = target.num_layers
         bad = [t for t in taps if not 0 <= t < layers]
         if bad:
-            raise DraftConfigError(f"{name}: target_layer_ids {bad} are outside the target's "
+            raise DraftConfigError(f"{name}: {what} {bad} are outside the target's "
                                    f"{layers} layers (0..{layers - 1})")
-        settings = self.settings
-        if settings.num_target_layers is not None and settings.num_target_layers != layers:
-            raise DraftConfigError(f"{name}: draft was made for a target with "
-                                   f"{settings.num_target_layers} layers, this one has {layers}")
-        if self.block_size < 2:
-            raise DraftConfigError(f"{name}: block_size must be at least 2, got {self.block_size}")
-        vocab = target.vocab_size
-        if not 0 <= self.mask_token_id < vocab:
-            raise DraftConfigError(f"{name}: mask_token_id {self.mask_token_id} is outside the "
-                                   f"target's vocabulary of {vocab}")
-        if settings.vocab_size is not None and settings.vocab_size != vocab:
-            raise DraftConfigError(f"{name}: vocabulary {settings.vocab_size} differs from "
-                                   f"the target's {vocab}")
-        if not self.own_embedding and settings.hidden_size != target.hidden_size:
-            raise DraftConfigError(f"{name}: hidden size {settings.hidden_size} differs from "
-                                   f"the target's embedding width {target.hidden_size}")
+        if self.max_depth < 1:
+            raise DraftConfigError(f"{name}: a round must draft at least 1 token, this draft "
+                                   f"drafts at most {self.max_depth}")
 
-    # -- borrowed or own embedding and head ----------------------------------------
+    # -- the target's embedding and head -------------------------------------------
     def embed_tokens(self, ids: mx.array) -> mx.array:
-        """Token embeddings: the draft's own table if it has one, else the target's."""
-        if self.own_embedding:
-            return self["embed_tokens"](ids)
+        """Token embeddings: the target's (a draft with its own table overrides this)."""
         return self.target.embed_tokens(ids)
 
     def raw_logits(self, hidden: mx.array) -> mx.array:
-        """The output head on normalised hidden states: the draft's own ``lm_head``, its own
-        embedding when tied (``tie_word_embeddings``, default true), else the target's."""
-        if self.own_head:
-            return self["lm_head"](hidden)
-        if self.own_embedding and self.config.get("tie_word_embeddings", True):
-            return self["embed_tokens"].as_linear(hidden)
+        """The output head on normalised hidden states: the target's."""
         return self.target.raw_logits(hidden)
 
     # -- facts -------------------------------------------------------------------

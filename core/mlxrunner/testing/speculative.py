@@ -109,17 +109,26 @@ class ScriptedDraft(DraftModel):
 
     def __init__(self, config: dict[str, Any], target: Model) -> None:
         super().__init__(config, target)
-        # a private tuple: kept out of the parameter tree
+        # private tuples: kept out of the parameter tree
         self._script: tuple[int, ...] = tuple(int(t) for t in config.get("script", ()))
+        self._taps = tuple(int(t) for t in config.get("taps", (0,)))
+        self._max_depth = int(config.get("block_size", 8)) - 1
         self.wrong_every_round = bool(config.get("wrong_every_round", True))
         self.vocab = target.vocab_size
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self._taps
+
+    @property
+    def max_depth(self) -> int:
+        return self._max_depth
 
     @classmethod
     def for_script(cls, target: Model, script: Sequence[int], *, block_size: int = 8,
                    wrong_every_round: bool = True) -> ScriptedDraft:
-        config = {"architectures": ["ScriptedDraft"],
-                  "dflash_config": {"target_layer_ids": [0], "block_size": block_size,
-                                    "mask_token_id": 0},
+        """Drafts up to ``block_size - 1`` tokens a round, reading the target's layer 0."""
+        config = {"architectures": ["ScriptedDraft"], "taps": [0], "block_size": block_size,
                   "script": list(script), "wrong_every_round": wrong_every_round}
         return build_draft(cls, config, target)
 

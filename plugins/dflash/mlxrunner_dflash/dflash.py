@@ -232,6 +232,14 @@ class DFlashDraftModel(BlockDraft):
             self["lm_head"] = Linear(args.hidden_size, target.vocab_size, bias=False)
 
     @classmethod
+    def setting(cls, config: Mapping[str, Any], key: str, default: Any = None) -> Any:
+        """DFlash keeps its block settings in ``dflash_config``, the top level as a fallback."""
+        section = config.get("dflash_config")
+        if isinstance(section, Mapping) and section.get(key) is not None:
+            return section[key]
+        return super().setting(config, key, default)
+
+    @classmethod
     def config_for_checkpoint(cls, config: dict[str, Any], tensor_names: Any) -> dict[str, Any]:
         names = set(tensor_names)
         config = super().config_for_checkpoint(config, names)

@@ -404,3 +404,14 @@ def test_greedy_path_follows_the_chain_of_argmaxes():
             want.append(chain)
         got = greedy_path(mx.array(ids), mx.array(first), mx.array(transitions))
         assert got.tolist() == want
+
+
+def test_block_settings_come_from_dflash_config_then_the_top_level():
+    target = _target()
+    config = random_draft_config(target, "DFlashDraftModel", taps=[0], block_size=6)
+    config["mask_token_id"] = 5  # the top level, where dflash_config says nothing
+    config["dflash_config"].pop("mask_token_id")
+    config["block_size"] = 16  # dflash_config's 6 wins
+    draft = build_draft(DFlashDraftModel, config, target)
+    assert (draft.taps, draft.block_size, draft.max_depth, draft.mask_token_id) == \
+        ((0,), 6, 5, 5)
