@@ -217,7 +217,7 @@ def test_a_conversation_at_a_terminal(pane_factory, home: Path):
     assert pane.exit_status() == 0
 
     # inside the moved store (MLXRUNNER_MODELS), not beside it
-    saved = json.loads((home / "models" / "conversations" / "talk.json")
+    saved = json.loads((home / "models" / ".chat" / "conversations" / "talk.json")
                        .read_text(encoding="utf-8"))
     messages = saved["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"] * 3
@@ -289,7 +289,7 @@ def test_a_stored_model_by_name_at_a_terminal(pane_factory, home: Path):
     pane.wait(lambda s: "Saved conversation 'talk' (2 messages)" in s, "/save")
     pane.type("/bye")
     assert pane.exit_status() == 0
-    saved = json.loads((home / "models" / "conversations" / "talk.json")
+    saved = json.loads((home / "models" / ".chat" / "conversations" / "talk.json")
                        .read_text(encoding="utf-8"))
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
     assert not (home / "conversations").exists()

@@ -313,8 +313,13 @@ def test_the_chat_files_follow_the_model_store_or_their_own_variable(tmp_path):
     assert history_path({}) == home / "history"
     assert conversations_folder({}) == home / "conversations"
     moved = {"MLXRUNNER_MODELS": str(tmp_path / "store" / "models")}
-    assert history_path(moved) == tmp_path / "store" / "models" / "history"
-    assert conversations_folder(moved) == tmp_path / "store" / "models" / "conversations"
+    assert history_path(moved) == tmp_path / "store" / "models" / ".chat" / "history"
+    assert conversations_folder(moved) == \
+        tmp_path / "store" / "models" / ".chat" / "conversations"
+    # files kept beside a moved store before are still found there
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "history").write_text("old line\n")
+    assert history_path(moved) == tmp_path / "store" / "history"
     own = {**moved, "MLXRUNNER_HISTORY": str(tmp_path / "h")}
     assert history_path(own) == tmp_path / "h"
 

@@ -197,9 +197,12 @@ def test_generate_batch_with_a_draft_equals_generate_per_prompt(tiny):
         mlxrunner.generate_batch(model, prompts, draft=[draft])
 
 
-def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog):
-    """A draft whose proposal raises mid-generation: its sequence goes on without drafting
-    (plain decoding's tokens), the other rows, drafted or not, are untouched."""
+@pytest.mark.parametrize("method, at", [("propose", 2), ("commit", 2), ("extend_tokens", 3),
+                                        ("prefill", 1)])
+def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog, method, at):
+    """A draft whose session raises mid-generation (its proposal, its commit, the tokens it
+    is handed, its prefill): its sequence goes on without drafting (plain decoding's
+    tokens), the other rows, drafted or not, are untouched."""
     prompts = _prompts(model.vocab_size, [6, 9, 5], seed=12)
     budgets = [16, 14, 12]
     alone = [mlxrunner.generate(model, p, options=GREEDY, max_tokens=m).tokens
@@ -211,15 +214,15 @@ def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog):
 
     def new_session(sampler):
         session = made(sampler)
-        propose = session.propose
+        original = getattr(session, method)
 
         def broken(*args):
             calls.append(args)
-            if len(calls) >= 2:
+            if len(calls) >= at:
                 raise RuntimeError("the draft broke")
-            return propose(*args)
+            return original(*args)
 
-        session.propose = broken
+        setattr(session, method, broken)
         return session
 
     failing.new_session = new_session
@@ -231,6 +234,6 @@ def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog):
     for request, want in zip(requests, alone):
         assert request.error is None and request.finish_reason == "length"
         assert request.tokens == want
-    assert len(calls) == 2  # it was not asked again
+    assert len(calls) == at  # it was not asked again
     assert requests[1].stats.target_forwards < len(requests[1].tokens)  # still drafting
     assert "a draft failed (RuntimeError: the draft broke)" in caplog.text

@@ -122,3 +122,13 @@ def test_the_base_class_leaves_taps_depth_and_sessions_to_subclasses():
         draft.new_session(None)
     with pytest.raises(NotImplementedError):
         _ = DraftModel({}, _target()).taps
+
+
+def test_a_draft_that_declares_no_taps_or_depth_is_one_clear_line():
+    class Old(DraftModel):  # written for a base that read target_layer_ids itself
+        pass
+
+    with pytest.raises(DraftConfigError, match="declares its taps and max_depth") as info:
+        build_draft(Old, {"dflash_config": {"target_layer_ids": [0], "block_size": 4}},
+                    _target())
+    assert "\n" not in str(info.value)

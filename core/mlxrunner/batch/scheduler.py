@@ -207,14 +207,27 @@ class _Sequence:
                 cached_tokens=stats.cached_tokens)
         if draft.adaptive_depth and not self.sampler.greedy:
             self.depths = DepthController(draft.max_depth, measured=False)
-        session = self.session = draft.new_session(self.sampler)
-        session.bind_target_caches(self.caches)  # its own, whatever make_cache made since
-        session.extend_tokens(self.history)
-        if hit is not None and hit.length:
-            assert hit.tapped is not None  # asked for
-            session.prefill(hit.tapped)
-            mx.eval(*session.state)
-            self.keep_taps(hit.tapped, own=True)
+        try:
+            session = draft.new_session(self.sampler)
+            session.bind_target_caches(self.caches)  # its own, whatever make_cache made since
+            session.extend_tokens(self.history)
+            if hit is not None and hit.length:
+                assert hit.tapped is not None  # asked for
+                session.prefill(hit.tapped)
+                mx.eval(*session.state)
+                self.keep_taps(hit.tapped, own=True)
+        except Exception as exc:  # it decodes without its draft
+            self.without_draft(exc)
+            return
+        self.session = session
+
+    def without_draft(self, exc: Exception) -> None:
+        """The draft failed: the sequence decodes on without it (plain decoding's output,
+        which a draft only speeds up)."""
+        log.warning("mlxrunner: a draft failed (%s: %s); its sequence goes on without it",
+                    type(exc).__name__, exc)
+        self.session, self.shared, self.taps = None, False, ()
+        self.kept, self.depths, self.unsent_taps = None, None, []
 
     @property
     def prompt(self) -> Sequence[int]:
@@ -485,21 +498,22 @@ class Scheduler:
         mx.eval(token, *(info or ()))
         stats.prefill_seconds = time.perf_counter() - seq.admitted
         seq.decode_start = time.perf_counter()
-        session = seq.session
-        if session is not None:
-            session.extend_tokens([int(token)])
+        self._drafting(seq, "extend_tokens", [int(token)])
         if self._deliver(seq, int(token), info):
             row = self.batch.add(seq.caches)
-            if session is not None:  # its caches are the batch's row now (bound per round)
-                session.bind_target_caches(None)
+            # its caches are the batch's row now (bound per round)
+            self._drafting(seq, "bind_target_caches", None)
             for shared in self._contexts.values():  # a row for every row of the batch
                 shared.set_rows(self.batch.rows)
             seq.caches = None
             seq.row = row
             self._running[row] = seq
             if seq.shared:
-                assert isinstance(session, BlockDraftSession)  # a block draft's session
-                self._context(seq).add(row, session)
+                assert isinstance(seq.session, BlockDraftSession)  # a block draft's session
+                try:
+                    self._context(seq).add(row, seq.session)
+                except Exception as exc:
+                    self._drop_draft(seq, exc)
 
     def _context(self, seq: _Sequence) -> BlockDraftBatch:
         """The shared context of ``seq``'s draft, with a row for every row of the batch."""
@@ -618,9 +632,10 @@ class Scheduler:
         running = sorted(self._running.items())
         controller = self._depth_controller(running)
         for _, seq in running:
-            if seq.unsent_taps and seq.session is not None:
-                seq.session.commit(mx.concatenate(seq.unsent_taps, axis=1))
+            if seq.unsent_taps:
+                unsent = mx.concatenate(seq.unsent_taps, axis=1)
                 seq.unsent_taps = []
+                self._drafting(seq, "commit", unsent)
         plan = _RoundPlan(running, {row: self._round_depth(seq, chosen) for row, seq in running},
                           self.batch.rows)
         self._round_propose(plan)
@@ -712,15 +727,19 @@ class Scheduler:
             if seq.shared:
                 seq.sampler.skip(2 * plan.depth[row] + 1)  # the keys decide's greedy path uses
                 continue
-            if seq.session is None:
+            joined = None
+            if seq.session is not None:
+                proposal = plan.proposals[row]
+                try:
+                    joined = decide_row(seq.sampler, logits[row, :proposal.n + 1], proposal,
+                                        seq.history)
+                except Exception as exc:  # a proposal the round cannot take: no draft
+                    self._drop_draft(seq, exc)
+            if joined is None:
                 allowed = seq.allowed(self.model.vocab_size)
                 joined = seq.sampler.sample(logits[row, 0], seq.history, allowed).reshape(1)
                 if seq.want_logprobs:
                     plan.infos[row] = seq.sampler.logprobs(logits[row, 0:1], joined, allowed)
-            else:
-                proposal = plan.proposals[row]
-                joined = decide_row(seq.sampler, logits[row, :proposal.n + 1], proposal,
-                                    seq.history)
             reads.append(joined)
             spans[row] = (at, joined.shape[0])
             at += joined.shape[0]
@@ -767,15 +786,15 @@ class Scheduler:
                     break
             if going and seq.session is not None:
                 assert mine is not None  # the drafted rows asked for taps
-                seq.session.extend_tokens(tokens)
-                if seq.shared:
-                    counts[id(seq.request.draft)][row] = accepted + 1
-                else:
-                    seq.session.commit(mine)
+                if self._drafting(seq, "extend_tokens", tokens):
+                    if seq.shared:
+                        counts[id(seq.request.draft)][row] = accepted + 1
+                    else:
+                        self._drafting(seq, "commit", mine)
         for key, committed in counts.items():
             assert tapped is not None  # the drafted rows asked for taps
-            shared = self._contexts[key]
-            shared.commit(self._own_taps(tapped, taps, tuple(shared.draft.taps)), committed)
+            own = self._own_taps(tapped, taps, tuple(self._contexts[key].draft.taps))
+            self._shared_commit(key, own, committed)
 
     def _depth_controller(self, running: list[tuple[int, _Sequence]]
                           ) -> DepthController | None:
@@ -815,23 +834,51 @@ class Scheduler:
                 if bound:  # (a view kept past the verify forward would stop its writing)
                     session.bind_target_caches(None)
         constraint = seq.constraint if seq.error is None else None
+        vocab = self.model.vocab_size
         try:
-            return propose_row(proposal, seq.sampler, constraint, self.model.vocab_size)
+            return propose_row(proposal, seq.sampler, constraint, vocab)
         except Exception as exc:
-            if constraint is None:
-                raise
-            seq.error = exc  # this request's own failure: the batch goes on
+            if proposal is None:  # the grammar's own failure: it ends this request alone
+                seq.error = exc
+                return RowProposal(0)
+            self._drop_draft(seq, exc)  # a proposal the round cannot take
+        try:
+            return propose_row(None, seq.sampler, constraint, vocab)
+        except Exception as exc:
+            seq.error = exc
             return RowProposal(0)
 
     def _drop_draft(self, seq: _Sequence, exc: Exception) -> None:
-        """``seq``'s draft failed: it decodes on without drafting (plain decoding's output,
-        which a draft only speeds up); the batch's other rows go on."""
-        log.warning("mlxrunner: a draft failed (%s: %s); its sequence goes on without it",
-                    type(exc).__name__, exc)
+        """``seq``'s draft failed: it decodes on without drafting; the batch's other rows
+        go on."""
         if seq.shared and seq.row >= 0:
-            self._contexts[id(seq.request.draft)].remove(seq.row)
-        seq.session, seq.shared, seq.taps = None, False, ()
-        seq.kept, seq.depths, seq.unsent_taps = None, None, []
+            try:
+                self._contexts[id(seq.request.draft)].remove(seq.row)
+            except Exception:  # (the context is what failed: its row goes unused)
+                log.debug("mlxrunner: a failed draft's row stays in its shared context")
+        seq.without_draft(exc)
+
+    def _drafting(self, seq: _Sequence, method: str, *args: Any) -> bool:
+        """``seq``'s session's ``method(*args)`` where it drafts; a draft that raises is
+        dropped (see :meth:`_drop_draft`). Returns whether the sequence still drafts."""
+        if seq.session is None:
+            return False
+        try:
+            getattr(seq.session, method)(*args)
+        except Exception as exc:
+            self._drop_draft(seq, exc)
+            return False
+        return True
+
+    def _shared_commit(self, key: int, tapped: mx.array, counts: Sequence[int]) -> None:
+        """A shared context's commit (``tapped``: its draft's taps of every row); one that
+        raises leaves its rows without their draft."""
+        try:
+            self._contexts[key].commit(tapped, counts)
+        except Exception as exc:
+            for seq in self._running.values():
+                if seq.shared and id(seq.request.draft) == key:
+                    self._drop_draft(seq, exc)
 
     def _own_taps(self, tapped: mx.array, taps: list[int], own: tuple[int, ...]) -> mx.array:
         """A draft's taps out of the batch's (the union of its drafts' taps)."""
@@ -857,12 +904,12 @@ class Scheduler:
             going = self._deliver(seq, values[at], step.infos.get(at))
             if going and seq.session is not None:
                 if at in step.taps:
-                    seq.session.extend_tokens([values[at]])
-                    seq.unsent_taps.append(step.taps[at])
+                    if self._drafting(seq, "extend_tokens", [values[at]]):
+                        seq.unsent_taps.append(step.taps[at])
                 elif seq.shared and step.tapped is not None:
-                    seq.session.extend_tokens([values[at]])
-                    committed.setdefault(id(seq.request.draft), {})[seq.row] = \
-                        step.launch_rows[at]
+                    if self._drafting(seq, "extend_tokens", [values[at]]) and seq.shared:
+                        committed.setdefault(id(seq.request.draft), {})[seq.row] = \
+                            step.launch_rows[at]
         for key, rows in committed.items():
             # each row's input token's states, from the step's rows to the rows now
             assert step.tapped is not None  # shared rows were in the step
@@ -870,7 +917,7 @@ class Scheduler:
             source = [rows.get(r, 0) for r in range(shared.rows)]
             tapped = self._own_taps(step.tapped[mx.array(source, dtype=mx.int32)],
                                     step.tap_layers, tuple(shared.draft.taps))
-            shared.commit(tapped, [int(r in rows) for r in range(shared.rows)])
+            self._shared_commit(key, tapped, [int(r in rows) for r in range(shared.rows)])
 
     def _deliver(self, seq: _Sequence, token: int, info: Any) -> bool:
         """Hand a sampled token to its request; returns whether the sequence goes on (else
@@ -925,28 +972,35 @@ class Scheduler:
         seq.caches = None
         if seq.row >= 0 and self._running.get(seq.row) is seq:
             if request.prefix_cache is not None and reason not in ("cancel", "error"):
-                # what the row was fed (a queued step's token included), as generate keeps
-                fed = self.batch.row_offsets[seq.row]
-                solo = self._row_caches(seq.row)
-                if solo is not None and fed <= len(seq.history):
-                    request.prefix_cache.store(seq.history[:fed], solo, seq.tapped(fed))
+                # what the row was fed (a queued step's token included), as generate keeps;
+                # a round that ended inside its accepted drafts fed more than was kept: full
+                # keys and values are cut back to the tokens kept (other kinds cannot be)
+                kept = min(self.batch.row_offsets[seq.row], len(seq.history))
+                solo = self._row_caches(seq.row, length=kept)
+                if solo is not None:
+                    request.prefix_cache.store(seq.history[:kept], solo, seq.tapped(kept))
             del self._running[seq.row]
             self.batch.remove(seq.row)
             if seq.shared:
                 self._contexts[id(request.draft)].remove(seq.row)
             seq.row = -1
 
-    def _row_caches(self, row: int, copy: bool = True) -> list[Cache | None] | None:
+    def _row_caches(self, row: int, copy: bool = True, length: int | None = None
+                    ) -> list[Cache | None] | None:
         """One row's caches as a solo sequence's, in arrays of their own (the batch writes
         its buffers on), or as views of the batch's (``copy`` False: read now, not kept);
+        ``length``: only its first positions (None for a kind that cannot be cut back);
         None for a cache kind the prefix cache does not keep."""
         own: Callable[[mx.array], mx.array] = mx.array if copy else (lambda a: a)
         solo = self.model.make_cache()
+        fed = self.batch.row_offsets[row]
+        n = fed if length is None else length
         for mine, batched in zip(solo, self.batch.caches):
             if mine is None or batched is None:
                 continue
             held = cast(Any, batched)
-            n = self.batch.row_offsets[row]
+            if n != fed and type(mine) is not KVCache:
+                return None
             if type(mine) is RecurrentCache:
                 mine.conv_tail = own(held.conv_tail[row:row + 1])
                 mine.recurrent_state = own(held.recurrent_state[row:row + 1])

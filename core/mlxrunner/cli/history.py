@@ -1,6 +1,6 @@
 """Where the chat keeps what outlives a session, and its line editor.
 
-The chat's files live under one folder, ``~/.mlxrunner`` (inside the store when
+The chat's files live under one folder, ``~/.mlxrunner`` (``.chat`` inside the store when
 ``MLXRUNNER_MODELS`` moves it, so a moved store takes them along and nothing lands beside
 it; the store reads only its entries' folders): the input history in
 ``history`` (``MLXRUNNER_HISTORY`` names another file) and saved conversations in
@@ -30,25 +30,38 @@ HISTORY_LENGTH = 1000
 
 
 def chat_home(env: Mapping[str, str] | None = None) -> Path:
-    """The folder of the chat's files: the model store when ``MLXRUNNER_MODELS`` moves it,
-    else ``~/.mlxrunner``."""
+    """The folder of the chat's files: ``.chat`` inside the model store when
+    ``MLXRUNNER_MODELS`` moves it (no model name starts with a dot, so no entry can take its
+    place), else ``~/.mlxrunner``."""
     env = os.environ if env is None else env
     models = env.get("MLXRUNNER_MODELS", "").strip()
     if models:
-        return Path(models).expanduser()
+        return Path(models).expanduser() / ".chat"
     return Path("~/.mlxrunner").expanduser()
+
+
+def _kept(env: Mapping[str, str], name: str) -> Path:
+    """``name`` in :func:`chat_home`; where only the folder beside a moved store holds it
+    (where the chat kept its files before), that one."""
+    path = chat_home(env) / name
+    models = env.get("MLXRUNNER_MODELS", "").strip()
+    if models and not path.exists():
+        before = Path(models).expanduser().parent / name
+        if before.exists():
+            return before
+    return path
 
 
 def history_path(env: Mapping[str, str] | None = None) -> Path:
     """The input history file: ``MLXRUNNER_HISTORY``, else ``history`` in :func:`chat_home`."""
     env = os.environ if env is None else env
     named = env.get("MLXRUNNER_HISTORY")
-    return Path(named).expanduser() if named else chat_home(env) / "history"
+    return Path(named).expanduser() if named else _kept(env, "history")
 
 
 def conversations_folder(env: Mapping[str, str] | None = None) -> Path:
     """Where ``/save NAME`` writes ``NAME.json``."""
-    return chat_home(env) / "conversations"
+    return _kept(os.environ if env is None else env, "conversations")
 
 
 def _readline() -> ModuleType | None:

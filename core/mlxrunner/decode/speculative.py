@@ -352,51 +352,53 @@ def constrain_proposal(sampler: Sampler, constraint: Constraint, proposal: Draft
     kept: list[int] = []
     rows: list[np.ndarray] = []
     words: list[np.ndarray] = []
-    for i, token in enumerate(tokens):
-        allowed = constraint.words()
-        words.append(allowed)
-        if ids is None:
-            ok = _dense_bits(allowed, probs.shape[-1] if probs.shape[-1] <= vocab else vocab)
-            row = np.where(ok, probs[i, :ok.shape[0]], 0.0)
-            row = np.concatenate([row, np.zeros(probs.shape[-1] - row.shape[0], np.float32)])
-        else:
-            ok = np.array([0 <= t < vocab and _bit_set(allowed, int(t)) for t in ids[i]])
-            row = np.where(ok, probs[i], 0.0)
-        mass = float(row.sum())
-        if mass <= 0.0:
-            # q_i allows nothing (a greedy draft's point mass, often): propose the token the
-            # grammar forces, if it forces one, as a point mass; else stop drafting here
-            forced = constraint.forced_token()
-            if forced is None or not (0 <= forced < vocab and _bit_set(allowed, forced)):
-                words.pop()  # this row becomes the bonus row, whose words follow the loop
-                break
-            token = forced
-            row = np.zeros_like(row)
+    try:  # (the grammar is left as it was, whatever raises)
+        for i, token in enumerate(tokens):
+            allowed = constraint.words()
+            words.append(allowed)
             if ids is None:
-                row[token] = 1.0
+                ok = _dense_bits(allowed, probs.shape[-1] if probs.shape[-1] <= vocab else vocab)
+                row = np.where(ok, probs[i, :ok.shape[0]], 0.0)
+                row = np.concatenate([row, np.zeros(probs.shape[-1] - row.shape[0], np.float32)])
             else:
-                # in the row's own slots (ids stay unique): where it is listed, else slot 0
-                slot = int(np.flatnonzero(ids[i] == token)[0]) if (ids[i] == token).any() \
-                    else 0
-                ids[i, slot] = token
-                row[slot] = 1.0
-        elif not (0 <= token < vocab and _bit_set(allowed, token)):
-            # q_i given "allowed": keeping an allowed d_i and redrawing a forbidden one from
-            # the restricted q_i gives q_i(t) + (1 - mass) * q_i(t) / mass = q_i(t) / mass
-            row = (row / mass).astype(np.float32)
-            u = cast("list[float]", sampler.uniform(1).tolist())[0]
-            slot = min(int(np.searchsorted(np.cumsum(row), u * float(row.sum()), "right")),
-                       int(np.flatnonzero(row > 0)[-1]))
-            token = int(slot if ids is None else ids[i, slot])
-        else:
-            row = (row / mass).astype(np.float32)
-        constraint.advance(token)
-        kept.append(token)
-        rows.append(row)
-        if constraint.complete:
-            break
-    words.append(constraint.words())
-    constraint.rollback(len(kept))
+                ok = np.array([0 <= t < vocab and _bit_set(allowed, int(t)) for t in ids[i]])
+                row = np.where(ok, probs[i], 0.0)
+            mass = float(row.sum())
+            if mass <= 0.0:
+                # q_i allows nothing (a greedy draft's point mass, often): propose the token the
+                # grammar forces, if it forces one, as a point mass; else stop drafting here
+                forced = constraint.forced_token()
+                if forced is None or not (0 <= forced < vocab and _bit_set(allowed, forced)):
+                    words.pop()  # this row becomes the bonus row, whose words follow the loop
+                    break
+                token = forced
+                row = np.zeros_like(row)
+                if ids is None:
+                    row[token] = 1.0
+                else:
+                    # in the row's own slots (ids stay unique): where it is listed, else slot 0
+                    slot = int(np.flatnonzero(ids[i] == token)[0]) if (ids[i] == token).any() \
+                        else 0
+                    ids[i, slot] = token
+                    row[slot] = 1.0
+            elif not (0 <= token < vocab and _bit_set(allowed, token)):
+                # q_i given "allowed": keeping an allowed d_i and redrawing a forbidden one from
+                # the restricted q_i gives q_i(t) + (1 - mass) * q_i(t) / mass = q_i(t) / mass
+                row = (row / mass).astype(np.float32)
+                u = cast("list[float]", sampler.uniform(1).tolist())[0]
+                slot = min(int(np.searchsorted(np.cumsum(row), u * float(row.sum()), "right")),
+                           int(np.flatnonzero(row > 0)[-1]))
+                token = int(slot if ids is None else ids[i, slot])
+            else:
+                row = (row / mass).astype(np.float32)
+            constraint.advance(token)
+            kept.append(token)
+            rows.append(row)
+            if constraint.complete:
+                break
+        words.append(constraint.words())
+    finally:
+        constraint.rollback(len(kept))
     if not kept:
         return [], None, words
     q_kept = Distribution(mx.array(np.stack(rows)),
@@ -604,9 +606,9 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
 
     Stops after an EOS token or ``max_tokens`` tokens, or once ``constraint`` (structured
     output: every token drawn under its mask) is complete. ``depth`` fixes the
-    drafts per round (clipped to the draft's ``block_size - 1`` and to the
-    budget); by default a DFlash one follows a :class:`DepthController` and a
-    DFlash2-style draft (``adaptive_depth`` False) drafts ``block_size - 1`` every round,
+    drafts per round (clipped to the draft's ``max_depth`` and to the budget); by
+    default a draft with ``adaptive_depth`` follows a :class:`DepthController` and
+    one without (DFlash2) drafts ``max_depth`` every round,
     pausing (``full_only``) where its measured rounds commit tokens slower than plain
     steps (with a seeded sampler: every round). Logprob requests must decode without drafting
     (:func:`can_speculate`).

@@ -4,15 +4,16 @@ A draft plugin subclasses :class:`DraftModel` (an ``mlx.nn.Module``) and
 registers the class through ``register_drafts`` under the name its checkpoints
 carry in ``config.json``'s ``architectures[0]``. The core builds it with the
 target in hand (``DraftModel(config, target)``), so that it can borrow the
-target's ``embed_tokens`` and ``raw_logits`` (unless its checkpoint carries its
-own embedding or head), checks it against the target with :meth:`validate`,
-loads its weights strictly, and then only ever talks to it through
-:meth:`DraftModel.new_session` and the :class:`DraftSession` it returns.
+target's ``embed_tokens`` and ``raw_logits``, asks it which target layers it reads
+(``taps``) and how many tokens a round may draft (``max_depth``), checks it against
+the target with :meth:`validate`, loads its weights strictly, and then only ever
+talks to it through :meth:`DraftModel.new_session` and the :class:`DraftSession`
+it returns. A block draft's settings (DFlash's kind) are :mod:`.block_draft`'s.
 
 The speculative round (``mlxrunner.decode.speculative``) knows nothing else about a
-draft: per generation it calls ``prefill`` once with the prompt's tapped target
-states, and per round ``propose(current, pos, n)`` then ``commit`` with the
-tapped states of the tokens the round committed.
+draft: per generation it calls ``prefill`` with the prompt's tapped target states,
+and per round ``propose(current, pos, n)`` then ``commit`` with the tapped states
+of the tokens the round committed.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class DraftSession:
         raise NotImplementedError
 
     def propose(self, current: int, pos: int, n: int) -> DraftProposal:
-        """Propose ``n`` tokens to follow ``current`` (at ``pos``); 1 <= n <= block_size - 1.
+        """Propose ``n`` tokens to follow ``current`` (at ``pos``); 1 <= n <= max_depth.
 
         Draw with the request's temperature only (through :meth:`draw`, so a
         seeded request stays reproducible); record each row's distribution.
@@ -184,12 +185,12 @@ class DraftModel(nn.Module):
     def taps(self) -> tuple[int, ...]:
         """Target layers whose states the draft reads, ascending (the sessions get them
         joined: ``[1, rows, len(taps) * hidden]``)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} declares no taps")
 
     @property
     def max_depth(self) -> int:
         """Most drafts a round proposes."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} declares no max_depth")
 
     def new_session(self, sampler: Sampler) -> DraftSession:
         """A fresh per-generation session drawing from ``sampler``'s stream."""
@@ -320,5 +321,11 @@ def build_draft(cls: type[DraftT], config: Mapping[str, Any], target: Model,
     except (KeyError, TypeError, ValueError) as exc:
         raise DraftConfigError(f"{cls.__name__}: bad draft config ({type(exc).__name__}: "
                                f"{exc})") from None
-    draft.validate(target)
+    try:
+        draft.validate(target)
+    except NotImplementedError:  # a subclass of the base before it stopped reading them
+        raise DraftConfigError(
+            f"{cls.__name__}: a draft declares its taps and max_depth (a block draft whose "
+            "config gives target_layer_ids, block_size and mask_token_id subclasses "
+            "mlxrunner.plugin.BlockDraft)") from None
     return draft

@@ -232,7 +232,7 @@ def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
         n = end - begin
         # causal: query l sees keys up to S - L + l, so the slice reads keys [0, seen) only
         # and masks the triangle of its last n of them
-        seen = S - L + end if isinstance(mask, str) else S
+        seen = max(1, S - L + end) if isinstance(mask, str) else S
         # a group's query heads as the rows of one product per key/value head
         rows = (grouped[:, :, :, begin:end] * np.float32(scale)).reshape(B, Hk, rep * n, D)
         scores = np.matmul(rows, key_t[..., :seen]).reshape(B, Hk, rep, n, seen)

@@ -80,17 +80,20 @@ def pip_download(requirement: str, into: Path, size: int | None = None) -> None:
                                    text=True, env={**os.environ, "TMPDIR": scratch})
         except OSError as exc:
             raise FetchError(f"{requirement}: could not run pip ({exc})") from None
-        while True:
-            try:
-                _, errors = pip.communicate(timeout=PROGRESS_EVERY)
-                break
-            except subprocess.TimeoutExpired:
-                pull_log.info("", extra={"progress": (_bytes_under(scratch), size)})
-            except BaseException:  # Ctrl-C: no pip left behind
-                pip.kill()
-                pip.wait()
-                raise
+        try:
+            while True:
+                try:
+                    _, errors = pip.communicate(timeout=PROGRESS_EVERY)
+                    break
+                except subprocess.TimeoutExpired:
+                    pull_log.info("", extra={"progress": (_bytes_under(scratch), size)})
+        except BaseException:  # Ctrl-C: no pip left behind, the bar's line ended
+            pip.kill()
+            pip.wait()
+            pull_log.info("", extra={"progress": None})
+            raise
     if pip.returncode != 0:
+        pull_log.info("", extra={"progress": None})  # (the error below starts a line)
         said = [line.strip() for line in (errors or "").splitlines() if line.strip()]
         raise FetchError(f"pip could not download {requirement} (exit status "
                          f"{pip.returncode}; is the package index reachable?"
