@@ -53,6 +53,22 @@ def test_concurrent_requests_are_each_their_solo_reply_in_fewer_steps(demo_bundl
     assert steps < tokens
 
 
+def _rows_per_step(engine: Any) -> list[int]:
+    """The rows decoding after each step of ``engine``'s scheduler from now on (a list the
+    steps append to)."""
+    scheduler, rows = engine.scheduler, []
+    assert scheduler is not None
+    step = scheduler.step
+
+    def counted() -> bool:
+        going = step()
+        rows.append(scheduler.running)
+        return going
+
+    scheduler.step = counted
+    return rows
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_concurrent_drafted_requests_decode_in_one_batch(serve_with: Any,
                                                          prefix_cache: bool) -> None:
@@ -82,17 +98,7 @@ def test_concurrent_drafted_requests_decode_in_one_batch(serve_with: Any,
 
     alone = [httpx.post(served.url + path(b), json=b, timeout=120).json() for b in bodies]
     assert all(got["statistics"]["mode"] == "speculative" for got in alone)
-    assert engine.scheduler is not None
-    rows: list[int] = []
-    scheduler = engine.scheduler
-    step = scheduler.step
-
-    def counted() -> bool:
-        going = step()
-        rows.append(scheduler.running)
-        return going
-
-    scheduler.step = counted  # type: ignore[method-assign]
+    rows = _rows_per_step(engine)
 
     async def together() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
@@ -149,16 +155,7 @@ def test_drafted_requests_of_the_mtp_head_share_the_batch(tmp_path: Any, serve_w
                                 options=mlxrunner.SamplerOptions(temperature=0),
                                 max_tokens=12).tokens for b in bodies]
     assert alone == [bundle.tokenizer.decode(t) for t in plain]
-    assert engine.scheduler is not None
-    scheduler, rows = engine.scheduler, []
-    step = scheduler.step
-
-    def counted() -> bool:
-        going = step()
-        rows.append(scheduler.running)
-        return going
-
-    scheduler.step = counted  # type: ignore[method-assign]
+    rows = _rows_per_step(engine)
 
     async def together() -> list[str]:
         async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
