@@ -27,6 +27,15 @@ def _prompts(vocab, lengths, seed):
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
+def _scripted(model, prompts, budgets):
+    """Each prompt's solo greedy tokens, and a scripted draft of each that knows them (wrong
+    on purpose once a round, so every accepted length occurs)."""
+    alone = [mlxrunner.generate(model, p, options=GREEDY, max_tokens=m).tokens
+             for p, m in zip(prompts, budgets)]
+    return alone, [ScriptedDraft.for_script(model, p + a + [0] * 16, block_size=5)
+                   for p, a in zip(prompts, alone)]
+
+
 def _run(model, requests, max_sequences):
     scheduler = Scheduler(model, max_sequences=max_sequences)
     for request in requests:
@@ -40,10 +49,7 @@ def test_scripted_drafts_roll_back_every_length_in_a_batch(model):
     # it is wrong on purpose (every accepted length occurs)
     prompts = _prompts(model.vocab_size, [6, 11, 4], seed=5)
     budgets = [14, 9, 12]
-    alone = [mlxrunner.generate(model, p, options=GREEDY, max_tokens=m).tokens
-             for p, m in zip(prompts, budgets)]
-    drafts = [ScriptedDraft.for_script(model, p + a + [0] * 16, block_size=5)
-              for p, a in zip(prompts, alone)]
+    alone, drafts = _scripted(model, prompts, budgets)
     requests = [BatchRequest(prompts[0], GREEDY, budgets[0], draft=drafts[0]),
                 BatchRequest(prompts[1], GREEDY, budgets[1]),  # no draft: shares the batch
                 BatchRequest(prompts[2], GREEDY, budgets[2], draft=drafts[2])]
@@ -84,10 +90,7 @@ def test_greedy_drafted_rows_pause_and_resume_drafting(model):
     its context then holds every position). Outputs stay the solo greedy ones."""
     prompts = _prompts(model.vocab_size, [6, 9], seed=8)
     budgets = [24, 20]
-    alone = [mlxrunner.generate(model, p, options=GREEDY, max_tokens=m).tokens
-             for p, m in zip(prompts, budgets)]
-    drafts = [ScriptedDraft.for_script(model, p + a + [0] * 16, block_size=5)
-              for p, a in zip(prompts, alone)]
+    alone, drafts = _scripted(model, prompts, budgets)
     scheduler = Scheduler(model, max_sequences=2)
     requests = [scheduler.submit(BatchRequest(p, GREEDY, m, draft=d))
                 for p, m, d in zip(prompts, budgets, drafts)]
@@ -205,10 +208,7 @@ def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog, metho
     tokens), the other rows, drafted or not, are untouched."""
     prompts = _prompts(model.vocab_size, [6, 9, 5], seed=12)
     budgets = [16, 14, 12]
-    alone = [mlxrunner.generate(model, p, options=GREEDY, max_tokens=m).tokens
-             for p, m in zip(prompts, budgets)]
-    drafts = [ScriptedDraft.for_script(model, p + a + [0] * 16, block_size=5)
-              for p, a in zip(prompts, alone)]
+    alone, drafts = _scripted(model, prompts, budgets)
     failing, calls = drafts[0], []
     made = failing.new_session
 
