@@ -29,7 +29,6 @@ import argparse
 import gc
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -174,16 +173,15 @@ def main_pair(args: argparse.Namespace) -> int:
         runs = interleaved({"plain": lambda p=prompts: run_ours(model, p, new),
                             "drafts": lambda p=prompts: run_ours(model, p, new, draft)},
                            args.repeats)
-        ratios = [d["decode_tok_s"] / p["decode_tok_s"] if p["decode_tok_s"] else 0.0
-                  for p, d in zip(runs["plain"], runs["drafts"])]
+        spread = harness.ratio_spread([r["decode_tok_s"] for r in runs["drafts"]],
+                                      [r["decode_tok_s"] for r in runs["plain"]])
         row = {"streams": n, "plain": median_run(runs["plain"]),
-               "drafts": median_run(runs["drafts"]), "ratio_median": statistics.median(ratios),
-               "ratio_range": [min(ratios), max(ratios)], "ratios": ratios}
+               "drafts": median_run(runs["drafts"]), "drafts / plain": spread}
         rows.append(row)
         plain, drafted = row["plain"]["decode_tok_s"], row["drafts"]["decode_tok_s"]
         print(f"  {n:3d} streams: without drafts {plain:9.1f} tok/s, with drafts "
-              f"{drafted:9.1f} tok/s: median {row['ratio_median']:.2f}x (range "
-              f"{min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} repeats); steps per depth "
+              f"{drafted:9.1f} tok/s: median {spread['median']:.2f}x (range "
+              f"{spread['min']:.2f}-{spread['max']:.2f}, {spread['n']} repeats); steps per depth "
               f"{row['drafts']['round_depths']}, {row['drafts']['tokens_per_forward']:.2f} "
               f"tokens a forward", flush=True)
     harness.write_json(args.json, {"bench": "batch-pair", "pair": args.pair, "new": new,

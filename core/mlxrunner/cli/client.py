@@ -89,11 +89,11 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(models, indent=2))
         return 0
-    from .store import _human_size
+    from ..store import human_size
 
     table = [("NAME", "SIZE", "CONTEXT", "UNTIL")]
     for m in models:
-        table.append((str(m.get("name", "?")), _human_size(int(m.get("size") or 0)),
+        table.append((str(m.get("name", "?")), human_size(int(m.get("size") or 0)),
                       str(m.get("context_length", "-")), _until(m.get("expires_at"))))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:

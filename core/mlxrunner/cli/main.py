@@ -791,7 +791,7 @@ class _PullLines(logging.Handler):
                 self._close(stream)
                 return
             done, total = progress
-            from ..store.fetch import human_size
+            from ..store import human_size
 
             if total:
                 filled = min(self.WIDTH, self.WIDTH * done // total)

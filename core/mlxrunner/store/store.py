@@ -64,6 +64,14 @@ def folder_name(name: str) -> str:
     return quote(check_name(name), safe="._+-")
 
 
+def human_size(n: float) -> str:
+    """A size as ``list`` and ``pull`` say it: ``98.4 MB``."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _tag_forms(name: str) -> tuple[str, ...]:
     """The other spelling of ``name``'s default tag: ``NAME`` <-> ``NAME:latest``."""
     if name.endswith(":latest"):
