@@ -16,6 +16,16 @@ warm-up, its largest and its last value, and the budget: the warm size plus the 
 stated budget plus ``--allowance`` MiB for the batch's caches and the allocator. The run passes
 when no reply was a 5xx, the server is alive at the end and its largest resident size stayed
 within the budget.
+
+    python bench/serve_soak.py demo-qwen3.5 --bursts --requests 2000 --json F   # a GPU
+
+``--bursts``: the batch's shapes instead of its memory. Requests come in bursts of a random
+size (1 to ``--max-burst``, 32), all at once, the next burst when the last has ended; prompts
+of random length (a few tokens to 250 sentences, 3,700 tokens of the demo model), half of
+the chat requests asking for logprobs (which decode without the model's draft: drafts on
+and off in one batch). Reported besides: the traced step shapes the server holds at the end
+(``/api/ps``'s ``traced_shapes``, bounded as docs/batching.md says). Passes when no reply
+was a 5xx and the server is alive.
 """
 
 from __future__ import annotations
@@ -54,24 +64,34 @@ def rss_mib(pid: int) -> float:
     return int(found.group(1)) / 1024 if found else 0.0
 
 
-def prompt(rng: random.Random, long: bool = False) -> str:
+def prompt(rng: random.Random, notes: int = 0) -> str:
+    """An ask with ``notes`` sentences before it (about ten tokens each)."""
     text = rng.choice(ASKS).format(rng.choice(TOPICS))
-    if long:
+    if notes:
         text = " ".join(f"Note {i}: {rng.choice(TOPICS)} is worth a thought." for i in
-                        range(150)) + " " + text
+                        range(notes)) + " " + text
     return text + ("" if rng.random() < 0.5 else f" ({rng.randint(0, 999)})")
 
 
-def one_request(client: httpx.Client, rng: random.Random, model: str) -> tuple[str, int]:
-    """One random request: (kind, status); a stream left early counts as its status."""
+def one_request(client: httpx.Client, rng: random.Random, model: str, shapes: bool = False
+                ) -> tuple[str, int]:
+    """One random request: (kind, status); a stream left early counts as its status.
+    ``shapes``: prompts of any length up to 250 sentences, and half of the chat requests
+    asking for logprobs (no draft)."""
     kind = rng.choices(["chat", "stream", "completion", "ollama", "anthropic", "json", "long",
                         "bad"], weights=[4, 4, 2, 2, 2, 1, 1, 1])[0]
-    chat = [{"role": "user", "content": prompt(rng, kind == "long")}]
-    tokens = rng.randint(8, 48)
+    if shapes:
+        notes = rng.choice([0, rng.randint(1, 30), rng.randint(30, 250)])
+    else:
+        notes = 150 if kind == "long" else 0
+    chat = [{"role": "user", "content": prompt(rng, notes)}]
+    tokens = rng.randint(8, 48) if not shapes else rng.randint(1, 96)
     if kind in ("chat", "long", "json"):
         body: dict[str, Any] = {"model": model, "messages": chat, "max_tokens": tokens}
         if kind == "json":
             body["response_format"] = {"type": "json_object"}
+        if shapes and rng.random() < 0.5:
+            kind, body["logprobs"] = kind + "+logprobs", True
         return kind, client.post("/v1/chat/completions", json=body).status_code
     if kind == "stream":
         leave = rng.random() < 0.2
@@ -102,6 +122,16 @@ def one_request(client: httpx.Client, rng: random.Random, model: str) -> tuple[s
     return "bad", bad().status_code
 
 
+def device() -> str:
+    """The GPU's name where nvidia-smi answers, else the CPU's."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default="default")
@@ -111,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="MiB over the warm size and the prefix cache for the batch's "
                              "caches and the allocator (default 512)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bursts", action="store_true",
+                        help="bursts of random size instead of --clients (see the module)")
+    parser.add_argument("--max-burst", type=int, default=32)
+    parser.add_argument("--requests", type=int,
+                        help="stop after this many requests (default: --minutes decides)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     port = free_port()
@@ -145,23 +180,58 @@ def main(argv: list[str] | None = None) -> int:
     stop = time.monotonic() + 60 * args.minutes
     failures: list[str] = []
 
+    def done() -> bool:
+        return time.monotonic() >= stop or (args.requests is not None
+                                            and sum(counts.values()) >= args.requests)
+
     def client_loop(seed: int) -> None:
         rng = random.Random(seed)
         with httpx.Client(base_url=url, timeout=600) as client:
-            while time.monotonic() < stop:
+            while not done():
                 try:
-                    counts[one_request(client, rng, args.model)] += 1
+                    counts[one_request(client, rng, args.model, args.bursts)] += 1
                 except httpx.HTTPError as exc:
                     failures.append(f"{type(exc).__name__}: {exc}")
 
-    threads = [threading.Thread(target=client_loop, args=(args.seed + 1 + i,))
-               for i in range(args.clients)]
+    def burst_loop() -> None:
+        rng = random.Random(args.seed + 1)
+        while not done():
+            size = rng.randint(1, args.max_burst)
+            if args.requests is not None:
+                size = min(size, args.requests - sum(counts.values()))
+            burst = [threading.Thread(target=one_client, args=(rng.randrange(1 << 30),))
+                     for _ in range(size)]
+            for t in burst:
+                t.start()
+            for t in burst:
+                t.join()
+            bursts.append(size)
+
+    def one_client(seed: int) -> None:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            try:
+                counts[one_request(client, random.Random(seed), args.model, True)] += 1
+            except httpx.HTTPError as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+
+    bursts: list[int] = []
+    threads = [threading.Thread(target=burst_loop)] if args.bursts else [
+        threading.Thread(target=client_loop, args=(args.seed + 1 + i,))
+        for i in range(args.clients)]
     start = time.monotonic()
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
         samples.append((time.monotonic() - start, rss_mib(server.pid)))
         time.sleep(5)
+    minutes = (time.monotonic() - start) / 60
+    shapes = None
+    if server.poll() is None:
+        try:
+            loaded = httpx.get(url + "/api/ps", timeout=30).json()["models"]
+            shapes = max((m.get("traced_shapes", 0) for m in loaded), default=None)
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
     alive = server.poll() is None
     last_mib = rss_mib(server.pid) if alive else 0.0
     server.terminate()
@@ -171,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     unexpected = sum(n for (kind, status), n in counts.items()
                      if (kind == "bad") != (400 <= status < 500))
     half = [m for t, m in samples if t >= samples[-1][0] / 2]
-    result = {"bench": "serve-soak", "model": args.model, "minutes": args.minutes,
-              "clients": args.clients, "machine": platform.processor() or platform.machine(),
-              "requests": sum(counts.values()),
+    result = {"bench": "serve-soak", "model": args.model, "minutes": round(minutes, 2),
+              "clients": "bursts" if args.bursts else args.clients, "bursts": bursts,
+              "traced_shapes": shapes, "device": device(), "requests": sum(counts.values()),
               "by_kind_and_status": {f"{k} {s}": n for (k, s), n in sorted(counts.items())},
               "client_errors": failures[:10], "server_alive": alive, "replies_5xx": errors,
               "unexpected_status": unexpected, "warm_rss_mib": round(warm_mib, 1),
@@ -181,10 +251,14 @@ def main(argv: list[str] | None = None) -> int:
               "second_half_rss_mib": [round(min(half), 1), round(max(half), 1)],
               "prefix_cache_budget_mib": prefix_mib, "allowance_mib": args.allowance,
               "budget_mib": round(budget, 1), "samples": samples}
-    ok = alive and errors == 0 and unexpected == 0 and not failures and largest <= budget
-    print(f"soak of {args.model}: {result['requests']} requests in {args.minutes:g} min from "
-          f"{args.clients} clients; 5xx {errors}, unexpected statuses {unexpected}, client "
-          f"errors {len(failures)}; server alive: {alive}")
+    ok = alive and errors == 0 and unexpected == 0 and not failures and (
+        args.bursts or largest <= budget)
+    who = (f"{len(bursts)} bursts of 1-{args.max_burst} (median {sorted(bursts)[len(bursts) // 2]})"
+           if bursts else f"{args.clients} clients")
+    print(f"soak of {args.model} on {result['device']}: {result['requests']} requests in "
+          f"{minutes:.1f} min from {who}; 5xx {errors}, unexpected statuses {unexpected}, "
+          f"client errors {len(failures)}; server alive: {alive}; traced step shapes held: "
+          f"{shapes}")
     print(f"  resident: warm {warm_mib:.0f} MiB, largest {largest:.0f}, last {last_mib:.0f}, "
           f"second half {min(half):.0f}-{max(half):.0f}; budget {budget:.0f} (warm + prefix "
           f"cache {prefix_mib:.0f} + {args.allowance:.0f}): {'within' if ok else 'NOT MET'}")

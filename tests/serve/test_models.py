@@ -39,6 +39,8 @@ def test_a_model_is_loaded_by_name_and_listed(models_server: Any) -> None:
         "max_tokens": 4, "temperature": 0})
     assert reply.status_code == 200 and reply.json()["model"] == "tiny"
     assert _loaded(url) == ["demo", "tiny"]
+    shapes = [m["traced_shapes"] for m in httpx.get(url + "/api/ps").json()["models"]]
+    assert all(isinstance(n, int) and n >= 0 for n in shapes)  # an extension (batching.md)
     missing = httpx.post(url + "/api/generate", json={"model": "nope", "prompt": "x"})
     assert missing.status_code == 404 and "tiny" in missing.json()["error"]
 

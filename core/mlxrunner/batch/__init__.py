@@ -10,6 +10,7 @@ _EXPORTS: dict[str, str] = {
     "Scheduler": "scheduler",
     "TokenCallback": "scheduler",
     "generate_batch": "scheduler",
+    "verify_width": "scheduler",
 }
 
 __all__ = sorted(_EXPORTS)

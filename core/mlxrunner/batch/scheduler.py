@@ -274,14 +274,24 @@ class _Step:
     launch_rows: list[int] = field(default_factory=list)
 
 
+def verify_width(tokens: int, longest: int | None = None) -> int:
+    """The width of a round's verify forward for blocks of up to ``tokens`` tokens: the next
+    power of two, or ``longest`` (a sliding window) if less (rows pad past their block, as
+    shorter rows always do). A server's rounds then trace 1, 2, 4, 8 and 16 tokens, not
+    every depth a controller picks (each width is a trace of its own at each row count and
+    buffer size, and on CUDA graphs of its own)."""
+    width = 1 << max(0, tokens - 1).bit_length()
+    return width if longest is None else max(tokens, min(width, longest))
+
+
 class _RoundPlan:
     """One speculative round's rows: their depths and inputs, then their proposals, the
     verified block's drafts, the drafts' taps and the logprob arrays of rows without one."""
 
     def __init__(self, running: list[tuple[int, _Sequence]], depth: dict[int, int],
-                 rows: int) -> None:
+                 rows: int, longest: int | None) -> None:
         self.running, self.depth, self.rows = running, depth, rows
-        self.length = 1 + max(depth.values())
+        self.length = verify_width(1 + max(depth.values()), longest)
         self.last = [0] * rows
         for row, seq in running:
             self.last[row] = seq.history[-1]
@@ -637,7 +647,7 @@ class Scheduler:
                 seq.unsent_taps = []
                 self._drafting(seq, "commit", unsent)
         plan = _RoundPlan(running, {row: self._round_depth(seq, chosen) for row, seq in running},
-                          self.batch.rows)
+                          self.batch.rows, self.batch.longest_forward)
         self._round_propose(plan)
         starts = self.batch.row_offsets
         logits = self._round_verify(plan)

@@ -35,7 +35,7 @@ import mlx.core as mx
 from ..constants import arange_constant
 from .base import Cache
 from .frame import TraceFrame
-from .kv import KVCache, trace_capacity_step
+from .kv import KVCache, trace_capacity
 from .recurrent import RecurrentCache, TracedRecurrentCache, adopted_capture
 from .ring import RingCache
 
@@ -117,6 +117,9 @@ class BatchedCache(Cache):
     Only :class:`BatchCaches` changes the rows; a forward runs on a stand-in (see the
     module) and the cache adopts what it wrote.
     """
+
+    #: the most tokens one forward may write per row (None: any number)
+    longest_forward: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -236,7 +239,7 @@ class BatchedCache(Cache):
 
 class BatchedKVCache(BatchedCache):
     """Full attention: keys and values ``[B, H, S, D]``, slot ``j`` position ``j`` in each
-    row; ``S`` grows in steps (:func:`trace_capacity_step`)."""
+    row; ``S`` grows through the traced buffer sizes (:func:`trace_capacity`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -248,8 +251,7 @@ class BatchedKVCache(BatchedCache):
         return 0 if self.keys is None else self.keys.shape[2]
 
     def _room_for(self, length: int) -> int:
-        step = trace_capacity_step()
-        return -(-max(length, 1) // step) * step
+        return trace_capacity(length)
 
     def _ensure_length(self, length: int) -> None:
         assert self.keys is not None and self.values is not None
@@ -356,7 +358,7 @@ class BatchedRingCache(BatchedCache):
         super().__init__()
         if window < 1:
             raise ValueError(f"sliding window must be positive, got {window}")
-        self.window = int(window)
+        self.window = self.longest_forward = int(window)
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         # (ring keys, ring values before the last block write, the block's keys, values)
@@ -625,6 +627,12 @@ class BatchCaches:
 
     def live_rows(self) -> list[int]:
         return [r for r, live in enumerate(self.live) if live]
+
+    @property
+    def longest_forward(self) -> int | None:
+        """The most tokens one forward may write per row (a sliding window's; None: any)."""
+        limits = [c.longest_forward for c in self.layers if c.longest_forward is not None]
+        return min(limits) if limits else None
 
     def add(self, solo: Sequence[Cache | None]) -> int:
         """Copy one sequence's caches (batch 1, after its prefill) into a free row, made if

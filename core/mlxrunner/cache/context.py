@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..constants import arange_constant
+from .kv import bucket_capacity
 
 
 class ContextCache:
@@ -39,14 +40,14 @@ class ContextCache:
         return self.start + self.length
 
     def reserve(self, extra: int, like_k: mx.array, like_v: mx.array) -> None:
-        """Room for ``extra`` rows after the context. Capacity stays a multiple of ``step``,
-        so a traced block sees few distinct buffer shapes."""
+        """Room for ``extra`` rows after the context. Capacity is one of
+        :func:`bucket_capacity`'s sizes, so a traced block sees few distinct buffer shapes."""
         need = self.length + extra
         if self.keys is not None and need <= self.keys.shape[2] and \
-                self.keys.shape[2] % self.step == 0:
+                self.keys.shape[2] == bucket_capacity(self.keys.shape[2], self.step):
             return
         B, H, _, Dk = like_k.shape
-        size = ((need + self.step - 1) // self.step) * self.step
+        size = bucket_capacity(need, self.step)
         keys = mx.zeros((B, H, size, Dk), like_k.dtype)
         values = mx.zeros((B, like_v.shape[1], size, like_v.shape[3]), like_v.dtype)
         if self.keys is not None and self.values is not None and self.length:

@@ -17,6 +17,25 @@ def trace_capacity_step() -> int:
     return 256 if mx.default_device() == mx.cpu else 1024
 
 
+def bucket_capacity(length: int, step: int) -> int:
+    """A buffer size for ``length`` positions: 1, 2, 3 or 4 steps of ``step``, then the next
+    of 6, 8, 12, 16, 24, ... steps (a power of two or one and a half times one). A context of ``n``
+    steps thus passes through about ``2 log2(n)`` sizes, not ``n`` (each a trace of its own
+    and, on CUDA, graphs of its own), leaving at most a third of a buffer unused."""
+    steps = -(-max(length, 1) // step)
+    if steps > 4:
+        power = 1 << (steps.bit_length() - 1)
+        steps = power if steps == power else power * 3 // 2 if steps <= power * 3 // 2 \
+            else power * 2
+    return steps * step
+
+
+def trace_capacity(length: int) -> int:
+    """The buffer size a traced forward uses for ``length`` positions (see
+    :func:`bucket_capacity` and :func:`trace_capacity_step`)."""
+    return bucket_capacity(length, trace_capacity_step())
+
+
 class KVCache(Cache):
     """Keys and values ``[B, H, S, D]`` in a buffer grown ``step`` tokens at a time."""
 
@@ -70,11 +89,10 @@ class KVCache(Cache):
 
     def _traced_size(self, length: int) -> int:
         assert self.keys is not None  # trace_key saw it
-        step = trace_capacity_step()
         size = self.keys.shape[2]
-        if size >= self.offset + length and size % step == 0:
+        if size >= self.offset + length and size == trace_capacity(size):
             return size
-        return -(-(self.offset + length) // step) * step
+        return trace_capacity(self.offset + length)
 
     def trace_inputs(self, length: int) -> list[mx.array]:
         size = self._traced_size(length)

@@ -168,6 +168,11 @@ class CompiledSteps:
         if host_weights >= HOST_TRACE_MIN_WORK:
             self._host_bound_settings.add(_switches())
 
+    @property
+    def shapes(self) -> int:
+        """How many traced forwards are held (one per input shape, taps and cache layout)."""
+        return len(self._traced)
+
     def replays(self) -> int:
         """How many calls replayed a trace (the first call of each traces it)."""
         return sum(max(0, t.calls - 1) for t in self._traced.values())

@@ -38,6 +38,7 @@ import mlx.core as mx
 from .. import settings
 from ..cache.batched import grow_rows
 from ..cache.context import ContextCache, RowContext, TracedContext
+from ..cache.kv import bucket_capacity
 from ..errors import DraftConfigError
 from ..nn.kernels import host_bound, host_declined
 from .draft import DraftModel, DraftProposal, DraftSession
@@ -403,7 +404,7 @@ class BlockDraftBatch:
 
     @property
     def size(self) -> int:
-        """Slots per row (a multiple of ``step``)."""
+        """Slots per row (one of :func:`bucket_capacity`'s sizes for ``step``)."""
         first = self.keys[0]
         return 0 if first is None else first.shape[2]
 
@@ -456,7 +457,7 @@ class BlockDraftBatch:
         """Every row ``need`` slots at least."""
         if need <= self.size:
             return
-        size = -(-need // self.step) * self.step
+        size = bucket_capacity(need, self.step)
         for i, layer in enumerate(self.draft.layers):
             attn = layer.self_attn
             shape = (self.rows, attn.n_kv_heads, size, attn.head_dim)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from ..bundle import parameter_count
 from ..chat.formats import ParsedMessage
 from ..decode.grammar import Format, GrammarError
+from ..decode.step import compiled_steps
 from ..store.store import StoreError, default_store
 from .chat import ChatTurn, chat_prompt, raw_prompt
 from .common import (
@@ -326,6 +327,8 @@ async def ps(request: Request) -> dict[str, Any]:
                                 ).isoformat()}
         if service.context is not None:
             entry["context_length"] = service.context
+        # an extension: the traced step shapes held (bounded: docs/batching.md)
+        entry["traced_shapes"] = compiled_steps(service.bundle.model).shapes
         entries.append(entry)
     return {"models": entries}
 
