@@ -12,8 +12,9 @@ JSON-object format, a long prompt (about 1,500 tokens) now and then, and bad req
 draw from a small set with random tails, so the prefix cache both hits and evicts.
 
 Reported: requests per kind and status (no 5xx allowed), the resident size (VmRSS) after the
-warm-up, its largest and its last value, and the budget: the warm size plus the prefix cache's
-stated budget plus ``--allowance`` MiB for the batch's caches and the allocator. The run passes
+warm-up, its largest and its last value, and the budget: the warm size plus what ``serve
+--verbose`` states for the prefix cache and the batch's caches plus ``--allowance`` MiB for
+the allocator and a step's transient arrays. The run passes
 when no reply was a 5xx, the server is alive at the end and its largest resident size stayed
 within the budget.
 
@@ -137,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", default="default")
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--allowance", type=float, default=512.0,
-                        help="MiB over the warm size and the prefix cache for the batch's "
-                             "caches and the allocator (default 512)")
+    parser.add_argument("--allowance", type=float, default=256.0,
+                        help="MiB over the warm size and the stated cache budgets for the "
+                             "allocator and a step's transient arrays (default 256)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bursts", action="store_true",
                         help="bursts of random size instead of --clients (see the module)")
@@ -169,12 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     stated = next((re.search(r"prefix cache up to (\d+) MiB", line) for line in lines
                    if "prefix cache up to" in line), None)
     prefix_mib = float(stated.group(1)) if stated else 0.0
+    stated = next((re.search(r"batch caches up to (\d+) MiB", line) for line in lines
+                   if "batch caches up to" in line), None)
+    batch_mib = float(stated.group(1)) if stated else 0.0
     warm = random.Random(args.seed)
     with httpx.Client(base_url=url, timeout=600) as client:  # traces, first allocations
         for _ in range(6):
             one_request(client, warm, args.model)
     warm_mib = rss_mib(server.pid)
-    budget = warm_mib + prefix_mib + args.allowance
+    budget = warm_mib + prefix_mib + batch_mib + args.allowance
     counts: Counter[tuple[str, int]] = Counter()
     samples: list[tuple[float, float]] = []
     stop = time.monotonic() + 60 * args.minutes
@@ -249,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
               "unexpected_status": unexpected, "warm_rss_mib": round(warm_mib, 1),
               "largest_rss_mib": round(largest, 1), "last_rss_mib": round(last_mib, 1),
               "second_half_rss_mib": [round(min(half), 1), round(max(half), 1)],
-              "prefix_cache_budget_mib": prefix_mib, "allowance_mib": args.allowance,
+              "prefix_cache_budget_mib": prefix_mib, "batch_budget_mib": batch_mib,
+              "allowance_mib": args.allowance,
               "budget_mib": round(budget, 1), "samples": samples}
     ok = alive and errors == 0 and unexpected == 0 and not failures and (
         args.bursts or largest <= budget)
@@ -261,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{shapes}")
     print(f"  resident: warm {warm_mib:.0f} MiB, largest {largest:.0f}, last {last_mib:.0f}, "
           f"second half {min(half):.0f}-{max(half):.0f}; budget {budget:.0f} (warm + prefix "
-          f"cache {prefix_mib:.0f} + {args.allowance:.0f}): {'within' if ok else 'NOT MET'}")
+          f"cache {prefix_mib:.0f} + batch {batch_mib:.0f} + {args.allowance:.0f}): "
+          f"{'within' if largest <= budget else 'NOT MET'}")
     for (kind, status), n in sorted(counts.items()):
         print(f"  {kind:10} {status}  {n}")
     if args.json:

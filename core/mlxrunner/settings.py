@@ -24,6 +24,9 @@ is not noticed halfway through a generation, and a bad value is one clear error 
   across requests and turns (:class:`mlxrunner.cache.PrefixCache`), holding at most
   ``MLXRUNNER_PREFIX_CACHE_MIB`` MiB of arrays per model (default: scaled to the model and
   the machine, see ``mlxrunner.cache.prefix_cache_for``).
+- ``MLXRUNNER_BATCH_MIB``: at most this many MiB of the batch's caches per model in ``serve``
+  (default: scaled to the model and the machine, see ``mlxrunner.batch.batch_budget``); a
+  request that would pass it waits for rows to end.
 - ``MLXRUNNER_API_KEY``: the bearer token ``mlxrunner serve`` requires (unset: none).
 - ``MLXRUNNER_ORIGINS``: browser origins ``mlxrunner serve`` accepts beyond this machine's
   (comma-separated glob patterns, as Ollama's ``OLLAMA_ORIGINS``; ``*``: any).
@@ -60,6 +63,8 @@ class Settings:
     prefix_cache: bool = True
     #: None: scaled to the model and the machine (mlxrunner.cache.prefix_cache_for)
     prefix_cache_mib: int | None = None
+    #: None: scaled to the model and the machine (mlxrunner.batch.batch_budget)
+    batch_mib: int | None = None
     api_key: str | None = field(default=None, repr=False)  # a secret: not in reprs
     origins: tuple[str, ...] = ()
     #: MLX's kernel cache folder (``MLX_PTX_CACHE_DIR``, MLX's own switch; None: MLX's
@@ -89,6 +94,8 @@ class Settings:
             prefix_cache=_flag(env, "MLXRUNNER_PREFIX_CACHE", True),
             prefix_cache_mib=_mib(env, "MLXRUNNER_PREFIX_CACHE_MIB")
             if env.get("MLXRUNNER_PREFIX_CACHE_MIB", "").strip() else None,
+            batch_mib=_mib(env, "MLXRUNNER_BATCH_MIB")
+            if env.get("MLXRUNNER_BATCH_MIB", "").strip() else None,
             api_key=env.get("MLXRUNNER_API_KEY") or None,
             origins=tuple(o.strip() for o in env.get("MLXRUNNER_ORIGINS", "").split(",")
                           if o.strip()),

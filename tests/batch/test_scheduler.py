@@ -181,6 +181,29 @@ def test_admission_is_bounded_and_first_come_first_served(model, budget):
         assert r.tokens == _alone(model, p, greedy, 6).tokens
 
 
+def test_the_batch_caches_stay_within_the_memory_budget(model):
+    """A budget of two rows as long as the longest request: never more than two run, the
+    batch's arrays never pass it, and each output is its solo one."""
+    prompts = _prompts(model.vocab_size, [5, 9, 6, 10, 7], seed=5)
+    greedy = SamplerOptions(temperature=0)
+    probe = Scheduler(model)
+    probe.submit(BatchRequest(prompts[0], greedy, 2))
+    while not probe.running:
+        probe.step()
+    budget = probe.batch.bytes_for(2, 10 + 6)
+    assert budget > 0 and probe.batch.bytes_for(3, 10 + 6) > budget
+    scheduler = Scheduler(model, memory_budget=budget)
+    requests = [scheduler.submit(BatchRequest(p, greedy, 6)) for p in prompts]
+    most, more = 0, True
+    while more:
+        more = scheduler.step()
+        most = max(most, scheduler.running)
+        assert sum(a.nbytes for a in scheduler.batch.state) <= budget
+    assert most == 2
+    for p, r in zip(prompts, requests):
+        assert r.tokens == _alone(model, p, greedy, 6).tokens
+
+
 def test_bad_requests_say_what_is_wrong(model):
     scheduler = Scheduler(model)
     with pytest.raises(ValueError, match="at least one token"):

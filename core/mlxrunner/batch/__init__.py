@@ -9,6 +9,7 @@ _EXPORTS: dict[str, str] = {
     "BatchRequest": "scheduler",
     "Scheduler": "scheduler",
     "TokenCallback": "scheduler",
+    "batch_budget": "scheduler",
     "generate_batch": "scheduler",
     "verify_width": "scheduler",
 }

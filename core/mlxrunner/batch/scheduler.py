@@ -45,7 +45,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .. import settings
-from ..cache import BatchCaches, Cache, KVCache, RecurrentCache, RingCache
+from ..cache import BatchCaches, Cache, KVCache, RecurrentCache, RingCache, scaled_budget
 from ..cache.prefix import PrefixHit
 from ..decode import (
     PREFILL_CHUNK,
@@ -319,15 +319,31 @@ def _check(request: BatchRequest, vocab_size: int) -> None:
         raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
 
 
+#: the batch's caches a server lets a model take by default (see batch_budget)
+BATCH_BUDGET_MIN = 512 << 20
+BATCH_BUDGET_MAX = 4096 << 20
+
+
+def batch_budget(weights_bytes: int | None) -> int:
+    """Bytes of batch caches ``serve`` gives a model of ``weights_bytes`` (None: not known):
+    ``MLXRUNNER_BATCH_MIB``, else four times its weights, at least 512 MiB, at most 4 GiB and
+    an eighth of this machine's memory. Requests past it wait for rows to end."""
+    chosen = settings.current().batch_mib
+    if chosen is not None:
+        return chosen << 20
+    return scaled_budget(weights_bytes, BATCH_BUDGET_MIN, BATCH_BUDGET_MAX)
+
+
 class Scheduler:
     """Continuous batching over one model (see the module).
 
     ``max_sequences`` bounds the sequences admitted at once (prefilling or running);
-    ``memory_budget`` (bytes, None: no bound) bounds what their caches are estimated to
-    take at their longest (prompt + max_tokens each, every row as long as the longest, as
-    the batch's buffers are); ``prefill_chunk`` is how many prompt tokens one step
-    prefills (the same as :func:`mlxrunner.generate`'s chunks by default, which keeps each
-    sequence's output exactly its solo output).
+    ``memory_budget`` (bytes, None: no bound; see :func:`batch_budget`) bounds what their
+    caches take at their longest (prompt + max_tokens each, every row as long as the
+    longest, as the batch's buffers are, rows and lengths as the batch allocates them);
+    ``prefill_chunk`` is how many prompt tokens one step prefills (the same as
+    :func:`mlxrunner.generate`'s chunks by default, which keeps each sequence's output
+    exactly its solo output).
     """
 
     def __init__(self, model: Model, *, max_sequences: int = 32,
@@ -435,13 +451,11 @@ class Scheduler:
             return False
         if self.memory_budget is None or not admitted:
             return True  # one sequence always runs, whatever its size
-        per_token, per_row = self.batch.bytes_per_token(), self.batch.bytes_per_row()
-        if not (per_token or per_row):
+        if not (self.batch.bytes_per_token() or self.batch.bytes_per_row()):
             return False  # not known before a first sequence has its row
         longest = max(len(s.prompt) + s.request.max_tokens for s in admitted)
         longest = max(longest, len(request.prompt) + request.max_tokens)
-        need = (len(admitted) + 1) * (per_row + per_token * longest)
-        return need <= self.memory_budget
+        return self.batch.bytes_for(len(admitted) + 1, longest) <= self.memory_budget
 
     def _drop_cancelled(self) -> None:
         with self._lock:

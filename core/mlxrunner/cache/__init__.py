@@ -5,11 +5,11 @@ from .base import Cache
 from .batched import BatchCaches, BatchedCache, RowFrame
 from .frame import TraceFrame, Untraceable, active_frame, framing
 from .kv import KVCache, bucket_capacity
-from .prefix import PrefixCache, PrefixHit, default_prefix_budget, prefix_cache_for
+from .prefix import PrefixCache, PrefixHit, default_prefix_budget, prefix_cache_for, scaled_budget
 from .recurrent import RecurrentCache, StateCapture
 from .ring import RingCache
 
 __all__ = ["BatchCaches", "BatchedCache", "Cache", "KVCache", "PrefixCache", "PrefixHit",
            "RecurrentCache", "RingCache", "RowFrame", "StateCapture", "TraceFrame", "Untraceable",
            "active_frame", "bucket_capacity", "default_prefix_budget", "framing",
-           "prefix_cache_for"]
+           "prefix_cache_for", "scaled_budget"]

@@ -232,6 +232,11 @@ class BatchedCache(Cache):
         """Bytes a row's buffer takes per cached position (0: a fixed size per row)."""
         return 0
 
+    @property
+    def capacity(self) -> int:
+        """Positions a row's buffer holds now (0: a fixed size per row)."""
+        return 0
+
     def bytes_per_row(self) -> int:
         """Bytes a row takes whatever its length."""
         return 0
@@ -695,6 +700,15 @@ class BatchCaches:
 
     def bytes_per_row(self) -> int:
         return sum(c.bytes_per_row() for c in self.layers)
+
+    def bytes_for(self, rows: int, positions: int) -> int:
+        """Bytes the caches take at ``rows`` rows (rounded up to what the batch allocates)
+        holding ``positions`` positions each (at least as many as they hold now): rows as
+        long as the longest, as the buffers are."""
+        allocated = max(self.rows, 1 << max(0, rows - 1).bit_length())
+        return sum(c.bytes_per_row() + c.bytes_per_token() * max(
+            c.capacity, trace_capacity(positions) if c.bytes_per_token() else 0)
+            for c in self.layers) * allocated
 
     @property
     def state(self) -> list[mx.array]:

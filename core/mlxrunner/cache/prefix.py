@@ -409,8 +409,15 @@ def default_prefix_budget(weights_bytes: int | None) -> int:
     """Bytes of cached state for a model of ``weights_bytes`` (None: not known): four times
     its weights, at least 256 MiB, at most 2 GiB and an eighth of this machine's memory (a
     135M model's server grew to 2.9 GB under the fixed 2 GiB)."""
-    budget = PREFIX_BUDGET_MAX if weights_bytes is None else max(
-        PREFIX_BUDGET_MIN, min(PREFIX_BUDGET_MAX, PREFIX_BUDGET_PER_WEIGHT_BYTE * weights_bytes))
+    return scaled_budget(weights_bytes, PREFIX_BUDGET_MIN, PREFIX_BUDGET_MAX)
+
+
+def scaled_budget(weights_bytes: int | None, low: int, high: int) -> int:
+    """Four times a model's weights (``high`` where they are not known), within
+    ``[low, high]`` and at most an eighth of this machine's memory: what a server lets one
+    model's caches take."""
+    budget = high if weights_bytes is None else max(
+        low, min(high, PREFIX_BUDGET_PER_WEIGHT_BYTE * weights_bytes))
     try:
         machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):  # no sysconf: no share known

@@ -558,6 +558,7 @@ def _serve_logging(verbose: bool) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .. import settings
+    from ..bundle import weights_bytes
     from ..serve import Limits, Listener, ServeConfig, Service, bind, create_app, is_loopback
     from ..serve.models import Models, keep_alive_seconds
 
@@ -621,6 +622,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("mlxrunner: prefix cache " + (f"up to {kept.budget_bytes >> 20} MiB of model "
                                             "state (MLXRUNNER_PREFIX_CACHE_MIB)" if kept is not
                                             None else "off"), file=sys.stderr, flush=True)
+        print(f"mlxrunner: batch caches up to {service.engine.batch_budget >> 20} MiB "
+              "(MLXRUNNER_BATCH_MIB); weights "
+              f"{(weights_bytes(bundle.model) or 0) >> 20} MiB", file=sys.stderr, flush=True)
     print(f"mlxrunner: serving {service.name}{draft} on {listener.url} (OpenAI /v1, Ollama "
           "/api, Anthropic /v1/messages; Ctrl-C stops)", file=sys.stderr, flush=True)
     try:

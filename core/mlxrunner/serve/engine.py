@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from ..batch import BatchRequest, Scheduler
+from ..batch import BatchRequest, Scheduler, batch_budget
 from ..bundle import Bundle, context_length, weights_bytes
 from ..cache import prefix_cache_for
 from ..chat.streaming import TextStream
@@ -165,6 +165,8 @@ class Engine:
         self.stop_ids = bundle.stop_token_ids()
         #: state kept across requests (None: off, or a model whose caches it cannot keep)
         self.prefix_cache = prefix_cache_for(bundle.model.make_cache, weights_bytes(bundle.model))
+        #: bytes the batch's caches may take (requests past it wait for rows to end)
+        self.batch_budget = batch_budget(weights_bytes(bundle.model))
         self.request_timeout = request_timeout
         self.queue_size = queue_size
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -223,7 +225,8 @@ class Engine:
         return job
 
     def _serve(self) -> None:
-        scheduler = self.scheduler = Scheduler(self.bundle.model, max_sequences=self.max_batch)
+        scheduler = self.scheduler = Scheduler(self.bundle.model, max_sequences=self.max_batch,
+                                               memory_budget=self.batch_budget)
         active: list[_Job] = []  # in the batch
         closing = False
         trimmed = time.monotonic()
@@ -273,7 +276,8 @@ class Engine:
                     job.future.set_exception(exc)
                 active.clear()
                 scheduler = self.scheduler = Scheduler(self.bundle.model,
-                                                       max_sequences=self.max_batch)
+                                                       max_sequences=self.max_batch,
+                                                       memory_budget=self.batch_budget)
                 continue
             for job in [j for j in active if j.request is not None and j.request.done]:
                 active.remove(job)
