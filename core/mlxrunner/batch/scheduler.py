@@ -45,7 +45,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .. import settings
-from ..cache import BatchCaches, Cache, KVCache, RecurrentCache, RingCache, scaled_budget
+from ..cache import BatchCaches, Cache, scaled_budget
 from ..cache.prefix import PrefixHit
 from ..decode import (
     PREFILL_CHUNK,
@@ -1020,23 +1020,9 @@ class Scheduler:
         fed = self.batch.row_offsets[row]
         n = fed if length is None else length
         for mine, batched in zip(solo, self.batch.caches):
-            if mine is None or batched is None:
-                continue
-            held = cast(Any, batched)
-            if n != fed and type(mine) is not KVCache:
+            if mine is not None and batched is not None and \
+                    not batched.fill_solo(row, mine, n, own):
                 return None
-            if type(mine) is RecurrentCache:
-                mine.conv_tail = own(held.conv_tail[row:row + 1])
-                mine.recurrent_state = own(held.recurrent_state[row:row + 1])
-            elif type(mine) is KVCache:
-                mine.keys = own(held.keys[row:row + 1, :, :n])
-                mine.values = own(held.values[row:row + 1, :, :n])
-            elif type(mine) is RingCache:
-                mine.keys = own(held.keys[row:row + 1])
-                mine.values = own(held.values[row:row + 1])
-            else:
-                return None
-            mine.offset = n
         return solo
 
     def _finish_unstarted(self, request: BatchRequest) -> None:

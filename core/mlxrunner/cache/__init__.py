@@ -3,8 +3,8 @@ stand in for themselves inside a traced forward (see :mod:`.frame`)."""
 
 from .base import Cache
 from .batched import BatchCaches, BatchedCache, RowFrame
-from .frame import TraceFrame, Untraceable, active_frame, framing
-from .kv import KVCache, bucket_capacity
+from .frame import TraceFrame, Untraceable, active_frame, bucket_capacity, framing
+from .kv import KVCache
 from .prefix import PrefixCache, PrefixHit, default_prefix_budget, prefix_cache_for, scaled_budget
 from .recurrent import RecurrentCache, StateCapture
 from .ring import RingCache

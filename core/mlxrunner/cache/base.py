@@ -6,6 +6,9 @@ and then keeps only the accepted prefix. Before that forward it calls
 layer captures whatever it needs at those offsets *during* the forward (never
 by running token by token); afterwards ``restore(offset)`` puts the cache into
 exactly the state a plain run over the committed tokens would have left.
+
+A kind also says how it is batched (:meth:`Cache.batched`) and how the prefix cache keeps
+it (:meth:`Cache.prefix_kind`); see docs/batching.md, "Adding a cache kind".
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .batched import BatchedCache
     from .frame import TraceFrame
 
 
@@ -83,6 +87,39 @@ class Cache:
 
     def give_back(self, inputs: Sequence[mx.array]) -> None:
         """A traced forward did not run: take back the arrays :meth:`trace_inputs` gave."""
+        raise NotImplementedError
+
+    # -- batching -----------------------------------------------------------------------
+    def batched(self) -> BatchedCache:
+        """A new, empty batched cache that holds rows of what this cache holds for one
+        sequence (:class:`~.batched.BatchCaches`)."""
+        name = type(self).__name__
+        raise TypeError(f"no batched form of {name} (KVCache, RingCache and RecurrentCache "
+                        "have one)")
+
+    # -- the prefix cache (mlxrunner.cache.prefix) ----------------------------------------
+    def prefix_kind(self) -> str | None:
+        """How the prefix cache keeps this cache: "kv" (keys and values per position:
+        :meth:`prefix_rows`, :meth:`fill_prefix`), "snapshot" (the whole state at one offset:
+        :meth:`prefix_snapshot`, :meth:`restore_prefix_snapshot`), or None (it cannot)."""
+        return None
+
+    def prefix_rows(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """("kv") Keys and values of positions ``[start, end)``, in arrays of their own."""
+        raise NotImplementedError
+
+    def fill_prefix(self, keys: mx.array, values: mx.array, length: int) -> None:
+        """("kv", on a new cache) Hold ``keys`` and ``values`` (at least ``length``
+        positions) as a run over ``length`` tokens leaves them."""
+        raise NotImplementedError
+
+    def prefix_snapshot(self) -> tuple[mx.array, mx.array]:
+        """("snapshot") The whole state at the current offset, in arrays of their own."""
+        raise NotImplementedError
+
+    def restore_prefix_snapshot(self, first: mx.array, second: mx.array, length: int) -> None:
+        """("snapshot", on a new cache) Hold what :meth:`prefix_snapshot` gave at offset
+        ``length`` (copies of it: the prefix cache keeps the arrays for other lookups)."""
         raise NotImplementedError
 
     def _check_restorable(self, offset: int) -> None:

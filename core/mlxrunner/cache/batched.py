@@ -1,5 +1,12 @@
 """Caches that hold several sequences of different lengths, one row each (continuous
-batching): full keys/values, sliding rings and recurrent state.
+batching): what every kind's batched cache shares, and the caches of a model's layers.
+
+Each cache kind keeps its batched form in its own module, beside its solo cache (which
+returns it from :meth:`Cache.batched`): full keys/values (:class:`~.kv.BatchedKVCache`),
+sliding rings (:class:`~.ring.BatchedRingCache`) and recurrent state
+(:class:`~.recurrent.BatchedRecurrentCache`). This module holds their base
+(:class:`BatchedCache`), the frame of a batched forward (:class:`RowFrame`) and
+:class:`BatchCaches`.
 
 Every row has its own offset: ``offset`` is an int32 array ``[B]`` (what RoPE takes) and
 ``row_offsets`` the same as Python ints. A forward of ``L`` tokens per row writes each row
@@ -15,8 +22,9 @@ exactly, as an architecture calling :func:`mlxrunner.nn.store` does.
 Rows join (:meth:`BatchCaches.add` copies one sequence's solo caches, after its prefill,
 into a free row) and leave (:meth:`BatchCaches.remove` frees the row; nothing is copied).
 Free rows keep offset 0 and never advance; what a forward writes there is never read.
+:meth:`BatchedCache.fill_solo` copies a row back into a solo cache (for the prefix cache).
 
-Rollback per row: after a forward of ``L`` tokens per row, ``restore(row_offsets)`` puts
+Rollback per row: after a forward of ``L`` tokens per row, ``restore_rows(offsets)`` puts
 each row back to any offset in ``[start, start + L]`` of that forward (the speculative verify
 of a batch: every row keeps its accepted prefix). Full KV moves the offset; a ring rebuilds
 the row from the window before the write and the accepted part of the block; a recurrent
@@ -34,10 +42,7 @@ import mlx.core as mx
 
 from ..constants import arange_constant
 from .base import Cache
-from .frame import TraceFrame
-from .kv import KVCache, trace_capacity
-from .recurrent import RecurrentCache, TracedRecurrentCache, adopted_capture
-from .ring import RingCache
+from .frame import TraceFrame, trace_capacity
 
 
 class RowFrame(TraceFrame):
@@ -180,6 +185,14 @@ class BatchedCache(Cache):
     def _take_rows(self, order: mx.array, length: int) -> None:
         raise NotImplementedError
 
+    def fill_solo(self, row: int, solo: Cache, length: int,
+                  own: Callable[[mx.array], mx.array]) -> bool:
+        """Make ``solo`` (a new cache of the kind this one batches, from the model's
+        ``make_cache``) hold the first ``length`` positions of ``row``, each array passed
+        through ``own`` (a copy, or not); False where this kind cannot give that row at that
+        length (``solo`` is then not to be used)."""
+        return False
+
     # -- rollback ------------------------------------------------------------------------
     def keep_for_restore(self) -> None:
         """The next forward keeps what :meth:`restore_rows` needs."""
@@ -242,371 +255,6 @@ class BatchedCache(Cache):
         return 0
 
 
-class BatchedKVCache(BatchedCache):
-    """Full attention: keys and values ``[B, H, S, D]``, slot ``j`` position ``j`` in each
-    row; ``S`` grows through the traced buffer sizes (:func:`trace_capacity`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def _room_for(self, length: int) -> int:
-        return trace_capacity(length)
-
-    def _ensure_length(self, length: int) -> None:
-        assert self.keys is not None and self.values is not None
-        if length <= self.capacity:
-            return
-        size = self._room_for(length)
-        B, H, S, Dk = self.keys.shape
-        self.keys = mx.concatenate([self.keys, mx.zeros((B, H, size - S, Dk), self.keys.dtype)],
-                                   axis=2)
-        self.values = mx.concatenate(
-            [self.values, mx.zeros((B, self.values.shape[1], size - S, self.values.shape[3]),
-                                   self.values.dtype)], axis=2)
-
-    def _grow_rows(self, rows: int) -> None:
-        if self.keys is not None and self.values is not None:
-            self.keys, self.values = grow_rows(self.keys, rows), grow_rows(self.values, rows)
-
-    def _copy_row(self, row: int, solo: Cache) -> None:
-        if not isinstance(solo, KVCache) or solo.keys is None or solo.values is None:
-            raise TypeError(f"a batched KV cache takes a filled KVCache, got {type(solo).__name__}")
-        n = int(solo.offset)
-        if self.keys is None or self.values is None:
-            B, (_, H, _, Dk), (_, Hv, _, Dv) = self.rows, solo.keys.shape, solo.values.shape
-            size = self._room_for(n + 1)
-            self.keys = mx.zeros((B, H, size, Dk), solo.keys.dtype)
-            self.values = mx.zeros((B, Hv, size, Dv), solo.values.dtype)
-        self._ensure_length(n + 1)
-        self.keys[row:row + 1, :, :n, :] = solo.keys[..., :n, :]
-        self.values[row:row + 1, :, :n, :] = solo.values[..., :n, :]
-
-    def _take_rows(self, order: mx.array, length: int) -> None:
-        if self.keys is None or self.values is None:
-            return
-        size = min(self.capacity, self._room_for(length))
-        self.keys = mx.contiguous(self.keys[order, :, :size])
-        self.values = mx.contiguous(self.values[order, :, :size])
-
-    def bytes_per_token(self) -> int:
-        if self.keys is None or self.values is None:
-            return 0
-        k, v = self.keys, self.values
-        return k.shape[1] * k.shape[3] * k.itemsize + v.shape[1] * v.shape[3] * v.itemsize
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [] if self.keys is None or self.values is None else [self.keys, self.values]
-
-    # -- forwards --------------------------------------------------------------------------
-    def trace_key(self, length: int) -> Hashable | None:
-        if self.keys is None:
-            return None
-        need = max(self.row_offsets) + length
-        return (self.rows, self.capacity if need <= self.capacity else self._room_for(need))
-
-    def trace_inputs(self, length: int) -> list[mx.array]:
-        self._ensure_length(max(self.row_offsets) + length)
-        assert self.keys is not None and self.values is not None
-        arrays = [self.keys, self.values]
-        self.keys = self.values = None  # the write may reuse the buffers
-        return arrays
-
-    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
-        return _RowKVCache(_row_frame(frame), arrays)
-
-    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
-              record: object) -> None:
-        self.keys, self.values = outputs
-        self._advanced(length)
-
-    def give_back(self, inputs: Sequence[mx.array]) -> None:
-        self.keys, self.values = inputs
-
-
-class _RowKVCache(Cache):
-    """A :class:`BatchedKVCache` inside a forward: each row's ``L`` keys go to its own
-    positions; attention reads the whole buffer under the rows' causal mask."""
-
-    def __init__(self, frame: RowFrame, arrays: Sequence[mx.array]) -> None:
-        super().__init__()
-        self.frame = frame
-        self.offset = frame.offset  # type: ignore[assignment]
-        self.keys, self.values = arrays
-
-    def mask(self, n: int) -> mx.array:
-        return self.frame.buffer(self.keys.shape[2])[0]
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        at = self.frame.row_queries()[:, None, :, None]  # [B, 1, L, 1]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values,
-                                        axis=2)
-        self.frame.hand_out(self.keys, *self.frame.buffer(self.keys.shape[2]))
-        return self.keys, self.values
-
-    def trace_outputs(self) -> list[mx.array]:
-        return [self.keys, self.values]
-
-
-class BatchedRingCache(BatchedCache):
-    """Sliding window: ``[B, H, window, D]``, position ``p`` of a row at slot
-    ``p % window``, as :class:`RingCache` keeps one sequence."""
-
-    def __init__(self, window: int) -> None:
-        super().__init__()
-        if window < 1:
-            raise ValueError(f"sliding window must be positive, got {window}")
-        self.window = self.longest_forward = int(window)
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        # (ring keys, ring values before the last block write, the block's keys, values)
-        self._before: tuple[mx.array, mx.array, mx.array, mx.array] | None = None
-
-    def _grow_rows(self, rows: int) -> None:
-        if self.keys is not None and self.values is not None:
-            self.keys, self.values = grow_rows(self.keys, rows), grow_rows(self.values, rows)
-
-    def _copy_row(self, row: int, solo: Cache) -> None:
-        if not isinstance(solo, RingCache) or solo.keys is None or solo.values is None \
-                or solo.window != self.window:
-            raise TypeError(f"a batched ring of window {self.window} takes a filled RingCache "
-                            "of the same window")
-        if self.keys is None or self.values is None:
-            self.keys = mx.zeros((self.rows, *solo.keys.shape[1:]), solo.keys.dtype)
-            self.values = mx.zeros((self.rows, *solo.values.shape[1:]), solo.values.dtype)
-        self.keys[row:row + 1] = solo.keys
-        self.values[row:row + 1] = solo.values
-
-    def _take_rows(self, order: mx.array, length: int) -> None:
-        if self.keys is not None and self.values is not None:
-            self.keys, self.values = self.keys[order], self.values[order]
-
-    def bytes_per_row(self) -> int:
-        if self.keys is None or self.values is None:
-            return 0
-        return (self.keys.nbytes + self.values.nbytes) // max(self.rows, 1)
-
-    def discard_snapshots(self) -> None:
-        super().discard_snapshots()
-        self._before = None
-
-    def _restore(self, offsets: list[int], starts: tuple[int, ...]) -> None:
-        if self._before is None:
-            return  # one-token writes: every kept slot is still in place
-        ring_keys, ring_values, keys, values = self._before
-        # the block again, its token j written only where the row keeps it (else the slot
-        # keeps what it held before the block)
-        length = keys.shape[2]
-        start = mx.array(list(starts), dtype=mx.int32)[:, None]
-        kept = (mx.array(offsets, dtype=mx.int32)[:, None] - start)  # [B, 1]
-        j = arange_constant(length)[None]
-        slots = mx.remainder(start + j, self.window)[:, None, :, None]  # [B, 1, L, 1]
-        keep = (j < kept)[:, None, :, None]
-        self.keys = self._rewrite(ring_keys, keys, slots, keep)
-        self.values = self._rewrite(ring_values, values, slots, keep)
-
-    @staticmethod
-    def _rewrite(ring: mx.array, block: mx.array, slots: mx.array, keep: mx.array) -> mx.array:
-        at = mx.broadcast_to(slots, block.shape)
-        old = mx.take_along_axis(ring, at, axis=2)
-        return mx.put_along_axis(ring, at, mx.where(keep, block, old), axis=2)
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [] if self.keys is None or self.values is None else [self.keys, self.values]
-
-    # -- forwards --------------------------------------------------------------------------
-    def trace_key(self, length: int) -> Hashable | None:
-        if self.keys is None or length > self.window:
-            return None
-        return (self.rows, self.window, length, length > 1 and self.restorable)
-
-    def trace_inputs(self, length: int) -> list[mx.array]:
-        assert self.keys is not None and self.values is not None
-        arrays = [self.keys, self.values]
-        if not (length > 1 and self.restorable):
-            self.keys = self.values = None  # the write may reuse the buffers
-        return arrays
-
-    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
-        if frame.length > self.window:
-            raise ValueError(f"a batched forward of {frame.length} tokens is longer than the "
-                             f"sliding window {self.window}")
-        return _RowRingCache(_row_frame(frame), arrays, self.window,
-                             frame.length > 1 and self.restorable)
-
-    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
-              record: object) -> None:
-        self._before = (inputs[0], inputs[1], outputs[2], outputs[3]) if len(outputs) == 4 \
-            else None
-        self.keys, self.values = outputs[0], outputs[1]
-        self._advanced(length)
-
-    def give_back(self, inputs: Sequence[mx.array]) -> None:
-        self.keys, self.values = inputs
-
-
-class _RowRingCache(Cache):
-    """A :class:`BatchedRingCache` inside a forward: one token per row goes to its slot and
-    attends over the ring as it stands; a block attends over the ring before its write and
-    itself, then goes to its slots."""
-
-    def __init__(self, frame: RowFrame, arrays: Sequence[mx.array], window: int,
-                 keep_block: bool) -> None:
-        super().__init__()
-        self.frame = frame
-        self.offset = frame.offset  # type: ignore[assignment]
-        self.window = window
-        self.keys, self.values = arrays
-        self.keep_block = keep_block
-        self.block: list[mx.array] = []
-
-    def mask(self, n: int) -> mx.array:
-        return self.frame.ring_step(self.window) if n == 1 else self.frame.ring_block(self.window)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        # [B, 1, L, 1]
-        slots = mx.remainder(self.frame.row_queries(), self.window)[:, None, :, None]
-        new_keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys,
-                                     axis=2)
-        new_values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape),
-                                       values, axis=2)
-        if self.frame.length == 1:
-            out_keys, out_values = new_keys, new_values
-        else:
-            out_keys = mx.concatenate([self.keys, keys], axis=2)
-            out_values = mx.concatenate([self.values, values], axis=2)
-            if self.keep_block:
-                self.block = [keys, values]
-        self.keys, self.values = new_keys, new_values
-        mask = self.mask(self.frame.length)
-        self.frame.hand_out(out_keys, mask, mask)
-        return out_keys, out_values
-
-    def trace_outputs(self) -> list[mx.array]:
-        return [self.keys, self.values, *self.block]
-
-
-class BatchedRecurrentCache(BatchedCache):
-    """Recurrent layers: conv tails ``[B, kernel - 1, C]`` and states ``[B, H, Dv, Dk]``
-    stacked by row."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv_tail: mx.array | None = None
-        self.recurrent_state: mx.array | None = None
-        self._capture: Callable[[int], tuple[mx.array, mx.array]] | None = None
-
-    def _grow_rows(self, rows: int) -> None:
-        if self.conv_tail is not None and self.recurrent_state is not None:
-            self.conv_tail = grow_rows(self.conv_tail, rows)
-            self.recurrent_state = grow_rows(self.recurrent_state, rows)
-
-    def _copy_row(self, row: int, solo: Cache) -> None:
-        if not isinstance(solo, RecurrentCache) or solo.conv_tail is None or \
-                solo.recurrent_state is None:
-            raise TypeError("a batched recurrent cache takes a filled RecurrentCache, got "
-                            f"{type(solo).__name__}")
-        if self.conv_tail is None or self.recurrent_state is None:
-            self.conv_tail = mx.zeros((self.rows, *solo.conv_tail.shape[1:]),
-                                      solo.conv_tail.dtype)
-            self.recurrent_state = mx.zeros((self.rows, *solo.recurrent_state.shape[1:]),
-                                            solo.recurrent_state.dtype)
-        self.conv_tail[row:row + 1] = solo.conv_tail
-        self.recurrent_state[row:row + 1] = solo.recurrent_state
-
-    def _take_rows(self, order: mx.array, length: int) -> None:
-        if self.conv_tail is not None and self.recurrent_state is not None:
-            self.conv_tail = self.conv_tail[order]
-            self.recurrent_state = self.recurrent_state[order]
-
-    def bytes_per_row(self) -> int:
-        if self.conv_tail is None or self.recurrent_state is None:
-            return 0
-        return (self.conv_tail.nbytes + self.recurrent_state.nbytes) // max(self.rows, 1)
-
-    def snapshot_positions(self, length: int) -> list[int]:
-        """Interior boundaries a capture must answer: every one, when a rollback may follow."""
-        return list(range(1, length)) if self.restorable else []
-
-    def discard_snapshots(self) -> None:
-        super().discard_snapshots()
-        self._capture = None
-
-    def _restore(self, offsets: list[int], starts: tuple[int, ...]) -> None:
-        assert self.conv_tail is not None and self.recurrent_state is not None
-        ends = self.row_offsets
-        wanted: dict[int, list[int]] = {}
-        for r, (o, s, e) in enumerate(zip(offsets, starts, ends)):
-            if self.live[r] and o != e:
-                wanted.setdefault(o - s, []).append(r)
-        if not wanted:
-            return
-        if self._capture is None:
-            raise ValueError("restore_rows: the last forward captured no recurrent state")
-        tail, state = self.conv_tail, self.recurrent_state
-        for j, rows in sorted(wanted.items()):
-            if j == 0:
-                raise ValueError("a recurrent row keeps at least one token of a forward")
-            tail_j, state_j = self._capture(j)
-            pick = _row_select(rows, self.rows)
-            tail = mx.where(pick[:, None, None], tail_j.astype(tail.dtype), tail)
-            state = mx.where(pick[:, None, None, None], state_j.astype(state.dtype), state)
-        self.conv_tail, self.recurrent_state = tail, state
-
-    @property
-    def state(self) -> list[mx.array]:
-        if self.conv_tail is None or self.recurrent_state is None:
-            return []
-        return [self.conv_tail, self.recurrent_state]
-
-    # -- forwards --------------------------------------------------------------------------
-    def trace_key(self, length: int) -> Hashable | None:
-        if self.recurrent_state is None:
-            return None
-        return (self.rows, tuple(self.snapshot_positions(length)))
-
-    def trace_inputs(self, length: int) -> list[mx.array]:
-        assert self.conv_tail is not None and self.recurrent_state is not None
-        arrays = [self.conv_tail, self.recurrent_state]
-        self.conv_tail = self.recurrent_state = None
-        return arrays
-
-    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
-        return TracedRecurrentCache(frame, arrays, self.snapshot_positions(frame.length))
-
-    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
-              record: object) -> None:
-        tail, state, *captured = outputs
-        self._capture = adopted_capture(self.snapshot_positions(length), captured, record)
-        self.conv_tail, self.recurrent_state = tail, state
-        self._advanced(length)
-
-    def give_back(self, inputs: Sequence[mx.array]) -> None:
-        self.conv_tail, self.recurrent_state = inputs
-
-
-def batched_form(cache: Cache | None) -> BatchedCache | None:
-    """The batched cache that holds rows of what ``cache`` holds for one sequence."""
-    if cache is None:
-        return None
-    if isinstance(cache, RingCache):
-        return BatchedRingCache(cache.window)
-    if isinstance(cache, KVCache):
-        return BatchedKVCache()
-    if isinstance(cache, RecurrentCache):
-        return BatchedRecurrentCache()
-    raise TypeError(f"no batched form of {type(cache).__name__} (KVCache, RingCache and "
-                    "RecurrentCache have one)")
-
-
 class BatchCaches:
     """A model's layers' batched caches and the rows they hold.
 
@@ -616,7 +264,8 @@ class BatchCaches:
     """
 
     def __init__(self, template: Sequence[Cache | None]) -> None:
-        self.caches: list[BatchedCache | None] = [batched_form(c) for c in template]
+        self.caches: list[BatchedCache | None] = [None if c is None else c.batched()
+                                                  for c in template]
         self.layers = [c for c in self.caches if c is not None]
         if not self.layers:
             raise ValueError("a batch needs at least one layer with a cache")

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..constants import arange_constant
-from .kv import bucket_capacity
+from .frame import bucket_capacity
 
 
 class ContextCache:

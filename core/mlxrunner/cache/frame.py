@@ -10,7 +10,8 @@ that makes them exact, and :meth:`TraceFrame.mask_for` finds it again (the model
 ``mask`` argument, "causal" or None, described the exact-length keys of an eager forward).
 
 The frame being traced is the calling thread's own (:func:`active_frame`): two models may
-trace at once on two threads.
+trace at once on two threads. Buffers that traced forwards attend over grow through few
+sizes (:func:`trace_capacity`), each size a trace of its own.
 """
 
 from __future__ import annotations
@@ -113,6 +114,32 @@ class TraceFrame:
                 return mask & written
             return mx.where(written, mask, mx.array(-mx.inf, dtype=mask.dtype))
         raise Untraceable(f"an attention mask of type {type(mask).__name__}")
+
+
+def trace_capacity_step() -> int:
+    """Traced forwards attend over a whole buffer, masked, and are traced once per buffer
+    size: buffers grow in steps of this many positions. A CPU pays for the masked
+    positions more than for the rarer retraces, a GPU the other way round."""
+    return 256 if mx.default_device() == mx.cpu else 1024
+
+
+def bucket_capacity(length: int, step: int) -> int:
+    """A buffer size for ``length`` positions: 1, 2, 3 or 4 steps of ``step``, then the next
+    of 6, 8, 12, 16, 24, ... steps (a power of two or one and a half times one). A context of ``n``
+    steps thus passes through about ``2 log2(n)`` sizes, not ``n`` (each a trace of its own
+    and, on CUDA, graphs of its own), leaving at most a third of a buffer unused."""
+    steps = -(-max(length, 1) // step)
+    if steps > 4:
+        power = 1 << (steps.bit_length() - 1)
+        steps = power if steps == power else power * 3 // 2 if steps <= power * 3 // 2 \
+            else power * 2
+    return steps * step
+
+
+def trace_capacity(length: int) -> int:
+    """The buffer size a traced forward uses for ``length`` positions (see
+    :func:`bucket_capacity` and :func:`trace_capacity_step`)."""
+    return bucket_capacity(length, trace_capacity_step())
 
 
 _local = threading.local()

@@ -1,39 +1,16 @@
-"""Full-attention key/value cache: rollback is an offset move."""
+"""Full-attention key/value cache: rollback is an offset move. Its batched form
+(:class:`BatchedKVCache`, rows of keys and values ``[B, H, S, D]``) is here too, and the
+prefix cache keeps it per position (:meth:`KVCache.prefix_rows`)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import mlx.core as mx
 
 from .base import Cache
-from .frame import TraceFrame
-
-
-def trace_capacity_step() -> int:
-    """Traced forwards attend over a whole buffer, masked, and are traced once per buffer
-    size: buffers grow in steps of this many positions. A CPU pays for the masked
-    positions more than for the rarer retraces, a GPU the other way round."""
-    return 256 if mx.default_device() == mx.cpu else 1024
-
-
-def bucket_capacity(length: int, step: int) -> int:
-    """A buffer size for ``length`` positions: 1, 2, 3 or 4 steps of ``step``, then the next
-    of 6, 8, 12, 16, 24, ... steps (a power of two or one and a half times one). A context of ``n``
-    steps thus passes through about ``2 log2(n)`` sizes, not ``n`` (each a trace of its own
-    and, on CUDA, graphs of its own), leaving at most a third of a buffer unused."""
-    steps = -(-max(length, 1) // step)
-    if steps > 4:
-        power = 1 << (steps.bit_length() - 1)
-        steps = power if steps == power else power * 3 // 2 if steps <= power * 3 // 2 \
-            else power * 2
-    return steps * step
-
-
-def trace_capacity(length: int) -> int:
-    """The buffer size a traced forward uses for ``length`` positions (see
-    :func:`bucket_capacity` and :func:`trace_capacity_step`)."""
-    return bucket_capacity(length, trace_capacity_step())
+from .batched import BatchedCache, RowFrame, _row_frame, grow_rows
+from .frame import TraceFrame, trace_capacity
 
 
 class KVCache(Cache):
@@ -126,6 +103,34 @@ class KVCache(Cache):
     def give_back(self, inputs: Sequence[mx.array]) -> None:
         self.keys, self.values = inputs
 
+    # -- batching and the prefix cache ------------------------------------------------------
+    def batched(self) -> BatchedKVCache:
+        return BatchedKVCache()
+
+    def prefix_kind(self) -> str | None:
+        # the exact class: a subclass may keep state this one does not know
+        return "kv" if type(self) is KVCache else None
+
+    def prefix_rows(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        assert self.keys is not None and self.values is not None
+        return (mx.contiguous(self.keys[..., start:end, :]),
+                mx.contiguous(self.values[..., start:end, :]))
+
+    def fill_prefix(self, keys: mx.array, values: mx.array, length: int) -> None:
+        # the first ``length`` positions in buffers of a multiple of ``step`` positions (as
+        # update_and_fetch grows them)
+        size = -(-length // self.step) * self.step
+        keys, values = keys[..., :length, :], values[..., :length, :]
+        if size > length:
+            pad = size - length
+            keys = mx.concatenate(
+                [keys, mx.zeros((*keys.shape[:2], pad, keys.shape[3]), keys.dtype)], axis=2)
+            values = mx.concatenate(
+                [values, mx.zeros((*values.shape[:2], pad, values.shape[3]), values.dtype)],
+                axis=2)
+        self.keys, self.values = keys, values
+        self.offset = length
+
 
 class _TracedKVCache(KVCache):
     """A :class:`KVCache` inside a traced forward: writes go into the fixed-size buffers at
@@ -149,6 +154,129 @@ class _TracedKVCache(KVCache):
         self.keys = mx.slice_update(self.keys, keys, self.frame.start, (2,))
         self.values = mx.slice_update(self.values, values, self.frame.start, (2,))
         self.frame.hand_out(self.keys, *self.frame.buffer_masks(self.keys.shape[2]))
+        return self.keys, self.values
+
+    def trace_outputs(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+
+class BatchedKVCache(BatchedCache):
+    """Full attention: keys and values ``[B, H, S, D]``, slot ``j`` position ``j`` in each
+    row; ``S`` grows through the traced buffer sizes (:func:`trace_capacity`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _room_for(self, length: int) -> int:
+        return trace_capacity(length)
+
+    def _ensure_length(self, length: int) -> None:
+        assert self.keys is not None and self.values is not None
+        if length <= self.capacity:
+            return
+        size = self._room_for(length)
+        B, H, S, Dk = self.keys.shape
+        self.keys = mx.concatenate([self.keys, mx.zeros((B, H, size - S, Dk), self.keys.dtype)],
+                                   axis=2)
+        self.values = mx.concatenate(
+            [self.values, mx.zeros((B, self.values.shape[1], size - S, self.values.shape[3]),
+                                   self.values.dtype)], axis=2)
+
+    def _grow_rows(self, rows: int) -> None:
+        if self.keys is not None and self.values is not None:
+            self.keys, self.values = grow_rows(self.keys, rows), grow_rows(self.values, rows)
+
+    def _copy_row(self, row: int, solo: Cache) -> None:
+        if not isinstance(solo, KVCache) or solo.keys is None or solo.values is None:
+            raise TypeError(f"a batched KV cache takes a filled KVCache, got {type(solo).__name__}")
+        n = int(solo.offset)
+        if self.keys is None or self.values is None:
+            B, (_, H, _, Dk), (_, Hv, _, Dv) = self.rows, solo.keys.shape, solo.values.shape
+            size = self._room_for(n + 1)
+            self.keys = mx.zeros((B, H, size, Dk), solo.keys.dtype)
+            self.values = mx.zeros((B, Hv, size, Dv), solo.values.dtype)
+        self._ensure_length(n + 1)
+        self.keys[row:row + 1, :, :n, :] = solo.keys[..., :n, :]
+        self.values[row:row + 1, :, :n, :] = solo.values[..., :n, :]
+
+    def _take_rows(self, order: mx.array, length: int) -> None:
+        if self.keys is None or self.values is None:
+            return
+        size = min(self.capacity, self._room_for(length))
+        self.keys = mx.contiguous(self.keys[order, :, :size])
+        self.values = mx.contiguous(self.values[order, :, :size])
+
+    def fill_solo(self, row: int, solo: Cache, length: int,
+                  own: Callable[[mx.array], mx.array]) -> bool:
+        if type(solo) is not KVCache:
+            return False
+        assert self.keys is not None and self.values is not None
+        solo.keys = own(self.keys[row:row + 1, :, :length])
+        solo.values = own(self.values[row:row + 1, :, :length])
+        solo.offset = length
+        return True
+
+    def bytes_per_token(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        k, v = self.keys, self.values
+        return k.shape[1] * k.shape[3] * k.itemsize + v.shape[1] * v.shape[3] * v.itemsize
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
+
+    # -- forwards --------------------------------------------------------------------------
+    def trace_key(self, length: int) -> Hashable | None:
+        if self.keys is None:
+            return None
+        need = max(self.row_offsets) + length
+        return (self.rows, self.capacity if need <= self.capacity else self._room_for(need))
+
+    def trace_inputs(self, length: int) -> list[mx.array]:
+        self._ensure_length(max(self.row_offsets) + length)
+        assert self.keys is not None and self.values is not None
+        arrays = [self.keys, self.values]
+        self.keys = self.values = None  # the write may reuse the buffers
+        return arrays
+
+    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
+        return _RowKVCache(_row_frame(frame), arrays)
+
+    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
+              record: object) -> None:
+        self.keys, self.values = outputs
+        self._advanced(length)
+
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        self.keys, self.values = inputs
+
+
+class _RowKVCache(Cache):
+    """A :class:`BatchedKVCache` inside a forward: each row's ``L`` keys go to its own
+    positions; attention reads the whole buffer under the rows' causal mask."""
+
+    def __init__(self, frame: RowFrame, arrays: Sequence[mx.array]) -> None:
+        super().__init__()
+        self.frame = frame
+        self.offset = frame.offset  # type: ignore[assignment]
+        self.keys, self.values = arrays
+
+    def mask(self, n: int) -> mx.array:
+        return self.frame.buffer(self.keys.shape[2])[0]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        at = self.frame.row_queries()[:, None, :, None]  # [B, 1, L, 1]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values,
+                                        axis=2)
+        self.frame.hand_out(self.keys, *self.frame.buffer(self.keys.shape[2]))
         return self.keys, self.values
 
     def trace_outputs(self) -> list[mx.array]:

@@ -2,23 +2,25 @@
 starts the way an earlier one did (a system prompt, the conversation so far) only prefills
 what is new.
 
-State is kept in a trie of token blocks (``block`` tokens each). Every block holds its own
-copy of the attention keys and values of its positions (one array pair per full-attention
-layer), so prompts that share a beginning share its blocks, and the bytes held are simply
-the sum of the arrays' sizes. Layers whose state is not a list of positions (a sliding
-window ring, a Gated DeltaNet conv tail and recurrent state) are kept as snapshots: the
-whole layer state at one offset, taken where a store was made (the callers store at each
-prefill chunk's end, at each prompt's end and at each generation's end). A prompt's last
-partial block is a *tail* on its parent block, with its keys and values and its snapshot.
+Each cache kind says how it is kept (:meth:`Cache.prefix_kind`; a kind that says None
+keeps the model out of the prefix cache). State is kept in a trie of token blocks
+(``block`` tokens each). Every block holds its own copy of the attention keys and values of
+its positions (one array pair per "kv" layer: full attention), so prompts that share a
+beginning share its blocks, and the bytes held are simply the sum of the arrays' sizes.
+Layers whose state is not a list of positions ("snapshot": a sliding window ring, a Gated
+DeltaNet conv tail and recurrent state) are kept as snapshots: the whole layer state at one
+offset, taken where a store was made (the callers store at each prefill chunk's end, at
+each prompt's end and at each generation's end). A prompt's last partial block is a *tail*
+on its parent block, with its keys and values and its snapshot.
 
 A lookup returns the longest prefix it can rebuild, never the whole prompt (the last
 token must still run through the model to give the next token's logits): for a model
-whose caches are all :class:`KVCache`, any length (keys and values are cut); with a ring
-or recurrent layer, the longest stored boundary with a snapshot. The rebuilt caches are
-new objects from the model's ``make_cache``, holding exactly what a run over those tokens
-left: restoring one is the same as having prefilled it (up to the shapes the arithmetic
-ran in: a prefix prefilled in other chunks, or decoded token by token, can differ from a
-cold prefill in the last bits).
+whose caches are all "kv", any length (keys and values are cut); with a snapshot layer,
+the longest stored boundary with a snapshot. The rebuilt caches are new objects from the
+model's ``make_cache``, holding exactly what a run over those tokens left: restoring one is
+the same as having prefilled it (up to the shapes the arithmetic ran in: a prefix
+prefilled in other chunks, or decoded token by token, can differ from a cold prefill in the
+last bits).
 
 Optionally each block also keeps the target's tapped hidden states of its positions (keyed
 by the tap layers): a speculative draft builds its context from them, so a hit can rebuild
@@ -40,9 +42,6 @@ import mlx.core as mx
 
 from .. import settings
 from .base import Cache
-from .kv import KVCache
-from .recurrent import RecurrentCache
-from .ring import RingCache
 
 log = logging.getLogger("mlxrunner.cache")
 
@@ -122,15 +121,18 @@ class PrefixCache:
         self.bytes = 0
         self.hits = 0
         self.lookups = 0
-        kinds = [_kind(c) for c in make_cache()]
+        template = make_cache()
+        # how each layer's cache is kept (Cache.prefix_kind; None: not at all, or no cache)
+        kinds = [None if c is None else c.prefix_kind() for c in template]
         self._kinds = kinds
-        self.supported = all(k != "other" for k in kinds)
+        kept = [c is None or k in ("kv", "snapshot") for c, k in zip(template, kinds)]
+        self.supported = all(kept)
         if not self.supported:
-            names = sorted({type(c).__name__ for c in make_cache() if _kind(c) == "other"})
+            names = sorted({type(c).__name__ for c, ok in zip(template, kept) if not ok})
             log.info("mlxrunner: no prefix cache for this model (cache kind %s)",
                      ", ".join(names))
         self._kv = [i for i, k in enumerate(kinds) if k == "kv"]
-        self._snap = [i for i, k in enumerate(kinds) if k in ("ring", "recurrent")]
+        self._snap = [i for i, k in enumerate(kinds) if k == "snapshot"]
         #: every offset restorable (all KV): a hit may cut anywhere
         self.any_length = not self._snap
 
@@ -155,25 +157,14 @@ class PrefixCache:
             if taps is not None:
                 tapped = mx.concatenate([s.taps[taps] for s in stretches], axis=1)[:, :length]
             for slot, i in enumerate(self._kv):
-                cache = caches[i]
-                assert isinstance(cache, KVCache)
                 keys = mx.concatenate([s.kv[slot][0] for s in stretches], axis=2)
                 values = mx.concatenate([s.kv[slot][1] for s in stretches], axis=2)
-                cache.keys, cache.values = _with_capacity(keys, values, length, cache.step)
-                cache.offset = length
+                _layer(caches, i).fill_prefix(keys, values, length)
             if self._snap:
                 last = stretches[-1]
                 assert last.snapshot is not None  # _match picks snapshotted ends only
                 for (a, b), i in zip(last.snapshot, self._snap):
-                    layer = caches[i]
-                    # arrays of their own: a ring writes its buffers in place
-                    a, b = mx.array(a), mx.array(b)
-                    if isinstance(layer, RingCache):
-                        layer.keys, layer.values = a, b
-                    else:
-                        assert isinstance(layer, RecurrentCache)
-                        layer.conv_tail, layer.recurrent_state = a, b
-                    layer.offset = length
+                    _layer(caches, i).restore_prefix_snapshot(a, b, length)
             logits = stretches[-1].logits if length == len(tokens) else None
             return PrefixHit(length, caches, tapped, logits)
 
@@ -281,7 +272,7 @@ class PrefixCache:
             else:
                 end = node
             if self._snap and end.snapshot is None:
-                end.snapshot = [_snapshot(caches[i]) for i in self._snap]
+                end.snapshot = [_layer(caches, i).prefix_snapshot() for i in self._snap]
                 made += [a for pair in end.snapshot for a in pair]
             if logits is not None and end.logits is None and end is not self._root:
                 end.logits = _copy(logits)
@@ -295,14 +286,7 @@ class PrefixCache:
 
     def _rows(self, caches: Sequence[Cache | None], start: int, end: int
               ) -> list[tuple[mx.array, mx.array]]:
-        rows = []
-        for i in self._kv:
-            cache = caches[i]
-            assert isinstance(cache, KVCache) and cache.keys is not None and \
-                cache.values is not None
-            rows.append((_copy(cache.keys[..., start:end, :]),
-                         _copy(cache.values[..., start:end, :])))
-        return rows
+        return [_layer(caches, i).prefix_rows(start, end) for i in self._kv]
 
     @staticmethod
     def _add_taps(stretch: _Stretch, tapped: tuple[Taps, mx.array] | None, start: int,
@@ -356,21 +340,11 @@ class PrefixCache:
         return count
 
 
-def _kind(cache: Cache | None) -> str:
-    # exact classes: a subclass may keep state these do not know
-    if cache is None:
-        return "none"
-    return {KVCache: "kv", RingCache: "ring", RecurrentCache: "recurrent"}.get(
-        type(cache), "other")
-
-
-def _snapshot(cache: Cache | None) -> tuple[mx.array, mx.array]:
-    if isinstance(cache, RingCache):
-        assert cache.keys is not None and cache.values is not None
-        return _copy(cache.keys), _copy(cache.values)
-    assert isinstance(cache, RecurrentCache)
-    assert cache.conv_tail is not None and cache.recurrent_state is not None
-    return _copy(cache.conv_tail), _copy(cache.recurrent_state)
+def _layer(caches: Sequence[Cache | None], i: int) -> Cache:
+    """Layer ``i``'s cache, one the prefix cache keeps (never None)."""
+    cache = caches[i]
+    assert cache is not None
+    return cache
 
 
 def _common(stored: tuple[int, ...], tokens: list[int], start: int) -> int:
@@ -381,21 +355,6 @@ def _common(stored: tuple[int, ...], tokens: list[int], start: int) -> int:
             break
         n += 1
     return n
-
-
-def _with_capacity(keys: mx.array, values: mx.array, length: int, step: int
-                   ) -> tuple[mx.array, mx.array]:
-    """Keys and values of the first ``length`` positions in buffers of a multiple of
-    ``step`` positions (as a KVCache grows them)."""
-    size = -(-length // step) * step
-    keys, values = keys[..., :length, :], values[..., :length, :]
-    if size > length:
-        pad = size - length
-        keys = mx.concatenate(
-            [keys, mx.zeros((*keys.shape[:2], pad, keys.shape[3]), keys.dtype)], axis=2)
-        values = mx.concatenate(
-            [values, mx.zeros((*values.shape[:2], pad, values.shape[3]), values.dtype)], axis=2)
-    return keys, values
 
 
 #: the default budget's bounds, and its share of the weights and of the machine's memory

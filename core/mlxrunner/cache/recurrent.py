@@ -11,6 +11,9 @@ states, decays, keys and corrected values). ``capture(j)`` expresses the conv
 tail and the state after the first ``j`` tokens of that forward as a few lazy
 MLX operations on those arrays; nothing is replayed token by token, and only
 the boundary actually restored is ever computed.
+
+The batched form (:class:`BatchedRecurrentCache`, tails and states stacked by row) is here
+too; the prefix cache keeps a recurrent cache as a snapshot (tail and state at one offset).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .base import Cache
+from .batched import BatchedCache, _row_select, grow_rows
 from .frame import TraceFrame
 
 #: ``capture(j)`` -> (conv tail, state) after the first ``j`` tokens of the last forward
@@ -113,6 +117,25 @@ class RecurrentCache(Cache):
         capture = adopted_capture(self.snapshot_positions(length), captured, record)
         self.advance(length, tail, state, capture)
 
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        self.conv_tail, self.recurrent_state = inputs
+
+    # -- batching and the prefix cache ------------------------------------------------------
+    def batched(self) -> BatchedRecurrentCache:
+        return BatchedRecurrentCache()
+
+    def prefix_kind(self) -> str | None:
+        # the exact class: a subclass may keep state this one does not know
+        return "snapshot" if type(self) is RecurrentCache else None
+
+    def prefix_snapshot(self) -> tuple[mx.array, mx.array]:
+        assert self.conv_tail is not None and self.recurrent_state is not None
+        return mx.contiguous(self.conv_tail), mx.contiguous(self.recurrent_state)
+
+    def restore_prefix_snapshot(self, first: mx.array, second: mx.array, length: int) -> None:
+        self.conv_tail, self.recurrent_state = mx.array(first), mx.array(second)
+        self.offset = length
+
 
 def adopted_capture(positions: Sequence[int], captured: Sequence[mx.array],
                     record: object) -> Capture | None:
@@ -125,9 +148,6 @@ def adopted_capture(positions: Sequence[int], captured: Sequence[mx.array],
         return StateCapture(record, tuple(captured))
     states = {j: (captured[2 * i], captured[2 * i + 1]) for i, j in enumerate(positions)}
     return states.__getitem__
-
-    def give_back(self, inputs: Sequence[mx.array]) -> None:
-        self.conv_tail, self.recurrent_state = inputs
 
 
 class TracedRecurrentCache(RecurrentCache):
@@ -167,3 +187,113 @@ class TracedRecurrentCache(RecurrentCache):
 
     def trace_record(self) -> object:
         return self.rebuild
+
+
+class BatchedRecurrentCache(BatchedCache):
+    """Recurrent layers: conv tails ``[B, kernel - 1, C]`` and states ``[B, H, Dv, Dk]``
+    stacked by row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_tail: mx.array | None = None
+        self.recurrent_state: mx.array | None = None
+        self._capture: Callable[[int], tuple[mx.array, mx.array]] | None = None
+
+    def _grow_rows(self, rows: int) -> None:
+        if self.conv_tail is not None and self.recurrent_state is not None:
+            self.conv_tail = grow_rows(self.conv_tail, rows)
+            self.recurrent_state = grow_rows(self.recurrent_state, rows)
+
+    def _copy_row(self, row: int, solo: Cache) -> None:
+        if not isinstance(solo, RecurrentCache) or solo.conv_tail is None or \
+                solo.recurrent_state is None:
+            raise TypeError("a batched recurrent cache takes a filled RecurrentCache, got "
+                            f"{type(solo).__name__}")
+        if self.conv_tail is None or self.recurrent_state is None:
+            self.conv_tail = mx.zeros((self.rows, *solo.conv_tail.shape[1:]),
+                                      solo.conv_tail.dtype)
+            self.recurrent_state = mx.zeros((self.rows, *solo.recurrent_state.shape[1:]),
+                                            solo.recurrent_state.dtype)
+        self.conv_tail[row:row + 1] = solo.conv_tail
+        self.recurrent_state[row:row + 1] = solo.recurrent_state
+
+    def _take_rows(self, order: mx.array, length: int) -> None:
+        if self.conv_tail is not None and self.recurrent_state is not None:
+            self.conv_tail = self.conv_tail[order]
+            self.recurrent_state = self.recurrent_state[order]
+
+    def fill_solo(self, row: int, solo: Cache, length: int,
+                  own: Callable[[mx.array], mx.array]) -> bool:
+        # a state cannot be cut back: only the row as it stands
+        if type(solo) is not RecurrentCache or length != self.row_offsets[row]:
+            return False
+        assert self.conv_tail is not None and self.recurrent_state is not None
+        solo.conv_tail = own(self.conv_tail[row:row + 1])
+        solo.recurrent_state = own(self.recurrent_state[row:row + 1])
+        solo.offset = length
+        return True
+
+    def bytes_per_row(self) -> int:
+        if self.conv_tail is None or self.recurrent_state is None:
+            return 0
+        return (self.conv_tail.nbytes + self.recurrent_state.nbytes) // max(self.rows, 1)
+
+    def snapshot_positions(self, length: int) -> list[int]:
+        """Interior boundaries a capture must answer: every one, when a rollback may follow."""
+        return list(range(1, length)) if self.restorable else []
+
+    def discard_snapshots(self) -> None:
+        super().discard_snapshots()
+        self._capture = None
+
+    def _restore(self, offsets: list[int], starts: tuple[int, ...]) -> None:
+        assert self.conv_tail is not None and self.recurrent_state is not None
+        ends = self.row_offsets
+        wanted: dict[int, list[int]] = {}
+        for r, (o, s, e) in enumerate(zip(offsets, starts, ends)):
+            if self.live[r] and o != e:
+                wanted.setdefault(o - s, []).append(r)
+        if not wanted:
+            return
+        if self._capture is None:
+            raise ValueError("restore_rows: the last forward captured no recurrent state")
+        tail, state = self.conv_tail, self.recurrent_state
+        for j, rows in sorted(wanted.items()):
+            if j == 0:
+                raise ValueError("a recurrent row keeps at least one token of a forward")
+            tail_j, state_j = self._capture(j)
+            pick = _row_select(rows, self.rows)
+            tail = mx.where(pick[:, None, None], tail_j.astype(tail.dtype), tail)
+            state = mx.where(pick[:, None, None, None], state_j.astype(state.dtype), state)
+        self.conv_tail, self.recurrent_state = tail, state
+
+    @property
+    def state(self) -> list[mx.array]:
+        if self.conv_tail is None or self.recurrent_state is None:
+            return []
+        return [self.conv_tail, self.recurrent_state]
+
+    # -- forwards --------------------------------------------------------------------------
+    def trace_key(self, length: int) -> Hashable | None:
+        if self.recurrent_state is None:
+            return None
+        return (self.rows, tuple(self.snapshot_positions(length)))
+
+    def trace_inputs(self, length: int) -> list[mx.array]:
+        assert self.conv_tail is not None and self.recurrent_state is not None
+        arrays = [self.conv_tail, self.recurrent_state]
+        self.conv_tail = self.recurrent_state = None
+        return arrays
+
+    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
+        return TracedRecurrentCache(frame, arrays, self.snapshot_positions(frame.length))
+
+    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
+              record: object) -> None:
+        tail, state, *captured = outputs
+        self._capture = adopted_capture(self.snapshot_positions(length), captured, record)
+        self.conv_tail, self.recurrent_state = tail, state
+        self._advanced(length)
+
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        self.conv_tail, self.recurrent_state = inputs

@@ -18,15 +18,20 @@ would hold.
 
 A model that writes the buffers inside its own traced step (same layout) asks
 ``needs_capture(n)`` first and hands the result to ``adopt_write``.
+
+The batched form (:class:`BatchedRingCache`, one ring per row) is here too; the prefix
+cache keeps a ring as a snapshot (the whole window at one offset).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import mlx.core as mx
 
+from ..constants import arange_constant
 from .base import Cache
+from .batched import BatchedCache, RowFrame, _row_frame, grow_rows
 from .frame import TraceFrame
 
 
@@ -210,6 +215,23 @@ class RingCache(Cache):
     def give_back(self, inputs: Sequence[mx.array]) -> None:
         self.keys, self.values = inputs
 
+    # -- batching and the prefix cache ------------------------------------------------------
+    def batched(self) -> BatchedRingCache:
+        return BatchedRingCache(self.window)
+
+    def prefix_kind(self) -> str | None:
+        # the exact class: a subclass may keep state this one does not know
+        return "snapshot" if type(self) is RingCache else None
+
+    def prefix_snapshot(self) -> tuple[mx.array, mx.array]:
+        assert self.keys is not None and self.values is not None
+        return mx.contiguous(self.keys), mx.contiguous(self.values)
+
+    def restore_prefix_snapshot(self, first: mx.array, second: mx.array, length: int) -> None:
+        # arrays of their own: a ring writes its buffers in place
+        self.keys, self.values = mx.array(first), mx.array(second)
+        self.offset = length
+
 
 class _TracedRingCache(RingCache):
     """A :class:`RingCache` inside a traced forward (see :class:`TraceFrame`). One token is
@@ -259,3 +281,153 @@ class _TracedRingCache(RingCache):
 
     def trace_outputs(self) -> list[mx.array]:
         return [self.keys, self.values, *self.written]
+
+
+class BatchedRingCache(BatchedCache):
+    """Sliding window: ``[B, H, window, D]``, position ``p`` of a row at slot
+    ``p % window``, as :class:`RingCache` keeps one sequence."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"sliding window must be positive, got {window}")
+        self.window = self.longest_forward = int(window)
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        # (ring keys, ring values before the last block write, the block's keys, values)
+        self._before: tuple[mx.array, mx.array, mx.array, mx.array] | None = None
+
+    def _grow_rows(self, rows: int) -> None:
+        if self.keys is not None and self.values is not None:
+            self.keys, self.values = grow_rows(self.keys, rows), grow_rows(self.values, rows)
+
+    def _copy_row(self, row: int, solo: Cache) -> None:
+        if not isinstance(solo, RingCache) or solo.keys is None or solo.values is None \
+                or solo.window != self.window:
+            raise TypeError(f"a batched ring of window {self.window} takes a filled RingCache "
+                            "of the same window")
+        if self.keys is None or self.values is None:
+            self.keys = mx.zeros((self.rows, *solo.keys.shape[1:]), solo.keys.dtype)
+            self.values = mx.zeros((self.rows, *solo.values.shape[1:]), solo.values.dtype)
+        self.keys[row:row + 1] = solo.keys
+        self.values[row:row + 1] = solo.values
+
+    def _take_rows(self, order: mx.array, length: int) -> None:
+        if self.keys is not None and self.values is not None:
+            self.keys, self.values = self.keys[order], self.values[order]
+
+    def fill_solo(self, row: int, solo: Cache, length: int,
+                  own: Callable[[mx.array], mx.array]) -> bool:
+        # a ring cannot be cut back: only the row as it stands
+        if type(solo) is not RingCache or length != self.row_offsets[row]:
+            return False
+        assert self.keys is not None and self.values is not None
+        solo.keys = own(self.keys[row:row + 1])
+        solo.values = own(self.values[row:row + 1])
+        solo.offset = length
+        return True
+
+    def bytes_per_row(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        return (self.keys.nbytes + self.values.nbytes) // max(self.rows, 1)
+
+    def discard_snapshots(self) -> None:
+        super().discard_snapshots()
+        self._before = None
+
+    def _restore(self, offsets: list[int], starts: tuple[int, ...]) -> None:
+        if self._before is None:
+            return  # one-token writes: every kept slot is still in place
+        ring_keys, ring_values, keys, values = self._before
+        # the block again, its token j written only where the row keeps it (else the slot
+        # keeps what it held before the block)
+        length = keys.shape[2]
+        start = mx.array(list(starts), dtype=mx.int32)[:, None]
+        kept = (mx.array(offsets, dtype=mx.int32)[:, None] - start)  # [B, 1]
+        j = arange_constant(length)[None]
+        slots = mx.remainder(start + j, self.window)[:, None, :, None]  # [B, 1, L, 1]
+        keep = (j < kept)[:, None, :, None]
+        self.keys = self._rewrite(ring_keys, keys, slots, keep)
+        self.values = self._rewrite(ring_values, values, slots, keep)
+
+    @staticmethod
+    def _rewrite(ring: mx.array, block: mx.array, slots: mx.array, keep: mx.array) -> mx.array:
+        at = mx.broadcast_to(slots, block.shape)
+        old = mx.take_along_axis(ring, at, axis=2)
+        return mx.put_along_axis(ring, at, mx.where(keep, block, old), axis=2)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
+
+    # -- forwards --------------------------------------------------------------------------
+    def trace_key(self, length: int) -> Hashable | None:
+        if self.keys is None or length > self.window:
+            return None
+        return (self.rows, self.window, length, length > 1 and self.restorable)
+
+    def trace_inputs(self, length: int) -> list[mx.array]:
+        assert self.keys is not None and self.values is not None
+        arrays = [self.keys, self.values]
+        if not (length > 1 and self.restorable):
+            self.keys = self.values = None  # the write may reuse the buffers
+        return arrays
+
+    def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
+        if frame.length > self.window:
+            raise ValueError(f"a batched forward of {frame.length} tokens is longer than the "
+                             f"sliding window {self.window}")
+        return _RowRingCache(_row_frame(frame), arrays, self.window,
+                             frame.length > 1 and self.restorable)
+
+    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
+              record: object) -> None:
+        self._before = (inputs[0], inputs[1], outputs[2], outputs[3]) if len(outputs) == 4 \
+            else None
+        self.keys, self.values = outputs[0], outputs[1]
+        self._advanced(length)
+
+    def give_back(self, inputs: Sequence[mx.array]) -> None:
+        self.keys, self.values = inputs
+
+
+class _RowRingCache(Cache):
+    """A :class:`BatchedRingCache` inside a forward: one token per row goes to its slot and
+    attends over the ring as it stands; a block attends over the ring before its write and
+    itself, then goes to its slots."""
+
+    def __init__(self, frame: RowFrame, arrays: Sequence[mx.array], window: int,
+                 keep_block: bool) -> None:
+        super().__init__()
+        self.frame = frame
+        self.offset = frame.offset  # type: ignore[assignment]
+        self.window = window
+        self.keys, self.values = arrays
+        self.keep_block = keep_block
+        self.block: list[mx.array] = []
+
+    def mask(self, n: int) -> mx.array:
+        return self.frame.ring_step(self.window) if n == 1 else self.frame.ring_block(self.window)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # [B, 1, L, 1]
+        slots = mx.remainder(self.frame.row_queries(), self.window)[:, None, :, None]
+        new_keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys,
+                                     axis=2)
+        new_values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape),
+                                       values, axis=2)
+        if self.frame.length == 1:
+            out_keys, out_values = new_keys, new_values
+        else:
+            out_keys = mx.concatenate([self.keys, keys], axis=2)
+            out_values = mx.concatenate([self.values, values], axis=2)
+            if self.keep_block:
+                self.block = [keys, values]
+        self.keys, self.values = new_keys, new_values
+        mask = self.mask(self.frame.length)
+        self.frame.hand_out(out_keys, mask, mask)
+        return out_keys, out_values
+
+    def trace_outputs(self) -> list[mx.array]:
+        return [self.keys, self.values, *self.block]

@@ -38,7 +38,7 @@ import mlx.core as mx
 from .. import settings
 from ..cache.batched import grow_rows
 from ..cache.context import ContextCache, RowContext, TracedContext
-from ..cache.kv import bucket_capacity
+from ..cache.frame import bucket_capacity
 from ..errors import DraftConfigError
 from ..nn.kernels import host_bound, host_declined
 from .draft import DraftModel, DraftProposal, DraftSession
