@@ -31,6 +31,9 @@ _EXPORTS: dict[str, str] = {
     "ConfigMultiple": "model.config_bounds",
     "check_config": "model.config_bounds",
     "ConfigFields": "model.config_fields",
+    "read_config": "model.loading",
+    "weight_files": "model.loading",
+    "read_weights": "model.loading",
     "config_field": "model.config_fields",
     # drafts
     "DraftModel": "model.draft",
