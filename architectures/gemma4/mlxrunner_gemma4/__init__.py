@@ -1,7 +1,7 @@
 """Gemma 4 architectures for mlxrunner.
 
 Importing this package imports no MLX (``mlxrunner --help`` loads every plugin's hooks):
-the names below load ``mlxrunner_gemma4.model`` on first use.
+the names below load their module (``model``, ``vision``) on first use.
 """
 
 from __future__ import annotations
@@ -9,10 +9,13 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-__all__ = ["Gemma4Config", "Gemma4Model"]
+#: name -> the module that defines it
+_MODULES = {"Gemma4Config": ".model", "Gemma4Model": ".model", "Gemma4Vision": ".vision",
+            "load_vision": ".vision"}
+__all__ = sorted(_MODULES)
 
 
 def __getattr__(name: str) -> Any:
-    if name not in __all__:
+    if name not in _MODULES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(".model", __name__), name)
+    return getattr(import_module(_MODULES[name], __name__), name)
