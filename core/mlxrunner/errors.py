@@ -49,3 +49,8 @@ class ConversationError(MLXRunnerError):
 
 class DraftConfigError(MLXRunnerError):
     """A draft's config does not fit its target."""
+
+
+class MediaError(MLXRunnerError):
+    """An image (or other media) that cannot be used: not an image, corrupt or truncated, in
+    a format not accepted, larger than its byte or pixel limit, or Pillow missing."""

@@ -1,7 +1,8 @@
 """The plugin author's API: ``from mlxrunner.plugin import Model, KVCache, hookimpl, ...``.
 
 Hooks and registration, the Model and cache interfaces, the draft interfaces, chat-format
-interfaces and parsing helpers, the error classes, the sampler and top-k (for drafts).
+interfaces and parsing helpers, the error classes, image decoding (Pillow, optional), the
+sampler and top-k (for drafts).
 Layers to build architectures from are in :mod:`mlxrunner.nn`. Every name here also
 resolves as ``mlxrunner.NAME``. Names resolve lazily, so that a plugin module that only
 marks hooks (``mlxrunner --help`` loads it) imports no MLX.
@@ -32,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "check_config": "model.config_bounds",
     "ConfigFields": "model.config_fields",
     "read_config": "model.loading",
+    "read_json": "model.loading",
     "weight_files": "model.loading",
     "read_weights": "model.loading",
     "config_field": "model.config_fields",
@@ -65,6 +67,11 @@ _EXPORTS: dict[str, str] = {
     "TemplateError": "errors",
     "TokenizerInputError": "errors",
     "DraftConfigError": "errors",
+    "MediaError": "errors",
+    # images: untrusted bytes or files to RGB pixels, Pillow's resize (Pillow optional)
+    "decode_image": "media",
+    "read_image": "media",
+    "resize_image": "media",
     # sampling (a draft draws with the request's sampler)
     "SamplerOptions": "decode.options",
     "Sampler": "decode.sampler",
@@ -102,6 +109,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .errors import (  # noqa: F401
         ConversationError,
         DraftConfigError,
+        MediaError,
         MLXRunnerError,
         ModelfileError,
         ModelFolderError,
@@ -112,6 +120,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .host.hookspecs import Commands, Register, hookimpl  # noqa: F401
     from .host.manager import register, registered  # noqa: F401
+    from .media import decode_image, read_image, resize_image  # noqa: F401
     from .model.block_draft import BlockDraft, BlockDraftSession  # noqa: F401
     from .model.config_bounds import ConfigBound, ConfigMultiple, check_config  # noqa: F401
     from .model.config_fields import ConfigFields, config_field  # noqa: F401

@@ -66,11 +66,11 @@ def read_bounded(path: Path, what: str, limit: int) -> bytes:
     return data
 
 
-def read_json(path: Path, what: str) -> Any:
-    """A JSON file's value; missing, not a regular file, oversized or malformed is one
-    ModelFolderError naming ``what``."""
+def read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file's value; missing, not a regular file, over ``limit`` bytes or malformed is
+    one ModelFolderError naming ``what``."""
     try:
-        return json.loads(read_bounded(path, what, MAX_JSON_BYTES).decode("utf-8"))
+        return json.loads(read_bounded(path, what, limit).decode("utf-8"))
     except FileNotFoundError:
         raise ModelFolderError(f"{path.parent}: no {what} ({path.name})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

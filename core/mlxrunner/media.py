@@ -1,0 +1,169 @@
+"""Decoding untrusted images into RGB pixels, and resizing them, with Pillow.
+
+Pillow is optional (``pip install "mlxrunner[vision]"``) and imported on first use. What
+a model does with the pixels (its resize rule, rescaling, normalisation, patches) is the
+architecture plugin's; this module only turns bytes into an ``[H, W, 3]`` uint8 array the
+way transformers' image processors see an image:
+
+- at most ``max_bytes`` bytes (checked before Pillow sees them) and at most ``max_pixels``
+  pixels (checked from the header, before any pixel is decoded; Pillow's own decompression
+  bomb limit, ``PIL.Image.MAX_IMAGE_PIXELS``, refuses larger headers earlier still);
+- PNG, JPEG (MPO too: a camera's JPEG), WebP, GIF and BMP only; of an animation, its first
+  frame;
+- the EXIF orientation applied (``ImageOps.exif_transpose``, as transformers' ``load_image``);
+- converted to RGB as transformers' ``convert_to_rgb`` converts a Pillow image: an image with
+  an alpha channel or a transparent colour is composited onto white (transparent pixels
+  become white, not their hidden colour); any other mode is Pillow's ``convert("RGB")``.
+  (transformers' ``load_image``, for a path or URL, drops the alpha instead; its image
+  processors, given the image itself, composite.)
+
+Every failure is one :class:`~mlxrunner.errors.MediaError` line.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import MediaError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from PIL import Image
+
+#: the most bytes of one encoded image
+MAX_IMAGE_BYTES = 32 * 1024 * 1024
+#: the most pixels of one image, decoded or resized (64 MP: 8192 x 8192; 192 MiB as RGB)
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+#: the formats accepted (Pillow's names); others are refused before their decoder runs
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+#: resampling filters by name (Pillow's)
+RESAMPLE = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
+
+_INSTALL = 'pip install "mlxrunner[vision]"'
+
+
+def _pillow() -> None:
+    """Import Pillow, or say how to install it."""
+    try:
+        import PIL.Image  # noqa: F401
+        import PIL.ImageOps  # noqa: F401
+    except ImportError:
+        raise MediaError(f"images need Pillow, which is not installed ({_INSTALL})") from None
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def decode_image(data: bytes | bytearray | memoryview, *, what: str = "image",
+                 max_bytes: int = MAX_IMAGE_BYTES,
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """An encoded image's pixels, ``[H, W, 3]`` uint8, upright and RGB (see the module's
+    notes); ``what`` names it in errors. Every failure is one MediaError line."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"decode_image takes bytes, not {type(data).__name__}")
+    size = memoryview(data).nbytes
+    if size > max_bytes:
+        raise MediaError(f"{what}: {size} bytes, more than the limit of {max_bytes}")
+    if size == 0:
+        raise MediaError(f"{what}: empty, not an image")
+    _pillow()
+    from PIL import Image, ImageOps
+
+    try:
+        image = Image.open(io.BytesIO(bytes(data)), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError as exc:
+        raise MediaError(f"{what}: too many pixels, refused unread ({_short(exc)}); the limit "
+                         f"is {max_pixels}") from None
+    except Image.UnidentifiedImageError:
+        raise MediaError(f"{what}: not an image in an accepted format "
+                         f"({', '.join(IMAGE_FORMATS)})") from None
+    except Exception as exc:  # Pillow's parsers raise many kinds on a corrupt header
+        raise MediaError(f"{what}: not a readable image ({_short(exc)})") from None
+    with image:
+        width, height = image.size
+        if width < 1 or height < 1:
+            raise MediaError(f"{what}: {width}x{height} pixels, an empty image")
+        if width * height > max_pixels:
+            raise MediaError(f"{what}: {width}x{height} pixels ({width * height}), more than "
+                             f"the limit of {max_pixels}")
+        try:
+            image.load()  # the first frame only
+            upright = ImageOps.exif_transpose(image)
+            rgb = np.array(_to_rgb(upright), dtype=np.uint8)
+        except MemoryError:
+            raise
+        except Exception as exc:  # truncated data, a corrupt stream or EXIF block, ...
+            raise MediaError(f"{what}: {image.format or 'image'} data is truncated or corrupt "
+                             f"({_short(exc)})") from None
+    if rgb.ndim != 3 or rgb.shape[2] != 3:  # pragma: no cover - Pillow's RGB is 3 channels
+        raise MediaError(f"{what}: decoded to shape {list(rgb.shape)}, not RGB")
+    return rgb
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB as transformers' ``convert_to_rgb``: transparency composited onto white."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def read_image(path: str | os.PathLike[str], *, max_bytes: int = MAX_IMAGE_BYTES,
+               max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """An image file's pixels, as :func:`decode_image` gives them: at most ``max_bytes`` are
+    read, from a regular file only (a FIFO or device is refused unread)."""
+    where = Path(path)
+    try:
+        mode = where.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise MediaError(f"{where}: not a regular file")
+        # opened without blocking and checked again: a FIFO swapped in since is refused
+        descriptor = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(descriptor, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise MediaError(f"{where}: not a regular file")
+            data = handle.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise MediaError(f"{where}: no such image file") from None
+    except OSError as exc:
+        raise MediaError(f"{where}: cannot be read ({exc.strerror or exc})") from None
+    if len(data) > max_bytes:
+        raise MediaError(f"{where}: larger than the limit of {max_bytes} bytes")
+    return decode_image(data, what=str(where), max_bytes=max_bytes, max_pixels=max_pixels)
+
+
+def resize_image(rgb: np.ndarray, size: tuple[int, int], resample: str = "bicubic", *,
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """``rgb`` (``[H, W, 3]`` uint8) resized to ``size = (height, width)`` by Pillow's
+    ``Image.resize`` with the named filter (:data:`RESAMPLE`), uint8 as Pillow rounds it:
+    what transformers' PIL-based image processors do to a uint8 image. A size above
+    ``max_pixels`` is one MediaError line."""
+    rgb = np.asarray(rgb)
+    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+        raise ValueError(f"resize_image takes [H, W, 3] uint8 pixels, got {rgb.dtype} "
+                         f"{list(rgb.shape)}")
+    height, width = (int(s) for s in size)
+    if height < 1 or width < 1:
+        raise ValueError(f"resize_image: size {height}x{width} must be positive")
+    if height * width > max_pixels:
+        raise MediaError(f"image resized to {height}x{width} would have {height * width} "
+                         f"pixels, more than the limit of {max_pixels}")
+    if resample not in RESAMPLE:
+        raise ValueError(f"resize_image: resample {resample!r} is not one of "
+                         f"{', '.join(RESAMPLE)}")
+    _pillow()
+    from PIL import Image
+
+    image = Image.fromarray(np.ascontiguousarray(rgb))
+    resized = image.resize((width, height), resample=Image.Resampling[resample.upper()])
+    return np.array(resized, dtype=np.uint8)
