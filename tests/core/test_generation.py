@@ -98,3 +98,18 @@ def test_chunked_prefill_gives_the_last_rows_logits_and_the_same_caches(model, c
     step = mx.array([[7]])
     np.testing.assert_allclose(np.array(model(step, split_cache)),
                                np.array(model(step, whole_cache)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_forward_reads_the_head_of_its_last_row_only(model):
+    """Inside last_logits_only (the core's prefill) an architecture passing its stream through
+    mlxrunner.nn.head_rows gives the last position's logits alone, equal to that row of the
+    full logits; outside it, every row's."""
+    import mlxrunner.nn as mnn
+
+    ids = mx.array([[3, 14, 15, 9, 2, 6, 5]])
+    full = model(ids, model.make_cache())
+    with mnn.last_logits_only():
+        last = model(ids, model.make_cache())
+    assert full.shape[1] == 7 and last.shape[1] == 1
+    assert mx.allclose(last[:, 0], full[:, -1], atol=1e-5)
+    assert model(ids, model.make_cache()).shape[1] == 7  # the switch ended with its block

@@ -527,5 +527,5 @@ class Gemma4Model(Model):
             source = a.kv_source[i]
             h, kv_of[source] = layer(h, cache[i], offset, kv_of.get(source), per_layer[i])
             tapped.after(i, h)
-        logits = self.raw_logits(self.model.norm(h))
+        logits = self.raw_logits(self.model.norm(mnn.head_rows(h)))
         return tapped.result(mnn.softcap(logits, a.final_logit_softcapping))

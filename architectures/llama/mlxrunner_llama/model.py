@@ -180,7 +180,7 @@ class Llama(Model):
         for i, layer in enumerate(self.layers):
             # a KVCache, or the core's traced stand-in of one
             x = tapped.after(i, layer(x, cast("KVCache | None", caches[i])))
-        return tapped.result(self.raw_logits(self.model.norm(x)))
+        return tapped.result(self.raw_logits(self.model.norm(mnn.head_rows(x))))
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
         return self.model.embed_tokens(ids)  # unscaled, as Llama applies it

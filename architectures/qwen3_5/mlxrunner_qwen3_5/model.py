@@ -288,7 +288,7 @@ class Qwen3_5(Model):
         h = self.model.embed_tokens(ids)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             h = tapped.after(i, layer(h, layer_cache))
-        return tapped.result(self.raw_logits(self.model.norm(h)))
+        return tapped.result(self.raw_logits(self.model.norm(mnn.head_rows(h))))
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
         return self.model.embed_tokens(ids)

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from ..cache.prefix import PrefixCache
 from ..model.interface import Model
+from ..nn import last_logits_only
 from .grammar import Constraint, allowed_rows
 from .sampler import Sampler, penalties_active
 from .step import eager_forward, forward
@@ -96,13 +97,14 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
     for begin, end in zip(bounds, bounds[1:]):
         chunk_ids = ids[:, begin:end]
         extra: Sequence[mx.array] = ()
-        if taps:
-            out, tapped = cast("tuple[mx.array, mx.array]",
-                               eager_forward(model, chunk_ids, cache, taps))
-            tapped_parts.append(tapped)
-            extra = on_taps(tapped) if on_taps is not None else (tapped,)
-        else:
-            out = cast(mx.array, eager_forward(model, chunk_ids, cache))
+        with last_logits_only():  # the last row's logits are all a prefill reads
+            if taps:
+                out, tapped = cast("tuple[mx.array, mx.array]",
+                                   eager_forward(model, chunk_ids, cache, taps))
+                tapped_parts.append(tapped)
+                extra = on_taps(tapped) if on_taps is not None else (tapped,)
+            else:
+                out = cast(mx.array, eager_forward(model, chunk_ids, cache))
         # Only the last chunk's logits are wanted: earlier chunks evaluate the caches alone,
         # so their vocabulary head (the widest matmul) is never computed.
         wanted = []

@@ -22,7 +22,7 @@ from .moe import ExpertLinear, GatedExperts, QuantizedExpertLinear, experts_glu
 from .norm import RMSNorm, gated_rms_norm, rms_norm
 from .parallel import Column, Row, ShardError, Split
 from .rope import RoPE, RopeConfigError
-from .taps import Taps
+from .taps import Taps, head_rows, last_logits_only
 
 __all__ = [
     "ACTIVATIONS",
@@ -53,7 +53,9 @@ __all__ = [
     "experts_glu",
     "gated_rms_norm",
     "gelu_tanh_mul",
+    "head_rows",
     "joined_linears",
+    "last_logits_only",
     "linears",
     "rms_norm",
     "silu_mul",

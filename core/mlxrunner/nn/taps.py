@@ -3,9 +3,34 @@ logits (the Model contract), collected in one place for every architecture."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import mlx.core as mx
+
+_state = threading.local()
+
+
+@contextmanager
+def last_logits_only() -> Iterator[None]:
+    """In this thread, forwards give the logits of their last position alone (see
+    :func:`head_rows`): what the core's prefill asks for, which reads no other row's."""
+    held = getattr(_state, "last", False)
+    _state.last = True
+    try:
+        yield
+    finally:
+        _state.last = held
+
+
+def head_rows(hidden: mx.array) -> mx.array:
+    """The rows of the final hidden states ``[B, L, D]`` the output head should read: all of
+    them, or the last (``[B, 1, D]``) inside :func:`last_logits_only`. An architecture that
+    passes its stream through this before its final norm and head spares a prompt's chunk
+    the widest product of its forward for every row but one (optional: without it the core
+    takes the last row of the whole logits)."""
+    return hidden[:, -1:] if getattr(_state, "last", False) else hidden
 
 
 class Taps:

@@ -151,7 +151,7 @@ class ExampleLlama(Model):
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             # make_cache gives every layer a KVCache
             h = tapped.after(i, layer(h, cast("KVCache | None", layer_cache)))
-        return tapped.result(self.raw_logits(self.model.norm(h)))
+        return tapped.result(self.raw_logits(self.model.norm(mnn.head_rows(h))))
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
         return self.model.embed_tokens(ids)
