@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "read_json": "model.loading",
     "weight_files": "model.loading",
     "read_weights": "model.loading",
+    "install_weights": "model.loading",
     "config_field": "model.config_fields",
     # drafts
     "DraftModel": "model.draft",

@@ -47,6 +47,7 @@ from mlxrunner.plugin import (
     ConfigBound,
     ModelFolderError,
     check_config,
+    install_weights,
     read_config,
     read_weights,
     weight_files,
@@ -486,13 +487,5 @@ def load_vision(folder: Path, dtype: mx.Dtype = mx.float32) -> Gemma4Vision | No
     if any(n.endswith((".scales", ".biases")) for n in weights):
         raise ModelFolderError(f"{folder}: a quantized vision tower is not supported")
     model = Gemma4Vision(vision_config, text_hidden)
-    sanitized = model.sanitize(weights)
-    sanitized = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-                 for k, v in sanitized.items()}
-    try:
-        model.load_weights(list(sanitized.items()), strict=True)
-    except ValueError as exc:
-        raise ModelFolderError(f"{folder}: the vision tensors do not match vision_config "
-                               f"({exc})") from None
-    mx.eval(model.parameters())
+    install_weights(model, config, weights, folder, dtype, what="vision tower")
     return model

@@ -42,6 +42,7 @@ from mlxrunner.plugin import (
     ConfigMultiple,
     ModelFolderError,
     check_config,
+    install_weights,
     read_config,
     read_weights,
     weight_files,
@@ -363,7 +364,8 @@ def load_vision(folder: Path, dtype: mx.Dtype = mx.float32) -> Qwen3_5Vision | N
     read as the core reads it (``mlxrunner.plugin.read_config``, ``weight_files``,
     ``read_weights``: safetensors only, every file inside it); ModelFolderError otherwise."""
     folder = Path(folder)
-    vision_config = read_config(folder).get("vision_config")
+    config = read_config(folder)
+    vision_config = config.get("vision_config")
     if vision_config is None:
         return None
     if not isinstance(vision_config, dict):
@@ -375,13 +377,5 @@ def load_vision(folder: Path, dtype: mx.Dtype = mx.float32) -> Qwen3_5Vision | N
     if any(n.endswith((".scales", ".biases")) for n in weights):
         raise ModelFolderError(f"{folder}: a quantized vision tower is not supported")
     model = Qwen3_5Vision(vision_config)
-    sanitized = model.sanitize(weights)
-    sanitized = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-                 for k, v in sanitized.items()}
-    try:
-        model.load_weights(list(sanitized.items()), strict=True)
-    except ValueError as exc:
-        raise ModelFolderError(f"{folder}: the vision tensors do not match vision_config "
-                               f"({exc})") from None
-    mx.eval(model.parameters())
+    install_weights(model, config, weights, folder, dtype, what="vision tower")
     return model
