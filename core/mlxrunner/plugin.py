@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "ConfigFields": "model.config_fields",
     "read_config": "model.loading",
     "read_json": "model.loading",
+    "read_processor_config": "model.loading",
     "weight_files": "model.loading",
     "read_weights": "model.loading",
     "install_weights": "model.loading",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import os
 import struct
 import sys
@@ -20,7 +21,14 @@ import numpy as np
 import pytest
 
 from mlxrunner.errors import MLXRunnerError
-from mlxrunner.plugin import MediaError, decode_image, read_image, resize_image
+from mlxrunner.plugin import (
+    MediaError,
+    ModelFolderError,
+    decode_image,
+    read_image,
+    read_processor_config,
+    resize_image,
+)
 
 needs_pillow = pytest.mark.skipif(importlib.util.find_spec("PIL") is None,
                                   reason="Pillow is not installed (the vision extra)")
@@ -234,3 +242,28 @@ def test_media_error_is_public():
     assert {"decode_image", "read_image", "resize_image", "MediaError"} <= set(
         mlxrunner.plugin.__all__)
     assert Path(mlxrunner.plugin.__file__).name == "plugin.py"
+
+
+def test_read_processor_config(tmp_path):
+    assert read_processor_config(tmp_path) is None
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
+    assert read_processor_config(tmp_path) == {"patch_size": 16}
+    # processor_config.json without an image_processor object: preprocessor_config.json
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "X"}))
+    assert read_processor_config(tmp_path) == {"patch_size": 16}
+    # ... with one: that one (transformers prefers it)
+    (tmp_path / "processor_config.json").write_text(json.dumps(
+        {"image_processor": {"patch_size": 14}}))
+    assert read_processor_config(tmp_path) == {"patch_size": 14}
+
+    (tmp_path / "processor_config.json").unlink()
+    (tmp_path / "preprocessor_config.json").write_text("{not json")
+    with pytest.raises(ModelFolderError, match="not valid JSON"):
+        read_processor_config(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(" " * (1024 * 1024 + 1))
+    with pytest.raises(ModelFolderError, match="larger than"):
+        read_processor_config(tmp_path)
+    (tmp_path / "preprocessor_config.json").unlink()
+    (tmp_path / "preprocessor_config.json").mkdir()
+    with pytest.raises(ModelFolderError, match="not a regular file"):
+        read_processor_config(tmp_path)

@@ -1,7 +1,7 @@
 """Gemma 4 architectures for mlxrunner.
 
 Importing this package imports no MLX (``mlxrunner --help`` loads every plugin's hooks):
-the names below load their module (``model``, ``vision``) on first use.
+the names below load their module (``model``, ``vision``, ``image``) on first use.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any
 
 #: name -> the module that defines it
 _MODULES = {"Gemma4Config": ".model", "Gemma4Model": ".model", "Gemma4Vision": ".vision",
-            "load_vision": ".vision"}
+            "load_vision": ".vision", "image_inputs": ".image",
+            "placeholder_count": ".image", "placeholder_ids": ".image"}
 __all__ = sorted(_MODULES)
 
 

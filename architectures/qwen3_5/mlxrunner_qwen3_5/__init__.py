@@ -12,7 +12,7 @@ from typing import Any
 #: name -> the module that defines it
 _MODULES = {"Qwen3_5": ".model", "Qwen3_5Config": ".model", "Qwen3_5Vision": ".vision",
             "load_vision": ".vision", "image_inputs": ".image",
-            "placeholder_count": ".image", "read_processor_config": ".image"}
+            "placeholder_count": ".image"}
 __all__ = sorted(_MODULES)
 
 

@@ -30,15 +30,13 @@ transformers does); a folder with neither file takes Qwen3.5's published setting
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mlxrunner.plugin import MediaError, ModelFolderError, read_json, resize_image
+from mlxrunner.plugin import MediaError, ModelFolderError, resize_image
 
 #: transformers' ``OPENAI_CLIP_MEAN`` / ``OPENAI_CLIP_STD``, the processor class's defaults
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -64,7 +62,6 @@ RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "b
 #: ``smart_resize`` refuses a longer side more than this many times the shorter
 MAX_ASPECT_RATIO = 200
 #: the most bytes read of a processor config file
-MAX_PROCESSOR_CONFIG_BYTES = 1024 * 1024
 _MAX_PIXELS_BOUND = 2 ** 31
 
 
@@ -257,31 +254,4 @@ def placeholder_count(grid_thw: Sequence[int], merge_size: int) -> int:
         raise ValueError(f"grid (t, h, w) = {(t, h, w)}: each must be positive and h, w "
                          f"multiples of merge_size {merge_size}")
     return t * h * w // merge_size ** 2
-
-
-def read_processor_config(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The folder's image processor settings as transformers finds them: the
-    ``image_processor`` object of ``processor_config.json`` if it has one, else
-    ``preprocessor_config.json``; None when neither is there. Each file is read only if
-    regular and at most :data:`MAX_PROCESSOR_CONFIG_BYTES`; a bad one is one ModelFolderError
-    line."""
-    folder = Path(folder)
-    nested = _read_json(folder / "processor_config.json")
-    if nested is not None:
-        inner = nested.get("image_processor")
-        if inner is not None:
-            if not isinstance(inner, dict):
-                raise ModelFolderError(f"{folder / 'processor_config.json'}: image_processor "
-                                       "must be an object")
-            return inner
-    return _read_json(folder / "preprocessor_config.json")
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not os.path.lexists(path):
-        return None
-    value = read_json(path, path.name, MAX_PROCESSOR_CONFIG_BYTES)
-    if not isinstance(value, dict):
-        raise ModelFolderError(f"{path}: expected a JSON object")
-    return value
 

@@ -13,7 +13,6 @@ Pillow resize, then the same float32 arithmetic).
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 from pathlib import Path
 from types import ModuleType
@@ -30,7 +29,6 @@ from mlxrunner_qwen3_5.image import (  # noqa: E402
     image_inputs,
     patchify,
     placeholder_count,
-    read_processor_config,
     smart_resize,
 )
 
@@ -208,31 +206,6 @@ def test_configs_read_as_transformers_reads_them():
 def test_bad_configs_are_one_line(config, match):
     with pytest.raises(ModelFolderError, match=match):
         ImageProcessorConfig.from_dict(config)
-
-
-def test_read_processor_config(tmp_path):
-    assert read_processor_config(tmp_path) is None
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
-    assert read_processor_config(tmp_path) == {"patch_size": 16}
-    # processor_config.json without an image_processor object: preprocessor_config.json
-    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "X"}))
-    assert read_processor_config(tmp_path) == {"patch_size": 16}
-    # ... with one: that one (transformers prefers it)
-    (tmp_path / "processor_config.json").write_text(json.dumps(
-        {"image_processor": {"patch_size": 14}}))
-    assert read_processor_config(tmp_path) == {"patch_size": 14}
-
-    (tmp_path / "processor_config.json").unlink()
-    (tmp_path / "preprocessor_config.json").write_text("{not json")
-    with pytest.raises(ModelFolderError, match="not valid JSON"):
-        read_processor_config(tmp_path)
-    (tmp_path / "preprocessor_config.json").write_text(" " * (1024 * 1024 + 1))
-    with pytest.raises(ModelFolderError, match="larger than"):
-        read_processor_config(tmp_path)
-    (tmp_path / "preprocessor_config.json").unlink()
-    (tmp_path / "preprocessor_config.json").mkdir()
-    with pytest.raises(ModelFolderError, match="not a regular file"):
-        read_processor_config(tmp_path)
 
 
 def test_bad_images_are_one_line():

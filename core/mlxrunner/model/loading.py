@@ -79,6 +79,37 @@ def read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> Any:
         raise ModelFolderError(f"{path}: not valid JSON (nested too deeply)") from None
 
 
+#: the most bytes of an image processor's settings file read
+MAX_PROCESSOR_CONFIG_BYTES = 1024 * 1024
+
+
+def read_processor_config(folder: str | Path) -> dict[str, Any] | None:
+    """A folder's image processor settings as transformers finds them: the
+    ``image_processor`` object of ``processor_config.json`` if it has one, else
+    ``preprocessor_config.json``; None when neither is there. Each file is read only if
+    regular and at most :data:`MAX_PROCESSOR_CONFIG_BYTES`; a bad one is one
+    ModelFolderError line."""
+    folder = Path(folder)
+    nested = _json_object(folder / "processor_config.json")
+    if nested is not None:
+        inner = nested.get("image_processor")
+        if inner is not None:
+            if not isinstance(inner, dict):
+                raise ModelFolderError(f"{folder / 'processor_config.json'}: image_processor "
+                                       "must be an object")
+            return inner
+    return _json_object(folder / "preprocessor_config.json")
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    if not os.path.lexists(path):
+        return None
+    value = read_json(path, path.name, MAX_PROCESSOR_CONFIG_BYTES)
+    if not isinstance(value, dict):
+        raise ModelFolderError(f"{path}: expected a JSON object")
+    return value
+
+
 def resolve_model_path(path: str | Path) -> Path:
     """A folder, or a model name: the store's entry, a source a plugin registered (pulled
     into the store on first use), or a folder a plugin registered (``default``)."""
