@@ -2,12 +2,16 @@
 # Issue 36's GPU figures in one call of at most 10 minutes, after `bash .mlx-cuda-a/stage.sh`
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
-#   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [startup] [pair]   (default: the first four)
+#   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [startup] [pair] [soak]
+#   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
 # Llama against mlx-lm (bench/llama.py); startup: bench/startup.py (a fresh kernel cache, then
 # 3 warm processes); pair: the demo pair's streams with drafts in the batch against without
-# (bench/batch.py --pair, 1/4/16/32 streams). Results in $OUT/results.tgz.
+# (bench/batch.py --pair, 1/4/16/32 streams); soak: serve under 2,000 requests in bursts of
+# 1-32, drafts on and off (bench/serve_soak.py --bursts; needs the server's wheels in .whl:
+# fastapi, starlette, pydantic, pydantic-core, uvicorn, annotated-types, typing-inspection,
+# opentelemetry-api, which the GPU machine lacks). Results in $OUT/results.tgz.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
 export PYTHONUNBUFFERED=1 MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
@@ -32,6 +36,10 @@ for part in "${@:-tests qwen3 llama startup}"; do
         (cd bench && timeout "${PAIR_TIMEOUT:-300}" python3 batch.py --pair demo-qwen3.5 \
           --repeats "${REPEATS:-5}" --json "$out/pair-gpu.json") 2>&1 | tee "$out/pair-gpu.txt" \
           | tail -6 ;;
+      soak)
+        MLXRUNNER_MODELS=/tmp/store timeout "${SOAK_TIMEOUT:-540}" python3 bench/serve_soak.py \
+          demo-qwen3.5 --bursts --requests "${SOAK_REQUESTS:-2000}" --minutes 8 \
+          --json "$out/soak-gpu.json" 2>&1 | tee "$out/soak-gpu.txt" | tail -16 ;;
       startup)
         timeout "${STARTUP_TIMEOUT:-300}" python3 bench/startup.py --runs 3 \
           --json "$out/startup-gpu.json" 2>&1 | tee "$out/startup-gpu.txt" | tail -24 ;;
