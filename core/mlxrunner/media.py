@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,9 @@ MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 #: resampling filters by name (Pillow's)
 RESAMPLE = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
+#: Pillow's filter numbers, as an image processor's config gives ``resample``, by name
+PILLOW_FILTERS = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box",
+                  5: "hamming"}
 
 _INSTALL = 'pip install "mlxrunner[vision]"'
 
@@ -167,3 +171,18 @@ def resize_image(rgb: np.ndarray, size: tuple[int, int], resample: str = "bicubi
     image = Image.fromarray(np.ascontiguousarray(rgb))
     resized = image.resize((width, height), resample=Image.Resampling[resample.upper()])
     return np.array(resized, dtype=np.uint8)
+
+
+def rescale_normalize(image: np.ndarray, rescale_factor: float | None,
+                      mean: Sequence[float] | None, std: Sequence[float] | None
+                      ) -> np.ndarray:
+    """An image processor's pixel step, as transformers' does it: ``image * rescale_factor``
+    computed in float64 and stored as float32 (None: skipped), then ``(image - mean) / std``
+    per channel in the image's float dtype (None: skipped); float32 out."""
+    if rescale_factor is not None:
+        image = (image.astype(np.float64) * rescale_factor).astype(np.float32)
+    if mean is not None and std is not None:
+        if not np.issubdtype(image.dtype, np.floating):
+            image = image.astype(np.float32)
+        image = (image - np.asarray(mean, dtype=image.dtype)) / np.asarray(std, dtype=image.dtype)
+    return image.astype(np.float32, copy=False)

@@ -74,6 +74,8 @@ _EXPORTS: dict[str, str] = {
     "decode_image": "media",
     "read_image": "media",
     "resize_image": "media",
+    "rescale_normalize": "media",
+    "PILLOW_FILTERS": "media",
     # sampling (a draft draws with the request's sampler)
     "SamplerOptions": "decode.options",
     "Sampler": "decode.sampler",

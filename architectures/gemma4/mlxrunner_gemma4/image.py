@@ -49,7 +49,13 @@ from typing import Any
 
 import numpy as np
 
-from mlxrunner.plugin import MediaError, ModelFolderError, resize_image
+from mlxrunner.plugin import (
+    PILLOW_FILTERS,
+    MediaError,
+    ModelFolderError,
+    rescale_normalize,
+    resize_image,
+)
 
 #: the soft token budgets transformers accepts (``_SUPPORTED_SOFT_TOKENS``)
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
@@ -66,8 +72,6 @@ BOI_TOKEN_ID = 255999  # <|image>
 IMAGE_TOKEN_ID = 258880  # <|image|>, one per soft token
 EOI_TOKEN_ID = 258882  # <image|>
 #: transformers' ``PILImageResampling`` values (Pillow's) -> Pillow's filter names
-RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box",
-                  5: "hamming"}
 #: the most pixels the patch budget may cover, ``max_patches * patch_size ** 2`` (the core's
 #: cap on a resized image: 8192 x 8192)
 MAX_BUDGET_PIXELS = 64 * 1024 * 1024
@@ -150,9 +154,9 @@ class ImageProcessorConfig:
         resample = get("resample")
         resample = 2 if resample is None else resample  # transformers' resize: bilinear
         if isinstance(resample, bool) or not isinstance(resample, int) or \
-                resample not in RESAMPLE_NAMES:
+                resample not in PILLOW_FILTERS:
             raise ModelFolderError(f"{where}: resample must be one of "
-                                   f"{sorted(RESAMPLE_NAMES)} (Pillow's filters), got "
+                                   f"{sorted(PILLOW_FILTERS)} (Pillow's filters), got "
                                    f"{resample!r:.40}")
         rescale = get("rescale_factor")
         rescale = GEMMA4_DEFAULTS["rescale_factor"] if rescale is None and not do_rescale \
@@ -166,7 +170,7 @@ class ImageProcessorConfig:
         cfg = cls(patch_size=integer("patch_size", 1024), max_soft_tokens=soft,
                   pooling_kernel_size=integer("pooling_kernel_size", 64),
                   image_mean=per_channel("image_mean"), image_std=std,
-                  rescale_factor=float(rescale), resample=RESAMPLE_NAMES[resample],
+                  rescale_factor=float(rescale), resample=PILLOW_FILTERS[resample],
                   do_resize=flag("do_resize"), do_rescale=do_rescale,
                   do_normalize=do_normalize)
         budget = cfg.max_patches * cfg.patch_size ** 2
@@ -244,15 +248,9 @@ def image_inputs(rgb: np.ndarray,
         raise MediaError(f"image {width}x{height}: do_resize is off and its sides are not "
                          f"multiples of {cfg.side_multiple} (pooling_kernel_size x "
                          "patch_size)")
-    if cfg.do_rescale:  # float64 product, stored as float32 (transformers' rescale)
-        image = (image.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    if cfg.do_normalize:
-        if not np.issubdtype(image.dtype, np.floating):
-            image = image.astype(np.float32)
-        mean = np.asarray(cfg.image_mean, dtype=image.dtype)
-        std = np.asarray(cfg.image_std, dtype=image.dtype)
-        image = (image - mean) / std
-    patches, positions = patchify(image.astype(np.float32, copy=False), cfg.patch_size)
+    image = rescale_normalize(image, cfg.rescale_factor if cfg.do_rescale else None,
+                              cfg.image_mean if cfg.do_normalize else None, cfg.image_std)
+    patches, positions = patchify(image, cfg.patch_size)
     soft_tokens = len(patches) // cfg.pooling_kernel_size ** 2
     pad = cfg.max_patches - len(patches)
     if pad > 0:  # transformers pads up to max_patches (never cuts: do_resize off may exceed)

@@ -36,7 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from mlxrunner.plugin import MediaError, ModelFolderError, resize_image
+from mlxrunner.plugin import (
+    PILLOW_FILTERS,
+    MediaError,
+    ModelFolderError,
+    rescale_normalize,
+    resize_image,
+)
 
 #: transformers' ``OPENAI_CLIP_MEAN`` / ``OPENAI_CLIP_STD``, the processor class's defaults
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -57,8 +63,6 @@ QWEN3_5_DEFAULTS: dict[str, Any] = {
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
 }
 #: transformers' ``PILImageResampling`` values (Pillow's) -> Pillow's filter names
-RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box",
-                  5: "hamming"}
 #: ``smart_resize`` refuses a longer side more than this many times the shorter
 MAX_ASPECT_RATIO = 200
 #: the most bytes read of a processor config file
@@ -140,9 +144,9 @@ class ImageProcessorConfig:
                                        f"longest_edge (the least and most pixels), lacks {key}")
         resample = get("resample")
         if isinstance(resample, bool) or not isinstance(resample, int) or \
-                resample not in RESAMPLE_NAMES:
+                resample not in PILLOW_FILTERS:
             raise ModelFolderError(f"{where}: resample must be one of "
-                                   f"{sorted(RESAMPLE_NAMES)} (Pillow's filters), got "
+                                   f"{sorted(PILLOW_FILTERS)} (Pillow's filters), got "
                                    f"{resample!r:.40}")
         rescale = get("rescale_factor")
         if not _finite(rescale) or rescale <= 0:
@@ -158,7 +162,7 @@ class ImageProcessorConfig:
             min_pixels=integer("size.shortest_edge", edges["shortest_edge"], _MAX_PIXELS_BOUND),
             max_pixels=integer("size.longest_edge", edges["longest_edge"], _MAX_PIXELS_BOUND),
             image_mean=per_channel("image_mean"), image_std=std,
-            rescale_factor=float(rescale), resample=RESAMPLE_NAMES[resample],
+            rescale_factor=float(rescale), resample=PILLOW_FILTERS[resample],
             do_resize=flag("do_resize"), do_rescale=flag("do_rescale"),
             do_normalize=flag("do_normalize"))
 
@@ -213,15 +217,9 @@ def image_inputs(rgb: np.ndarray,
     elif height % factor or width % factor:
         raise MediaError(f"image {width}x{height}: do_resize is off and its sides are not "
                          f"multiples of {factor} (patch_size x merge_size)")
-    if cfg.do_rescale:  # float64 product, stored as float32 (transformers' rescale)
-        image = (image.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    if cfg.do_normalize:
-        if not np.issubdtype(image.dtype, np.floating):
-            image = image.astype(np.float32)
-        mean = np.asarray(cfg.image_mean, dtype=image.dtype)
-        std = np.asarray(cfg.image_std, dtype=image.dtype)
-        image = (image - mean) / std
-    return patchify(image.astype(np.float32, copy=False), cfg.patch_size, cfg.merge_size,
+    image = rescale_normalize(image, cfg.rescale_factor if cfg.do_rescale else None,
+                              cfg.image_mean if cfg.do_normalize else None, cfg.image_std)
+    return patchify(image, cfg.patch_size, cfg.merge_size,
                     cfg.temporal_patch_size)
 
 
