@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -96,6 +97,10 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
     with names padded to ``name_width``. The rows take turns in every repeat, each repeat
     starting one row further on, so that a change of machine load or the allocator state
     a row inherits from the one before hits them alike."""
+    if os.environ.get(KERNEL_COUNT_CHILD):
+        print(KERNEL_COUNT_MARK + json.dumps(count_step_kernels(rows, prompt)), flush=True)
+        sys.exit(0)
+    kernels = step_kernels_on_cuda()
     # warm-up (trace, JIT, allocate) on the first prefill chunk: a long prompt's full
     # prefill would double a slow row's time for nothing
     warm = prompt[:PREFILL_CHUNK + 1] if PREFILL_CHUNK else prompt
@@ -120,12 +125,96 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
                         for part in ("build", "submit", "wait"):
                             kept[f"decode_{part}_ms"] = result[f"decode_{part}_ms"]
     for name in names:
+        if kernels and name in kernels:
+            best[name]["kernels_per_step"] = kernels[name]["kernels"]
+            best[name]["kernels_by_name"] = kernels[name]["by_name"]
+    for name in names:
         result = best[name]
         print(f"  {name:{name_width}s} prefill {result['prefill_tok_s']:10.1f} tok/s   "
               f"decode {result['decode_tok_s']:8.1f} tok/s   (a step: build "
               f"{result['decode_build_ms']:.2f}, submit {result['decode_submit_ms']:.2f}, "
-              f"wait {result['decode_wait_ms']:.2f} ms)", flush=True)
+              f"wait {result['decode_wait_ms']:.2f} ms)"
+              + (f"  kernels a step {result['kernels_per_step']}"
+                 if "kernels_per_step" in result else ""), flush=True)
     return best
+
+
+#: set in the child process that counts kernels (see :func:`step_kernels_on_cuda`)
+KERNEL_COUNT_CHILD = "MLXRUNNER_BENCH_COUNT_KERNELS"
+KERNEL_COUNT_MARK = "kernel counts: "
+
+
+def step_kernels_on_cuda() -> dict[str, Any] | None:
+    """On MLX's CUDA backend: the kernels each row launches in one decode step, counted in a
+    child process running this bench again with MLX's ``MLX_SAVE_CUDA_GRAPHS_DOT_FILE`` set
+    (MLX then writes every CUDA graph it launches as a DOT file: a kernel is a node; the
+    variable is read once per process and slows every launch, hence the child). None off
+    CUDA (MLX's CPU device has no such count), or when the child fails."""
+    cuda = getattr(mx, "cuda", None)
+    if os.environ.get("BENCH_NO_KERNEL_COUNT") or cuda is None or not cuda.is_available() \
+            or mx.default_device() != mx.gpu:
+        return None
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        env = dict(os.environ, **{KERNEL_COUNT_CHILD: "1",
+                                  "MLX_SAVE_CUDA_GRAPHS_DOT_FILE": f"{folder}/graph"})
+        try:
+            done = subprocess.run([sys.executable, *sys.argv], env=env, capture_output=True,
+                                  text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            print("  kernel count: the child ran over 600 s", flush=True)
+            return None
+        for line in done.stdout.splitlines():
+            if line.startswith(KERNEL_COUNT_MARK):
+                counts: dict[str, Any] = json.loads(line[len(KERNEL_COUNT_MARK):])
+                return counts
+        print(f"  kernel count failed (exit {done.returncode}): "
+              f"{(done.stderr or done.stdout).strip()[-400:]}", flush=True)
+    return None
+
+
+def _graph_kernels(files: list[Path]) -> tuple[int, Counter[str]]:
+    """Kernel nodes in CUDA graphs' DOT files (``cudaGraphDebugDotPrint``): each node's label
+    starts with its type; a kernel's names its function."""
+    import re
+
+    total, names = 0, Counter[str]()
+    for path in files:
+        for label in re.findall(r'label="\{?([^"]*)"', path.read_text(errors="replace")):
+            if not label.upper().startswith("KERNEL"):
+                continue
+            total += 1
+            found = re.search(r"(mlxrunner_\w+|_Z\w+|\b[a-z_]+kernel\w*)", label)
+            names[found.group(1)[:80] if found else "?"] += 1
+    return total, names
+
+
+def count_step_kernels(rows: dict[str, Any], prompt: mx.array) -> dict[str, Any]:
+    """(In the child of :func:`step_kernels_on_cuda`.) Each row's kernels in its fourth
+    decode step after an 8-token prefill: ``kernels`` and ``by_name`` (the most frequent)."""
+    prefix = Path(os.environ["MLX_SAVE_CUDA_GRAPHS_DOT_FILE"])
+    counts: dict[str, Any] = {}
+    for name, model in rows.items():
+        cache = model.make_cache()
+        model(prompt[None, :8], cache=cache)
+        eval_cache(cache)
+        y = prompt[None, 8:9]
+        for _ in range(4):
+            mx.synchronize()
+            before = set(prefix.parent.glob(f"{prefix.name}*"))
+            y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+            mx.eval(y)
+            eval_cache(cache)
+            mx.synchronize()
+        new = sorted(set(prefix.parent.glob(f"{prefix.name}*")) - before)
+        total, names = _graph_kernels(new)
+        counts[name] = {"kernels": total, "graphs": len(new),
+                        "by_name": dict(names.most_common(12))}
+        if not total and new:  # a DOT layout this parser does not know: show its start
+            counts[name]["sample"] = new[0].read_text(errors="replace")[:600]
+    return counts
 
 
 #: operations that only view their input (no kernel); every node still costs a traced

@@ -117,3 +117,18 @@ def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int) -> No
                                      ("DV", min(D, 512)), ("NT", nn.ATTEND_THREADS),
                                      ("U", nn.keys_at_once(D, min(D, 512))),
                                      ("MASK", mask)]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("norm,res,glu", [(False, False, 0), (True, False, 0), (False, True, 0),
+                                          (True, False, 1), (True, False, 2)])
+def test_fused_product_kernel_compiles(builder, dtype: str, norm: bool, res: bool,
+                                       glu: int) -> None:
+    from mlxrunner.nn import cuda_products
+
+    template = [("T", dtype), ("K", 2048), ("N", 2048), ("M", 2), ("NT", 256),
+                ("NORM", norm), ("RES", res), ("GLU", glu)]
+    _compile(builder, "mlxrunner_product", _wrap(
+        "mlxrunner_product", cuda_products.PRODUCT_SOURCE,
+        [("x", dtype), ("w", dtype), ("nw", dtype), ("res", dtype), ("eps", "float32")],
+        [("y", dtype)], template))

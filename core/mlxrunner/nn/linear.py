@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .cuda_products import fused_product
 from .derived import derived
 from .host_ops import host_active, host_add, host_split
 from .host_quantized import host_quantized_product
@@ -70,6 +71,9 @@ def apply_linear(layer: nn.Module, x: mx.array, residual: mx.array | None = None
         w_t = _transposed(layer)
         bias = layer.get("bias")
         if bias is None:
+            fused = fused_product(x, layer["weight"], residual)
+            if fused is not None:
+                return fused
             if residual is None or not host_active():
                 return project(x, w_t, residual)
             y = project(x, w_t)
@@ -281,6 +285,22 @@ def _pack_kind(layers: tuple[nn.Module, ...]) -> tuple[Any, ...] | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
+def packed(*layers: nn.Module) -> nn.Module | None:
+    """The one layer whose product :func:`linears` runs for ``layers`` (their weights
+    joined along the output rows), or None where they cannot share one."""
+    return _pack(layers).joined
+
+
+def _pack(layers: tuple[nn.Module, ...]) -> _Pack:
+    first = layers[0]
+    pack = first.__dict__.get(_PACK)
+    if pack is None or not pack.current(layers):
+        pack = _Pack(layers)
+        if pack.joined is not None or _pack_kind(layers) is None:
+            object.__setattr__(first, _PACK, pack)
+    return pack
+
+
 def linears(x: mx.array, *layers: nn.Module) -> list[mx.array]:
     """The outputs of linear ``layers`` that all read ``x``, from one product where they can
     share one (same kind and quantization): ``q, k, v = linears(x, self.q_proj,
@@ -294,10 +314,4 @@ def joined_linears(x: mx.array, *layers: nn.Module) -> tuple[mx.array | None, li
     if len(layers) == 1:
         y = apply_linear(layers[0], x)
         return y, [y]
-    first = layers[0]
-    pack = first.__dict__.get(_PACK)
-    if pack is None or not pack.current(layers):
-        pack = _Pack(layers)
-        if pack.joined is not None or _pack_kind(layers) is None:
-            object.__setattr__(first, _PACK, pack)
-    return pack(x)
+    return _pack(layers)(x)

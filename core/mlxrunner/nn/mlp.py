@@ -8,8 +8,9 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cuda_products import fused_product
 from .host_ops import host_silu_mul
-from .linear import Linear, apply_linear, linears
+from .linear import Linear, apply_linear, linears, packed
 from .parallel import Column, Row
 
 
@@ -40,6 +41,8 @@ def softcap(x: mx.array, cap: float | None) -> mx.array:
 
 ACTIVATIONS = {"silu": silu_mul, "swish": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul,
                "gelu_tanh": gelu_tanh_mul}
+#: the fused products' names of these activations (mlxrunner.nn.cuda_products)
+_FUSED_NAMES = {silu_mul: "silu", gelu_tanh_mul: "gelu_tanh"}
 
 
 class GatedMLP(nn.Module):
@@ -60,6 +63,12 @@ class GatedMLP(nn.Module):
 
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         """``mlp(x)`` (``+ residual``, added in the down projection)."""
+        joined = packed(self.gate_proj, self.up_proj)
+        if joined is not None and "bias" not in joined and "scales" not in joined:
+            # on CUDA, gate, up and the activation (and a norm before) as one kernel
+            fused = fused_product(x, joined["weight"], activation=_FUSED_NAMES[self._act])
+            if fused is not None:
+                return apply_linear(self.down_proj, fused, residual)
         gate, up = linears(x, self.gate_proj, self.up_proj)
         hosted = host_silu_mul(gate, up) if self._act is silu_mul else None
         return apply_linear(self.down_proj, self._act(gate, up) if hosted is None else hosted,

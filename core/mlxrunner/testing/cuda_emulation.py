@@ -63,6 +63,8 @@ static unsigned int __float_as_uint(float x) {
     return u;
 }
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
 """
 
 _RUNNER = r"""

@@ -1,0 +1,270 @@
+"""Decode-step products on CUDA with their neighbours fused in: one launch for ``rms_norm(x)
+@ W.T``, for ``x @ W.T + residual``, and for a gated MLP's ``act(x @ Wg.T) * (x @ Wu.T)``.
+
+A small model's decode step is bound by host time per launched kernel (MLX's CUDA backend
+records each as a graph node every step), not by arithmetic: a layer's RMS norm, its
+residual adds and the MLP's activation each cost a launch beside the products that read or
+write them. These kernels take a few rows (a decode step, a small batch, a short verify
+block) and read the weight once: a warp per output row (two for the gated MLP: its gate and
+up rows), 16-byte loads along the row, the rows of ``x`` staged in shared memory in the
+weight's dtype (normalised there first when a norm is fused). They round where MLX's
+operations round: the normalised row in the weight's dtype (as ``mx.fast.rms_norm``), the
+product before the residual or the activation, each activation step.
+
+A norm fuses into the product that reads its output: :class:`mlxrunner.nn.RMSNorm` notes
+each output it hands out on CUDA (:func:`note_norm`, per thread, the last few), and a
+product whose input is such an output normalises the norm's own input instead; the norm's
+operation then has no reader and never runs. Every case (sizes, rows, dtype, what is fused)
+serves only after its self-check against MLX's operations (``mlxrunner.nn.kernels.serves``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import mlx.core as mx
+
+from ..constants import constant
+from .cuda_build import CudaKernel, kernel_code
+from .kernels import kernel_allowed, serves
+
+#: rows of ``x`` a fused product takes (a decode step of up to this many sequences, or a
+#: verify block this long); more rows are a prompt's and run as MLX's products
+MAX_ROWS = 4
+#: the rows of ``x`` staged in shared memory, in bytes (under the 48 KiB a block may take
+#: without asking)
+STAGED_BYTES = 40 << 10
+THREADS = 256
+#: the gated activations a product may end in (``mlxrunner.nn.ACTIVATIONS``' names)
+GLU = {"silu": 1, "gelu_tanh": 2}
+#: norm outputs remembered per thread (a layer's norm is read by the next product or two)
+NOTED_NORMS = 8
+
+# Template constants: T (x, weight, residual and norm weight dtype), K (inputs per row), N
+# (outputs per row), M (rows), NT (threads per block), NORM (normalise x with nw and eps
+# first), RES (add res to the rounded product), GLU (0: none; 1: silu, 2: gelu_tanh of rows
+# [0, N) times rows [N, 2N) of w). One warp per output n; the block's warps take consecutive n.
+PRODUCT_SOURCE = r"""
+    constexpr int kWarps = NT / 32;
+    constexpr int kVec = 16 / sizeof(T);
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    __shared__ __align__(16) T xs[M * K];
+    __shared__ float red[M * kWarps];
+    __shared__ float inv[M];
+
+    if (NORM) {
+        float ss[M];
+        #pragma unroll
+        for (int m = 0; m < M; ++m) ss[m] = 0.f;
+        for (int k = tid; k < K; k += NT) {
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float v = static_cast<float>(x[m * K + k]);
+                ss[m] += v * v;
+            }
+        }
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffff, ss[m], o);
+            if (lane == 0) red[m * kWarps + warp] = ss[m];
+        }
+        __syncthreads();
+        if (tid < M) {
+            float s = 0.f;
+            for (int w8 = 0; w8 < kWarps; ++w8) s += red[tid * kWarps + w8];
+            inv[tid] = rsqrtf(s / K + eps[0]);
+        }
+        __syncthreads();
+        for (int i = tid; i < M * K; i += NT) {
+            const int m = i / K;
+            const T xn = static_cast<T>(static_cast<float>(x[i]) * inv[m]);
+            xs[i] = static_cast<T>(static_cast<float>(nw[i - m * K]) * static_cast<float>(xn));
+        }
+    } else {
+        for (int i = tid; i < M * K; i += NT) xs[i] = x[i];
+    }
+    __syncthreads();
+
+    const int n = blockIdx.x * kWarps + warp;
+    if (n >= N) return;
+    float acc[M];
+    float acc_up[M];
+    #pragma unroll
+    for (int m = 0; m < M; ++m) { acc[m] = 0.f; acc_up[m] = 0.f; }
+    const T* row = w + (size_t)n * K;
+    const T* row_up = w + (size_t)(n + N) * K;
+    if (reinterpret_cast<size_t>(w) & 15) {  // a weight view off 16-byte alignment
+        for (int k = lane; k < K; k += 32) {
+            const float wf = static_cast<float>(row[k]);
+            const float uf = GLU ? static_cast<float>(row_up[k]) : 0.f;
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float xf = static_cast<float>(xs[m * K + k]);
+                acc[m] += wf * xf;
+                if (GLU) acc_up[m] += uf * xf;
+            }
+        }
+    } else
+    #pragma unroll 4
+    for (int k = lane * kVec; k < K; k += 32 * kVec) {
+        const uint4 wp = *reinterpret_cast<const uint4*>(row + k);
+        const T* wv = reinterpret_cast<const T*>(&wp);
+        uint4 up;
+        const T* uv = reinterpret_cast<const T*>(&up);
+        if (GLU) up = *reinterpret_cast<const uint4*>(row_up + k);
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const uint4 xp = *reinterpret_cast<const uint4*>(xs + m * K + k);
+            const T* xv = reinterpret_cast<const T*>(&xp);
+            #pragma unroll
+            for (int j = 0; j < kVec; ++j) {
+                const float xf = static_cast<float>(xv[j]);
+                acc[m] += static_cast<float>(wv[j]) * xf;
+                if (GLU) acc_up[m] += static_cast<float>(uv[j]) * xf;
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        for (int o = 16; o > 0; o >>= 1) {
+            acc[m] += __shfl_xor_sync(0xffffffff, acc[m], o);
+            if (GLU) acc_up[m] += __shfl_xor_sync(0xffffffff, acc_up[m], o);
+        }
+    }
+    if (lane != 0) return;
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        T out = static_cast<T>(acc[m]);
+        if (GLU == 1) {  // silu(g) * u, rounding each step as MLX's fused silu_mul does
+            const float g = static_cast<float>(out);
+            const T sig = static_cast<T>(1.f / (1.f + expf(-g)));
+            const T act = static_cast<T>(g * static_cast<float>(sig));
+            out = static_cast<T>(static_cast<float>(act) *
+                                 static_cast<float>(static_cast<T>(acc_up[m])));
+        } else if (GLU == 2) {  // gelu_tanh(g) in float32, rounded once, times u
+            const float g = static_cast<float>(out);
+            const float act = 0.5f * g * (1.f + tanhf(0.7978845608028654f *
+                                                      (g + 0.044715f * g * g * g)));
+            out = static_cast<T>(static_cast<float>(static_cast<T>(act)) *
+                                 static_cast<float>(static_cast<T>(acc_up[m])));
+        }
+        if (RES) out = static_cast<T>(static_cast<float>(out) +
+                                      static_cast<float>(res[m * N + n]));
+        y[m * N + n] = out;
+    }
+"""
+
+_kernel = CudaKernel(name="mlxrunner_product", input_names=["x", "w", "nw", "res", "eps"],
+                     output_names=["y"], source=PRODUCT_SOURCE)
+_noted = threading.local()
+
+
+def _rows(x: mx.array) -> int:
+    return x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+
+
+def _fits(x: mx.array, in_dims: int) -> bool:
+    """Whether rows like ``x`` may reach a fused product at all (cheap: asked per call)."""
+    rows = _rows(x)
+    return (0 < rows <= MAX_ROWS and x.dtype in (mx.bfloat16, mx.float16, mx.float32)
+            and x.shape[-1] == in_dims and (in_dims * x.dtype.size) % 16 == 0
+            and rows * in_dims * x.dtype.size <= STAGED_BYTES
+            and kernel_allowed("products"))
+
+
+def note_norm(out: mx.array, x: mx.array, weight: mx.array | None, eps: float) -> None:
+    """Remember that ``out`` is ``rms_norm(x, weight, eps)`` (this thread, the last
+    ``NOTED_NORMS``), so a fused product reading ``out`` may normalise ``x`` itself."""
+    if weight is None or weight.dtype != x.dtype or weight.shape != x.shape[-1:] or \
+            not _fits(x, x.shape[-1]):
+        return
+    noted = getattr(_noted, "norms", None)
+    if noted is None:
+        noted = _noted.norms = OrderedDict()
+    noted[id(out)] = (out, x, weight, eps)  # (out held: its id is not reused meanwhile)
+    while len(noted) > NOTED_NORMS:
+        noted.popitem(last=False)
+
+
+def _norm_of(x: mx.array) -> tuple[mx.array, mx.array, float] | None:
+    noted = getattr(_noted, "norms", None)
+    entry = None if noted is None else noted.get(id(x))
+    if entry is None or entry[0] is not x:
+        return None
+    return entry[1], entry[2], entry[3]
+
+
+def _launch(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
+            norm: tuple[mx.array, mx.array, float] | None) -> mx.array:
+    K = x.shape[-1]
+    M = _rows(x)
+    N = weight.shape[0] // (2 if glu else 1)
+    source = x if norm is None else norm[0]
+    dummy = constant((0,), x.dtype)
+    outputs = _kernel(
+        inputs=[source, weight, dummy if norm is None else norm[1],
+                dummy if residual is None else residual,
+                constant((0.0 if norm is None else float(norm[2]),), mx.float32)],
+        template=[("T", x.dtype), ("K", K), ("N", N), ("M", M), ("NT", THREADS),
+                  ("NORM", norm is not None), ("RES", residual is not None), ("GLU", glu)],
+        grid=(THREADS * -(-N // (THREADS // 32)), 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
+    return outputs[0]
+
+
+def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
+               norm: tuple[mx.array, mx.array, float] | None) -> mx.array:
+    """What MLX's operations compute for the same case (the check's reference)."""
+    from .mlp import gelu_tanh_mul, silu_mul  # (mlp imports linear, which imports this)
+
+    if norm is not None:
+        x = mx.fast.rms_norm(norm[0], norm[1], norm[2])
+    y = x @ weight.T
+    if glu:
+        gate, up = mx.split(y, 2, axis=-1)
+        y = (silu_mul if glu == 1 else gelu_tanh_mul)(gate, up)
+    return y if residual is None else residual + y
+
+
+def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = None, *,
+                  activation: str | None = None) -> mx.array | None:
+    """``x @ weight.T`` (``+ residual``) for float rows ``x [..., K]`` and a row-major
+    ``weight [N, K]`` of the same dtype, as one fused kernel; ``activation`` (``silu``,
+    ``gelu_tanh``): ``weight`` is gate rows then up rows and the result ``act(gate) * up``.
+    Where ``x`` is a noted norm's output (:func:`note_norm`), the norm runs inside. None
+    where no fused kernel serves this case: the caller runs MLX's operations."""
+    glu = GLU.get(activation or "", 0)
+    if (activation is not None and not glu) or weight.ndim != 2 or weight.dtype != x.dtype \
+            or not _fits(x, weight.shape[1]) or (glu and weight.shape[0] % 2):
+        return None
+    N = weight.shape[0] // (2 if glu else 1)
+    if residual is not None and (residual.dtype != x.dtype
+                                 or residual.shape != (*x.shape[:-1], N)):
+        return None
+    norm = _norm_of(x)
+    if not _serves(x, weight, residual is not None, glu, norm is not None):
+        return None
+    return _launch(x, weight, residual, glu, norm)
+
+
+def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, norm: bool) -> bool:
+    K, M, dtype = x.shape[-1], _rows(x), x.dtype
+    rows = weight.shape[0]
+    case = (K, rows, M, dtype, res, glu, norm)
+
+    def probe() -> tuple[Any, ...]:
+        keys = [mx.random.key(4711 + i) for i in range(4)]  # no gather (see deltanet's)
+        px = mx.random.normal((M, K), key=keys[0]).astype(dtype)
+        pw = (mx.random.normal((rows, K), key=keys[1]) * K ** -0.5).astype(dtype)
+        n_out = rows // (2 if glu else 1)
+        pr = mx.random.normal((M, n_out), key=keys[2]).astype(dtype) if res else None
+        pn = (1.0 + 0.1 * mx.random.normal((K,), key=keys[3])).astype(dtype)
+        return px, pw, pr, (px, pn, 1e-5) if norm else None
+
+    return serves("products", case, lambda p: _launch(p[0], p[1], p[2], glu, p[3]),
+                  lambda p: _reference(p[0], p[1], p[2], glu, p[3]), probe,
+                  2e-3 if dtype == mx.float32 else 3e-2, source=kernel_code(__file__))
