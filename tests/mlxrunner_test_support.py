@@ -80,3 +80,94 @@ def write_model_folder(folder: Path, config: dict | None = None, seed: int = 0) 
     write_tokenizer(folder)
     return folder
 
+
+
+class ToyImageEncoder:
+    """A toy image encoder (mlxrunner.plugin.Encoder) for tests of the media path: each 4x4
+    patch of an image becomes one embedding row, a fixed random linear map of its pixels;
+    the item's tokens are ``begin``, one ``slot`` per patch, ``end``."""
+
+    modality = "image"
+
+    def __init__(self, hidden: int, placeholder: int, begin: int, slot: int, end: int) -> None:
+        import mlx.core as mx
+
+        self.placeholder, self.begin, self.slot, self.end = placeholder, begin, slot, end
+        self.proj = mx.random.normal((48, hidden), key=mx.random.key(7)) * 0.2
+        self.runs = 0
+
+    def prepare(self, media):
+        import mlx.core as mx
+        import numpy as np
+
+        from mlxrunner.plugin import MediaItem, content_digest
+
+        h, w = media.shape[0] // 4, media.shape[1] // 4
+        patches = media[:h * 4, :w * 4].reshape(h, 4, w, 4, 3).transpose(0, 2, 1, 3, 4)
+        patches = patches.reshape(h * w, 48).astype(np.float32) / 255.0
+
+        def encode():
+            self.runs += 1
+            return mx.array(patches) @ self.proj
+
+        n = h * w
+        return MediaItem("image", (self.begin, *[self.slot] * n, self.end),
+                         tuple(range(1, n + 1)), content_digest(media), encode)
+
+
+def media_llama(config: dict, ids: tuple[int, int, int, int]):
+    """The example architecture with a :class:`ToyImageEncoder` (``ids``: placeholder,
+    begin, slot, end), as a third party would add one."""
+    from mlxrunner_example_architecture.model import ExampleLlama
+
+    class MediaLlama(ExampleLlama):
+        def load_encoders(self, folder):
+            return {"image": ToyImageEncoder(self.hidden_size, *ids)}
+
+    return MediaLlama(config)
+
+
+MEDIA_SPECIALS = ["<|image|>", "<|begin_image|>", "<|slot|>", "<|end_image|>"]
+#: a chat template that writes ``<|image|>`` for an image part
+MEDIA_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for p in m.content %}{% if p.type in ['image', 'image_url'] %}<|image|>"
+    "{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}</s>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def media_bundle(folder: Path):
+    """A loaded bundle whose model takes images: the example architecture's folder with
+    ``MEDIA_SPECIALS`` in its tokenizer and ``MEDIA_TEMPLATE``, its model a
+    :func:`media_llama` with random weights that make replies depend on the image."""
+    import dataclasses
+
+    from tokenizers import Tokenizer
+
+    import mlxrunner
+    from mlxrunner.testing.speculative import randomize
+
+    write_model_folder(folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(MEDIA_SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(MEDIA_TEMPLATE)
+    bundle = mlxrunner.load(folder)
+    ids = tuple(bundle.tokenizer.token_to_id(t) for t in MEDIA_SPECIALS)
+    model = media_llama(dict(EXAMPLE_CONFIG), ids)
+    randomize(model, seed=5)
+    model.eval()
+    return dataclasses.replace(bundle, model=model)
+
+
+def png_bytes(seed: int, size: tuple[int, int] = (12, 8)) -> bytes:
+    """A random RGB PNG of ``size`` (width, height) (needs Pillow)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()

@@ -290,3 +290,22 @@ def test_an_oversized_chat_template_is_refused_before_compiling(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps([{"role": "user", "content": "hi"}]))
     one_line_error(cli("render", "--renderer", "jinja", "--template", "t.jinja", "c.json",
                        cwd=tmp_path), "past the limit")
+
+
+@pytest.mark.parametrize("case", ["text-only", "missing", "corrupt"])
+def test_an_image_the_model_cannot_take_is_one_line(tmp_path, case):
+    pytest.importorskip("PIL", reason="Pillow (the vision extra) is not installed")
+    from mlxrunner_test_support import write_model_folder
+
+    write_model_folder(tmp_path / "m")
+    image = tmp_path / "a.png"
+    if case == "text-only":
+        import numpy as np
+        from PIL import Image
+
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(image)
+    elif case == "corrupt":
+        image.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    result = cli("run", "./m", "hi", "--image", str(image), "-n", "2", cwd=tmp_path)
+    one_line_error(result, {"text-only": "takes no image input", "missing": "a.png",
+                            "corrupt": "image"}[case])

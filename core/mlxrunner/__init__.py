@@ -43,6 +43,8 @@ _USER_API: dict[str, str] = {
     "generate": "decode.generation",
     "generate_batch": "batch.scheduler",
     "GenerationResult": "decode.plain",
+    "MediaPrompt": "media",
+    "place_media": "media",
     "SamplerOptions": "decode.options",
     "SamplerOptionError": "decode.options",
     "Tokenizer": "model.tokenizer",
@@ -148,6 +150,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .host.hookspecs import hookimpl  # noqa: F401
     from .host.manager import register, registered  # noqa: F401
+    from .media import MediaPrompt, place_media  # noqa: F401
     from .model.distribution import Distribution  # noqa: F401
     from .model.draft import DraftModel, DraftProposal, DraftSession  # noqa: F401
     from .model.interface import Model  # noqa: F401

@@ -8,18 +8,21 @@ the sampler defaults.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .chat.formats import RenderContext, get_parser, get_renderer
 from .decode.options import SamplerOptions
-from .errors import ModelfileError, ModelFolderError
+from .errors import MediaError, ModelfileError, ModelFolderError
 from .host import manager as plugins
+from .media import Encoder, decode_image, place_media
 from .model.builtin_draft import load_checkpoint_draft
 from .model.draft import BUNDLE_PREFIX, load_draft
 from .model.gguf import gguf_tokenizer, is_gguf, load_gguf_model
@@ -47,6 +50,62 @@ class Bundle:
     defaults: Any = None
     modelfile: Any | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    _encoders: dict[str, Encoder] | None = field(default=None, repr=False)
+    _encoders_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def encoders(self) -> Mapping[str, Encoder]:
+        """The model's media encoders by modality (:meth:`Model.load_encoders`), loaded on
+        first use, once."""
+        with self._encoders_lock:
+            if self._encoders is None:
+                loaded = dict(self.model.load_encoders(self.path))
+                for modality, encoder in loaded.items():
+                    if encoder.modality != modality:
+                        raise ModelFolderError(f"the {modality} encoder says it serves "
+                                               f"{encoder.modality!r:.40}")
+                self._encoders = loaded
+            return self._encoders
+
+    def capabilities(self) -> list[str]:
+        """What the model takes, in Ollama's words: ``completion``; ``tools`` and
+        ``thinking`` (a chat format with a reply parser); ``vision`` and ``audio`` (an
+        encoder for images, for audio: loaded to tell)."""
+        out = ["completion"]
+        if self.renderer is not None and self.parser_name is not None:
+            out += ["tools", "thinking"]
+        try:
+            encoders = self.encoders()
+        except MediaError:  # (a checkpoint whose media this version does not run)
+            encoders = {}
+        out += [name for kind, name in (("image", "vision"), ("audio", "audio"))
+                if kind in encoders]
+        return out
+
+    def place_media(self, ids: Sequence[int], media: Sequence[tuple[str, bytes | Any]],
+                    name: str | None = None) -> Sequence[int]:
+        """``ids`` with ``media`` (``(modality, data)`` in the order the prompt's
+        placeholders appear: an image's encoded bytes or its decoded ``[H, W, 3]`` pixels)
+        at their placeholders (:func:`mlxrunner.place_media`); ``ids`` themselves where
+        there is none. One :class:`MediaError` line (naming the model as ``name``, else by
+        its folder) for a model without an encoder for a modality, media that does not
+        decode, or placeholders that do not match."""
+        if not media:
+            return ids
+        encoders = self.encoders()
+        items = []
+        for modality, data in media:
+            encoder = encoders.get(modality)
+            if encoder is None:
+                raise MediaError(f"{name or self.path.name} takes no {modality} input")
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                if modality != "image":
+                    raise MediaError(f"{modality} files are not decoded by this version")
+                decoded = decode_image(data)
+            else:
+                decoded = np.asarray(data)
+            items.append(encoder.prepare(decoded))
+        return place_media(ids, items, {kind: encoders[kind].placeholder
+                                        for kind, _ in media})
 
     def new_parser(self) -> Any | None:
         """A parser of its own for one reply (a parser holds the state of the reply it is

@@ -76,6 +76,9 @@ _EXPORTS: dict[str, str] = {
     "resize_image": "media",
     "rescale_normalize": "media",
     "PILLOW_FILTERS": "media",
+    "Encoder": "media",
+    "MediaItem": "media",
+    "content_digest": "media",
     # sampling (a draft draws with the request's sampler)
     "SamplerOptions": "decode.options",
     "Sampler": "decode.sampler",
@@ -124,7 +127,14 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .host.hookspecs import Commands, Register, hookimpl  # noqa: F401
     from .host.manager import register, registered  # noqa: F401
-    from .media import decode_image, read_image, resize_image  # noqa: F401
+    from .media import (  # noqa: F401
+        Encoder,
+        MediaItem,
+        content_digest,
+        decode_image,
+        read_image,
+        resize_image,
+    )
     from .model.block_draft import BlockDraft, BlockDraftSession  # noqa: F401
     from .model.config_bounds import ConfigBound, ConfigMultiple, check_config  # noqa: F401
     from .model.config_fields import ConfigFields, config_field  # noqa: F401

@@ -24,7 +24,7 @@ EXPORTED_BEFORE = (
     "ParseEvents TrimmedText ReplyParser DraftModel DraftSession DraftProposal").split()
 
 USER_API = {"load", "Bundle", "load_model", "build_model", "read_config", "generate",
-            "generate_batch",
+            "generate_batch", "MediaPrompt", "place_media",
             "GenerationResult", "SamplerOptions", "SamplerOptionError", "Tokenizer", "Modelfile",
             "read_modelfile", "get_renderer", "get_parser", "errors", "__version__"}
 

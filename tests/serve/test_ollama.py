@@ -82,7 +82,7 @@ def test_a_tool_round_trip_is_rendered(client: Any) -> None:
      "options.temperature"),
     (lambda c: c.chat("demo", MESSAGES, options={"no_such_option": 1}), 400,
      "options.no_such_option"),
-    (lambda c: c.generate("demo", "x", images=["aGk="]), 400, "images"),
+    (lambda c: c.generate("demo", "x", images=["aGk="]), 400, "demo takes no image input"),
 ])
 def test_errors_are_the_clients_response_errors(client: Any, call: Any, status: int,
                                                 needle: str) -> None:

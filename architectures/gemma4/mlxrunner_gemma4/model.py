@@ -23,6 +23,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -32,6 +33,7 @@ import mlxrunner.nn as mnn
 from mlxrunner.plugin import (
     Cache,
     ConfigBound,
+    Encoder,
     KVCache,
     Model,
     ModelFolderError,
@@ -78,6 +80,11 @@ class Gemma4Config:
     num_experts: int
     top_k_experts: int
     moe_intermediate_size: int
+    pad_token_id: int
+    #: config.json's image / audio / video token ids, which Gemma4ForConditionalGeneration
+    #: embeds as ``pad_token_id`` (media rows replace the image ones); empty for a text-only
+    #: config (Gemma4ForCausalLM looks every id up)
+    media_token_ids: tuple[int, ...]
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -167,6 +174,18 @@ class Gemma4Config:
 
         moe = bool(c.get("enable_moe_block", False))
         softcap = c.get("final_logit_softcapping")
+        pad = c.get("pad_token_id")
+        media_ids = [c.get(key) for key in ("image_token_id", "audio_token_id",
+                                            "video_token_id")]
+        for value in (pad, *media_ids):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"token ids must be non-negative integers, got {value!r:.40}")
+        pad = 0 if pad is None else pad
+        table_rows = min(int(c["vocab_size"]),
+                         int(c.get("vocab_size_per_layer_input") or c["vocab_size"]))
+        if any(t is not None for t in media_ids) and pad >= table_rows:
+            raise ValueError(f"pad_token_id {pad} is outside the vocabulary ({table_rows})")
         return cls(
             hidden_size=hidden,
             num_layers=n,
@@ -191,6 +210,8 @@ class Gemma4Config:
             num_experts=int(c["num_experts"]) if moe else 0,
             top_k_experts=int(c["top_k_experts"]) if moe else 0,
             moe_intermediate_size=int(c["moe_intermediate_size"]) if moe else 0,
+            pad_token_id=pad,
+            media_token_ids=tuple(sorted({t for t in media_ids if t is not None})),
             raw=dict(c),
         )
 
@@ -335,9 +356,9 @@ class TextModel(nn.Module):
             self.per_layer_projection_norm = mnn.RMSNorm(p, cfg.rms_norm_eps)
 
     def per_layer_inputs(self, ids: mx.array, h: mx.array, cfg: Gemma4Config) -> list[mx.array]:
-        """Each layer's ``[B, L, P]`` input: the per-layer token table (times sqrt(P)) and
-        the normed projection of the scaled embedding ``h``, summed and scaled by
-        1/sqrt(2)."""
+        """Each layer's ``[B, L, P]`` input: the per-layer token table (times sqrt(P)) at
+        ``ids`` (media tokens already read as padding) and the normed projection of the
+        input embeddings ``h`` (media rows included), summed and scaled by 1/sqrt(2)."""
         p, n = cfg.hidden_size_per_layer_input, cfg.num_layers
         table = self.embed_tokens_per_layer(ids)
         proj = self.per_layer_model_projection(h) * (cfg.hidden_size ** -0.5)
@@ -466,6 +487,15 @@ class Gemma4Model(Model):
                 return None
         return name
 
+    def load_encoders(self, folder: Path) -> dict[str, Encoder]:
+        """``{"image": ...}`` where the folder holds a vision tower (in this model's
+        dtype), else none; a checkpoint whose images need bidirectional attention is one
+        MediaError line."""
+        from .encoder import load_image_encoder
+
+        encoder = load_image_encoder(folder, self.args.raw, self.dtype)
+        return {} if encoder is None else {"image": encoder}
+
     # -- target interface ------------------------------------------------------
     def make_cache(self) -> list[Cache | None]:
         caches: list[Cache | None] = []
@@ -502,8 +532,19 @@ class Gemma4Model(Model):
         return found
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
-        """The input embedding times sqrt(hidden) (the scale rounded to the weight dtype)."""
-        return self.model.embed_tokens(ids)
+        """The input embedding times sqrt(hidden) (the scale rounded to the weight dtype);
+        media token ids embed as ``pad_token_id``."""
+        return self.model.embed_tokens(self.text_ids(ids))
+
+    def text_ids(self, ids: mx.array) -> mx.array:
+        """``ids`` with every image, audio and video token id replaced by ``pad_token_id``:
+        what Gemma4ForConditionalGeneration looks up in its token tables."""
+        if not self.args.media_token_ids:
+            return ids
+        # (constants made once: a traced step does not rebuild them on every replay)
+        media = mnn.constant(self.args.media_token_ids, ids.dtype)
+        is_media = (ids[..., None] == media).any(axis=-1)
+        return mx.where(is_media, mnn.constant((self.args.pad_token_id,), ids.dtype), ids)
 
     def raw_logits(self, hidden: mx.array) -> mx.array:
         """The tied (or own) output head on final-normed hidden states, before softcapping."""
@@ -512,15 +553,28 @@ class Gemma4Model(Model):
         return self.lm_head(hidden)
 
     def __call__(self, ids: mx.array, cache: Sequence[Any] | None = None, *,
-                 taps: Sequence[int] | None = None) -> mx.array | tuple[mx.array, mx.array]:
+                 taps: Sequence[int] | None = None, embeddings: mx.array | None = None
+                 ) -> mx.array | tuple[mx.array, mx.array]:
+        """Logits for ``ids [B, L]`` (with ``taps``: and the tapped residual stream);
+        ``embeddings [B, L, hidden]``: the input embeddings to run instead of
+        ``embed_tokens(ids)`` (a prompt chunk whose image slots hold the encoder's rows)."""
         a = self.args
         tapped = mnn.Taps(taps, a.num_layers)
         if cache is not None and len(cache) != a.num_layers:
             raise ValueError(f"expected {a.num_layers} cache entries, got {len(cache)}")
         cache = [None] * a.num_layers if cache is None else cache
         offset = next((c.offset for c in cache if c is not None), 0)
-        h = self.embed_tokens(ids)
-        per_layer = self.model.per_layer_inputs(ids, h, a) \
+        text_ids = self.text_ids(ids)
+        if embeddings is None:
+            h = self.model.embed_tokens(text_ids)
+        elif embeddings.shape != (*ids.shape, a.hidden_size):
+            raise ValueError(f"embeddings must be {[*ids.shape, a.hidden_size]}, got "
+                             f"{list(embeddings.shape)}")
+        else:
+            h = embeddings
+        # as transformers: the token table reads media tokens as padding, the projection
+        # reads the embeddings with the media rows
+        per_layer = self.model.per_layer_inputs(text_ids, h, a) \
             if a.hidden_size_per_layer_input else [None] * a.num_layers
         kv_of: dict[int, mnn.KV] = {}
         for i, layer in enumerate(self.layers):

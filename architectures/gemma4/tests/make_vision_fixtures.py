@@ -88,7 +88,16 @@ def build_model(seed: int = 0) -> Any:
                           tie_word_embeddings=True, attn_implementation="eager")
     model = Gemma4ForConditionalGeneration(config).eval().to(torch.float32)
     text_fixtures._randomize(model, seed=seed + 1)
-    gen = torch.Generator().manual_seed(seed + 2)
+    randomize_vision(model, seed=seed + 2)
+    return model
+
+
+def randomize_vision(model: Any, seed: int) -> None:
+    """The tower's position table, clip bounds and standardization (after the text
+    fixtures' ``_randomize``, which draws every parameter)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         tower = model.model.vision_tower
         table = tower.patch_embedder.position_embedding_table
@@ -102,7 +111,6 @@ def build_model(seed: int = 0) -> Any:
                 buffer.copy_(torch.randn(buffer.shape, generator=gen))
             elif name == "std_scale":
                 buffer.copy_(0.5 + torch.rand(buffer.shape, generator=gen))
-    return model
 
 
 def inputs(seed: int = 1234) -> dict[str, tuple[np.ndarray, np.ndarray]]:

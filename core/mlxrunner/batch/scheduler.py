@@ -72,6 +72,7 @@ from ..decode.speculative import (
     propose_row,
     read_row,
 )
+from ..media import MediaPrompt, history_key
 from ..model.block_draft import BlockDraft, BlockDraftBatch, BlockDraftSession
 from ..model.draft import DraftSession
 from ..model.interface import Model
@@ -489,8 +490,9 @@ class Scheduler:
         if seq.cached_logits is not None:  # the whole prompt was cached
             logits, end = seq.cached_logits, len(seq.prompt)
         elif seq.session is None:
-            logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches,
-                                chunk=end - start)
+            # (the prompt up to the chunk's end, from start: a prompt's media keep their places)
+            logits, _ = prefill(self.model, seq.prompt[:end], seq.caches, start=start,
+                                chunk=end)
         else:
             def to_draft(tapped: mx.array) -> list[mx.array]:
                 if seq.session is None:  # it failed on an earlier chunk
@@ -503,8 +505,8 @@ class Scheduler:
                     self._drop_draft(seq, exc)
                     return []
 
-            logits, _ = prefill(self.model, seq.prompt[start:end], seq.caches, taps=seq.taps,
-                                on_taps=to_draft, chunk=end - start)
+            logits, _ = prefill(self.model, seq.prompt[:end], seq.caches, taps=seq.taps,
+                                on_taps=to_draft, start=start, chunk=end)
         seq.prefilled = end
         if cache is not None and seq.cached_logits is None:
             cache.store(seq.prompt[:end], seq.caches, seq.tapped(end),
@@ -1002,7 +1004,8 @@ class Scheduler:
                 kept = min(self.batch.row_offsets[seq.row], len(seq.history))
                 solo = self._row_caches(seq.row, length=kept)
                 if solo is not None:
-                    request.prefix_cache.store(seq.history[:kept], solo, seq.tapped(kept))
+                    request.prefix_cache.store(history_key(request.prompt, seq.history[:kept]),
+                                               solo, seq.tapped(kept))
             del self._running[seq.row]
             self.batch.remove(seq.row)
             if seq.shared:
@@ -1088,7 +1091,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *,
         return lambda token, _: on_token(i, token)
 
     requests = [scheduler.submit(BatchRequest(
-        list(p), o, m, frozenset(eos_ids), callback(i),
+        p if isinstance(p, MediaPrompt) else list(p), o, m, frozenset(eos_ids), callback(i),
         draft=d if can_speculate(o) else None, constraint=c, prefix_cache=prefix_cache))
         for i, (p, o, m, d, c) in enumerate(zip(prompts, per_options, per_max, per_draft,
                                                 per_constraint))]

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .. import settings
+from ..media import cache_key
 from .base import Cache
 
 log = logging.getLogger("mlxrunner.cache")
@@ -140,8 +141,9 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int], taps: Taps | None = None) -> PrefixHit:
         """The longest cached prefix of ``tokens`` as fresh caches (the whole prompt only
         where its logits were kept: see :class:`PrefixHit`); with ``taps``, only a prefix
-        whose tapped states are kept too."""
-        tokens = [int(t) for t in tokens]
+        whose tapped states are kept too. (A prompt holding media is filed under its
+        :meth:`~mlxrunner.media.MediaPrompt.cache_key`.)"""
+        tokens = cache_key(tokens)
         with self._lock:
             self.lookups += 1
             length, path, partial = self._match(tokens, taps) if self.supported else (0, [], None)
@@ -234,6 +236,7 @@ class PrefixCache:
         ``len(tokens)``); ``tapped``: (tap layers, their states ``[1, len(tokens), ...]``);
         ``logits``: the next token's, where ``tokens`` are a whole prompt.
         Returns False (keeping nothing) where the caches do not hold exactly that."""
+        tokens = cache_key(tokens)
         n = len(tokens)
         if not self.supported or n == 0 or len(caches) != len(self._kinds):
             return False
@@ -242,7 +245,6 @@ class PrefixCache:
             return False  # an interrupted forward, or caches of other tokens
         if tapped is not None and tapped[1].shape[1] != n:
             raise ValueError(f"tapped states hold {tapped[1].shape[1]} positions, not {n}")
-        tokens = [int(t) for t in tokens]
         block = self.block
         made: list[mx.array] = []
         with self._lock:

@@ -15,6 +15,7 @@ _EXPORTS: dict[str, str] = {
     "get_parser": "formats",
     "get_renderer": "formats",
     "load_conversation_file": "formats",
+    "media_parts": "formats",
     "reasoning_of": "formats",
     "validate_conversation": "formats",
     "MarkerScanner": "parsing",

@@ -11,10 +11,16 @@ Messages, in the shape every renderer accepts (see ``validate_conversation``)::
 
     {"role": "system" | "developer" | "user" | "assistant" | "tool",
      "content": "text" | [{"type": "text", "text": "..."}, {"type": "image"}, ...] | None,
+     "images": ["<base64>", ...],            # Ollama's form: image parts before the content
      "reasoning_content": "...",            # assistant only; also "reasoning" or "thinking"
      "tool_calls": [{"id": "call_1", "type": "function",
                      "function": {"name": "f", "arguments": {...}}}],   # assistant only
      "name": "f", "tool_call_id": "call_1"}  # tool results
+
+Content parts: ``text`` (with a string ``text``) and the media parts ``image`` /
+``image_url``, ``audio`` / ``input_audio`` and ``video``. A renderer writes only the
+model's placeholder for a media part; the media itself travels beside the prompt, matched
+to the placeholders in the order :func:`media_parts` lists them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ from ..host import manager as plugins
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_TYPES = ("text", "image", "image_url", "video", "audio", "input_audio")
+#: each media part type's modality. Templates recognise media by these names as part types
+#: and (Qwen's) as keys, so a part may carry only keys of its own modality: then every
+#: template, and media_parts, take it for the same thing.
+MEDIA_MODALITY = {"image": "image", "image_url": "image", "video": "video",
+                  "audio": "audio", "input_audio": "audio"}
 # Names a message's reasoning may arrive under; transformers aliases them the same way.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -209,8 +220,52 @@ def _check_content(content: Any, where: str) -> Any:
                                     f"(expected one of {expected})")
         if kind == "text" and not isinstance(part.get("text"), str):
             raise ConversationError(f"{where}: content part {j} (text) needs a string 'text'")
-        parts.append(_check_json(part, f"{where}: content part {j}"))
+        part = _check_json(part, f"{where}: content part {j}")
+        _check_media_keys(part, kind, f"{where}: content part {j} ({kind})")
+        parts.append(part)
     return parts
+
+
+def _check_media_keys(part: Mapping[str, Any], kind: str, where: str) -> None:
+    """The media keys a part carries: of its own modality, each in a shape clients send.
+    Whether the media data is there at all is for whoever reads it (the server)."""
+    modality = MEDIA_MODALITY.get(kind)
+    for key, key_modality in MEDIA_MODALITY.items():
+        if key in part and key_modality != modality:
+            raise ConversationError(f"{where}: carries {key_modality} data ({key!r}); "
+                                    "give each image, audio or video its own part")
+    if "image_url" in part:  # OpenAI's {"url": ...}; some clients send the URL alone
+        url = part["image_url"]
+        if not isinstance(url, str) and not (
+                isinstance(url, Mapping) and isinstance(url.get("url", ""), str)):
+            raise ConversationError(f"{where}: 'image_url' must be a URL string or an "
+                                    "object with a string 'url'")
+    if "input_audio" in part:  # OpenAI's {"data": base64, "format": "wav"}
+        audio = part["input_audio"]
+        if not isinstance(audio, Mapping) or not all(
+                isinstance(audio.get(k, ""), str) for k in ("data", "format")):
+            raise ConversationError(f"{where}: 'input_audio' must be an object with string "
+                                    "'data' and 'format'")
+    for key in ("image", "audio", "data"):
+        if modality is not None and key in part and not isinstance(part[key], str):
+            raise ConversationError(f"{where}: {key!r} must be a string "
+                                    f"(a URL, a path or base64), not {_type_name(part[key])}")
+    if "video" in part and not (isinstance(part["video"], str) or (
+            isinstance(part["video"], (list, tuple))
+            and all(isinstance(frame, str) for frame in part["video"]))):
+        raise ConversationError(f"{where}: 'video' must be a string or a list of frames")
+
+
+def _image_parts(images: Any, where: str) -> list[dict[str, Any]]:
+    """Ollama's ``images`` (base64 strings) as image parts carrying them as ``data``."""
+    if isinstance(images, (str, bytes)) or not isinstance(images, (list, tuple)):
+        raise ConversationError(f"{where}: 'images' must be a list of base64 strings, "
+                                f"not {_type_name(images)}")
+    for j, image in enumerate(images):
+        if not isinstance(image, str):
+            raise ConversationError(f"{where}: image {j} must be a base64 string, "
+                                    f"not {_type_name(image)}")
+    return [{"type": "image", "data": image} for image in images]
 
 
 def _parse_arguments(arguments: Any, where: str) -> dict[str, Any]:
@@ -306,7 +361,10 @@ def validate_conversation(messages: Any, tools: Any = None
     the problem. Normalising: keys whose value is null are dropped (as
     transformers does), tool-call arguments given as a JSON string become an
     object (null or empty: ``{}``), flat tool calls / tools
-    (``{"name", "arguments"}``) get the nested ``function`` form.
+    (``{"name", "arguments"}``) get the nested ``function`` form, Ollama's ``images``
+    become image parts (``{"type": "image", "data": ...}``) before the message's content.
+    Media parts are checked for shape only (a part holds one modality; ``image_url`` is a
+    URL or ``{"url"}``, ``input_audio`` is ``{"data", "format"}``), not for their data.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ConversationError(f"messages must be a list, not {_type_name(messages)}")
@@ -330,6 +388,14 @@ def validate_conversation(messages: Any, tools: Any = None
                 raise ConversationError(f"{where}: key {key!r} is not a string")
         if "content" in message:
             message["content"] = _check_content(message["content"], where)
+        if "images" in message:
+            # Ollama writes each image's placeholder before the message's text
+            images = _image_parts(message.pop("images"), where)
+            content = message.get("content")
+            if images:
+                if isinstance(content, str):
+                    content = [{"type": "text", "text": content}]
+                message["content"] = images + (content or [])
         reasoning = [(k, message[k]) for k in REASONING_FIELDS if k in message]
         for key, value in reasoning:
             if role != "assistant":
@@ -373,6 +439,30 @@ def reasoning_of(message: Mapping[str, Any]) -> str | None:
         if isinstance(message.get(key), str):
             return message[key]
     return None
+
+
+def media_parts(messages: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The conversation's media content parts as ``(modality, part)``, in render order.
+
+    ``modality`` is ``"image"`` (parts ``image``, ``image_url``, Ollama's ``images``),
+    ``"audio"`` (``audio``, ``input_audio``) or ``"video"``; ``part`` is the part as
+    :func:`validate_conversation` returns it (an ``images`` entry is ``{"type": "image",
+    "data": base64}``). The order is the messages' and, in each, the parts': the order in
+    which a template writes their placeholders, so the media attached to a conversation
+    go to its prompt's placeholders one for one. A template may drop a part it has no place
+    for (Gemma 4 writes none for media in the system message) or, for Gemma 4, write an
+    assistant turn's own media after the tool results folded into it: whoever places the
+    media should check that the prompt holds as many placeholders as this lists. A
+    malformed conversation raises ``ConversationError`` as ``validate_conversation`` does.
+    """
+    checked, _ = validate_conversation(messages)
+    found: list[tuple[str, dict[str, Any]]] = []
+    for message in checked:
+        content = message.get("content")
+        if isinstance(content, list):
+            found.extend((MEDIA_MODALITY[part["type"]], part) for part in content
+                         if part["type"] in MEDIA_MODALITY)
+    return found
 
 
 def load_conversation_file(path: str | os.PathLike[str]

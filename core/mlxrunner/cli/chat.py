@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import FrameType
@@ -29,12 +30,13 @@ from typing import Any
 
 from ..bundle import weights_bytes
 from ..cache import prefix_cache_for
-from ..chat.formats import ParsedMessage
+from ..chat.formats import ParsedMessage, media_parts
 from ..chat.streaming import TextStream
 from ..decode.generation import generate
 from ..decode.options import OPTION_HELP, SamplerOptionError, SamplerOptions
-from ..errors import MLXRunnerError
+from ..errors import MediaError, MLXRunnerError
 from ..host import plugin_code
+from ..media import read_image
 from .conversation import (
     SavedConversation,
     conversation_file,
@@ -56,6 +58,8 @@ COMMANDS = """Available commands:
   /show           Show model information (/? show)
   /save NAME      Save the conversation and its parameters
   /load NAME      Load a saved conversation
+  /image PATH     Show the model an image with the next message (a path to an image
+                  file in a message does the same)
   /clear          Forget the conversation (the system message stays)
   /bye            Exit
   /?, /help       Help for a command (/? set, /? show, /? shortcuts)
@@ -86,7 +90,7 @@ SHORTCUTS = """Available keyboard shortcuts:
 COMPLETIONS = [
     "/set parameter", "/set system", "/set think", "/set nothink", "/set verbose",
     "/set quiet", "/show info", "/show parameters", "/show system", "/show template",
-    "/show modelfile", "/save", "/load", "/clear", "/bye", "/help", "/? set", "/? show",
+    "/show modelfile", "/save", "/load", "/image", "/clear", "/bye", "/help", "/? set", "/? show",
     "/? shortcuts",
 ]
 
@@ -185,6 +189,9 @@ class ChatSession:
             [{"role": "system", "content": system}] if system else []
         self._explained = False
         self.prefix_cache = prefix_cache_for(bundle.model.make_cache, weights_bytes(bundle.model))
+        #: images for the next message (/image, or paths in it), and every image read, by path
+        self.pending: list[str] = []
+        self._pixels: dict[str, Any] = {}
 
     # -- the conversation ------------------------------------------------------
     @property
@@ -202,26 +209,64 @@ class ChatSession:
     def clear(self) -> None:
         system = self.system
         self.messages = []
+        self.pending = []
         self.set_system(system or "")
 
+    def attach(self, path: str) -> bool:
+        """Read an image for the next message (the core's limits); False, said, where it
+        cannot be read."""
+        full = str(Path(path).expanduser().resolve())
+        try:
+            self._image(full)
+        except MediaError as exc:
+            self.say(str(exc).splitlines()[0])
+            return False
+        self.pending.append(full)
+        self.say(f"Added image '{path}'")
+        return True
+
+    def _image(self, path: str) -> Any:
+        if path not in self._pixels:
+            self._pixels[path] = read_image(path)
+        return self._pixels[path]
+
     def send(self, text: str) -> None:
-        """One turn: the message, the reply streamed, both kept."""
+        """One turn: the message (with the images attached to it), the reply streamed,
+        both kept."""
         bundle = self.bundle
-        self.messages.append({"role": "user", "content": text})
+        for path, found in image_paths(text):
+            if self.attach(path):
+                text = re.sub(r"[ \t]{2,}", " ", text.replace(found, " ")).strip()
+        images, self.pending = self.pending, []
+        content: Any = text if not images else [
+            *({"type": "image", "data": path} for path in images),
+            {"type": "text", "text": text}]
+        self.messages.append({"role": "user", "content": content})
+        media = self._media_of(self.messages)
         with plugin_code("renderers", bundle.renderer_name):
             prompt = bundle.renderer.render(self.messages, None, think=self.think,
                                             add_generation_prompt=True)
         try:
             reply = stream_reply(bundle, prompt, self.options, self.max_tokens,
                                  bundle.stop_token_ids(), self.write, self.color,
-                                 stops=self.stops, prefix_cache=self.prefix_cache)
+                                 stops=self.stops, prefix_cache=self.prefix_cache, media=media)
         except KeyboardInterrupt:
             self.messages.pop()
             self.write("\n(reply abandoned; the conversation is as before it)\n")
             return
+        except MediaError as exc:
+            self.messages.pop()
+            self.say(f"{str(exc).splitlines()[0]} (the message was not sent)")
+            return
         self.messages.append(reply.message.to_message())
         if self.verbose:
             self._statistics(reply.stats)
+
+    def _media_of(self, messages: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+        """The pixels of the conversation's images (their parts hold paths), in render
+        order."""
+        return [(modality, self._image(str(part["data"])))
+                for modality, part in media_parts(messages)]
 
     def _statistics(self, stats: dict[str, Any]) -> None:
         lines = describe_run(stats, explain=not self._explained)
@@ -240,6 +285,11 @@ class ChatSession:
             topic = args[0] if args else ""
             self.say({"set": SET_HELP, "show": SHOW_HELP, "shortcuts": SHORTCUTS,
                       "shortcut": SHORTCUTS}.get(topic, COMMANDS))
+        elif name == "/image":
+            if len(args) != 1:
+                self.say("Usage: /image PATH")
+            else:
+                self.attach(args[0])
         elif name == "/clear":
             self.clear()
             self.say("Cleared session context.")
@@ -384,6 +434,22 @@ class ChatSession:
         self.say(f"Loaded conversation '{name}' ({len(self.messages)} messages){note}")
 
 
+#: a path to an image file in a message, bare or quoted (as ``ollama run`` finds them)
+_IMAGE_PATH = re.compile(r"""(?:'([^']+\.(?:png|jpe?g|webp|gif|bmp))'|"([^"]+\.(?:png|jpe?g|webp"""
+                         r"""|gif|bmp))"|((?:~|\.{1,2}|/)?[^\s'"]*\.(?:png|jpe?g|webp|gif|bmp)))""",
+                         re.IGNORECASE)
+
+
+def image_paths(text: str) -> list[tuple[str, str]]:
+    """The image files a message names that exist: ``(path, as written)`` pairs."""
+    found = []
+    for match in _IMAGE_PATH.finditer(text):
+        path = next(g for g in match.groups() if g)
+        if Path(path).expanduser().is_file():
+            found.append((path, match.group(0)))
+    return found
+
+
 def _write_out(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()  # a reply streams: each piece shows as it comes
@@ -469,10 +535,12 @@ def chat_loop(bundle: Any, options: Any, *, max_tokens: int, think: bool | None 
 def stream_reply(bundle: Any, prompt: str, options: Any, max_tokens: int,
                  stop_ids: frozenset[int], write: Callable[[str], Any],
                  color: bool, *, stops: list[str] | None = None,
-                 prefix_cache: Any = None) -> Reply:
+                 prefix_cache: Any = None, media: Sequence[tuple[str, Any]] = ()) -> Reply:
     """Decode one reply to the rendered ``prompt``, writing it as it comes; returns it parsed
     with its statistics. Ctrl-C ends it early (see the module's text). ``prefix_cache``: the
-    conversation's (:class:`mlxrunner.cache.PrefixCache`), or None."""
+    conversation's (:class:`mlxrunner.cache.PrefixCache`), or None; ``media``: the images
+    the prompt's placeholders stand for, in order (:meth:`mlxrunner.Bundle.place_media`)."""
+    ids = bundle.place_media(bundle.tokenizer.encode(prompt, add_special_tokens=False), media)
     parser, tok = bundle.parser, bundle.tokenizer
     reply = ParsedMessage()
     in_thinking = False
@@ -505,7 +573,6 @@ def stream_reply(bundle: Any, prompt: str, options: Any, max_tokens: int,
                       on_text=feed)
     if parser is not None:
         parsed(parser.reset, prompt)
-    ids = tok.encode(prompt, add_special_tokens=False)
     with _ReplyInterrupt() as interrupt:
         result = generate(bundle.model, ids, options=options, max_tokens=max_tokens,
                           eos_ids=stop_ids, draft=bundle.draft, prefix_cache=prefix_cache,

@@ -82,7 +82,7 @@ def load_conversation(path: Path) -> SavedConversation:
         raise ConversationFileError(f"{path}: not a saved conversation")
     messages = data.get("messages")
     if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)
+            isinstance(m, dict) and m.get("role") in _ROLES and _content(m.get("content"))
             for m in messages):
         raise ConversationFileError(f"{path}: its messages are not a list of "
                                     "{role, content} objects")
@@ -95,3 +95,14 @@ def load_conversation(path: Path) -> SavedConversation:
         raise ConversationFileError(f"{path}: bad parameters, num_predict or think")
     return SavedConversation(model=str(data.get("model") or ""), messages=messages,
                              parameters=parameters, num_predict=num_predict, think=think)
+
+
+def _content(content: Any) -> bool:
+    """A message's content as a chat saves it: text, or text and image parts (an image by
+    its file's path, read again when the conversation goes on)."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and ((p.get("type") == "text" and isinstance(p.get("text"), str))
+                                 or (p.get("type") == "image" and isinstance(p.get("data"), str)))
+        for p in content)

@@ -117,6 +117,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         "renderer": bundle.renderer_name,
         "parser": bundle.parser_name,
         "taps": bool(getattr(model, "supports_taps", False)),
+        "capabilities": bundle.capabilities(),
         "defaults": {k: v for k, v in vars(bundle.defaults).items() if v is not None},
     }
     info["folder"] = str(Path(bundle.path).expanduser().resolve())
@@ -124,12 +125,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     for key in ("model", "folder", "architecture", "parameters", "layers", "vocab_size",
-                "target_precision", "draft", "draft_precision", "renderer", "parser", "taps"):
+                "target_precision", "draft", "draft_precision", "renderer", "parser", "taps",
+                "capabilities"):
         if key == "folder" and info["folder"] == info["model"]:
             continue  # (a folder was named)
         value = info[key]
         if key == "parameters":
             value = _human_count(value)
+        elif key == "capabilities":
+            value = ", ".join(value)
         elif key.endswith("_precision") and value is not None:
             part = key.removesuffix("_precision")
             value = (f"{info[part + '_stored_precision']} (stored), computed in "
@@ -186,6 +190,9 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "file")
     p.add_argument("--think", choices=["on", "off"], help="thinking on or off (template default)")
     p.add_argument("--system", help="system prompt")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image the prompt shows the model (repeat for more; PNG, JPEG, "
+                        "WebP, GIF or BMP; needs a model with an image encoder)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is (no chat format)")
     p.add_argument("--stats", action="store_true", help="print statistics to stderr")
     p.add_argument("--verbose", action="store_true",
@@ -281,19 +288,27 @@ def _sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_prompt(bundle: Any, prompt: str, *, raw: bool, system: str | None,
-                 think: bool | None) -> tuple[str, list[int]]:
-    """The prompt text the model sees and its token ids."""
+                 think: bool | None, images: Sequence[str] = ()) -> tuple[str, Sequence[int]]:
+    """The prompt text the model sees and its token ids (with ``images``, files read with
+    the core's limits: the ids with the images at their placeholders; the images come
+    before the text, as ``ollama run`` sends them)."""
+    from ..media import read_image
+
     tok = bundle.tokenizer
+    pixels = [("image", read_image(path)) for path in images]
     if raw or bundle.renderer is None:
-        return prompt, tok.encode(prompt, add_special_tokens=True)
-    messages = []
+        return prompt, bundle.place_media(tok.encode(prompt, add_special_tokens=True), pixels)
+    messages: list[dict[str, Any]] = []
     system = system if system is not None else bundle.extra.get("system")
     if system:
         messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": prompt})
+    content: Any = prompt
+    if pixels:
+        content = [*({"type": "image"} for _ in pixels), {"type": "text", "text": prompt}]
+    messages.append({"role": "user", "content": content})
     with plugins.plugin_code("renderers", bundle.renderer_name):
         text = bundle.renderer.render(messages, None, think=think, add_generation_prompt=True)
-    return text, tok.encode(text, add_special_tokens=False)
+    return text, bundle.place_media(tok.encode(text, add_special_tokens=False), pixels)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -338,6 +353,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         options = options.merged({"seed": int(seed)})
     max_tokens = args.max_tokens or bundle.extra.get("max_tokens") or 256
     think = None if args.think is None else args.think == "on"
+    if chat and args.image:
+        raise MLXRunnerError("--image applies to one prompt, not to a conversation: give "
+                             "the prompt on the command line")
     if chat and args.format is not None:
         raise MLXRunnerError("--format applies to one prompt, not to a conversation: give "
                              "the prompt on the command line or pipe it in")
@@ -358,7 +376,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 editor.save()
         return 0
     prompt_text, prompt_ids = build_prompt(bundle, prompt, raw=args.raw, system=args.system,
-                                           think=think)
+                                           think=think, images=args.image)
     from ..bundle import context_length
 
     context = context_length(bundle)

@@ -18,6 +18,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from ..cache.prefix import PrefixCache
+from ..media import MediaPrompt, history_key
 from ..model.interface import Model
 from ..nn import last_logits_only
 from .grammar import Constraint, allowed_rows
@@ -81,7 +82,8 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
     states of the rows run. ``on_taps(chunk_taps)`` sees each chunk's taps as they come (a
     draft building its context) and returns arrays to evaluate with that chunk;
     ``on_chunk(end)`` is called once each chunk is evaluated, the caches holding
-    ``prompt[:end]`` (a prefix cache storing them).
+    ``prompt[:end]`` (a prefix cache storing them). A :class:`MediaPrompt`'s chunks that
+    hold media slots run with their input embeddings (the encoders' rows placed).
 
     Chunks end at multiples of ``chunk`` (absolute positions): a prefill resumed at such a
     boundary runs the very chunks, so the very arithmetic, of one from the start."""
@@ -97,14 +99,17 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
     for begin, end in zip(bounds, bounds[1:]):
         chunk_ids = ids[:, begin:end]
         extra: Sequence[mx.array] = ()
+        embedded = prompt.embeddings(model, chunk_ids, begin) \
+            if isinstance(prompt, MediaPrompt) else None
         with last_logits_only():  # the last row's logits are all a prefill reads
             if taps:
                 out, tapped = cast("tuple[mx.array, mx.array]",
-                                   eager_forward(model, chunk_ids, cache, taps))
+                                   eager_forward(model, chunk_ids, cache, taps, embedded))
                 tapped_parts.append(tapped)
                 extra = on_taps(tapped) if on_taps is not None else (tapped,)
             else:
-                out = cast(mx.array, eager_forward(model, chunk_ids, cache))
+                out = cast(mx.array, eager_forward(model, chunk_ids, cache,
+                                                   embeddings=embedded))
         # Only the last chunk's logits are wanted: earlier chunks evaluate the caches alone,
         # so their vocabulary head (the widest matmul) is never computed.
         wanted = []
@@ -198,7 +203,7 @@ def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_toke
             # the caches hold the tokens fed so far (a queued step's included)
             fed = [c.offset for c in cache if c is not None]
             if fed and fed[0] <= len(history):
-                prefix_cache.store(history[:fed[0]], cache)
+                prefix_cache.store(history_key(prompt, history[:fed[0]]), cache)
 
 
 def _start(model: Model, prompt: Sequence[int], prefix_cache: PrefixCache | None,

@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import settings
 from ..cache.prefix import PrefixCache
+from ..media import history_key
 from ..model.builtin_draft import describe_checkpoint_draft
 from ..model.distribution import Distribution
 from .grammar import Constraint, allowed_rows
@@ -688,7 +689,7 @@ def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *
     finally:
         stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
         if prefix_cache is not None and kept is not None and completed:
-            _keep_end(prefix_cache, caches, kept, history, unsettled)
+            _keep_end(prefix_cache, caches, kept, history_key(prompt, history), unsettled)
 
 
 def _keep_end(prefix_cache: PrefixCache, caches: list[Cache | None], kept: TapRows,

@@ -79,13 +79,18 @@ def _forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
 
 
 def eager_forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
-                  taps: Sequence[int] | None = None) -> Any:
-    """``model(ids, caches)`` (with ``taps``) untraced, the core's layers on the host where
-    products run there; whether its host products rule out traces is noted for the model
+                  taps: Sequence[int] | None = None, embeddings: mx.array | None = None
+                  ) -> Any:
+    """``model(ids, caches)`` (with ``taps``; with input ``embeddings``: a prompt chunk
+    holding media) untraced, the core's layers on the host where products run there;
+    whether its host products rule out traces is noted for the model
     (:meth:`CompiledSteps.saw_eager_forward`)."""
     before = host_weights_run()
+    kwargs: dict[str, Any] = {} if taps is None else {"taps": taps}
+    if embeddings is not None:
+        kwargs["embeddings"] = embeddings
     with hosting():
-        out = model(ids, caches) if taps is None else model(ids, caches, taps=taps)
+        out = model(ids, caches, **kwargs)
     if caches is not None:
         compiled_steps(model).saw_eager_forward(host_weights_run() - before)
     return out

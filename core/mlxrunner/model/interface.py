@@ -9,12 +9,14 @@ tensors, loads them strictly, and then only ever calls the members below.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
+from ..media.prompt import Encoder
 from .config_bounds import ConfigBound, ConfigMultiple
 
 
@@ -96,8 +98,19 @@ class Model(nn.Module):
         With ``taps`` (layer indices, ascending), return ``(logits, tapped)``
         where ``tapped`` is ``[B, L, len(taps) * hidden]``: the residual stream
         after each tapped layer, concatenated in tap order, from this same pass.
+
+        A model with encoders (:meth:`load_encoders`) also takes ``embeddings=``: the
+        input embeddings ``[B, L, hidden]`` to run instead of ``embed_tokens(ids)`` (the
+        core placed media rows in them; ``ids`` still hold the media tokens).
         """
         raise NotImplementedError
+
+    def load_encoders(self, folder: Path) -> Mapping[str, Encoder]:
+        """The media encoders this model's checkpoint ``folder`` holds, by modality
+        (``image``, ``audio``; :class:`mlxrunner.plugin.Encoder`): none by default. Called
+        once, when a prompt first holds media; a model that returns any takes
+        ``embeddings=`` in ``__call__``."""
+        return {}
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
         """The input embedding exactly as the model applies it (scales included)."""

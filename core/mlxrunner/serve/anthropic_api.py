@@ -6,7 +6,7 @@ message)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
@@ -101,7 +101,7 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             if kind == "text":
                 parts.append({"type": "text", "text": str(block.get("text", ""))})
             elif kind == "image":
-                parts.append({"type": "image"})
+                parts.append(_image(block, where))
             elif kind == "thinking" and role == "assistant":
                 thinking += str(block.get("thinking", ""))
             elif kind == "redacted_thinking" and role == "assistant":
@@ -141,11 +141,22 @@ def _tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
             for t in body.tools]
 
 
+def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block as our image part: base64 data (a URL source is not fetched)."""
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64" or \
+            not isinstance(source.get("data"), str):
+        raise RequestError(f"{where}: an image block needs a base64 source (URL sources are "
+                           "not fetched)", param="messages")
+    return {"type": "image", "data": source["data"]}
+
+
 def _think(body: CountTokensRequest) -> bool | None:
     return None if body.thinking is None else body.thinking.type != "disabled"
 
 
-async def _prompt(service: Service, body: CountTokensRequest) -> tuple[ChatTurn, list[int]]:
+async def _prompt(service: Service, body: CountTokensRequest
+                  ) -> tuple[ChatTurn, Sequence[int]]:
     return await chat_prompt(service, _messages(body), _tools(body), _think(body))
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..chat.formats import ParsedMessage, ToolCall, validate_conversation
 from ..errors import ConversationError
 from ..host import plugin_code
 from .engine import RequestError, Service
+from .media import attached_media
 
 
 def call_id() -> str:
@@ -71,19 +72,26 @@ class ChatTurn:
 
 async def chat_prompt(service: Service, messages: list[dict[str, Any]],
                       tools: list[Any] | None = None, think: bool | None = None
-                      ) -> tuple[ChatTurn, list[int]]:
-    """The turn and its prompt ids, rendered and encoded off the event loop (a long
-    conversation takes a while, and other clients' streams go on meanwhile)."""
-    def build() -> tuple[ChatTurn, list[int]]:
+                      ) -> tuple[ChatTurn, Sequence[int]]:
+    """The turn and its prompt ids (the media its messages hold placed), rendered and
+    encoded off the event loop (a long conversation takes a while, an image's preprocessing
+    too, and other clients' streams go on meanwhile)."""
+    def build() -> tuple[ChatTurn, Sequence[int]]:
         turn = ChatTurn(service, messages, tools, think)
-        return turn, service.encode(turn.prompt, rendered=True)
+        media = attached_media(turn.messages)
+        return turn, service.place_media(service.encode(turn.prompt, rendered=True), media)
 
     return await asyncio.to_thread(build)
 
 
-async def raw_prompt(service: Service, text: str) -> list[int]:
-    """A raw prompt's ids, encoded off the event loop."""
-    return await asyncio.to_thread(service.encode, text, rendered=False)
+async def raw_prompt(service: Service, text: str,
+                     media: Sequence[tuple[str, bytes]] = ()) -> Sequence[int]:
+    """A raw prompt's ids (``media`` at the placeholders it writes), encoded off the event
+    loop."""
+    def build() -> Sequence[int]:
+        return service.place_media(service.encode(text, rendered=False), media, "images")
+
+    return await asyncio.to_thread(build)
 
 
 def arguments_json(call: ToolCall) -> str:

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -29,7 +29,7 @@ from ..chat.streaming import TextStream
 from ..decode.generation import generate
 from ..decode.grammar import Format, Grammar, GrammarError, Vocabulary, compile_format, vocabulary
 from ..decode.options import SamplerOptionError, SamplerOptions
-from ..errors import MLXRunnerError
+from ..errors import MediaError, MLXRunnerError
 
 log = logging.getLogger("mlxrunner.serve")
 
@@ -102,9 +102,10 @@ class BusyError(RequestError):
 
 @dataclass
 class Generation:
-    """A checked request: prompt ids and how to decode them."""
+    """A checked request: prompt ids (a :class:`mlxrunner.MediaPrompt` where media came
+    with it) and how to decode them."""
 
-    ids: list[int]
+    ids: Sequence[int]
     options: SamplerOptions
     max_tokens: int
     stops: list[str] = field(default_factory=list)
@@ -521,7 +522,23 @@ class Service:
                                f"{self.context}", param="messages")
         return ids
 
-    def generation(self, ids: list[int], sampler: Mapping[str, Any], *,
+    def place_media(self, ids: Sequence[int], media: Sequence[tuple[str, bytes]],
+                    where: str = "messages") -> Sequence[int]:
+        """``ids`` with the attached ``media`` at their placeholders
+        (:meth:`mlxrunner.Bundle.place_media`); a model without an encoder for a modality,
+        media that does not decode or placeholders that do not match: a 400 naming it."""
+        if not media:
+            return ids
+        try:
+            placed = self.bundle.place_media(ids, media, self.name)
+        except MediaError as exc:
+            raise RequestError(str(exc).splitlines()[0], param=where) from None
+        if self.context is not None and len(placed) >= self.context:
+            raise RequestError(f"the prompt is {len(placed)} tokens with its media; the "
+                               f"model's context is {self.context}", param=where)
+        return placed
+
+    def generation(self, ids: Sequence[int], sampler: Mapping[str, Any], *,
                    max_tokens: int | None, stops: list[str] | None = None,
                    output_format: Format | None = None,
                    format_field: str = "format") -> Generation:

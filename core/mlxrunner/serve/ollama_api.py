@@ -7,6 +7,7 @@ and ``/api/ps`` lists it as loaded.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -40,6 +41,7 @@ from .common import (
     streamed,
 )
 from .engine import Reply, RequestError, Service
+from .media import attached_media
 
 router = APIRouter()
 
@@ -202,14 +204,8 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         message = dict(message)
         if "tool_name" in message:
             message["name"] = message.pop("tool_name")
-        images = message.pop("images", None)
-        if images is not None and not isinstance(images, list):
-            raise RequestError("messages: images must be a list of base64 strings",
-                               param="messages")
-        if images:
-            text = message.get("content") or ""
-            message["content"] = [*({"type": "image"} for _ in images),
-                                  {"type": "text", "text": text}]
+        if not message.get("images"):  # (a list: image parts before the content, made
+            message.pop("images", None)  # by validate_conversation, as Ollama places them)
         out.append(message)
     return out
 
@@ -344,9 +340,7 @@ async def show(body: ModelRequest, request: Request) -> dict[str, Any]:
                             "general.parameter_count": parameter_count(bundle.model)}
     if service.context is not None:
         info["context_length"] = service.context
-    capabilities = ["completion"]
-    if bundle.renderer is not None and bundle.parser_name is not None:
-        capabilities += ["tools", "thinking"]
+    capabilities = await asyncio.to_thread(bundle.capabilities)  # (may load encoders)
     defaults = bundle.defaults
     parameters = "\n".join(f"{k} {getattr(defaults, k)}" for k in
                            ("temperature", "top_k", "top_p", "min_p", "repeat_penalty"))
@@ -410,8 +404,6 @@ async def _chat_lines(request: Request, service: Service, turn: ChatTurn,
 
 @router.post("/api/generate", tags=["ollama"])
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    if body.images:
-        raise RequestError("images are not supported", param="images")
     if body.template or body.suffix or body.context:
         raise RequestError("template, suffix and context are not supported",
                            param="template" if body.template else
@@ -423,12 +415,14 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     if not body.prompt:  # Ollama's way to load a model
         return _no_text(service.name, "load", response="")
     turn: ChatTurn | None = None
+    images = {"images": body.images} if body.images else {}
     if body.raw or service.bundle.renderer is None:
-        ids = await raw_prompt(service, body.prompt)
+        ids = await raw_prompt(service, body.prompt, attached_media(
+            [{"role": "user", "content": "", **images}]))
     else:
         system = body.system if body.system is not None else service.bundle.extra.get("system")
         messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": body.prompt}]
+            {"role": "user", "content": body.prompt, **images}]
         turn, ids = await chat_prompt(service, messages, None, body.thinking())
     generation = service.generation(ids, body.sampler(), max_tokens=options.max_tokens(),
                                     stops=options.stop, output_format=body.output_format())

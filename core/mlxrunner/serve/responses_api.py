@@ -72,8 +72,8 @@ def _text(content: Any, where: str) -> list[dict[str, Any]] | str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS:
             parts.append({"type": "text", "text": str(part.get("text", part.get("refusal", "")))})
-        elif kind == "input_image":
-            parts.append({"type": "image"})
+        elif kind == "input_image":  # (its image_url: a data URL, as OpenAI's image_url)
+            parts.append({"type": "image_url", "image_url": part.get("image_url")})
         else:
             raise RequestError(f"{where}: a {kind!r} part is not supported", param="input")
     return parts

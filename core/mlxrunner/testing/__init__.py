@@ -47,7 +47,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import settings
-from ..cache import Cache
+from ..cache import Cache, prefix_cache_for
+from ..decode.plain import prefill
 from ..decode.step import compiled_steps, forward
 from ..model.interface import Model
 from ..nn.host_ops import unhosted
@@ -61,6 +62,8 @@ __all__ = [
     "check_taps",
     "check_taps_against",
     "default_taps",
+    "prefill",
+    "prefix_cache_for",
     "random_prompt",
     "run_conformance",
 ]

@@ -144,10 +144,12 @@ class ExampleLlama(Model):
         return [KVCache() for _ in range(self.cfg.num_hidden_layers)]
 
     def __call__(self, ids: mx.array, cache: Sequence[Cache | None] | None = None, *,
-                 taps: Sequence[int] | None = None) -> mx.array | tuple[mx.array, mx.array]:
+                 taps: Sequence[int] | None = None, embeddings: mx.array | None = None
+                 ) -> mx.array | tuple[mx.array, mx.array]:
         tapped = mnn.Taps(taps, self.num_layers)  # residual stream before the final norm
         cache = [None] * self.num_layers if cache is None else cache
-        h = self.embed_tokens(ids)
+        # embeddings: a prompt chunk holding media, placed by the core (see load_encoders)
+        h = self.embed_tokens(ids) if embeddings is None else embeddings
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             # make_cache gives every layer a KVCache
             h = tapped.after(i, layer(h, cast("KVCache | None", layer_cache)))

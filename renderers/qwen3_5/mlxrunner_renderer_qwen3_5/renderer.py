@@ -7,7 +7,8 @@ differences; the points where the template is strict are kept:
 
 - ``developer`` messages, images or videos in the system message, a system
   message after the first, audio content parts and a conversation without a
-  user query (only tool results) are errors, as in the template;
+  user query (only tool results) are errors, as in the template; an ``image_url``
+  part without its ``image_url`` is an error too (the template tests keys first);
 - a thinking block is written only for assistant turns after the last user
   query; earlier turns keep their content alone;
 - tool-call argument values that are objects or arrays are JSON, other values
@@ -47,8 +48,28 @@ def reasoning_of(message: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _text_of(content: Any, where: str, *, system: bool = False) -> str:
-    """A message's content as the template writes it (before trimming)."""
+class _VisionIds:
+    """The template's ``add_vision_id``: "Picture N: " / "Video N: " before each image /
+    video, numbered through the conversation (the counts are the template's namespaces)."""
+
+    def __init__(self) -> None:
+        self.images = 0
+        self.videos = 0
+
+    def image(self) -> str:
+        self.images += 1
+        return f"Picture {self.images}: "
+
+    def video(self) -> str:
+        self.videos += 1
+        return f"Video {self.videos}: "
+
+
+def _text_of(content: Any, where: str, *, system: bool = False,
+             vision_ids: _VisionIds | None = None) -> str:
+    """A message's content as the template writes it (before trimming). ``vision_ids``:
+    number the media (only the template's main pass counts; its other passes test text
+    that a "Picture N: " before a placeholder cannot change)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -60,12 +81,12 @@ def _text_of(content: Any, where: str, *, system: bool = False) -> str:
             if system:
                 raise ConversationError(f"{where}: a system message cannot contain images "
                                         "in the qwen3.5 format")
-            pieces.append(IMAGE)
+            pieces.append(IMAGE if vision_ids is None else vision_ids.image() + IMAGE)
         elif "video" in part or part.get("type") == "video":
             if system:
                 raise ConversationError(f"{where}: a system message cannot contain videos "
                                         "in the qwen3.5 format")
-            pieces.append(VIDEO)
+            pieces.append(VIDEO if vision_ids is None else vision_ids.video() + VIDEO)
         elif "text" in part:
             pieces.append(str(part["text"]))
         else:
@@ -81,13 +102,23 @@ def _argument_text(value: Any) -> str:
 
 
 class Qwen35Renderer:
-    """Renders conversations in the Qwen3.5 chat format (thinking on by default)."""
+    """Renders conversations in the Qwen3.5 chat format (thinking on by default).
+
+    ``add_vision_id`` (the template's variable, also read from the context's
+    ``extra["template_kwargs"]`` as the ``jinja`` renderer reads it) writes "Picture N: "
+    before the N-th image and "Video N: " before the N-th video.
+    """
 
     name = "qwen3.5"
     stop_markers = ("<|im_end|>",)
 
-    def __init__(self, context: RenderContext | None = None) -> None:
+    def __init__(self, context: RenderContext | None = None, *,
+                 add_vision_id: bool | None = None) -> None:
         self.context = context
+        if add_vision_id is None:
+            kwargs = context.extra.get("template_kwargs") if context is not None else None
+            add_vision_id = isinstance(kwargs, Mapping) and bool(kwargs.get("add_vision_id"))
+        self.add_vision_id = add_vision_id
 
     def render(self, messages: Sequence[Mapping[str, Any]],
                tools: Sequence[Mapping[str, Any]] | None = None, *,
@@ -122,10 +153,11 @@ class Qwen35Renderer:
                                     "only tool results")
 
         count = len(messages)
+        vision_ids = _VisionIds() if self.add_vision_id else None
         for index, message in enumerate(messages):
             role = message["role"]
             where = f"message {index} ({role})"
-            content = _text_of(message.get("content"), where).strip()
+            content = _text_of(message.get("content"), where, vision_ids=vision_ids).strip()
             if role == "system":
                 if index != 0:
                     raise ConversationError(f"{where}: the qwen3.5 format allows a system "

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import MediaError
+from ..errors import MediaError
 
 if TYPE_CHECKING:  # pragma: no cover
     from PIL import Image
