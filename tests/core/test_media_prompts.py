@@ -157,3 +157,45 @@ def test_speculative_decoding_of_a_media_prompt_equals_plain(model):
     batched = mlxrunner.generate_batch(model, [prompt, [4, 5, 6]], max_tokens=16, draft=draft,
                                        options=GREEDY)
     assert batched[0].tokens == want
+
+
+def _positioned(item: MediaItem, rows: int, cols: int) -> MediaItem:
+    """``item`` as a Qwen-style encoder gives it: each slot at (0, row, col) of its grid, the
+    markers on the running position, the item taking max(rows, cols) + 2 positions."""
+    n = len(item.tokens)
+    grid = np.zeros((3, n), np.int64)
+    grid[:, 0] = 0
+    for k in range(rows * cols):
+        grid[:, 1 + k] = (1, 1 + k // cols, 1 + k % cols)
+    span = max(rows, cols) + 2
+    grid[:, n - 1] = span - 1
+    return MediaItem(item.modality, item.tokens, item.slots, item.digest, item.encode,
+                     positions=grid, span=span)
+
+
+def test_positions_run_on_after_items_that_take_fewer_positions_than_tokens(model):
+    encoder = model.load_encoders(Path("."))["image"]
+    a = _positioned(encoder.prepare(_image(0, 8, 12)), 2, 3)  # 8 tokens, 5 positions
+    b = _positioned(encoder.prepare(_image(1, 4, 8)), 1, 2)   # 4 tokens, 4 positions
+    prompt = place_media([1, PLACEHOLDER, 2, 3, PLACEHOLDER, 4], [a, b],
+                         {"image": PLACEHOLDER})
+    assert prompt.shift() == 3
+    table = np.array(prompt.positions(0, len(prompt)))[:, 0]
+    true = np.array([[0, 1, 2, 2, 2, 2, 2, 2, 5, 6, 7, 8, 9, 9, 11, 12],   # t
+                     [0, 1, 2, 2, 2, 3, 3, 3, 5, 6, 7, 8, 9, 9, 11, 12],   # h
+                     [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])  # w
+    np.testing.assert_array_equal(table, true + 3)  # moved on: the next token sits at 16
+    assert len(prompt) == 16
+    np.testing.assert_array_equal(np.array(prompt.positions(4, 9)), (true + 3)[:, None, 4:9])
+    part = prompt[:10]  # a prefill chunk's prefix keeps the whole prompt's positions
+    np.testing.assert_array_equal(np.array(part.positions(0, 10)), (true + 3)[:, None, :10])
+    # the shift is in the prefix cache's key; the same ids without positions share nothing
+    plain = place_media([1, PLACEHOLDER, 2, 3, PLACEHOLDER, 4], [
+        encoder.prepare(_image(0, 8, 12)), encoder.prepare(_image(1, 4, 8))],
+        {"image": PLACEHOLDER})
+    assert plain.positions(0, 4) is None and plain.shift() == 0
+    assert prompt.cache_key()[1:] == plain.cache_key()[1:]
+    assert prompt.cache_key()[0] != plain.cache_key()[0] == 1
+    assert part.cache_key() == prompt.cache_key()[:10]
+    with pytest.raises(ValueError, match="positions must be"):
+        MediaItem("image", a.tokens, a.slots, a.digest, a.encode, positions=a.positions, span=3)

@@ -99,17 +99,19 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
     for begin, end in zip(bounds, bounds[1:]):
         chunk_ids = ids[:, begin:end]
         extra: Sequence[mx.array] = ()
-        embedded = prompt.embeddings(model, chunk_ids, begin) \
-            if isinstance(prompt, MediaPrompt) else None
+        embedded = positions = None
+        if isinstance(prompt, MediaPrompt):
+            embedded = prompt.embeddings(model, chunk_ids, begin)
+            positions = prompt.positions(begin, end)
         with last_logits_only():  # the last row's logits are all a prefill reads
             if taps:
-                out, tapped = cast("tuple[mx.array, mx.array]",
-                                   eager_forward(model, chunk_ids, cache, taps, embedded))
+                out, tapped = cast("tuple[mx.array, mx.array]", eager_forward(
+                    model, chunk_ids, cache, taps, embedded, positions))
                 tapped_parts.append(tapped)
                 extra = on_taps(tapped) if on_taps is not None else (tapped,)
             else:
                 out = cast(mx.array, eager_forward(model, chunk_ids, cache,
-                                                   embeddings=embedded))
+                                                   embeddings=embedded, positions=positions))
         # Only the last chunk's logits are wanted: earlier chunks evaluate the caches alone,
         # so their vocabulary head (the widest matmul) is never computed.
         wanted = []

@@ -79,16 +79,18 @@ def _forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
 
 
 def eager_forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
-                  taps: Sequence[int] | None = None, embeddings: mx.array | None = None
-                  ) -> Any:
-    """``model(ids, caches)`` (with ``taps``; with input ``embeddings``: a prompt chunk
-    holding media) untraced, the core's layers on the host where products run there;
-    whether its host products rule out traces is noted for the model
-    (:meth:`CompiledSteps.saw_eager_forward`)."""
+                  taps: Sequence[int] | None = None, embeddings: mx.array | None = None,
+                  positions: mx.array | None = None) -> Any:
+    """``model(ids, caches)`` (with ``taps``; with input ``embeddings`` and ``positions``:
+    a prompt chunk holding media, :class:`mlxrunner.media.MediaPrompt`) untraced, the
+    core's layers on the host where products run there; whether its host products rule out
+    traces is noted for the model (:meth:`CompiledSteps.saw_eager_forward`)."""
     before = host_weights_run()
     kwargs: dict[str, Any] = {} if taps is None else {"taps": taps}
     if embeddings is not None:
         kwargs["embeddings"] = embeddings
+    if positions is not None:
+        kwargs["positions"] = positions
     with hosting():
         out = model(ids, caches, **kwargs)
     if caches is not None:

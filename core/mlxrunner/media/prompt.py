@@ -36,13 +36,21 @@ class MediaItem:
     (ascending) whose input embeddings are the encoder's rows, in order; ``digest``: a hash
     of everything the embeddings depend on (the media's content and its preprocessing);
     ``encode()``: the embeddings ``[len(slots), hidden]``, called at most once, when
-    prefill first reaches a slot."""
+    prefill first reaches a slot.
+
+    A model whose positions are not one per token (Qwen's multimodal rotary positions)
+    gives ``positions``: ``[C, len(tokens)]`` integers, each token's position in each of
+    ``C`` components counted from the item's first position, and ``span``: the positions
+    the item takes (the text after it starts that many positions on). Without them the
+    item's tokens take one position each."""
 
     modality: str
     tokens: tuple[int, ...]
     slots: tuple[int, ...]
     digest: str
     encode: Callable[[], mx.array] = field(compare=False, repr=False)
+    positions: np.ndarray | None = field(default=None, compare=False, repr=False)
+    span: int | None = None
 
     def __post_init__(self) -> None:
         if self.modality not in MODALITIES:
@@ -50,6 +58,19 @@ class MediaItem:
         if not self.slots or list(self.slots) != sorted(set(self.slots)) or \
                 self.slots[0] < 0 or self.slots[-1] >= len(self.tokens):
             raise ValueError("slots must be ascending indices into tokens, at least one")
+        if (self.positions is None) != (self.span is None):
+            raise ValueError("positions and span come together")
+        if self.positions is not None and (
+                self.positions.ndim != 2 or self.positions.shape[1] != len(self.tokens)
+                or not np.issubdtype(self.positions.dtype, np.integer)
+                or self.positions.min() < 0 or self.span is None
+                or self.positions.max() >= self.span):
+            raise ValueError("positions must be [C, len(tokens)] integers in [0, span)")
+
+    @property
+    def length(self) -> int:
+        """The positions the item takes."""
+        return len(self.tokens) if self.span is None else self.span
 
 
 class Encoder(Protocol):
@@ -70,11 +91,21 @@ class Encoder(Protocol):
 class MediaPrompt(tuple[int, ...]):
     """A prompt's token ids with media items at their places: a tuple of ints to everything
     that reads ids (the sampler's history, stop checks), and what prefill asks for the
-    input embeddings of a chunk (:meth:`embeddings`) and a prefix cache for keys
-    (:meth:`cache_key`). A slice from the start keeps the items that begin inside it."""
+    input embeddings of a chunk (:meth:`embeddings`), its positions (:meth:`positions`) and
+    a prefix cache for keys (:meth:`cache_key`). A slice from the start keeps the items
+    that begin inside it.
+
+    Positions: where items take fewer positions than tokens (``span``), the text after them
+    sits earlier than its index. Rotary positions act through their differences alone, so
+    every position of the prompt is moved on by the items' total shortfall: the first
+    token after the prompt then sits at its index, and decoding goes on from the cache's
+    offset as for any prompt. The shift is part of the prefix cache's key (prompts with
+    other shifts share no cached prefix)."""
 
     placed: tuple[tuple[int, MediaItem], ...]
     _rows: dict[int, mx.array]
+    _shift: int
+    _table: np.ndarray
 
     def __new__(cls, tokens: Sequence[int], placed: Sequence[tuple[int, MediaItem]]
                 ) -> MediaPrompt:
@@ -84,6 +115,8 @@ class MediaPrompt(tuple[int, ...]):
         for start, item in self.placed:
             if tuple(self[start:start + len(item.tokens)]) != item.tokens:
                 raise ValueError("a media item's tokens are not at its place in the prompt")
+        self._shift = sum(len(item.tokens) - item.length for _, item in self.placed)
+        self._table = self._position_table()
         return self
 
     @overload
@@ -103,7 +136,9 @@ class MediaPrompt(tuple[int, ...]):
         if not kept:
             return tuple(got)
         part = tuple.__new__(MediaPrompt, got)  # (the kept items hold their places)
-        part.placed, part._rows = tuple(kept), self._rows  # rows shared: encoded once
+        # rows shared (encoded once); positions as in the whole prompt (its shift)
+        part.placed, part._rows = tuple(kept), self._rows
+        part._shift, part._table = self._shift, self._table[:, :end]
         return part
 
     def __reduce__(self) -> Any:  # (pickled as plain ids: the encoder runs are not data)
@@ -115,6 +150,38 @@ class MediaPrompt(tuple[int, ...]):
         for i, (start, item) in enumerate(self.placed):
             for row, slot in enumerate(item.slots):
                 yield start + slot, i, row
+
+    def shift(self) -> int:
+        """How far every position is moved on: the positions the items' tokens hold beyond
+        those the items take (0 where no item says)."""
+        return self._shift
+
+    def positions(self, begin: int, end: int) -> mx.array | None:
+        """The positions ``[C, 1, end - begin]`` (int32) of tokens ``begin:end``, where an
+        item gives positions (see the class); None where none does."""
+        if self._table.size == 0:
+            return None
+        return mx.array(self._table[:, None, begin:end])
+
+    def _position_table(self) -> np.ndarray:
+        given = [item.positions for _, item in self.placed if item.positions is not None]
+        if not given:
+            return np.zeros((0, 0), np.int32)
+        components = max(p.shape[0] for p in given)
+        table = np.empty((components, len(self)), np.int64)
+        position, at = self._shift, 0
+        for start, item in (*self.placed, (len(self), None)):
+            text = start - at  # the text before this item (or the prompt's end)
+            table[:, at:start] = position + np.arange(text)
+            position, at = position + text, start
+            if item is None:
+                break
+            own = item.positions if item.positions is not None else \
+                np.arange(len(item.tokens))[None]
+            table[:, start:start + len(item.tokens)] = position + np.broadcast_to(
+                own, (components, len(item.tokens)))
+            position, at = position + item.length, start + len(item.tokens)
+        return table.astype(np.int32)
 
     def embeddings(self, model: Any, ids: mx.array, begin: int) -> mx.array | None:
         """The input embeddings ``[1, L, hidden]`` of the chunk ``ids [1, L]`` that starts at
@@ -157,6 +224,8 @@ class MediaPrompt(tuple[int, ...]):
         key = list(self)
         for position, i, _ in self.slot_rows():
             key[position] = -1 - int(self.placed[i][1].digest[:15], 16)
+        if self.shift() and key:  # every position moved: shared with same-shift prompts only
+            key[0] = -(1 << 62) - self.shift()
         return key
 
 

@@ -101,7 +101,10 @@ class Model(nn.Module):
 
         A model with encoders (:meth:`load_encoders`) also takes ``embeddings=``: the
         input embeddings ``[B, L, hidden]`` to run instead of ``embed_tokens(ids)`` (the
-        core placed media rows in them; ``ids`` still hold the media tokens).
+        core placed media rows in them; ``ids`` still hold the media tokens); and, where its
+        encoders give items positions (:class:`mlxrunner.plugin.MediaItem`),
+        ``positions=``: ``[C, B, L]`` int32, the tokens' positions per component, in place
+        of the cache's offset onward (only while a prompt holding such media is prefilled).
         """
         raise NotImplementedError
 
