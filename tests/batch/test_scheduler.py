@@ -6,6 +6,7 @@ callbacks, stop ids, the running-set bound and the memory budget."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -276,3 +277,39 @@ def test_one_requests_grammar_failure_ends_it_alone(tiny, where):
     for request, i in zip(others, (0, 2)):
         assert request.finish_reason == "length" and request.error is None
         assert request.tokens == _alone(model, prompts[i], OPTIONS[i], 12).tokens
+
+
+def test_a_batched_step_writes_its_caches_in_place_on_the_host():
+    """On the CPU a model with host products runs the batch's steps uncompiled, its host
+    operations evaluating as they go: the caches' buffers are handed to the forward with no
+    other holder, so each step's writes reuse them. MLX's peak memory over many steps stays
+    far below one more copy of the batch's buffers (it was that copy at every step)."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the host operations run on MLX's CPU device")
+    pytest.importorskip("mlxrunner_example_architecture",
+                        reason="the example-architecture plugin is not installed")
+    from mlxrunner.testing.speculative import randomize
+    from mlxrunner_example_architecture.model import ExampleLlama
+
+    model = ExampleLlama({"architectures": ["ExampleLlamaForCausalLM"], "hidden_size": 256,
+                          "intermediate_size": 512, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "head_dim": 64, "vocab_size": 512, "tie_word_embeddings": False})
+    randomize(model, seed=1)
+    model.eval()
+    greedy = SamplerOptions(temperature=0)
+    scheduler = Scheduler(model, max_sequences=4)
+    for p in _prompts(model.vocab_size, [600, 610, 620, 630], seed=7):
+        scheduler.submit(BatchRequest(p, greedy, 40))
+    steps = 0
+    while scheduler.step() and (scheduler.prefilling or steps < 5):
+        steps += 1 if not scheduler.prefilling else 0
+    buffers = sum(a.nbytes for a in scheduler.batch.state)
+    assert buffers > 4 << 20  # (large enough for the comparison to mean something)
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for _ in range(20):
+        scheduler.step()
+    mx.synchronize()
+    assert mx.get_peak_memory() - base < buffers / 4

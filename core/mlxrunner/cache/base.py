@@ -78,11 +78,11 @@ class Cache:
         replay without running Python."""
         return None
 
-    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
-              record: object) -> None:
-        """Take a traced forward's outputs for this cache (``inputs`` are what it took,
-        ``record`` what the stand-in recorded): afterwards the cache is as the eager
-        forward of ``length`` tokens leaves it."""
+    def adopt(self, outputs: Sequence[mx.array], length: int, record: object) -> None:
+        """Take a traced forward's outputs for this cache (``record``: what the stand-in
+        recorded): afterwards the cache is as the eager forward of ``length`` tokens leaves
+        it. What it handed on in :meth:`trace_inputs` is gone (a write may have reused it):
+        keep there what this needs of the state before."""
         raise NotImplementedError
 
     def give_back(self, inputs: Sequence[mx.array]) -> None:

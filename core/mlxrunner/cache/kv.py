@@ -95,8 +95,7 @@ class KVCache(Cache):
     def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> KVCache:
         return _TracedKVCache(self, frame, arrays)
 
-    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
-              record: object) -> None:
+    def adopt(self, outputs: Sequence[mx.array], length: int, record: object) -> None:
         self.keys, self.values = outputs
         self.offset += length
 
@@ -249,8 +248,7 @@ class BatchedKVCache(BatchedCache):
     def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
         return _RowKVCache(_row_frame(frame), arrays)
 
-    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
-              record: object) -> None:
+    def adopt(self, outputs: Sequence[mx.array], length: int, record: object) -> None:
         self.keys, self.values = outputs
         self._advanced(length)
 

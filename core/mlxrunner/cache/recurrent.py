@@ -111,8 +111,7 @@ class RecurrentCache(Cache):
         return TracedRecurrentCache(frame, arrays, self.snapshot_positions(frame.length),
                                     self.scheduled)
 
-    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
-              record: object) -> None:
+    def adopt(self, outputs: Sequence[mx.array], length: int, record: object) -> None:
         tail, state, *captured = outputs
         capture = adopted_capture(self.snapshot_positions(length), captured, record)
         self.advance(length, tail, state, capture)
@@ -288,8 +287,7 @@ class BatchedRecurrentCache(BatchedCache):
     def stand_in(self, frame: TraceFrame, arrays: Sequence[mx.array]) -> Cache:
         return TracedRecurrentCache(frame, arrays, self.snapshot_positions(frame.length))
 
-    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
-              record: object) -> None:
+    def adopt(self, outputs: Sequence[mx.array], length: int, record: object) -> None:
         tail, state, *captured = outputs
         self._capture = adopted_capture(self.snapshot_positions(length), captured, record)
         self.conv_tail, self.recurrent_state = tail, state

@@ -205,11 +205,9 @@ class RingCache(Cache):
         return _TracedRingCache(self, frame, arrays, self.offset >= self.window - 1,
                                 frame.length > 1 and self.needs_capture(frame.length))
 
-    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
-              record: object) -> None:
+    def adopt(self, outputs: Sequence[mx.array], length: int, record: object) -> None:
+        # (a write that captures: trace_inputs kept the window before it, as adopt_write wants)
         written = (outputs[2], outputs[3]) if len(outputs) == 4 else None
-        if written is not None:
-            self.keys, self.values = inputs
         self.adopt_write(outputs[0], outputs[1], length, written)
 
     def give_back(self, inputs: Sequence[mx.array]) -> None:
@@ -381,10 +379,12 @@ class BatchedRingCache(BatchedCache):
         return _RowRingCache(_row_frame(frame), arrays, self.window,
                              frame.length > 1 and self.restorable)
 
-    def adopt(self, inputs: Sequence[mx.array], outputs: Sequence[mx.array], length: int,
-              record: object) -> None:
-        self._before = (inputs[0], inputs[1], outputs[2], outputs[3]) if len(outputs) == 4 \
-            else None
+    def adopt(self, outputs: Sequence[mx.array], length: int, record: object) -> None:
+        # (a write that captures: trace_inputs kept the window before it)
+        self._before = None
+        if len(outputs) == 4:
+            assert self.keys is not None and self.values is not None
+            self._before = (self.keys, self.values, outputs[2], outputs[3])
         self.keys, self.values = outputs[0], outputs[1]
         self._advanced(length)
 

@@ -133,8 +133,11 @@ class _Traced:
     """One traced forward: the compiled function, what its caches recorded, how often it
     ran."""
 
-    def __init__(self, function: Callable[..., list[mx.array]]) -> None:
+    def __init__(self, function: Callable[..., list[mx.array]], compiled: bool = True) -> None:
         self.function = function
+        #: compiled: its graph is evaluated after the call; else the model runs as called
+        #: (host operations evaluate as they go)
+        self.compiled = compiled
         self.calls = 0
         #: checked calls by thread: MLX keeps a compiled function's trace per thread, so each
         #: thread's first call and first replay are checked
@@ -247,24 +250,33 @@ class CompiledSteps:
     def _run(self, traced: _Traced, ids: mx.array, caches: Sequence[Any],
              taps: tuple[int, ...] | None) -> Result:
         """Run ``traced.function`` (compiled or not) on the caches' arrays and let each
-        cache adopt what its stand-in wrote; on an error the caches take their arrays
-        back and it propagates."""
+        cache adopt what its stand-in wrote. On an error it propagates, a compiled
+        function's caches having taken their arrays back; an uncompiled one's caches are
+        left without them (their arrays were handed on: see below)."""
         live = [c for c in caches if c is not None]
         inputs = [c.trace_inputs(ids.shape[1]) for c in live]
+        counts = [len(a) for a in inputs]
+        flat = [a for arrays in inputs for a in arrays]
+        # An uncompiled forward evaluates as it goes (host operations): the arrays a cache
+        # hands on must have no holder but the forward, or each write into them copies the
+        # whole buffer (a batch's caches held twice at every step); a compiled function's
+        # graph is evaluated once this returns, when nothing here holds them any more.
+        held = inputs if traced.compiled else None
+        del inputs
         offset = mx.array(live[0].offset, dtype=mx.int32)
         try:
-            with _tracing(caches, [len(a) for a in inputs], traced), _attention_routed():
-                out = traced.function(ids, offset, [a for arrays in inputs for a in arrays])
+            with _tracing(caches, counts, traced), _attention_routed():
+                out = traced.function(ids, offset, flat)
         except Exception:
-            for c, arrays in zip(live, inputs):
+            for c, arrays in zip(live, held or ()):
                 c.give_back(arrays)
             raise
         assert traced.records is not None and traced.counts is not None  # set while tracing
         logits, tapped, rest = out[0], (out[1] if taps is not None else None), \
             out[1 + (taps is not None):]
         at = 0
-        for c, arrays, record, count in zip(live, inputs, traced.records, traced.counts):
-            c.adopt(arrays, rest[at:at + count], ids.shape[1], record)
+        for c, record, count in zip(live, traced.records, traced.counts):
+            c.adopt(rest[at:at + count], ids.shape[1], record)
             at += count
         return logits, tapped
 
@@ -272,7 +284,8 @@ class CompiledSteps:
                           taps: tuple[int, ...] | None) -> Result:
         """The forward on the caches' stand-ins, untraced: what a batched cache runs when
         no trace applies (see mlxrunner.cache.batched)."""
-        return self._run(_Traced(self._graph(ids.shape[1], taps)), ids, caches, taps)
+        return self._run(_Traced(self._graph(ids.shape[1], taps), compiled=False), ids, caches,
+                         taps)
 
     def _eager(self, ids: mx.array, caches: Sequence[Any], live: list[tuple[int, Any]],
                shadows: list[Any], taps: tuple[int, ...] | None) -> Result:
@@ -358,6 +371,7 @@ class CompiledSteps:
                 n = next(counts)
                 stand.append(c.stand_in(frame, arrays[at:at + n]))
                 at += n
+            arrays.clear()  # the stand-ins hold them now (see CompiledSteps._run)
             with framing(frame):
                 out = model(ids, stand) if taps is None else model(ids, stand, taps=taps)
             logits, tapped = (out, None) if taps is None else out
