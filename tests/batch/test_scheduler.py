@@ -288,8 +288,9 @@ def test_a_batched_step_writes_its_caches_in_place_on_the_host():
         pytest.skip("the host operations run on MLX's CPU device")
     pytest.importorskip("mlxrunner_example_architecture",
                         reason="the example-architecture plugin is not installed")
-    from mlxrunner.testing.speculative import randomize
     from mlxrunner_example_architecture.model import ExampleLlama
+
+    from mlxrunner.testing.speculative import randomize
 
     model = ExampleLlama({"architectures": ["ExampleLlamaForCausalLM"], "hidden_size": 256,
                           "intermediate_size": 512, "num_hidden_layers": 2,

@@ -12,13 +12,20 @@ with ``mlp = down(silu(gate(x)) * up(x))``.
   output ``out_proj(rmsnorm(o) * w * silu(z))``.
 - Full attention: ``q_proj`` gives each head's query and output gate side by side; q and k
   are RMS-normed per head, RoPE rotates the first ``partial_rotary_factor`` of each head;
-  grouped-query heads; output ``o_proj(attention * sigmoid(gate))``.
+  grouped-query heads; output ``o_proj(attention * sigmoid(gate))``. While a prompt holding
+  images is prefilled, ``positions`` (temporal, height, width per token) turn the rotary
+  frequencies as ``mrope_section`` interleaves them (:mod:`.mrope`); otherwise the cache's
+  offset onward.
 - The RMSNorms of the layers, the q/k norms and the final norm are zero-centred (they
   multiply by ``1 + w``); the DeltaNet output norm is not.
 
 Checkpoints: Hub (transformers) folders store ``w`` and the convolution as ``[C, 1, K]``;
 MLX-converted folders (mlx-lm's layout, ``language_model.*`` names) store ``1 + w`` and
 ``[C, K, 1]``. ``sanitize`` brings both to this module's layout (``w`` and ``[C, K, 1]``).
+
+Images: ``load_encoders`` gives the checkpoint's vision tower as an image encoder
+(:mod:`.encoder`); prefill then passes ``embeddings`` (the tower's rows at the image slots)
+and ``positions``.
 
 Written against mlxrunner's public API only; the core traces its decode steps.
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
@@ -37,11 +45,18 @@ from mlxrunner.plugin import (
     Cache,
     ConfigBound,
     ConfigMultiple,
+    Encoder,
     KVCache,
     Model,
     ModelFolderError,
     RecurrentCache,
 )
+
+from .mrope import DEFAULT_SECTION, MRoPE, rotate
+
+#: what a full-attention layer rotates by while a prompt holding images is prefilled:
+#: (cos, sin) of :meth:`MRoPE.tables`; None: the cache's offset onward
+RopeTables = tuple[mx.array, mx.array] | None
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -75,6 +90,9 @@ class Qwen3_5Config:
     partial_rotary_factor: float = 0.25
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    mrope_section: tuple[int, int, int] = DEFAULT_SECTION
+    #: the token a chat template writes per image (``<|image_pad|>``); config.json's top level
+    image_token_id: int = 248056
 
     @property
     def rotary_dims(self) -> int:
@@ -113,6 +131,12 @@ class Qwen3_5Config:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ModelFolderError(f"qwen3_5 supports rope_type 'default' only, got {rope_type!r}")
+        section = rope.get("mrope_section")
+        section = DEFAULT_SECTION if section is None else section
+        if not isinstance(section, (list, tuple)) or len(section) != 3 or not all(
+                type(v) is int and 0 <= v <= 4096 for v in section):
+            raise ModelFolderError(f"qwen3_5 rope_parameters.mrope_section must list 3 "
+                                   f"frequency counts, got {str(section)[:60]}")
         heads = int(config["num_attention_heads"])
         value_heads = int(config.get("linear_num_value_heads", 32))
         key_heads = int(config.get("linear_num_key_heads", 16))
@@ -139,7 +163,14 @@ class Qwen3_5Config:
                                                  config.get("partial_rotary_factor", 0.25))),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", False)),
+            mrope_section=(section[0], section[1], section[2]),
+            image_token_id=int(_or(config.get("image_token_id"), 248056)),
         )
+
+
+def _or(value: Any, default: Any) -> Any:
+    """``value``, or ``default`` where config.json leaves it out or null."""
+    return default if value is None else value
 
 
 class Attention(nn.Module):
@@ -161,15 +192,21 @@ class Attention(nn.Module):
         self.k_norm = mnn.RMSNorm(d, cfg.rms_norm_eps, offset=1.0)
         self.rope = mnn.RoPE(cfg.rotary_dims, base=cfg.rope_theta)
 
-    def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array) -> mx.array:
-        """``residual + attention(x)``."""
+    def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array,
+                 rope: RopeTables = None) -> mx.array:
+        """``residual + attention(x)``; ``rope``: the multimodal rotation tables, while a
+        prompt holding images is prefilled."""
         B, L, _ = x.shape
         q_gate, k, v = mnn.linears(x, self.q_proj, self.k_proj, self.v_proj)
         d = self.head_dim
         q, gate = mx.split(q_gate.reshape(B, L, -1, 2 * d), 2, axis=-1)
-        offset = cache.offset if cache is not None else 0
-        q = self.rope(self.q_norm(q).transpose(0, 2, 1, 3), offset)
-        k = self.rope(self.k_norm(k.reshape(B, L, -1, d)).transpose(0, 2, 1, 3), offset)
+        q = self.q_norm(q).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, L, -1, d)).transpose(0, 2, 1, 3)
+        if rope is None:
+            offset = cache.offset if cache is not None else 0
+            q, k = self.rope(q, offset), self.rope(k, offset)
+        else:
+            q, k = rotate(q, rope), rotate(k, rope)
         v = v.reshape(B, L, -1, d).transpose(0, 2, 1, 3)
         out = mnn.attend(q, *mnn.store(cache, k, v), scale=self.scale)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate.reshape(B, L, -1))
@@ -195,12 +232,14 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else mnn.GatedMLP(cfg.hidden_size,
                                                             cfg.intermediate_size)
 
-    def __call__(self, x: mx.array, cache: KVCache | RecurrentCache | None) -> mx.array:
-        # the model's caches match its layers: recurrent for linear attention, KV otherwise
+    def __call__(self, x: mx.array, cache: KVCache | RecurrentCache | None,
+                 rope: RopeTables = None) -> mx.array:
+        # the model's caches match its layers: recurrent for linear attention (no positions),
+        # KV otherwise
         if self.is_linear:
             h = self.linear_attn(self.input_layernorm(x), cast("RecurrentCache | None", cache), x)
         else:
-            h = self.self_attn(self.input_layernorm(x), cast("KVCache | None", cache), x)
+            h = self.self_attn(self.input_layernorm(x), cast("KVCache | None", cache), x, rope)
         return self.mlp(self.post_attention_layernorm(h), h)
 
 
@@ -212,6 +251,8 @@ class TextModel(nn.Module):
         self.layers = [DecoderLayer(cfg, t, layer_mlp(i) if layer_mlp else None)
                        for i, t in enumerate(cfg.layer_types)]
         self.norm = mnn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+        # the multimodal rotation's tables, computed once per forward for every layer
+        self.mrope = MRoPE(cfg.rotary_dims, cfg.rope_theta, cfg.mrope_section)
 
 
 class Qwen3_5(Model):
@@ -231,6 +272,7 @@ class Qwen3_5(Model):
         "linear_value_head_dim": ConfigBound(int, 1, 8192),
         "linear_conv_kernel_dim": ConfigBound(int, 1, 64),
         "full_attention_interval": ConfigBound(int, 1, 1024),
+        "image_token_id": ConfigBound(int, 0, 2**24),
     }
     config_multiples = (ConfigMultiple("linear_num_value_heads", "linear_num_key_heads"),)
     config_type: type[Qwen3_5Config] = Qwen3_5Config
@@ -281,13 +323,39 @@ class Qwen3_5(Model):
     def make_cache(self) -> list[Cache | None]:
         return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
 
+    def load_encoders(self, folder: Path) -> dict[str, Encoder]:
+        """``{"image": ...}`` where the folder holds a vision tower (in this model's dtype),
+        else none."""
+        from .encoder import load_image_encoder
+
+        encoder = load_image_encoder(folder, self.config, self.dtype)
+        return {} if encoder is None else {"image": encoder}
+
     def __call__(self, ids: mx.array, cache: Sequence[Any] | None = None, *,
-                 taps: Sequence[int] | None = None) -> mx.array | tuple[mx.array, mx.array]:
+                 taps: Sequence[int] | None = None, embeddings: mx.array | None = None,
+                 positions: mx.array | None = None) -> mx.array | tuple[mx.array, mx.array]:
+        """Logits for ``ids [B, L]`` (with ``taps``: and the tapped residual stream).
+        ``embeddings [B, L, hidden]``: the input embeddings to run instead of
+        ``embed_tokens(ids)`` (a prompt chunk whose image slots hold the encoder's rows);
+        ``positions [3, B, L]``: each token's temporal, height and width position, for the
+        full-attention layers' multimodal rotation in place of the cache's offset."""
         tapped = mnn.Taps(taps, len(self.layers))
         cache = [None] * len(self.layers) if cache is None else cache
-        h = self.model.embed_tokens(ids)
+        if embeddings is None:
+            h = self.model.embed_tokens(ids)
+        elif embeddings.shape != (*ids.shape, self.hidden_size):
+            raise ValueError(f"embeddings must be {[*ids.shape, self.hidden_size]}, got "
+                             f"{list(embeddings.shape)}")
+        else:
+            h = embeddings
+        rope: RopeTables = None
+        if positions is not None:
+            if positions.shape != (3, *ids.shape):
+                raise ValueError(f"positions must be {[3, *ids.shape]}, got "
+                                 f"{list(positions.shape)}")
+            rope = self.model.mrope.tables(positions)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            h = tapped.after(i, layer(h, layer_cache))
+            h = tapped.after(i, layer(h, layer_cache, rope))
         return tapped.result(self.raw_logits(self.model.norm(mnn.head_rows(h))))
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
