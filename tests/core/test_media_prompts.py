@@ -199,3 +199,32 @@ def test_positions_run_on_after_items_that_take_fewer_positions_than_tokens(mode
     assert part.cache_key() == prompt.cache_key()[:10]
     with pytest.raises(ValueError, match="positions must be"):
         MediaItem("image", a.tokens, a.slots, a.digest, a.encode, positions=a.positions, span=3)
+
+
+def test_an_item_prefilled_whole_is_never_split_between_chunks(model, monkeypatch):
+    """(Gemma 4's larger checkpoints attend both ways among an image's tokens.) The chunks
+    of generate's prefill and of the batch's step around a ``whole`` item."""
+    from mlxrunner.batch import BatchRequest, Scheduler
+    from mlxrunner.decode import prefill
+
+    encoder = model.load_encoders(Path("."))["image"]
+    item = encoder.prepare(_image(2, 12, 12))  # 9 slots: 11 tokens
+    whole = MediaItem(item.modality, item.tokens, item.slots, item.digest, item.encode,
+                      whole=True)
+    prompt = place_media([1, 2, 3, 4, PLACEHOLDER, 5, 6, 7, 8, 9], [whole],
+                         {"image": PLACEHOLDER})  # the item: tokens 4..14
+    seen: list[tuple[int, int]] = []
+    real = type(model).__call__
+
+    def recording(self, ids, cache=None, **kwargs):
+        seen.append((cache[0].offset if cache and cache[0] is not None else 0, ids.shape[1]))
+        return real(self, ids, cache, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", recording)
+    prefill(model, prompt, model.make_cache(), chunk=3)
+    assert seen == [(0, 3), (3, 12), (15, 3), (18, 2)]  # 3..15 in one: past the item's end
+    seen.clear()
+    scheduler = Scheduler(model, prefill_chunk=3)
+    scheduler.submit(BatchRequest(prompt, GREEDY, 1))
+    scheduler.run_until_idle()
+    assert [call for call in seen if call[1] > 1] == [(0, 3), (3, 12), (15, 3), (18, 2)]

@@ -406,12 +406,13 @@ class Scheduler:
         # had the fewest chunks first (then the oldest): a short prompt sent after a long one
         # starts within a step, not after all of the long one; one passed over for
         # PREFILL_PATIENCE steps goes first, so a stream of new prompts cannot starve it (a
-        # chunk is at most that long: a step's first fits)
+        # chunk is at most that long, or an item prefilled whole makes it longer: a step's
+        # first always runs)
         budget = self.prefill_chunk
         order = sorted(self._prefilling, key=lambda s: (s.waited < PREFILL_PATIENCE, s.chunks))
         for seq in order:
             size = self._chunk_size(seq)
-            if size > budget:
+            if size > max(budget, 0) and budget < self.prefill_chunk:
                 seq.waited += 1
                 continue
             self._prefill_chunk(seq)
@@ -476,7 +477,8 @@ class Scheduler:
         """Where ``seq``'s next prompt chunk ends: chunks end at multiples of the chunk, as
         generate's prefill after a prefix hit."""
         start = seq.prefilled
-        return min(len(seq.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+        end = min(len(seq.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+        return seq.prompt.chunk_end(end) if isinstance(seq.prompt, MediaPrompt) else end
 
     def _chunk_size(self, seq: _Sequence) -> int:
         """The prompt tokens ``seq``'s next chunk computes (none where all were cached)."""

@@ -96,6 +96,8 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
     if not 0 <= start < total:
         raise ValueError(f"prefill must start inside the prompt (start {start}, {total} tokens)")
     bounds = [start, *range((start // chunk + 1) * chunk, total, chunk), total]
+    if isinstance(prompt, MediaPrompt):  # (an item prefilled whole moves a chunk's end)
+        bounds = sorted({start, total, *(min(prompt.chunk_end(b), total) for b in bounds)})
     for begin, end in zip(bounds, bounds[1:]):
         chunk_ids = ids[:, begin:end]
         extra: Sequence[mx.array] = ()

@@ -1,8 +1,17 @@
-"""Media: decoding untrusted images (:mod:`.images`) and prompts that hold media
-(:mod:`.prompt`: the encoder contract, :class:`MediaPrompt`)."""
+"""Media: decoding untrusted images (:mod:`.images`) and audio (:mod:`.audio`), and prompts
+that hold media (:mod:`.prompt`: the encoder contract, :class:`MediaPrompt`)."""
 
 from __future__ import annotations
 
+from .audio import (
+    AUDIO_FORMATS,
+    AUDIO_SAMPLE_RATE,
+    MAX_AUDIO_BYTES,
+    MAX_AUDIO_SECONDS,
+    decode_audio,
+    read_audio,
+    resample_audio,
+)
 from .images import (
     IMAGE_FORMATS,
     MAX_IMAGE_BYTES,
@@ -25,7 +34,8 @@ from .prompt import (
     place_media,
 )
 
-__all__ = ["IMAGE_FORMATS", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "MODALITIES", "PILLOW_FILTERS",
-           "RESAMPLE", "Encoder", "MediaItem", "MediaPrompt", "cache_key", "content_digest",
-           "decode_image", "history_key", "place_media", "read_image", "rescale_normalize",
-           "resize_image"]
+__all__ = ["AUDIO_FORMATS", "AUDIO_SAMPLE_RATE", "IMAGE_FORMATS", "MAX_AUDIO_BYTES",
+           "MAX_AUDIO_SECONDS", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "MODALITIES",
+           "PILLOW_FILTERS", "RESAMPLE", "Encoder", "MediaItem", "MediaPrompt", "cache_key",
+           "content_digest", "decode_audio", "decode_image", "history_key", "place_media",
+           "read_audio", "read_image", "resample_audio", "rescale_normalize", "resize_image"]

@@ -51,6 +51,9 @@ class MediaItem:
     encode: Callable[[], mx.array] = field(compare=False, repr=False)
     positions: np.ndarray | None = field(default=None, compare=False, repr=False)
     span: int | None = None
+    #: its tokens attend to each other both ways (Gemma 4's larger checkpoints' images): a
+    #: prefill chunk never ends inside it
+    whole: bool = False
 
     def __post_init__(self) -> None:
         if self.modality not in MODALITIES:
@@ -150,6 +153,13 @@ class MediaPrompt(tuple[int, ...]):
         for i, (start, item) in enumerate(self.placed):
             for row, slot in enumerate(item.slots):
                 yield start + slot, i, row
+
+    def chunk_end(self, end: int) -> int:
+        """``end``, or past the item it falls inside where that item is prefilled whole."""
+        for start, item in self.placed:
+            if item.whole and start < end < start + len(item.tokens):
+                return start + len(item.tokens)
+        return end
 
     def shift(self) -> int:
         """How far every position is moved on: the positions the items' tokens hold beyond
