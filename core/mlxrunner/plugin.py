@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "weight_files": "model.loading",
     "read_weights": "model.loading",
     "install_weights": "model.loading",
+    "load_part": "model.loading",
     "config_field": "model.config_fields",
     # drafts
     "DraftModel": "model.draft",
@@ -79,6 +80,10 @@ _EXPORTS: dict[str, str] = {
     "Encoder": "media",
     "MediaItem": "media",
     "content_digest": "media",
+    # audio: untrusted bytes or files to float32 mono samples (soundfile optional)
+    "decode_audio": "media",
+    "read_audio": "media",
+    "resample_audio": "media",
     # sampling (a draft draws with the request's sampler)
     "SamplerOptions": "decode.options",
     "Sampler": "decode.sampler",
@@ -131,8 +136,11 @@ if TYPE_CHECKING:  # pragma: no cover
         Encoder,
         MediaItem,
         content_digest,
+        decode_audio,
         decode_image,
+        read_audio,
         read_image,
+        resample_audio,
         resize_image,
     )
     from .model.block_draft import BlockDraft, BlockDraftSession  # noqa: F401

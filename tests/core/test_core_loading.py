@@ -183,3 +183,37 @@ def test_mixed_precision_checkpoint_reads_bits_from_the_tensors(tmp_path):
     assert loaded.layers[0].bits == 4
     ids = mx.array([[3, 1, 4]])
     np.testing.assert_allclose(np.array(loaded(ids)), np.array(model(ids)), atol=1e-5)
+
+
+class _Tower(nn.Module):
+    """A part the core does not load with the model: its tensors under ``model.tower.``."""
+
+    def __init__(self, part: dict, config: dict) -> None:
+        super().__init__()
+        self.proj = nn.Linear(part["width"], config["hidden_size"])
+
+    def sanitize(self, weights: dict) -> dict:
+        return {name.removeprefix("model.tower."): array for name, array in weights.items()}
+
+
+def test_load_part_reads_one_part_of_a_folder(tmp_path):
+    from mlxrunner.plugin import load_part
+
+    config = {"architectures": ["TowerModel"], "hidden_size": 6, "tower_config": {"width": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    w = mx.random.normal((6, 4))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {
+        "model.tower.proj.weight": w, "model.tower.proj.bias": mx.zeros((6,)),
+        "model.language_model.embed.weight": mx.zeros((3, 6))})
+    tower = load_part(tmp_path, "tower_config", ("model.tower.",), _Tower, mx.bfloat16, "tower")
+    assert tower.proj.weight.dtype == mx.bfloat16
+    np.testing.assert_array_equal(np.array(tower.proj.weight.astype(mx.float32)),
+                                  np.array(w.astype(mx.bfloat16).astype(mx.float32)))
+    assert load_part(tmp_path, "audio_config", ("model.tower.",), _Tower) is None
+    assert load_part(tmp_path, "tower_config", ("model.audio.",), _Tower) is None
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tower_config": [1]}))
+    with pytest.raises(ModelFolderError, match="tower_config must be an object"):
+        load_part(tmp_path, "tower_config", ("model.tower.",), _Tower)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tower_config": {"width": 5}}))
+    with pytest.raises(ModelFolderError, match="proj.weight. has shape \\(6, 4\\)"):
+        load_part(tmp_path, "tower_config", ("model.tower.",), _Tower, what="tower")

@@ -42,10 +42,7 @@ from mlxrunner.plugin import (
     ConfigMultiple,
     ModelFolderError,
     check_config,
-    install_weights,
-    read_config,
-    read_weights,
-    weight_files,
+    load_part,
 )
 
 #: tensor name prefixes of the vision tower: Hub checkpoints first, then other layouts
@@ -360,22 +357,9 @@ def _bilinear_matrix(size: int, side: int) -> np.ndarray:
 # -- loading from a model folder ------------------------------------------------------------
 def load_vision(folder: Path, dtype: mx.Dtype = mx.float32) -> Qwen3_5Vision | None:
     """The vision tower of a model folder, its float weights in ``dtype``; None when
-    config.json has no ``vision_config`` or the weights hold no vision tensor. The folder is
-    read as the core reads it (``mlxrunner.plugin.read_config``, ``weight_files``,
-    ``read_weights``: safetensors only, every file inside it); ModelFolderError otherwise."""
-    folder = Path(folder)
-    config = read_config(folder)
-    vision_config = config.get("vision_config")
-    if vision_config is None:
-        return None
-    if not isinstance(vision_config, dict):
-        raise ModelFolderError(f"{folder}/config.json: vision_config must be an object")
-    weights = {name: array for name, array in read_weights(weight_files(folder)).items()
-               if name.startswith(VISION_PREFIXES)}
-    if not weights:
-        return None
-    if any(n.endswith((".scales", ".biases")) for n in weights):
-        raise ModelFolderError(f"{folder}: a quantized vision tower is not supported")
-    model = Qwen3_5Vision(vision_config)
-    install_weights(model, config, weights, folder, dtype, what="vision tower")
-    return model
+    config.json has no ``vision_config`` or the weights hold no vision tensor (read as the
+    core reads a folder: ``mlxrunner.plugin.load_part``)."""
+    tower: Qwen3_5Vision | None = load_part(
+        folder, "vision_config", VISION_PREFIXES, lambda part, _: Qwen3_5Vision(part), dtype,
+        "vision tower")
+    return tower

@@ -13,6 +13,7 @@ import os
 import re
 import stat
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
@@ -372,6 +373,33 @@ def install_weights(module: nn.Module, config: dict[str, Any], weights: dict[str
     assign_weights(module, weights, where)
     mx.eval(module.parameters())
     module.eval()
+
+
+def load_part(folder: str | Path, config_key: str, prefixes: tuple[str, ...],
+              build: Callable[[dict[str, Any], dict[str, Any]], nn.Module],
+              dtype: str | mx.Dtype | None = None, what: str = "part") -> Any:
+    """A part of a checkpoint the core does not load with the model (a vision or an audio
+    tower): ``build(config[config_key], config)`` given the folder's tensors whose names
+    start with one of ``prefixes`` (the module's ``sanitize`` maps them), float weights in
+    ``dtype``. None where config.json has no ``config_key`` or no tensor has such a name.
+    The folder is read as the model's (safetensors only, every file inside it); a part
+    that is not an object, quantized or does not fit is one ModelFolderError line."""
+    folder = Path(folder)
+    config = read_config(folder)
+    part = config.get(config_key)
+    if part is None:
+        return None
+    if not isinstance(part, dict):
+        raise ModelFolderError(f"{folder}/config.json: {config_key} must be an object")
+    weights = {name: array for name, array in read_weights(weight_files(folder)).items()
+               if name.startswith(prefixes)}
+    if not weights:
+        return None
+    if any(name.endswith((".scales", ".biases")) for name in weights):
+        raise ModelFolderError(f"{folder}: a quantized {what} is not supported")
+    module = build(part, config)
+    install_weights(module, config, weights, folder, dtype, what=what)
+    return module
 
 
 def build_model(config: dict[str, Any], where: str = "config.json") -> Model:
