@@ -2,7 +2,7 @@
 # Issue 36's GPU figures in one call of at most 10 minutes, after `bash .mlx-cuda-a/stage.sh`
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
-#   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [startup] [pair] [soak]
+#   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [startup] [pair] [soak] [vision]
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
@@ -11,7 +11,10 @@
 # (bench/batch.py --pair, 1/4/16/32 streams); soak: serve under 2,000 requests in bursts of
 # 1-32, drafts on and off (bench/serve_soak.py --bursts; needs the server's wheels in .whl:
 # fastapi, starlette, pydantic, pydantic-core, uvicorn, annotated-types, typing-inspection,
-# opentelemetry-api, which the GPU machine lacks). Results in $OUT/results.tgz.
+# opentelemetry-api, which the GPU machine lacks); vision: issue 39's time to first token for a
+# 0.8B-shape Qwen3.5 with one 1024x1024 image against mlx-vlm (bench/vision_ttft.py; needs
+# mlx-vlm's wheel in .whl, mlx_vlm-0.7.10-py3-none-any.whl, installed without its
+# dependencies). Results in $OUT/results.tgz.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
 export PYTHONUNBUFFERED=1 MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
@@ -32,6 +35,10 @@ for part in "${@:-tests qwen3 llama startup}"; do
       qwen3|llama)
         (cd bench && timeout "${BENCH_TIMEOUT:-240}" python3 "$one.py" --repeats "${REPEATS:-5}" \
           --json "$out/$one-gpu.json") 2>&1 | tee "$out/$one-gpu.txt" | tail -14 ;;
+      vision)
+        (cd bench && timeout "${VISION_TIMEOUT:-300}" python3 vision_ttft.py \
+          --repeats "${REPEATS:-5}" --json "$out/vision-gpu.json") 2>&1 \
+          | tee "$out/vision-gpu.txt" | tail -8 ;;
       pair)
         (cd bench && timeout "${PAIR_TIMEOUT:-300}" python3 batch.py --pair demo-qwen3.5 \
           --repeats "${REPEATS:-5}" --json "$out/pair-gpu.json") 2>&1 | tee "$out/pair-gpu.txt" \
