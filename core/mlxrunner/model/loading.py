@@ -12,8 +12,8 @@ import json
 import os
 import re
 import stat
-from pathlib import Path, PurePosixPath, PureWindowsPath
 from collections.abc import Callable
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, cast
 
 import mlx.core as mx
