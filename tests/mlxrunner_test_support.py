@@ -115,23 +115,59 @@ class ToyImageEncoder:
                          tuple(range(1, n + 1)), content_digest(media), encode)
 
 
-def media_llama(config: dict, ids: tuple[int, int, int, int]):
+class ToyAudioEncoder:
+    """A toy audio encoder: each 1,600 samples (0.1 s at 16 kHz) become one embedding row,
+    a fixed random linear map of 16 of their statistics; tokens ``begin``, slots, ``end``."""
+
+    modality = "audio"
+
+    def __init__(self, hidden: int, placeholder: int, begin: int, slot: int, end: int) -> None:
+        import mlx.core as mx
+
+        self.placeholder, self.begin, self.slot, self.end = placeholder, begin, slot, end
+        self.proj = mx.random.normal((16, hidden), key=mx.random.key(8)) * 0.5
+
+    def prepare(self, media):
+        import mlx.core as mx
+        import numpy as np
+
+        from mlxrunner.plugin import MediaError, MediaItem, content_digest
+
+        n = len(media) // 1600
+        if n < 1:
+            raise MediaError("audio shorter than 0.1 s")
+        frames = np.asarray(media[:n * 1600], np.float32).reshape(n, 16, 100)
+        features = np.abs(frames).mean(axis=-1)
+
+        return MediaItem("audio", (self.begin, *[self.slot] * n, self.end),
+                         tuple(range(1, n + 1)), content_digest(features),
+                         lambda: mx.array(features) @ self.proj)
+
+
+def media_llama(config: dict, ids: tuple[int, int, int, int],
+                audio_ids: tuple[int, int, int, int] | None = None):
     """The example architecture with a :class:`ToyImageEncoder` (``ids``: placeholder,
-    begin, slot, end), as a third party would add one."""
+    begin, slot, end) and, given ``audio_ids``, a :class:`ToyAudioEncoder`, as a third party
+    would add them."""
     from mlxrunner_example_architecture.model import ExampleLlama
 
     class MediaLlama(ExampleLlama):
         def load_encoders(self, folder):
-            return {"image": ToyImageEncoder(self.hidden_size, *ids)}
+            encoders = {"image": ToyImageEncoder(self.hidden_size, *ids)}
+            if audio_ids is not None:
+                encoders["audio"] = ToyAudioEncoder(self.hidden_size, *audio_ids)
+            return encoders
 
     return MediaLlama(config)
 
 
-MEDIA_SPECIALS = ["<|image|>", "<|begin_image|>", "<|slot|>", "<|end_image|>"]
+MEDIA_SPECIALS = ["<|image|>", "<|begin_image|>", "<|slot|>", "<|end_image|>",
+                  "<|audio|>", "<|begin_audio|>", "<|end_audio|>"]
 #: a chat template that writes ``<|image|>`` for an image part
 MEDIA_TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>{% if m.content is string %}{{ m.content }}"
     "{% else %}{% for p in m.content %}{% if p.type in ['image', 'image_url'] %}<|image|>"
+    "{% elif p.type in ['audio', 'input_audio'] %}<|audio|>"
     "{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}</s>"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -153,8 +189,9 @@ def media_bundle(folder: Path):
     tok.save(str(folder / "tokenizer.json"))
     (folder / "chat_template.jinja").write_text(MEDIA_TEMPLATE)
     bundle = mlxrunner.load(folder)
-    ids = tuple(bundle.tokenizer.token_to_id(t) for t in MEDIA_SPECIALS)
-    model = media_llama(dict(EXAMPLE_CONFIG), ids)
+    ids = [bundle.tokenizer.token_to_id(t) for t in MEDIA_SPECIALS]
+    model = media_llama(dict(EXAMPLE_CONFIG), (ids[0], ids[1], ids[2], ids[3]),
+                        (ids[4], ids[5], ids[2], ids[6]))
     randomize(model, seed=5)
     model.eval()
     return dataclasses.replace(bundle, model=model)
@@ -170,4 +207,21 @@ def png_bytes(seed: int, size: tuple[int, int] = (12, 8)) -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def wav_bytes(seed: int, seconds: float = 0.5, rate: int = 16000) -> bytes:
+    """A random 16-bit mono WAV file."""
+    import io
+    import wave
+
+    import numpy as np
+
+    samples = np.random.default_rng(seed).integers(-20000, 20000, int(seconds * rate))
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.astype("<i2").tobytes())
     return out.getvalue()

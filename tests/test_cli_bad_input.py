@@ -309,3 +309,14 @@ def test_an_image_the_model_cannot_take_is_one_line(tmp_path, case):
     result = cli("run", "./m", "hi", "--image", str(image), "-n", "2", cwd=tmp_path)
     one_line_error(result, {"text-only": "takes no image input", "missing": "a.png",
                             "corrupt": "image"}[case])
+
+
+@pytest.mark.parametrize("case", ["text-only", "corrupt"])
+def test_audio_the_model_cannot_take_is_one_line(tmp_path, case):
+    from mlxrunner_test_support import wav_bytes, write_model_folder
+
+    write_model_folder(tmp_path / "m")
+    clip = tmp_path / "a.wav"
+    clip.write_bytes(wav_bytes(1) if case == "text-only" else b"RIFF" + b"\0" * 40)
+    result = cli("run", "./m", "hi", "--audio", str(clip), "-n", "2", cwd=tmp_path)
+    one_line_error(result, {"text-only": "takes no audio input", "corrupt": "a.wav"}[case])

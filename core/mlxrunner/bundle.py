@@ -22,7 +22,7 @@ from .chat.formats import RenderContext, get_parser, get_renderer
 from .decode.options import SamplerOptions
 from .errors import MediaError, ModelfileError, ModelFolderError
 from .host import manager as plugins
-from .media import Encoder, decode_image, place_media
+from .media import Encoder, decode_audio, decode_image, place_media
 from .model.builtin_draft import load_checkpoint_draft
 from .model.draft import BUNDLE_PREFIX, load_draft
 from .model.gguf import gguf_tokenizer, is_gguf, load_gguf_model
@@ -84,7 +84,8 @@ class Bundle:
     def place_media(self, ids: Sequence[int], media: Sequence[tuple[str, bytes | Any]],
                     name: str | None = None) -> Sequence[int]:
         """``ids`` with ``media`` (``(modality, data)`` in the order the prompt's
-        placeholders appear: an image's encoded bytes or its decoded ``[H, W, 3]`` pixels)
+        placeholders appear: a file's bytes, or an image's decoded ``[H, W, 3]`` pixels, an
+        audio clip's float32 samples at 16 kHz)
         at their placeholders (:func:`mlxrunner.place_media`); ``ids`` themselves where
         there is none. One :class:`MediaError` line (naming the model as ``name``, else by
         its folder) for a model without an encoder for a modality, media that does not
@@ -98,9 +99,7 @@ class Bundle:
             if encoder is None:
                 raise MediaError(f"{name or self.path.name} takes no {modality} input")
             if isinstance(data, (bytes, bytearray, memoryview)):
-                if modality != "image":
-                    raise MediaError(f"{modality} files are not decoded by this version")
-                decoded = decode_image(data)
+                decoded = decode_image(data) if modality == "image" else decode_audio(data)
             else:
                 decoded = np.asarray(data)
             items.append(encoder.prepare(decoded))

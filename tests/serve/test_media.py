@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import mlxrunner
-from mlxrunner_test_support import media_bundle, png_bytes
+from mlxrunner_test_support import media_bundle, png_bytes, wav_bytes
 
 httpx = pytest.importorskip("httpx")
 PIL = pytest.importorskip("PIL.Image", reason="Pillow (the vision extra) is not installed")
@@ -184,3 +184,30 @@ def test_the_official_clients_send_an_image(media_server):
         messages=[{"role": "user", "content": "and this?", "images": [image]}])
     assert reply3["message"]["content"] == want
 
+
+
+def test_openai_input_audio_reaches_an_audio_encoder(media_server):
+    server, bundle = media_server
+    clip = wav_bytes(1)
+    content = [{"type": "input_audio"}, {"type": "text", "text": "what is it?"}]
+    prompt = bundle.renderer.render([{"role": "user", "content": content}], None,
+                                    add_generation_prompt=True)
+    ids = bundle.place_media(bundle.tokenizer.encode(prompt, add_special_tokens=False),
+                             [("audio", clip)])
+    out = mlxrunner.generate(bundle.model, ids, max_tokens=8, eos_ids=bundle.stop_token_ids(),
+                             options=mlxrunner.SamplerOptions(temperature=0.0))
+    want = bundle.tokenizer.decode(out.tokens)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        got = client.post("/v1/chat/completions", json={
+            "model": "media", "temperature": 0, "max_tokens": 8, "messages": [{
+                "role": "user", "content": [
+                    {"type": "input_audio", "input_audio": {"data": _b64(clip),
+                                                            "format": "wav"}},
+                    {"type": "text", "text": "what is it?"}]}]})
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["message"]["content"] == want
+        broken = client.post("/v1/chat/completions", json={
+            "model": "media", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": _b64(b"RIFF" + b"\0" * 40),
+                                                        "format": "wav"}}]}]})
+    assert broken.status_code == 400 and "audio" in broken.text

@@ -193,6 +193,10 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image the prompt shows the model (repeat for more; PNG, JPEG, "
                         "WebP, GIF or BMP; needs a model with an image encoder)")
+    p.add_argument("--audio", action="append", default=[], metavar="PATH",
+                   help="an audio clip the prompt has the model hear (repeat for more; WAV, "
+                        "or FLAC, Ogg, MP3 with mlxrunner[audio]; needs a model with an "
+                        "audio encoder)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is (no chat format)")
     p.add_argument("--stats", action="store_true", help="print statistics to stderr")
     p.add_argument("--verbose", action="store_true",
@@ -288,27 +292,29 @@ def _sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_prompt(bundle: Any, prompt: str, *, raw: bool, system: str | None,
-                 think: bool | None, images: Sequence[str] = ()) -> tuple[str, Sequence[int]]:
-    """The prompt text the model sees and its token ids (with ``images``, files read with
-    the core's limits: the ids with the images at their placeholders; the images come
-    before the text, as ``ollama run`` sends them)."""
-    from ..media import read_image
+                 think: bool | None, images: Sequence[str] = (),
+                 audio: Sequence[str] = ()) -> tuple[str, Sequence[int]]:
+    """The prompt text the model sees and its token ids (with ``images`` and ``audio``,
+    files read with the core's limits: the ids with them at their placeholders; they come
+    before the text, images first, as ``ollama run`` sends images)."""
+    from ..media import read_audio, read_image
 
     tok = bundle.tokenizer
-    pixels = [("image", read_image(path)) for path in images]
+    media = [("image", read_image(path)) for path in images] + \
+        [("audio", read_audio(path)) for path in audio]
     if raw or bundle.renderer is None:
-        return prompt, bundle.place_media(tok.encode(prompt, add_special_tokens=True), pixels)
+        return prompt, bundle.place_media(tok.encode(prompt, add_special_tokens=True), media)
     messages: list[dict[str, Any]] = []
     system = system if system is not None else bundle.extra.get("system")
     if system:
         messages.append({"role": "system", "content": system})
     content: Any = prompt
-    if pixels:
-        content = [*({"type": "image"} for _ in pixels), {"type": "text", "text": prompt}]
+    if media:
+        content = [*({"type": kind} for kind, _ in media), {"type": "text", "text": prompt}]
     messages.append({"role": "user", "content": content})
     with plugins.plugin_code("renderers", bundle.renderer_name):
         text = bundle.renderer.render(messages, None, think=think, add_generation_prompt=True)
-    return text, bundle.place_media(tok.encode(text, add_special_tokens=False), pixels)
+    return text, bundle.place_media(tok.encode(text, add_special_tokens=False), media)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -353,9 +359,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         options = options.merged({"seed": int(seed)})
     max_tokens = args.max_tokens or bundle.extra.get("max_tokens") or 256
     think = None if args.think is None else args.think == "on"
-    if chat and args.image:
-        raise MLXRunnerError("--image applies to one prompt, not to a conversation: give "
-                             "the prompt on the command line")
+    if chat and (args.image or args.audio):
+        raise MLXRunnerError("--image and --audio apply to one prompt, not to a conversation "
+                             "(there: /image PATH): give the prompt on the command line")
     if chat and args.format is not None:
         raise MLXRunnerError("--format applies to one prompt, not to a conversation: give "
                              "the prompt on the command line or pipe it in")
@@ -376,7 +382,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 editor.save()
         return 0
     prompt_text, prompt_ids = build_prompt(bundle, prompt, raw=args.raw, system=args.system,
-                                           think=think, images=args.image)
+                                           think=think, images=args.image, audio=args.audio)
     from ..bundle import context_length
 
     context = context_length(bundle)
