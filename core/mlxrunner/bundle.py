@@ -23,6 +23,7 @@ from .decode.options import SamplerOptions
 from .errors import MediaError, ModelfileError, ModelFolderError
 from .host import manager as plugins
 from .media import Encoder, decode_audio, decode_image, place_media
+from .media.audio import AUDIO_SAMPLE_RATE
 from .model.builtin_draft import load_checkpoint_draft
 from .model.draft import BUNDLE_PREFIX, load_draft
 from .model.gguf import gguf_tokenizer, is_gguf, load_gguf_model
@@ -99,7 +100,8 @@ class Bundle:
             if encoder is None:
                 raise MediaError(f"{name or self.path.name} takes no {modality} input")
             if isinstance(data, (bytes, bytearray, memoryview)):
-                decoded = decode_image(data) if modality == "image" else decode_audio(data)
+                decoded = decode_image(data) if modality == "image" else decode_audio(
+                    data, sample_rate=getattr(encoder, "sample_rate", AUDIO_SAMPLE_RATE))
             else:
                 decoded = np.asarray(data)
             items.append(encoder.prepare(decoded))

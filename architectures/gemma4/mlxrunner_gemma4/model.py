@@ -488,13 +488,19 @@ class Gemma4Model(Model):
         return name
 
     def load_encoders(self, folder: Path) -> dict[str, Encoder]:
-        """``{"image": ...}`` where the folder holds a vision tower (in this model's
-        dtype), else none; a checkpoint whose images need bidirectional attention is one
+        """``{"image": ..., "audio": ...}``: an encoder for each tower the folder holds (in
+        this model's dtype); a checkpoint whose images need bidirectional attention is one
         MediaError line."""
-        from .encoder import load_image_encoder
+        from .encoder import load_audio_encoder, load_image_encoder
 
-        encoder = load_image_encoder(folder, self.args.raw, self.dtype)
-        return {} if encoder is None else {"image": encoder}
+        encoders: dict[str, Encoder] = {}
+        image = load_image_encoder(folder, self.args.raw, self.dtype)
+        if image is not None:
+            encoders["image"] = image
+        audio = load_audio_encoder(folder, self.args.raw, self.dtype)
+        if audio is not None:
+            encoders["audio"] = audio
+        return encoders
 
     # -- target interface ------------------------------------------------------
     def make_cache(self) -> list[Cache | None]:

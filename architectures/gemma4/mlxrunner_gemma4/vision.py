@@ -47,10 +47,7 @@ from mlxrunner.plugin import (
     ConfigBound,
     ModelFolderError,
     check_config,
-    install_weights,
-    read_config,
-    read_weights,
-    weight_files,
+    load_part,
 )
 
 #: tensor name prefixes of the tower and its projection: Hub checkpoints, then MLX layouts
@@ -466,26 +463,14 @@ def _positions(position_ids: Any) -> np.ndarray:
 def load_vision(folder: Path, dtype: mx.Dtype = mx.float32) -> Gemma4Vision | None:
     """The vision tower and ``embed_vision`` of a model folder, their float weights in
     ``dtype``; None when config.json has no ``vision_config`` or the weights hold no vision
-    tensor. The folder is read as the core reads it (``mlxrunner.plugin.read_config``,
-    ``weight_files``, ``read_weights``: safetensors only, every file inside it);
-    ModelFolderError otherwise."""
-    folder = Path(folder)
-    config = read_config(folder)
-    vision_config = config.get("vision_config")
-    if vision_config is None:
-        return None
-    if not isinstance(vision_config, dict):
-        raise ModelFolderError(f"{folder}/config.json: vision_config must be an object")
-    text = config.get("text_config")
-    if text is not None and not isinstance(text, dict):
-        raise ModelFolderError(f"{folder}/config.json: text_config must be an object")
-    text_hidden = (text or config).get("hidden_size")
-    weights = {name: array for name, array in read_weights(weight_files(folder)).items()
-               if name.startswith(VISION_PREFIXES)}
-    if not weights:
-        return None
-    if any(n.endswith((".scales", ".biases")) for n in weights):
-        raise ModelFolderError(f"{folder}: a quantized vision tower is not supported")
-    model = Gemma4Vision(vision_config, text_hidden)
-    install_weights(model, config, weights, folder, dtype, what="vision tower")
-    return model
+    tensor (read as the core reads a folder: ``mlxrunner.plugin.load_part``)."""
+
+    def build(part: dict[str, Any], config: dict[str, Any]) -> Gemma4Vision:
+        text = config.get("text_config")
+        if text is not None and not isinstance(text, dict):
+            raise ModelFolderError(f"{folder}/config.json: text_config must be an object")
+        return Gemma4Vision(part, (text or config).get("hidden_size"))
+
+    tower: Gemma4Vision | None = load_part(folder, "vision_config", VISION_PREFIXES, build,
+                                           dtype, "vision tower")
+    return tower

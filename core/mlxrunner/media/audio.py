@@ -57,6 +57,8 @@ _INSTALL = 'pip install "mlxrunner[audio]"'
 _WAVE_PCM, _WAVE_FLOAT, _WAVE_EXTENSIBLE = 1, 3, 0xFFFE
 #: the tail every WAVE_FORMAT_EXTENSIBLE sub-format GUID of a plain format tag shares
 _GUID_TAIL = b"\x00\x00\x00\x00\x10\x00\x80\x00\x00\xaa\x00\x38\x9b\x71"
+#: the most chunks a WAV may hold before its data (format, list, fact, ...)
+_MAX_WAV_CHUNKS = 256
 #: frames soundfile decodes at a time (the clip is cut off at the limit between reads)
 _BLOCK_FRAMES = 1 << 16
 
@@ -131,7 +133,7 @@ def _wav(view: memoryview, what: str, max_seconds: float) -> tuple[np.ndarray, i
     size = view.nbytes
     fmt: tuple[int, int, int, int, int] | None = None
     at = 12
-    while True:
+    for _ in range(_MAX_WAV_CHUNKS + 1):
         if at + 8 > size:
             raise MediaError(f"{what}: WAV is truncated or corrupt (no data chunk)")
         chunk, length = bytes(view[at:at + 4]), struct.unpack("<I", view[at + 4:at + 8])[0]
@@ -144,6 +146,8 @@ def _wav(view: memoryview, what: str, max_seconds: float) -> tuple[np.ndarray, i
         if chunk == b"fmt ":
             fmt = _wav_format(bytes(view[body:body + length]), what)
         at = body + length + (length & 1)  # chunks are padded to even sizes
+    else:  # (a file of many tiny chunks is not walked to its end)
+        raise MediaError(f"{what}: WAV has more than {_MAX_WAV_CHUNKS} chunks before its data")
     if fmt is None:
         raise MediaError(f"{what}: WAV has no format chunk before its data")
     tag, channels, rate, bits, block = fmt

@@ -81,7 +81,9 @@ class Encoder(Protocol):
 
     ``placeholder``: the token id a chat template writes for one item. ``prepare(media)``:
     an image as ``[H, W, 3]`` uint8 RGB pixels (:func:`mlxrunner.media.decode_image`), an
-    audio clip as float32 mono samples at ``sample_rate``; returns its :class:`MediaItem`
+    audio clip as float32 mono samples (:func:`mlxrunner.media.decode_audio`) at the
+    encoder's ``sample_rate`` attribute where it has one, else 16 kHz; returns its
+    :class:`MediaItem`
     (preprocessing runs here; the tower runs in ``encode``). Bad media raises
     :class:`mlxrunner.errors.MediaError`."""
 
