@@ -31,7 +31,6 @@ import importlib
 import io
 import math
 import os
-import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MediaError
+from .files import read_media_file
 
 #: the rate decoded audio is given at unless asked otherwise (what transformers' audio
 #: feature extractors of Gemma 4, Whisper, Qwen-Omni take)
@@ -257,23 +257,8 @@ def read_audio(path: str | os.PathLike[str], *, max_bytes: int = MAX_AUDIO_BYTES
                sample_rate: int = AUDIO_SAMPLE_RATE) -> np.ndarray:
     """An audio file's samples, as :func:`decode_audio` gives them: at most ``max_bytes``
     are read, from a regular file only (a FIFO or device is refused unread)."""
-    where = Path(path)
-    try:
-        if not stat.S_ISREG(where.stat().st_mode):
-            raise MediaError(f"{where}: not a regular file")
-        # opened without blocking and checked again: a FIFO swapped in since is refused
-        descriptor = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(descriptor, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise MediaError(f"{where}: not a regular file")
-            data = handle.read(max_bytes + 1)
-    except FileNotFoundError:
-        raise MediaError(f"{where}: no such audio file") from None
-    except OSError as exc:
-        raise MediaError(f"{where}: cannot be read ({exc.strerror or exc})") from None
-    if len(data) > max_bytes:
-        raise MediaError(f"{where}: larger than the limit of {max_bytes} bytes")
-    return decode_audio(data, what=str(where), max_bytes=max_bytes, max_seconds=max_seconds,
+    data = read_media_file(path, max_bytes, "audio")
+    return decode_audio(data, what=str(Path(path)), max_bytes=max_bytes, max_seconds=max_seconds,
                         sample_rate=sample_rate)
 
 

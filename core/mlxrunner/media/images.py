@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import os
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import MediaError
+from .files import read_media_file
 
 if TYPE_CHECKING:  # pragma: no cover
     from PIL import Image
@@ -126,24 +126,8 @@ def read_image(path: str | os.PathLike[str], *, max_bytes: int = MAX_IMAGE_BYTES
                max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
     """An image file's pixels, as :func:`decode_image` gives them: at most ``max_bytes`` are
     read, from a regular file only (a FIFO or device is refused unread)."""
-    where = Path(path)
-    try:
-        mode = where.stat().st_mode
-        if not stat.S_ISREG(mode):
-            raise MediaError(f"{where}: not a regular file")
-        # opened without blocking and checked again: a FIFO swapped in since is refused
-        descriptor = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(descriptor, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise MediaError(f"{where}: not a regular file")
-            data = handle.read(max_bytes + 1)
-    except FileNotFoundError:
-        raise MediaError(f"{where}: no such image file") from None
-    except OSError as exc:
-        raise MediaError(f"{where}: cannot be read ({exc.strerror or exc})") from None
-    if len(data) > max_bytes:
-        raise MediaError(f"{where}: larger than the limit of {max_bytes} bytes")
-    return decode_image(data, what=str(where), max_bytes=max_bytes, max_pixels=max_pixels)
+    data = read_media_file(path, max_bytes, "image")
+    return decode_image(data, what=str(Path(path)), max_bytes=max_bytes, max_pixels=max_pixels)
 
 
 def resize_image(rgb: np.ndarray, size: tuple[int, int], resample: str = "bicubic", *,
