@@ -15,7 +15,7 @@ import pytest
 
 import mlxrunner
 from mlxrunner.cli import chat_loop
-from mlxrunner_test_support import media_bundle, png_bytes
+from mlxrunner_test_support import media_bundle, png_bytes, wav_bytes
 
 pytest.importorskip("PIL", reason="Pillow (the vision extra) is not installed")
 pytest.importorskip("mlxrunner_example_architecture",
@@ -117,3 +117,22 @@ def test_a_path_is_attached_only_where_an_image_file_is(bundle, tmp_path: Path):
     assert messages[0]["content"] == [
         {"type": "image", "data": str((tmp_path / "x.JPG").resolve())},
         {"type": "text", "text": f"see and {tmp_path}/missing.png or 'notes.txt'"}]
+
+
+def test_an_audio_clip_by_command_reaches_the_model(bundle, tmp_path):
+    clip = tmp_path / "a.wav"
+    clip.write_bytes(wav_bytes(2))
+    out: list[str] = []
+    messages = chat_loop(bundle, GREEDY, max_tokens=6, write=out.append, conversations=tmp_path,
+                         read=lines_of(f"/audio {clip}", "what was that?"))
+    assert f"Added audio '{clip}'" in "".join(out)
+    assert messages[0]["content"][0] == {"type": "audio", "data": str(clip.resolve())}
+    content = [{"type": "audio"}, {"type": "text", "text": "what was that?"}]
+    prompt = bundle.renderer.render([{"role": "user", "content": content}], None,
+                                    add_generation_prompt=True)
+    ids = bundle.place_media(bundle.tokenizer.encode(prompt, add_special_tokens=False),
+                             [("audio", wav_bytes(2))])
+    stop = bundle.stop_token_ids()
+    result = mlxrunner.generate(bundle.model, ids, options=GREEDY, max_tokens=6, eos_ids=stop)
+    want = bundle.tokenizer.decode([t for t in result.tokens if t not in stop])
+    assert messages[1]["content"] == want

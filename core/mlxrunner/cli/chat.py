@@ -36,7 +36,7 @@ from ..decode.generation import generate
 from ..decode.options import OPTION_HELP, SamplerOptionError, SamplerOptions
 from ..errors import MediaError, MLXRunnerError
 from ..host import plugin_code
-from ..media import read_image
+from ..media import read_audio, read_image
 from .conversation import (
     SavedConversation,
     conversation_file,
@@ -60,6 +60,7 @@ COMMANDS = """Available commands:
   /load NAME      Load a saved conversation
   /image PATH     Show the model an image with the next message (a path to an image
                   file in a message does the same)
+  /audio PATH     Have the model hear an audio clip with the next message
   /clear          Forget the conversation (the system message stays)
   /bye            Exit
   /?, /help       Help for a command (/? set, /? show, /? shortcuts)
@@ -90,7 +91,8 @@ SHORTCUTS = """Available keyboard shortcuts:
 COMPLETIONS = [
     "/set parameter", "/set system", "/set think", "/set nothink", "/set verbose",
     "/set quiet", "/show info", "/show parameters", "/show system", "/show template",
-    "/show modelfile", "/save", "/load", "/image", "/clear", "/bye", "/help", "/? set", "/? show",
+    "/show modelfile", "/save", "/load", "/image", "/audio", "/clear", "/bye", "/help",
+    "/? set", "/? show",
     "/? shortcuts",
 ]
 
@@ -189,9 +191,10 @@ class ChatSession:
             [{"role": "system", "content": system}] if system else []
         self._explained = False
         self.prefix_cache = prefix_cache_for(bundle.model.make_cache, weights_bytes(bundle.model))
-        #: images for the next message (/image, or paths in it), and every image read, by path
-        self.pending: list[str] = []
-        self._pixels: dict[str, Any] = {}
+        #: media for the next message (/image, /audio, or image paths in it) as (modality,
+        #: path), and every file read, by path
+        self.pending: list[tuple[str, str]] = []
+        self._read: dict[str, Any] = {}
 
     # -- the conversation ------------------------------------------------------
     @property
@@ -212,23 +215,23 @@ class ChatSession:
         self.pending = []
         self.set_system(system or "")
 
-    def attach(self, path: str) -> bool:
-        """Read an image for the next message (the core's limits); False, said, where it
-        cannot be read."""
+    def attach(self, path: str, modality: str = "image") -> bool:
+        """Read an image or audio file for the next message (the core's limits); False,
+        said, where it cannot be read."""
         full = str(Path(path).expanduser().resolve())
         try:
-            self._image(full)
+            self._media(modality, full)
         except MediaError as exc:
             self.say(str(exc).splitlines()[0])
             return False
-        self.pending.append(full)
-        self.say(f"Added image '{path}'")
+        self.pending.append((modality, full))
+        self.say(f"Added {modality} '{path}'")
         return True
 
-    def _image(self, path: str) -> Any:
-        if path not in self._pixels:
-            self._pixels[path] = read_image(path)
-        return self._pixels[path]
+    def _media(self, modality: str, path: str) -> Any:
+        if path not in self._read:
+            self._read[path] = (read_image if modality == "image" else read_audio)(path)
+        return self._read[path]
 
     def send(self, text: str) -> None:
         """One turn: the message (with the images attached to it), the reply streamed,
@@ -237,9 +240,9 @@ class ChatSession:
         for path, found in image_paths(text):
             if self.attach(path):
                 text = re.sub(r"[ \t]{2,}", " ", text.replace(found, " ")).strip()
-        images, self.pending = self.pending, []
-        content: Any = text if not images else [
-            *({"type": "image", "data": path} for path in images),
+        attached, self.pending = self.pending, []
+        content: Any = text if not attached else [
+            *({"type": modality, "data": path} for modality, path in attached),
             {"type": "text", "text": text}]
         self.messages.append({"role": "user", "content": content})
         media = self._media_of(self.messages)
@@ -263,9 +266,9 @@ class ChatSession:
             self._statistics(reply.stats)
 
     def _media_of(self, messages: list[dict[str, Any]]) -> list[tuple[str, Any]]:
-        """The pixels of the conversation's images (their parts hold paths), in render
-        order."""
-        return [(modality, self._image(str(part["data"])))
+        """The conversation's images' pixels and clips' samples (their parts hold paths), in
+        render order."""
+        return [(modality, self._media(modality, str(part["data"])))
                 for modality, part in media_parts(messages)]
 
     def _statistics(self, stats: dict[str, Any]) -> None:
@@ -285,11 +288,11 @@ class ChatSession:
             topic = args[0] if args else ""
             self.say({"set": SET_HELP, "show": SHOW_HELP, "shortcuts": SHORTCUTS,
                       "shortcut": SHORTCUTS}.get(topic, COMMANDS))
-        elif name == "/image":
+        elif name in ("/image", "/audio"):
             if len(args) != 1:
-                self.say("Usage: /image PATH")
+                self.say(f"Usage: {name} PATH")
             else:
-                self.attach(args[0])
+                self.attach(args[0], name[1:])
         elif name == "/clear":
             self.clear()
             self.say("Cleared session context.")

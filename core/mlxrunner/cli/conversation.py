@@ -98,11 +98,12 @@ def load_conversation(path: Path) -> SavedConversation:
 
 
 def _content(content: Any) -> bool:
-    """A message's content as a chat saves it: text, or text and image parts (an image by
+    """A message's content as a chat saves it: text, or text, image and audio parts (each by
     its file's path, read again when the conversation goes on)."""
     if isinstance(content, str):
         return True
     return isinstance(content, list) and all(
         isinstance(p, dict) and ((p.get("type") == "text" and isinstance(p.get("text"), str))
-                                 or (p.get("type") == "image" and isinstance(p.get("data"), str)))
+                                 or (p.get("type") in ("image", "audio")
+                                     and isinstance(p.get("data"), str)))
         for p in content)
