@@ -1,6 +1,10 @@
 """Gemma 4's image and audio encoders for prompts that hold media
 (``Gemma4Model.load_encoders``).
 
+A checkpoint with ``use_bidirectional_attention: vision`` (31B-style) lets an image's soft
+tokens attend to each other both ways in its sliding layers (the model's
+``vision_blocks``): its image items are ``whole`` (never split between prefill chunks).
+
 The image encoder's ``prepare`` preprocesses an image as transformers' image processor does
 (:mod:`.image`) and gives the tokens it stands for in the prompt, as ``Gemma4Processor``
 expands one ``<|image|>``: ``<|image>``, one ``<|image|>`` per soft token (the slots that
@@ -58,6 +62,9 @@ class Gemma4ImageEncoder:
         self.processor = processor
         self.model_config = dict(model_config)
         self.placeholder = placeholder_ids(1, self.model_config)[1]
+        #: a bidirectional-vision checkpoint's image tokens attend to each other both ways
+        #: in its sliding layers: an image is prefilled in one chunk
+        self.whole = self.model_config.get("use_bidirectional_attention") == "vision"
 
     def prepare(self, media: np.ndarray) -> MediaItem:
         """``media``: ``[H, W, 3]`` uint8 RGB. Bad pixels are one MediaError line."""
@@ -75,23 +82,18 @@ class Gemma4ImageEncoder:
             return self.vision(pixels[None], positions[None])
 
         return MediaItem("image", tokens, tuple(range(1, soft_tokens + 1)),
-                         content_digest(rgb, self.processor), encode)
+                         content_digest(rgb, self.processor), encode, whole=self.whole)
 
 
 def load_image_encoder(folder: Path, model_config: Mapping[str, Any], dtype: mx.Dtype
                        ) -> Gemma4ImageEncoder | None:
     """The image encoder of a model folder, the tower's float weights in ``dtype``; None
     when it has no ``vision_config`` or no vision weights. ``model_config``: the config the
-    text model was built from (token ids, attention over image tokens). A checkpoint whose
-    images need bidirectional attention (``use_bidirectional_attention: vision``, 31B-style)
-    is refused with one MediaError line."""
+    text model was built from (token ids, attention over image tokens: with
+    ``use_bidirectional_attention: vision``, 31B-style, its images are prefilled whole)."""
     folder = Path(folder)
     if read_config(folder).get("vision_config") is None:
         return None
-    if model_config.get("use_bidirectional_attention") == "vision":
-        raise MediaError(f"{folder.name}: images need bidirectional attention over image "
-                         "tokens (use_bidirectional_attention: vision), which this version "
-                         "does not run")
     vision = load_vision(folder, dtype)
     if vision is None:
         return None

@@ -41,6 +41,8 @@ from mlxrunner.plugin import (
     topk_indices,
 )
 
+from .image import IMAGE_TOKEN_ID
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -85,6 +87,12 @@ class Gemma4Config:
     #: embeds as ``pad_token_id`` (media rows replace the image ones); empty for a text-only
     #: config (Gemma4ForCausalLM looks every id up)
     media_token_ids: tuple[int, ...]
+    #: ``use_bidirectional_attention: "vision"`` (31B-style): in a prompt chunk holding
+    #: media, the sliding layers let each run of image (or video) soft tokens attend to
+    #: each other both ways (transformers' ``create_masks_for_vision_model``)
+    bidirectional_vision: bool = False
+    #: the ids whose runs are those blocks (the processor's mm_token_type_ids 1 and 2)
+    vision_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -212,6 +220,10 @@ class Gemma4Config:
             moe_intermediate_size=int(c["moe_intermediate_size"]) if moe else 0,
             pad_token_id=pad,
             media_token_ids=tuple(sorted({t for t in media_ids if t is not None})),
+            bidirectional_vision=c.get("use_bidirectional_attention") == "vision",
+            vision_token_ids=tuple(sorted({
+                IMAGE_TOKEN_ID if media_ids[0] is None else media_ids[0],
+                *([] if media_ids[2] is None else [media_ids[2]])})),
             raw=dict(c),
         )
 
@@ -244,9 +256,12 @@ class Attention(nn.Module):
         self.rope = mnn.RoPE.from_config(d, {}, cfg.rope[layer_type])
 
     def __call__(self, x: mx.array, cache: KVCache | RingCache | None, offset: int | mx.array,
-                 shared: mnn.KV | None) -> tuple[mx.array, mnn.KV]:
+                 shared: mnn.KV | None, blocks: mx.array | None = None
+                 ) -> tuple[mx.array, mnn.KV]:
         """The attention output and the keys and values it attended over (``shared``: a
-        KV-sharing layer's, from the layer it shares them with)."""
+        KV-sharing layer's, from the layer it shares them with; ``blocks``: the chunk's
+        query/key pairs of one image that a sliding layer also lets attend, see
+        :func:`vision_blocks`)."""
         B, L, _ = x.shape
 
         def heads(y: mx.array) -> mx.array:  # -1: this rank's heads when sharded
@@ -261,12 +276,48 @@ class Attention(nn.Module):
             k = self.rope(self.k_norm(heads(k)).transpose(0, 2, 1, 3), offset)
             v = mnn.rms_norm(heads(v), self.eps).transpose(0, 2, 1, 3)
             shared = mnn.store(cache, k, v, self.window)
+            if blocks is not None and self.window is not None:
+                shared = shared._replace(mask=with_blocks(shared.mask, blocks,
+                                                          shared.keys.shape[2]))
         else:
             q = self.q_proj(x)
         assert shared is not None
         q = self.rope(self.q_norm(heads(q)).transpose(0, 2, 1, 3), offset)
         out = mnn.attend(q, *shared, scale=1.0)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), shared
+
+
+def vision_blocks(ids: mx.array, vision_ids: tuple[int, ...], window: int) -> mx.array:
+    """For a prompt chunk ``ids [B, L]``: ``[L, L]`` (``[B, 1, L, L]`` for B > 1) True where
+    query ``i`` and key ``j`` are tokens of one run of consecutive vision tokens and ``j >
+    i - window``: what transformers' ``blockwise_overlay`` adds to a sliding layer's causal
+    mask, ANDed with its ``sliding_window_overlay``. An item prefilled whole keeps each
+    image's run inside one chunk; a chunk resuming mid-image (a prefix-cache hit) holds its
+    tail, whose earlier tokens are cached keys that causality already admits."""
+    L = ids.shape[1]
+    is_vision = (ids[..., None] == mnn.constant(vision_ids, ids.dtype)).any(axis=-1)
+    starts = is_vision & ~mx.concatenate([mx.zeros_like(is_vision[:, :1]),
+                                          is_vision[:, :-1]], axis=1)
+    run = mx.where(is_vision, mx.cumsum(starts.astype(mx.int32), axis=1), -1)
+    same = (run[:, :, None] == run[:, None, :]) & is_vision[:, :, None]
+    rows = mnn.arange_constant(L)
+    same = same & (rows[None] > rows[:, None] - window)[None]
+    return same[0] if ids.shape[0] == 1 else same[:, None]
+
+
+def with_blocks(mask: mx.array | str | None, blocks: mx.array, keys: int) -> mx.array:
+    """A sliding layer's chunk mask over ``keys`` columns (the chunk's own keys are the
+    last ``L``) ORed with :func:`vision_blocks` on those columns."""
+    L = blocks.shape[-1]
+    if not isinstance(mask, mx.array):  # "causal" (bottom-right aligned) or None
+        rows = mnn.arange_constant(L)
+        cols = mnn.arange_constant(keys)
+        mask = cols[None] <= rows[:, None] + (keys - L) if mask is not None \
+            else mx.ones((L, keys), dtype=mx.bool_)
+    if keys > L:
+        blocks = mx.concatenate([mx.zeros((*blocks.shape[:-1], keys - L), dtype=mx.bool_),
+                                 blocks], axis=-1)
+    return mask | blocks
 
 
 class Router(nn.Module):
@@ -317,9 +368,9 @@ class DecoderLayer(nn.Module):
         self.layer_scalar = mx.ones((1,))
 
     def __call__(self, x: mx.array, cache: KVCache | RingCache | None, offset: int | mx.array,
-                 shared: mnn.KV | None, per_layer_input: mx.array | None
-                 ) -> tuple[mx.array, mnn.KV]:
-        attn, kv = self.self_attn(self.input_layernorm(x), cache, offset, shared)
+                 shared: mnn.KV | None, per_layer_input: mx.array | None,
+                 blocks: mx.array | None = None) -> tuple[mx.array, mnn.KV]:
+        attn, kv = self.self_attn(self.input_layernorm(x), cache, offset, shared, blocks)
         h = x + self.post_attention_layernorm(attn)
         ff = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:
@@ -489,8 +540,7 @@ class Gemma4Model(Model):
 
     def load_encoders(self, folder: Path) -> dict[str, Encoder]:
         """``{"image": ..., "audio": ...}``: an encoder for each tower the folder holds (in
-        this model's dtype); a checkpoint whose images need bidirectional attention is one
-        MediaError line."""
+        this model's dtype)."""
         from .encoder import load_audio_encoder, load_image_encoder
 
         encoders: dict[str, Encoder] = {}
@@ -582,10 +632,15 @@ class Gemma4Model(Model):
         # reads the embeddings with the media rows
         per_layer = self.model.per_layer_inputs(text_ids, h, a) \
             if a.hidden_size_per_layer_input else [None] * a.num_layers
+        # a prompt chunk holding media of a bidirectional-vision checkpoint: its images'
+        # tokens attend to each other both ways in the sliding layers
+        blocks = vision_blocks(ids, a.vision_token_ids, a.sliding_window) \
+            if a.bidirectional_vision and embeddings is not None and ids.shape[1] > 1 else None
         kv_of: dict[int, mnn.KV] = {}
         for i, layer in enumerate(self.layers):
             source = a.kv_source[i]
-            h, kv_of[source] = layer(h, cache[i], offset, kv_of.get(source), per_layer[i])
+            h, kv_of[source] = layer(h, cache[i], offset, kv_of.get(source), per_layer[i],
+                                     blocks)
             tapped.after(i, h)
         logits = self.raw_logits(self.model.norm(mnn.head_rows(h)))
         return tapped.result(mnn.softcap(logits, a.final_logit_softcapping))

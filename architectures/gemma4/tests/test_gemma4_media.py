@@ -169,15 +169,17 @@ def test_config_token_ids_default_to_gemma4s():
     assert encoder.placeholder == 258880
 
 
-def test_bidirectional_vision_attention_is_refused(tmp_path):
+def test_bidirectional_vision_attention_prefills_images_whole(tmp_path):
+    """The same folder saying ``use_bidirectional_attention: vision`` gives whole images
+    (test_gemma4_bidirectional.py checks such a checkpoint against transformers)."""
     folder = tmp_path / "bidirectional"
     shutil.copytree(FOLDER, folder)
     config = json.loads((folder / "config.json").read_text())
     config["text_config"]["use_bidirectional_attention"] = "vision"
     (folder / "config.json").write_text(json.dumps(config))
     model = mlxrunner.load_model(folder)
-    with pytest.raises(MediaError, match="bidirectional attention over image tokens"):
-        model.load_encoders(folder)
+    item = model.load_encoders(folder)["image"].prepare(read_image(IMAGES / "rgba.png"))
+    assert item.whole
 
 
 def test_speculative_decoding_of_an_image_prompt_equals_plain(model, reference):
