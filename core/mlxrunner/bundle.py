@@ -20,7 +20,7 @@ import numpy as np
 
 from .chat.formats import RenderContext, get_parser, get_renderer
 from .decode.options import SamplerOptions
-from .errors import MediaError, ModelfileError, ModelFolderError
+from .errors import MediaError, MLXRunnerError, ModelfileError, ModelFolderError
 from .host import manager as plugins
 from .media import Encoder, decode_audio, decode_image, place_media
 from .media.audio import AUDIO_SAMPLE_RATE
@@ -76,7 +76,7 @@ class Bundle:
             out += ["tools", "thinking"]
         try:
             encoders = self.encoders()
-        except MediaError:  # (a checkpoint whose media this version does not run)
+        except MLXRunnerError:  # (media this version does not run, or a broken tower)
             encoders = {}
         out += [name for kind, name in (("image", "vision"), ("audio", "audio"))
                 if kind in encoders]

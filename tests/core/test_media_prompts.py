@@ -228,3 +228,30 @@ def test_an_item_prefilled_whole_is_never_split_between_chunks(model, monkeypatc
     scheduler.submit(BatchRequest(prompt, GREEDY, 1))
     scheduler.run_until_idle()
     assert [call for call in seen if call[1] > 1] == [(0, 3), (3, 12), (15, 3), (18, 2)]
+
+
+def test_prefixes_ending_inside_an_item_are_stored_and_found(model):
+    """The batch stores every prefill chunk's end in the prefix cache: a chunk may end inside
+    an image. A prompt starting with an item builds; the shift's key keeps the first id."""
+    from mlxrunner.batch import BatchRequest, Scheduler
+    from mlxrunner.cache import prefix_cache_for
+
+    prompt = _prompt(model, _image(0), text=tuple(range(4, 20)))  # the image: tokens 2..9
+    cache = prefix_cache_for(model.make_cache)
+    want = mlxrunner.generate(model, prompt, max_tokens=4, options=GREEDY).tokens
+    runs = []
+    for _ in range(2):
+        scheduler = Scheduler(model, prefill_chunk=4)
+        request = scheduler.submit(BatchRequest(prompt, GREEDY, 4, prefix_cache=cache))
+        scheduler.run_until_idle()
+        runs.append(request.result())
+    assert [r.tokens for r in runs] == [want, want]
+    assert runs[1].stats.cached_tokens > 0
+    encoder = model.load_encoders(Path("."))["image"]
+    first = place_media([PLACEHOLDER, 3], [encoder.prepare(_image(1, 4, 4))],
+                        {"image": PLACEHOLDER})
+    assert first.placed[0][0] == 0 and list(first[:1]) == [BEGIN]
+    a = _positioned(encoder.prepare(_image(0, 8, 12)), 2, 3)
+    keys = [place_media([lead, PLACEHOLDER, 4], [a], {"image": PLACEHOLDER}).cache_key()
+            for lead in (1, 7)]
+    assert keys[0][1:] == keys[1][1:] and keys[0][0] != keys[1][0]

@@ -386,7 +386,8 @@ class DecoderLayer(nn.Module):
 
     @staticmethod
     def pipeline_passthrough(x: mx.array, cache: Any, offset: Any, shared: mnn.KV | None,
-                             per_layer_input: Any) -> tuple[mx.array, mnn.KV | None]:
+                             per_layer_input: Any, blocks: Any = None
+                             ) -> tuple[mx.array, mnn.KV | None]:
         """What stands for this layer on a pipeline stage that does not hold it."""
         return x, shared
 

@@ -36,7 +36,8 @@ from ..decode.generation import generate
 from ..decode.options import OPTION_HELP, SamplerOptionError, SamplerOptions
 from ..errors import MediaError, MLXRunnerError
 from ..host import plugin_code
-from ..media import read_audio, read_image
+from ..media import MAX_AUDIO_BYTES, read_image
+from ..media.files import read_media_file
 from .conversation import (
     SavedConversation,
     conversation_file,
@@ -229,27 +230,37 @@ class ChatSession:
         return True
 
     def _media(self, modality: str, path: str) -> Any:
-        if path not in self._read:
-            self._read[path] = (read_image if modality == "image" else read_audio)(path)
-        return self._read[path]
+        """An image's pixels, or an audio file's bytes (decoded at its encoder's rate by
+        :meth:`mlxrunner.Bundle.place_media`), read once per file."""
+        key = f"{modality}:{path}"
+        if key not in self._read:
+            self._read[key] = read_image(path) if modality == "image" else \
+                read_media_file(path, MAX_AUDIO_BYTES, "audio")
+        return self._read[key]
+
+    def _takes_images(self) -> bool:
+        try:
+            return "image" in self.bundle.encoders()
+        except MLXRunnerError:
+            return False
 
     def send(self, text: str) -> None:
         """One turn: the message (with the images attached to it), the reply streamed,
         both kept."""
         bundle = self.bundle
-        for path, found in image_paths(text):
+        for path, found in image_paths(text) if self._takes_images() else ():
             if self.attach(path):
-                text = re.sub(r"[ \t]{2,}", " ", text.replace(found, " ")).strip()
+                text = re.sub(r"[ \t]{2,}", " ", text.replace(found, " ", 1)).strip()
         attached, self.pending = self.pending, []
         content: Any = text if not attached else [
             *({"type": modality, "data": path} for modality, path in attached),
             {"type": "text", "text": text}]
         self.messages.append({"role": "user", "content": content})
-        media = self._media_of(self.messages)
         with plugin_code("renderers", bundle.renderer_name):
             prompt = bundle.renderer.render(self.messages, None, think=self.think,
                                             add_generation_prompt=True)
         try:
+            media = self._media_of(self.messages)  # (a loaded conversation's file may be gone)
             reply = stream_reply(bundle, prompt, self.options, self.max_tokens,
                                  bundle.stop_token_ids(), self.write, self.color,
                                  stops=self.stops, prefix_cache=self.prefix_cache, media=media)
@@ -439,8 +450,8 @@ class ChatSession:
 
 #: a path to an image file in a message, bare or quoted (as ``ollama run`` finds them)
 _IMAGE_PATH = re.compile(r"""(?:'([^']+\.(?:png|jpe?g|webp|gif|bmp))'|"([^"]+\.(?:png|jpe?g|webp"""
-                         r"""|gif|bmp))"|((?:~|\.{1,2}|/)?[^\s'"]*\.(?:png|jpe?g|webp|gif|bmp)))""",
-                         re.IGNORECASE)
+                         r"""|gif|bmp))"|((?:~|\.{1,2}|/)?[^\s'"]*\.(?:png|jpe?g|webp|gif|bmp))"""
+                         r"""(?!\w))""", re.IGNORECASE)
 
 
 def image_paths(text: str) -> list[tuple[str, str]]:

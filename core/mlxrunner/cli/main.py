@@ -297,11 +297,13 @@ def build_prompt(bundle: Any, prompt: str, *, raw: bool, system: str | None,
     """The prompt text the model sees and its token ids (with ``images`` and ``audio``,
     files read with the core's limits: the ids with them at their placeholders; they come
     before the text, images first, as ``ollama run`` sends images)."""
-    from ..media import read_audio, read_image
+    from ..media import MAX_AUDIO_BYTES, read_image
+    from ..media.files import read_media_file
 
     tok = bundle.tokenizer
+    # (a clip's bytes: place_media decodes them at its encoder's sample rate)
     media = [("image", read_image(path)) for path in images] + \
-        [("audio", read_audio(path)) for path in audio]
+        [("audio", read_media_file(path, MAX_AUDIO_BYTES, "audio")) for path in audio]
     if raw or bundle.renderer is None:
         return prompt, bundle.place_media(tok.encode(prompt, add_special_tokens=True), media)
     messages: list[dict[str, Any]] = []

@@ -214,8 +214,9 @@ def _soundfile() -> Any:
 
 def _soundfile_read(view: memoryview, kind: str, what: str, max_seconds: float
                     ) -> tuple[np.ndarray, int]:
-    """The samples ``[frames, channels]`` (float32) and rate of a clip libsndfile decodes,
-    read a block at a time and refused once past ``max_seconds``."""
+    """The samples ``[frames, 1]`` (float32, the channels averaged block by block) and rate
+    of a clip libsndfile decodes, read a block at a time and refused once past
+    ``max_seconds``."""
     soundfile = _soundfile()
     try:
         with soundfile.SoundFile(io.BytesIO(view)) as clip:
@@ -236,7 +237,9 @@ def _soundfile_read(view: memoryview, kind: str, what: str, max_seconds: float
                 total += len(block)
                 if total > limit:
                     raise MediaError(f"{what}: more than {max_seconds:g} s of audio, the limit")
-                blocks.append(block)
+                # mono as it comes: many channels would otherwise hold all of them at once
+                blocks.append(block if block.shape[1] == 1 else
+                              block.mean(axis=1, keepdims=True, dtype=np.float32))
     except MediaError:
         raise
     except MemoryError:

@@ -118,7 +118,7 @@ class MediaPrompt(tuple[int, ...]):
         self.placed = tuple(placed)
         self._rows = {}
         for start, item in self.placed:
-            if tuple(self[start:start + len(item.tokens)]) != item.tokens:
+            if tuple.__getitem__(self, slice(start, start + len(item.tokens))) != item.tokens:
                 raise ValueError("a media item's tokens are not at its place in the prompt")
         self._shift = sum(len(item.tokens) - item.length for _, item in self.placed)
         self._table = self._position_table()
@@ -235,9 +235,12 @@ class MediaPrompt(tuple[int, ...]):
         only where they hold the same media there)."""
         key = list(self)
         for position, i, _ in self.slot_rows():
-            key[position] = -1 - int(self.placed[i][1].digest[:15], 16)
-        if self.shift() and key:  # every position moved: shared with same-shift prompts only
-            key[0] = -(1 << 62) - self.shift()
+            if position < len(key):  # (a prefix may end inside an item)
+                key[position] = -1 - int(self.placed[i][1].digest[:15], 16)
+        if self.shift() and key:
+            # every position moved: shared with same-shift prompts only (the first id or
+            # digest kept in it)
+            key[0] = -(1 << 62) - hash((self.shift(), key[0])) % (1 << 60)
         return key
 
 

@@ -5,7 +5,8 @@ sends the others its prompt ids and sampler options (a seed drawn for a sampled 
 without one, so every rank draws the same tokens), and at each token every rank learns
 whether rank 0 ends there (a stop string, a client gone, the deadline). The other ranks
 loop in :func:`follow`, running the same generation on their part of the model, until rank
-0 closes. Structured output (a grammar) is refused: its constraint lives on rank 0.
+0 closes. Structured output (a grammar) is refused: its constraint lives on rank 0; so are
+images and audio (the other ranks would prefill the ids without them).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..bundle import Bundle
 from ..decode.generation import generate
 from ..decode.options import SamplerOptions
 from ..distributed.ranks import broadcast_text
+from ..media import MediaPrompt
 from .engine import Engine, Reply, RequestError, _Job
 
 #: what rank 0 sends when it closes
@@ -60,6 +62,8 @@ class LockstepEngine(Engine):
         generation = job.generation
         if generation.grammar is not None:
             raise RequestError("structured output is not served over several processes yet")
+        if isinstance(generation.ids, MediaPrompt):  # (the other ranks get the ids alone)
+            raise RequestError("images and audio are not served over several processes yet")
         options = generation.options
         if options.temperature > 0 and options.seed is None:
             options = replace(options, seed=random.randrange(2**31))

@@ -47,6 +47,7 @@ from ..decode.options import SamplerOptions
 from ..decode.sampler import Sampler
 from ..decode.speculative import SpeculativeStats, speculative_stream
 from ..host import manager as plugins
+from ..media import MediaPrompt
 from ..model.draft import DraftModel, DraftProposal, DraftSession, build_draft
 from ..model.interface import Model
 
@@ -71,11 +72,16 @@ GREEDY = SamplerOptions(temperature=0.0)
 # -- running both ways -------------------------------------------------------------------
 
 
+def _ids(prompt: Sequence[int]) -> Sequence[int]:
+    """The prompt as generation takes it (a MediaPrompt keeps its media)."""
+    return prompt if isinstance(prompt, MediaPrompt) else list(prompt)
+
+
 def plain_tokens(model: Model, prompt: Sequence[int], max_tokens: int, *,
                  options: SamplerOptions = GREEDY,
                  eos_ids: Iterable[int] = ()) -> list[int]:
     """Plain decoding's tokens (the product's own plain loop)."""
-    return generate(model, list(prompt), options=options, max_tokens=max_tokens,
+    return generate(model, _ids(prompt), options=options, max_tokens=max_tokens,
                     eos_ids=frozenset(eos_ids)).tokens
 
 
@@ -87,7 +93,7 @@ def speculative_tokens(model: Model, draft: DraftModel, prompt: Sequence[int],
     sampler = sampler if sampler is not None else Sampler(options, model.vocab_size)
     stats = SpeculativeStats()
     tokens: list[int] = []
-    for chunk in speculative_stream(model, draft, list(prompt), sampler=sampler,
+    for chunk in speculative_stream(model, draft, _ids(prompt), sampler=sampler,
                                     max_tokens=max_tokens, eos_ids=frozenset(eos_ids),
                                     depth=depth, stats=stats):
         tokens.extend(chunk)
