@@ -83,7 +83,8 @@ class Encoder(Protocol):
     an image as ``[H, W, 3]`` uint8 RGB pixels (:func:`mlxrunner.media.decode_image`), an
     audio clip as float32 mono samples (:func:`mlxrunner.media.decode_audio`) at the
     encoder's ``sample_rate`` attribute where it has one, else 16 kHz; returns its
-    :class:`MediaItem`
+    :class:`MediaItem`. ``prepare`` runs on a server's request threads beside the model's
+    own: keep it to NumPy (the MLX work belongs in ``encode``, which prefill calls)
     (preprocessing runs here; the tower runs in ``encode``). Bad media raises
     :class:`mlxrunner.errors.MediaError`."""
 

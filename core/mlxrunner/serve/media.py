@@ -17,11 +17,13 @@ from typing import Any
 
 from ..chat.formats import media_parts
 from ..errors import ConversationError
-from ..media import MAX_IMAGE_BYTES
+from ..media import MAX_AUDIO_BYTES, MAX_IMAGE_BYTES
 from .engine import RequestError
 
-#: the longest base64 text of one item (its bytes are checked again when decoded)
-MAX_BASE64_CHARS = (MAX_IMAGE_BYTES + 2) // 3 * 4
+#: the most bytes of one attachment (each is checked again against its own kind's limit)
+MAX_ATTACHMENT_BYTES = max(MAX_IMAGE_BYTES, MAX_AUDIO_BYTES)
+#: the longest base64 text of one item
+MAX_BASE64_CHARS = (MAX_ATTACHMENT_BYTES + 2) // 3 * 4
 
 
 def attached_media(messages: list[dict[str, Any]]) -> list[tuple[str, bytes]]:
@@ -71,7 +73,7 @@ def data_url(url: str, where: str) -> bytes:
 
 def from_base64(text: str, where: str) -> bytes:
     if len(text) > MAX_BASE64_CHARS:
-        raise RequestError(f"{where}: an attachment of over {MAX_IMAGE_BYTES >> 20} MiB",
+        raise RequestError(f"{where}: an attachment of over {MAX_ATTACHMENT_BYTES >> 20} MiB",
                            status=413, param="messages")
     try:
         return base64.b64decode(text, validate=True)
