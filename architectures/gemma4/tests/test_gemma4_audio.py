@@ -24,15 +24,23 @@ import shutil
 import wave
 from pathlib import Path
 
+import gemma4_media_checks as checks
 import mlx.core as mx
 import numpy as np
 import pytest
+from gemma4_media_checks import (
+    GREEDY,
+    generation_logprobs,
+    log_softmax,
+    max_err,
+    read_reference,
+)
 from mlxrunner_gemma4.audio import Gemma4Audio, load_audio
 from mlxrunner_gemma4.audio_features import FeatureConfig, audio_features, log_mel_features
 
 import mlxrunner
-from mlxrunner import MediaPrompt, SamplerOptions, place_media
-from mlxrunner.plugin import MediaError, Model, ModelFolderError, read_audio, read_image
+from mlxrunner import MediaPrompt
+from mlxrunner.plugin import MediaError, Model, ModelFolderError, read_audio
 from mlxrunner.testing import prefill, prefix_cache_for
 
 mx.set_default_device(mx.cpu)
@@ -40,7 +48,6 @@ mx.set_default_device(mx.cpu)
 HERE = Path(__file__).resolve().parent
 FOLDER = HERE / "audio_fixtures" / "tiny_audio"
 CLIPS = HERE / "audio_fixtures" / "clips"
-IMAGES = HERE.parents[1] / "qwen3_5" / "tests" / "vision_fixtures" / "images"
 CLIP_NAMES = ("chord", "chirp")
 CASES = ("one_clip", "two_clips", "image_and_clip")
 #: make_audio_fixtures.py's VARIANTS: what transformers reads back of them (the frame and
@@ -48,13 +55,11 @@ CASES = ("one_clip", "two_clips", "image_and_clip")
 VARIANT_MS = {"htk_preemphasis": {}, "plain_preemphasis": {"frame_length_ms": 25.0,
                                                            "hop_length_ms": 12.5}}
 AUDIO, IMAGE, BOA, EOA = 121, 120, 125, 126
-GREEDY = SamplerOptions(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, np.ndarray]:
-    with np.load(FOLDER / "reference.npz", allow_pickle=False) as data:
-        return dict(data)
+    return read_reference(FOLDER)
 
 
 @pytest.fixture(scope="module")
@@ -68,22 +73,9 @@ def clip(name: str) -> np.ndarray:
 
 def media_prompt(model: Model, reference: dict[str, np.ndarray], case: str) -> MediaPrompt:
     """The case's prompt as a chat template writes it, its clips and images placed."""
-    encoders = model.load_encoders(FOLDER)
-    clips = iter(reference[f"{case}_clips"])
-    images = iter(reference[f"{case}_images"])
-    items = []
-    for token in reference[f"{case}_text"].tolist():
-        if token == AUDIO:
-            items.append(encoders["audio"].prepare(clip(str(next(clips)))))
-        elif token == IMAGE:
-            items.append(encoders["image"].prepare(read_image(IMAGES / str(next(images)))))
-    return place_media(reference[f"{case}_text"].tolist(), items,
-                       {kind: encoder.placeholder for kind, encoder in encoders.items()})
+    return checks.media_prompt(model, FOLDER, reference, case, clip)
 
 
-def max_err(got: mx.array | np.ndarray, want: np.ndarray) -> float:
-    values = np.array(got.astype(mx.float32)) if isinstance(got, mx.array) else got
-    return float(np.abs(values.reshape(want.shape) - want).max())
 
 
 def test_the_fixture_is_small_e2b_shaped_with_both_towers():
@@ -257,20 +249,8 @@ def test_the_shortest_and_longest_clips():
         audio_features(np.zeros(480_000, np.float32), FeatureConfig(audio_seq_length=700))
 
 
-def generation_logprobs(model: Model, prompt: MediaPrompt) -> np.ndarray:
-    """The first step's log-probabilities over the vocabulary as ``mlxrunner.generate``
-    reports them: the last row of the core's prefill of ``prompt``, log-softmaxed."""
-    options = SamplerOptions(temperature=0.0, logprobs=True, top_logprobs=model.vocab_size)
-    result = mlxrunner.generate(model, prompt, max_tokens=1, options=options)
-    out = np.full(model.vocab_size, -np.inf)
-    for token, value in result.logprobs[0]["top_logprobs"]:
-        out[token] = value
-    return out
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -20,12 +20,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gemma4_media_checks as checks
 import mlx.core as mx
 import numpy as np
 import pytest
+from gemma4_media_checks import (
+    GREEDY,
+    IMAGES,
+    TOLERANCE,
+    log_softmax,
+    max_err,
+    read_reference,
+)
 
 import mlxrunner
-from mlxrunner import MediaPrompt, SamplerOptions, place_media
+from mlxrunner import MediaPrompt, SamplerOptions
 from mlxrunner.plugin import Model, read_image
 from mlxrunner.testing import prefill, prefix_cache_for
 
@@ -33,16 +42,12 @@ mx.set_default_device(mx.cpu)
 
 HERE = Path(__file__).resolve().parent
 FOLDER = HERE / "vision_fixtures" / "tiny_bidirectional"
-IMAGES = HERE.parents[1] / "qwen3_5" / "tests" / "vision_fixtures" / "images"
 CASES = ("one_image", "two_images")
-TOLERANCE = 1e-4
-GREEDY = SamplerOptions(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, np.ndarray]:
-    with np.load(FOLDER / "reference.npz", allow_pickle=False) as data:
-        return dict(data)
+    return read_reference(FOLDER)
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +57,11 @@ def model() -> Model:
 
 def media_prompt(model: Model, reference: dict[str, np.ndarray], case: str) -> MediaPrompt:
     """The case's prompt as a chat template writes it, its images placed."""
-    encoder = model.load_encoders(FOLDER)["image"]
-    items = [encoder.prepare(read_image(IMAGES / str(name)))
-             for name in reference[f"{case}_images"]]
-    return place_media(reference[f"{case}_text"].tolist(), items,
-                       {"image": encoder.placeholder})
+    return checks.media_prompt(model, FOLDER, reference, case)
 
 
-def max_err(logits: mx.array, want: np.ndarray) -> float:
-    return float(np.abs(np.array(logits.astype(mx.float32)).reshape(-1) - want).max())
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
 
 
 def test_the_fixture_is_small_31b_shaped_and_bidirectional(reference):

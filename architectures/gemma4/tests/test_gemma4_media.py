@@ -23,12 +23,22 @@ import json
 import shutil
 from pathlib import Path
 
+import gemma4_media_checks as checks
 import mlx.core as mx
 import numpy as np
 import pytest
+from gemma4_media_checks import (
+    GREEDY,
+    IMAGES,
+    TOLERANCE,
+    generation_logprobs,
+    log_softmax,
+    max_err,
+    read_reference,
+)
 
 import mlxrunner
-from mlxrunner import MediaPrompt, SamplerOptions, place_media
+from mlxrunner import MediaPrompt, SamplerOptions
 from mlxrunner.plugin import MediaError, Model, read_image
 from mlxrunner.testing import prefill, prefix_cache_for
 
@@ -36,16 +46,12 @@ mx.set_default_device(mx.cpu)
 
 HERE = Path(__file__).resolve().parent
 FOLDER = HERE / "vision_fixtures" / "tiny_media"
-IMAGES = HERE.parents[1] / "qwen3_5" / "tests" / "vision_fixtures" / "images"
 CASES = ("one_image", "two_images")
-TOLERANCE = 1e-4
-GREEDY = SamplerOptions(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, np.ndarray]:
-    with np.load(FOLDER / "reference.npz", allow_pickle=False) as data:
-        return dict(data)
+    return read_reference(FOLDER)
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +61,9 @@ def model() -> Model:
 
 def media_prompt(model: Model, reference: dict[str, np.ndarray], case: str) -> MediaPrompt:
     """The case's prompt as a chat template writes it, its images placed."""
-    encoder = model.load_encoders(FOLDER)["image"]
-    items = [encoder.prepare(read_image(IMAGES / str(name)))
-             for name in reference[f"{case}_images"]]
-    return place_media(reference[f"{case}_text"].tolist(), items,
-                       {"image": encoder.placeholder})
+    return checks.media_prompt(model, FOLDER, reference, case)
 
 
-def max_err(logits: mx.array, want: np.ndarray) -> float:
-    return float(np.abs(np.array(logits.astype(mx.float32)).reshape(-1) - want).max())
 
 
 def test_the_fixture_is_small_e2b_shaped_and_has_a_vision_tower():
@@ -90,20 +90,8 @@ def test_the_encoder_expands_an_image_as_the_processor_does(model, reference):
         encoder.prepare(rgba.astype(np.float32))
 
 
-def generation_logprobs(model: Model, prompt: MediaPrompt) -> np.ndarray:
-    """The first step's log-probabilities over the whole vocabulary as ``mlxrunner.generate``
-    reports them: the last row of the core's prefill of ``prompt``, log-softmaxed."""
-    options = SamplerOptions(temperature=0.0, logprobs=True, top_logprobs=model.vocab_size)
-    result = mlxrunner.generate(model, prompt, max_tokens=1, options=options)
-    out = np.full(model.vocab_size, -np.inf)
-    for token, value in result.logprobs[0]["top_logprobs"]:
-        out[token] = value
-    return out
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
 
 
 def chunked_last_logits(model: Model, prompt: MediaPrompt, chunk: int) -> mx.array:
