@@ -338,3 +338,10 @@ def test_bad_flac_ogg_and_mp3_are_one_media_error_line():
 
 def test_the_default_rate_is_16_khz():
     assert AUDIO_SAMPLE_RATE == 16_000
+
+
+def test_an_unusual_sample_rate_is_refused_not_resampled_at_any_cost():
+    tone = np.sin(np.arange(1000) * 0.1).astype(np.float32)
+    assert len(resample_audio(tone, 44100, 16000)) == -(-1000 * 160 // 441)
+    with pytest.raises(MediaError, match="191999 Hz: an unusual sample rate"):
+        resample_audio(tone, 191999, 16000)

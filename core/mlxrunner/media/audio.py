@@ -271,6 +271,11 @@ _ROLLOFF = 0.9
 _KAISER_BETA = 8.6
 
 
+#: the largest reduced ratio's denominator resampling takes (every common rate's is far
+#: below it: 44.1 kHz to 16 kHz is 160 / 441; a rate sharing no factor with 16 kHz is not)
+MAX_RESAMPLE_DOWN = 50_000
+
+
 def resample_audio(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     """``samples`` (1-D) at ``to_rate``: ``ceil(len * to_rate / from_rate)`` samples by
     band-limited interpolation. Output sample ``n`` sits at input time ``t = n * from_rate /
@@ -287,6 +292,9 @@ def resample_audio(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndar
         return x.copy()
     common = math.gcd(int(from_rate), int(to_rate))
     up, down = int(to_rate) // common, int(from_rate) // common
+    if down > MAX_RESAMPLE_DOWN:  # the filter table grows with it (~36 entries per step)
+        raise MediaError(f"audio at {from_rate} Hz: an unusual sample rate, not resampled "
+                         f"to {to_rate} Hz")
     cutoff = _ROLLOFF * min(1.0, up / down)  # in cycles per input sample, times 2
     half = int(math.ceil(_ZERO_CROSSINGS / cutoff))  # taps each side of t
     taps = np.arange(-half + 1, half + 1)
