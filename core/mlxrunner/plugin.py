@@ -76,6 +76,7 @@ _EXPORTS: dict[str, str] = {
     "read_image": "media",
     "resize_image": "media",
     "rescale_normalize": "media",
+    "pixel_settings": "media",
     "PILLOW_FILTERS": "media",
     "Encoder": "media",
     "MediaItem": "media",

@@ -50,9 +50,9 @@ from typing import Any
 import numpy as np
 
 from mlxrunner.plugin import (
-    PILLOW_FILTERS,
     MediaError,
     ModelFolderError,
+    pixel_settings,
     rescale_normalize,
     resize_image,
 )
@@ -134,16 +134,6 @@ class ImageProcessorConfig:
                                        f"{value!r:.40}")
             return value
 
-        def per_channel(key: str) -> tuple[float, float, float]:
-            value = get(key)
-            if value is None and not do_normalize:  # unused
-                value = GEMMA4_DEFAULTS[key]
-            values = value if isinstance(value, (list, tuple)) else [value] * 3
-            if len(values) != 3 or not all(_finite(v) for v in values):
-                raise ModelFolderError(f"{where}: {key} must be a number or 3 numbers, got "
-                                       f"{value!r:.60}")
-            return (float(values[0]), float(values[1]), float(values[2]))
-
         soft = get("max_soft_tokens")
         if isinstance(soft, bool) or not isinstance(soft, int) or \
                 soft not in SUPPORTED_SOFT_TOKENS:
@@ -151,26 +141,20 @@ class ImageProcessorConfig:
                                    f"{', '.join(map(str, SUPPORTED_SOFT_TOKENS))} (as "
                                    f"transformers accepts), got {soft!r:.40}")
         do_rescale, do_normalize = flag("do_rescale"), flag("do_normalize")
+        # null as transformers reads it: resize's bilinear, and unused values' defaults
         resample = get("resample")
-        resample = 2 if resample is None else resample  # transformers' resize: bilinear
-        if isinstance(resample, bool) or not isinstance(resample, int) or \
-                resample not in PILLOW_FILTERS:
-            raise ModelFolderError(f"{where}: resample must be one of "
-                                   f"{sorted(PILLOW_FILTERS)} (Pillow's filters), got "
-                                   f"{resample!r:.40}")
-        rescale = get("rescale_factor")
-        rescale = GEMMA4_DEFAULTS["rescale_factor"] if rescale is None and not do_rescale \
-            else rescale  # unused
-        if not _finite(rescale) or rescale <= 0:
-            raise ModelFolderError(f"{where}: rescale_factor must be a positive number, got "
-                                   f"{rescale!r:.40}")
-        std = per_channel("image_std")
-        if not all(s != 0 for s in std):
-            raise ModelFolderError(f"{where}: image_std must not be 0")
+        rescale, mean, std = get("rescale_factor"), get("image_mean"), get("image_std")
+        if rescale is None and not do_rescale:
+            rescale = GEMMA4_DEFAULTS["rescale_factor"]
+        if not do_normalize:
+            mean = GEMMA4_DEFAULTS["image_mean"] if mean is None else mean
+            std = GEMMA4_DEFAULTS["image_std"] if std is None else std
+        filter_name, rescale, mean, std = pixel_settings(
+            2 if resample is None else resample, rescale, mean, std, where)
         cfg = cls(patch_size=integer("patch_size", 1024), max_soft_tokens=soft,
                   pooling_kernel_size=integer("pooling_kernel_size", 64),
-                  image_mean=per_channel("image_mean"), image_std=std,
-                  rescale_factor=float(rescale), resample=PILLOW_FILTERS[resample],
+                  image_mean=mean, image_std=std,
+                  rescale_factor=rescale, resample=filter_name,
                   do_resize=flag("do_resize"), do_rescale=do_rescale,
                   do_normalize=do_normalize)
         budget = cfg.max_patches * cfg.patch_size ** 2
@@ -179,11 +163,6 @@ class ImageProcessorConfig:
                                    f"patch_size)^2 is {budget} pixels, more than the limit "
                                    f"of {MAX_BUDGET_PIXELS}")
         return cfg
-
-
-def _finite(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
 
 
 def _config(processor_config: Mapping[str, Any] | ImageProcessorConfig | None

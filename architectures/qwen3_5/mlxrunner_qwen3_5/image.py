@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 
 from mlxrunner.plugin import (
-    PILLOW_FILTERS,
     MediaError,
     ModelFolderError,
+    pixel_settings,
     rescale_normalize,
     resize_image,
 )
@@ -120,14 +120,6 @@ class ImageProcessorConfig:
                                        f"{value!r:.40}")
             return value
 
-        def per_channel(key: str) -> tuple[float, float, float]:
-            value = get(key)
-            values = value if isinstance(value, (list, tuple)) else [value] * 3
-            if len(values) != 3 or not all(_finite(v) for v in values):
-                raise ModelFolderError(f"{where}: {key} must be a number or 3 numbers, got "
-                                       f"{value!r:.60}")
-            return (float(values[0]), float(values[1]), float(values[2]))
-
         size = config.get("size")
         size = dict(CLASS_DEFAULTS["size"]) if size is None else size
         if not isinstance(size, Mapping):
@@ -142,34 +134,17 @@ class ImageProcessorConfig:
             if value is None:
                 raise ModelFolderError(f"{where}: size must give shortest_edge and "
                                        f"longest_edge (the least and most pixels), lacks {key}")
-        resample = get("resample")
-        if isinstance(resample, bool) or not isinstance(resample, int) or \
-                resample not in PILLOW_FILTERS:
-            raise ModelFolderError(f"{where}: resample must be one of "
-                                   f"{sorted(PILLOW_FILTERS)} (Pillow's filters), got "
-                                   f"{resample!r:.40}")
-        rescale = get("rescale_factor")
-        if not _finite(rescale) or rescale <= 0:
-            raise ModelFolderError(f"{where}: rescale_factor must be a positive number, got "
-                                   f"{rescale!r:.40}")
-        std = per_channel("image_std")
-        if not all(s != 0 for s in std):
-            raise ModelFolderError(f"{where}: image_std must not be 0")
+        resample, rescale, mean, std = pixel_settings(
+            get("resample"), get("rescale_factor"), get("image_mean"), get("image_std"), where)
         return cls(
             patch_size=integer("patch_size", get("patch_size"), 1024),
             temporal_patch_size=integer("temporal_patch_size", get("temporal_patch_size"), 64),
             merge_size=integer("merge_size", get("merge_size"), 64),
             min_pixels=integer("size.shortest_edge", edges["shortest_edge"], _MAX_PIXELS_BOUND),
             max_pixels=integer("size.longest_edge", edges["longest_edge"], _MAX_PIXELS_BOUND),
-            image_mean=per_channel("image_mean"), image_std=std,
-            rescale_factor=float(rescale), resample=PILLOW_FILTERS[resample],
+            image_mean=mean, image_std=std, rescale_factor=rescale, resample=resample,
             do_resize=flag("do_resize"), do_rescale=flag("do_rescale"),
             do_normalize=flag("do_normalize"))
-
-
-def _finite(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int,

@@ -19,6 +19,7 @@ from .images import (
     PILLOW_FILTERS,
     RESAMPLE,
     decode_image,
+    pixel_settings,
     read_image,
     rescale_normalize,
     resize_image,
@@ -37,5 +38,6 @@ from .prompt import (
 __all__ = ["AUDIO_FORMATS", "AUDIO_SAMPLE_RATE", "IMAGE_FORMATS", "MAX_AUDIO_BYTES",
            "MAX_AUDIO_SECONDS", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "MODALITIES",
            "PILLOW_FILTERS", "RESAMPLE", "Encoder", "MediaItem", "MediaPrompt", "cache_key",
-           "content_digest", "decode_audio", "decode_image", "history_key", "place_media",
-           "read_audio", "read_image", "resample_audio", "rescale_normalize", "resize_image"]
+           "content_digest", "decode_audio", "decode_image", "history_key", "pixel_settings",
+           "place_media", "read_audio", "read_image", "resample_audio", "rescale_normalize",
+           "resize_image"]

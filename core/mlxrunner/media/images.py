@@ -23,14 +23,15 @@ Every failure is one :class:`~mlxrunner.errors.MediaError` line.
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import MediaError
+from ..errors import MediaError, ModelFolderError
 from .files import read_media_file
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -155,6 +156,42 @@ def resize_image(rgb: np.ndarray, size: tuple[int, int], resample: str = "bicubi
     image = Image.fromarray(np.ascontiguousarray(rgb))
     resized = image.resize((width, height), resample=Image.Resampling[resample.upper()])
     return np.array(resized, dtype=np.uint8)
+
+
+Channels = tuple[float, float, float]
+
+
+def pixel_settings(resample: Any, rescale_factor: Any, image_mean: Any, image_std: Any,
+                   where: str) -> tuple[str, float, Channels, Channels]:
+    """An image processor config's ``resample`` (Pillow's filter number), ``rescale_factor``
+    and ``image_mean`` / ``image_std`` (a number or one per channel) as :func:`resize_image`
+    and :func:`rescale_normalize` take them. A bad value is one ModelFolderError line
+    naming the key in ``where``."""
+    if isinstance(resample, bool) or not isinstance(resample, int) or \
+            resample not in PILLOW_FILTERS:
+        raise ModelFolderError(f"{where}: resample must be one of {sorted(PILLOW_FILTERS)} "
+                               f"(Pillow's filters), got {resample!r:.40}")
+    if not _finite(rescale_factor) or rescale_factor <= 0:
+        raise ModelFolderError(f"{where}: rescale_factor must be a positive number, got "
+                               f"{rescale_factor!r:.40}")
+
+    def per_channel(key: str, value: Any) -> Channels:
+        values = value if isinstance(value, (list, tuple)) else [value] * 3
+        if len(values) != 3 or not all(_finite(v) for v in values):
+            raise ModelFolderError(f"{where}: {key} must be a number or 3 numbers, got "
+                                   f"{value!r:.60}")
+        return (float(values[0]), float(values[1]), float(values[2]))
+
+    std = per_channel("image_std", image_std)
+    if not all(s != 0 for s in std):
+        raise ModelFolderError(f"{where}: image_std must not be 0")
+    return (PILLOW_FILTERS[resample], float(rescale_factor),
+            per_channel("image_mean", image_mean), std)
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and \
+        math.isfinite(value)
 
 
 def rescale_normalize(image: np.ndarray, rescale_factor: float | None,
