@@ -166,13 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_eager:
         results["mlxrunner_eager_steps"] = best["mlxrunner (eager)"]
     if reference is not None:
-        ratio = harness.record_reference(results, best["mlx-lm"], reference_version)
-        if "ratio_median" in results:
-            med = results["ratio_median"]
-            print(f"  median of per-repeat ratios: prefill {med['prefill']:.2f}x   "
-                  f"decode {med['decode']:.2f}x", flush=True)
-        print(f"  ratio (mlxrunner / mlx-lm) prefill {ratio['prefill']:6.2f}x   "
-              f"decode {ratio['decode']:6.2f}x", flush=True)
+        harness.record_reference(results, best, reference_version,
+                                 rows=("mlxrunner", *switched))
     harness.write_json(args.json, results)
     return 0
 

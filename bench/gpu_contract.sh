@@ -2,11 +2,12 @@
 # Issue 36's GPU figures in one call of at most 10 minutes, after `bash .mlx-cuda-a/stage.sh`
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
-#   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [startup] [pair] [soak] [vision]
+#   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [pair]
+#     [soak] [vision]    (SWITCHED=NAME=VALUE: a second row of ours under that setting)
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
-# Llama against mlx-lm (bench/llama.py); startup: bench/startup.py (a fresh kernel cache, then
+# Llama against mlx-lm (bench/llama.py); gemma4, qwen3_5: those benches; startup: bench/startup.py (a fresh kernel cache, then
 # 3 warm processes); pair: the demo pair's streams with drafts in the batch against without
 # (bench/batch.py --pair, 1/4/16/32 streams); soak: serve under 2,000 requests in bursts of
 # 1-32, drafts on and off (bench/serve_soak.py --bursts; needs the server's wheels in .whl:
@@ -32,9 +33,10 @@ for part in "${@:-tests qwen3 llama startup}"; do
           tests/core/test_attention.py tests/core/test_kernels.py tests/core/test_nn_deltanet.py \
           tests/core/test_topk.py tests/core/test_compiled_step.py \
           tests/core/test_attention_styles.py tests/core/test_fused_products.py 2>&1 | tee "$out/cuda-tests.txt" | tail -4 ;;
-      qwen3|llama)
+      qwen3|llama|gemma4|qwen3_5)
         (cd bench && timeout "${BENCH_TIMEOUT:-240}" python3 "$one.py" --repeats "${REPEATS:-5}" \
-          --json "$out/$one-gpu.json") 2>&1 | tee "$out/$one-gpu.txt" | tail -14 ;;
+          ${SWITCHED:+--switched "$SWITCHED"} --json "$out/$one-gpu.json") 2>&1 \
+          | tee "$out/$one-gpu.txt" | tail -16 ;;
       vision)
         (cd bench && timeout "${VISION_TIMEOUT:-300}" python3 vision_ttft.py \
           --repeats "${REPEATS:-5}" --json "$out/vision-gpu.json") 2>&1 \

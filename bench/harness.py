@@ -382,33 +382,74 @@ def load_reference(build: Callable[[], Any], skip: bool) -> tuple[Any, str | Non
         return None, None
 
 
+#: the largest |logit difference| between the two models in float32 (the bench's weights
+#: cast up) under which a bench reports their speed ratio: above it they are not shown to
+#: compute the same function
+PARITY_TOLERANCE = 1e-3
+
+
+def _float32_logits(row: Any, ids: mx.array) -> mx.array:
+    """``row``'s logits for ``ids`` with its floating parameters cast to float32 for the
+    call (the bench's own arrays are put back after, so sharing between rows holds)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    module = row.model if isinstance(row, Ours) else row
+    saved = tree_flatten(module.parameters())
+    module.update(tree_unflatten([
+        (key, value.astype(mx.float32) if mx.issubdtype(value.dtype, mx.floating) else value)
+        for key, value in saved]))
+    try:
+        logits = row(ids).astype(mx.float32)
+        mx.eval(logits)
+    finally:
+        module.update(tree_unflatten(saved))
+    return logits
+
+
 def record_parity(ours: Any, reference: Any, prompt: mx.array, results: dict[str, Any]) -> None:
-    """Largest logit difference between the two models over the prompt's first 16 tokens."""
+    """Largest logit difference between the two models over the prompt's first 16 tokens,
+    in the bench's dtype and in float32 (``parity_float32``: what
+    :func:`record_reference` holds against ``PARITY_TOLERANCE``)."""
     short = prompt[None, :16]
     diff = mx.abs(ours(short).astype(mx.float32) - reference(short).astype(mx.float32))
     results["parity_max_abs_logit_diff_16_tokens"] = diff.max().item()
+    f32 = mx.abs(_float32_logits(ours, short) - _float32_logits(reference, short))
+    results["parity_float32"] = f32.max().item()
     print(f"  parity: max |logit difference| over 16 tokens "
-          f"{results['parity_max_abs_logit_diff_16_tokens']:.4g}", flush=True)
+          f"{results['parity_max_abs_logit_diff_16_tokens']:.4g} "
+          f"(float32: {results['parity_float32']:.3g}, tolerance {PARITY_TOLERANCE:g})",
+          flush=True)
 
 
-def record_reference(results: dict[str, Any], best: dict[str, float],
-                     version: str | None) -> dict[str, float]:
-    """mlx-lm's rates (with its version) into ``results``, and the mlxrunner / mlx-lm rate
-    ratios, which are returned."""
-    results["mlx_lm"] = dict(best, version=version)
-    results["ratio"] = {
-        key: results["mlxrunner"][f"{key}_tok_s"] / results["mlx_lm"][f"{key}_tok_s"]
-        for key in ("prefill", "decode")}
-    # the median of the per-repeat ratios (rows take turns, so repeat i of each row ran
-    # under the same load): what CPU comparisons go by
-    ours, theirs = results["mlxrunner"], results["mlx_lm"]
-    if ours.get("decode_runs") and theirs.get("decode_runs"):
-        import statistics
-
-        results["ratio_median"] = {
-            key: statistics.median(a / b for a, b in zip(ours[f"{key}_runs"],
-                                                         theirs[f"{key}_runs"]))
-            for key in ("prefill", "decode")}
+def record_reference(results: dict[str, Any], best: dict[str, Any], version: str | None,
+                     rows: tuple[str, ...] = ("mlxrunner",)) -> dict[str, float] | None:
+    """mlx-lm's rates (with its version) into ``results``; for each row in ``rows`` its
+    per-repeat rate ratios to mlx-lm (the rows took turns, so repeat i of each ran under
+    the same load), printed as median and range, ``mlxrunner``'s in ``ratio`` (medians)
+    and ``ratio_spread``, the others' in ``ratios[row]``. Returns ``ratio``, or None, with
+    no ratio recorded, when the two models' float32 logits differ by more than
+    ``PARITY_TOLERANCE`` (or parity was not measured)."""
+    results["mlx_lm"] = dict(best["mlx-lm"], version=version)
+    parity = results.get("parity_float32")
+    if parity is None or not parity <= PARITY_TOLERANCE:
+        results["ratio_withheld"] = (
+            "parity not measured" if parity is None else
+            f"float32 logits differ by {parity:.3g} > {PARITY_TOLERANCE:g}")
+        print(f"  ratios withheld: {results['ratio_withheld']}", flush=True)
+        return None
+    spreads: dict[str, dict[str, dict[str, float]]] = {}
+    for row in rows:
+        spreads[row] = {key: ratio_spread(best[row][f"{key}_runs"],
+                                          best["mlx-lm"][f"{key}_runs"])
+                        for key in ("prefill", "decode")}
+        for key, s in spreads[row].items():
+            print(f"  {key:7s} {row} / mlx-lm: median {s['median']:.2f}x "
+                  f"(range {s['min']:.2f}-{s['max']:.2f}, {s['n']} repeats)", flush=True)
+    ours = spreads[rows[0]]
+    results["ratio"] = {key: s["median"] for key, s in ours.items()}
+    results["ratio_spread"] = ours
+    results["ratios"] = {row: {key: s["median"] for key, s in spread.items()}
+                         for row, spread in spreads.items() if row != rows[0]}
     return results["ratio"]
 
 

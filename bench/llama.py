@@ -109,19 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     results["mlxrunner"] = best["mlxrunner"]
     results["rows"] = best
     if reference is not None:
-        ratio = harness.record_reference(results, best["mlx-lm"], reference_version)
-        if "ratio_median" in results:
-            med = results["ratio_median"]
-            print(f"  median of per-repeat ratios: prefill {med['prefill']:.2f}x   "
-                  f"decode {med['decode']:.2f}x", flush=True)
-        print(f"  ratio (mlxrunner / mlx-lm) prefill {ratio['prefill']:6.2f}x   "
-              f"decode {ratio['decode']:6.2f}x", flush=True)
-        if "plain mlx.nn" in best:
-            plain = {key: best["plain mlx.nn"][f"{key}_tok_s"] / best["mlx-lm"][f"{key}_tok_s"]
-                     for key in ("prefill", "decode")}
-            results["ratio_plain"] = plain
-            print(f"  ratio (plain mlx.nn / mlx-lm) prefill {plain['prefill']:6.2f}x   "
-                  f"decode {plain['decode']:6.2f}x", flush=True)
+        ratio = harness.record_reference(
+            results, best, reference_version,
+            rows=tuple(name for name in best if name != "mlx-lm"))
+        if ratio is not None and "plain mlx.nn" in best:
+            results["ratio_plain"] = results["ratios"]["plain mlx.nn"]
     harness.write_json(args.json, results)
     return 0
 

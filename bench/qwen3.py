@@ -91,13 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  compiled step: {'on' if steps.enabled else 'OFF'}, {steps.replays()} replays"
           + (f" ({steps.fallback})" if steps.fallback else ""), flush=True)
     if reference is not None:
-        harness.record_reference(results, best["mlx-lm"], reference_version)
-        for key in ("decode", "prefill"):
-            s = harness.ratio_spread(best["mlxrunner"][f"{key}_runs"],
-                                     best["mlx-lm"][f"{key}_runs"])
-            results[f"{key}_ratio_spread"] = s
-            print(f"  {key} mlxrunner / mlx-lm: median {s['median']:.2f}x "
-                  f"(range {s['min']:.2f}-{s['max']:.2f}, {s['n']} repeats)", flush=True)
+        harness.record_reference(results, best, reference_version,
+                                 rows=tuple(name for name in best if name != "mlx-lm"))
     harness.write_json(args.json, results)
     return 0
 

@@ -290,13 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          row.changes.items()})
                            for name, row in switched.items()}
     if reference is not None:
-        ratio = harness.record_reference(results, best["mlx-lm"], reference_version)
-        if "ratio_median" in results:
-            med = results["ratio_median"]
-            print(f"  median of per-repeat ratios: prefill {med['prefill']:.2f}x   "
-                  f"decode {med['decode']:.2f}x", flush=True)
-        print(f"  ratio      prefill {ratio['prefill']:10.2f}x        "
-              f"decode {ratio['decode']:8.2f}x", flush=True)
+        harness.record_reference(results, best, reference_version,
+                                 rows=("mlxrunner", *switched))
     if args.verify_block:
         rows = {}
         for name, model in models.items():

@@ -188,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     best = harness.measure(models, prompt, args.new, args.repeats, name_width=10)
     results["mlxrunner"] = best["mlxrunner"]
     if reference is not None:
-        ratio = harness.record_reference(results, best["mlx-lm"], reference_version)
-        print(f"  ratio      prefill {ratio['prefill']:10.2f}x        "
-              f"decode {ratio['decode']:8.2f}x", flush=True)
+        harness.record_reference(results, best, reference_version)
     if args.verify_block:
         rows = {}
         for name, m in models.items():
