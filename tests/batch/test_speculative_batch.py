@@ -16,6 +16,7 @@ import mlxrunner
 from mlxrunner import SamplerOptions, settings
 from mlxrunner.batch import BatchRequest, Scheduler
 from mlxrunner.cache import PrefixCache
+from mlxrunner.decode.speculative import DepthController
 from mlxrunner.testing.speculative import ScriptedDraft, random_draft, speculative_tokens
 
 GREEDY = SamplerOptions(temperature=0)
@@ -99,6 +100,27 @@ def test_greedy_drafted_rows_pause_and_resume_drafting(model):
         assert request.tokens == want
     # the controller's warm-up visits the full depth, 1, the middle and none
     assert {0, 1, 4} <= set(scheduler.round_depths)
+
+
+@pytest.mark.parametrize("seed, paused", [(None, True), (7, False)])
+def test_sampled_drafted_rows_without_a_seed_follow_measured_rounds(model, monkeypatch, seed,
+                                                                    paused):
+    """A sampled sequence without a seed draws at random whatever depths its rounds draft,
+    so the batch's controller chooses them from measured rounds, as the sequence alone does,
+    pausing drafting where it does not pay (drafting the whole block every round made the
+    demo pair's batch of one 1.5x slower than alone on a CPU); a seeded one drafts its
+    draft's depth every round, so that its draws are its solo run's."""
+    monkeypatch.setattr(DepthController, "choose", lambda self, limit: 0)  # never pays
+    prompts = _prompts(model.vocab_size, [6, 9], seed=12)
+    drafts = [ScriptedDraft.for_script(model, p + [0] * 40, block_size=5) for p in prompts]
+    options = SamplerOptions(temperature=0.8, seed=seed)
+    scheduler = Scheduler(model, max_sequences=2)
+    requests = [scheduler.submit(BatchRequest(p, options, 20, draft=d))
+                for p, d in zip(prompts, drafts)]
+    scheduler.run_until_idle()
+    for request in requests:
+        assert len(request.tokens) == 20
+        assert (request.stats.drafted == 0) == paused
 
 
 GEMMA4_FIXTURES = (Path(__file__).resolve().parents[2] / "architectures" / "gemma4" / "tests"

@@ -150,6 +150,9 @@ class _Sequence:
         # its next step needs this one's token on the host (a penalty's history, a mask)
         self.needs_host = self.penalised or self.constraint is not None
         self.plain_greedy = self.sampler.greedy and not self.needs_host
+        #: its draws do not depend on the depths its rounds draft (greedy, or sampled without
+        #: a seed): the batch may choose them from measured rounds' times, as alone
+        self.timed = self.sampler.greedy or request.options.seed is None
         self.prefilled = 0
         #: prompt chunks prefilled so far (those with fewer go first), and steps since its last
         self.chunks = 0
@@ -165,8 +168,8 @@ class _Sequence:
         hit = self._look_up(model)
         #: drafting paused after the grammar cut proposals to nothing (as alone)
         self.pause = GrammarPause()
-        #: a sampled sequence's own depth where its draft adapts it: from its acceptance
-        #: alone (the fixed cost model), so that its draws are those of its solo run
+        #: a seeded sampled sequence's own depth where its draft adapts it: from its
+        #: acceptance alone (the fixed cost model), so that its draws are those of its solo run
         self.depths: DepthController | None = None
         self.session: DraftSession | None = None
         #: a greedy sequence of a block draft: it drafts through the batch's shared context
@@ -206,7 +209,7 @@ class _Sequence:
             self.request.stats = SpeculativeStats(
                 draft=draft_name(draft), prompt_tokens=stats.prompt_tokens,
                 cached_tokens=stats.cached_tokens)
-        if draft.adaptive_depth and not self.sampler.greedy:
+        if draft.adaptive_depth and not self.timed:
             self.depths = DepthController(draft.max_depth, measured=False)
         try:
             session = draft.new_session(self.sampler)
@@ -826,14 +829,16 @@ class Scheduler:
 
     def _depth_controller(self, running: list[tuple[int, _Sequence]]
                           ) -> DepthController | None:
-        """The batch's depth controller where every drafted sequence decodes greedily (their
-        tokens are then the same at any depth): it drafts the depth that commits the most
-        tokens per second of measured rounds, none where drafting does not pay (a large
-        batch, whose verify block costs more than its drafts save). Sampled drafted
-        sequences draft their draft's full depth, so that their draws do not depend on
-        timing. None then."""
+        """The batch's depth controller where no drafted sequence's draws depend on its
+        depths (greedy ones, whose tokens are the same at any depth, and sampled ones
+        without a seed): it drafts the depth that commits the most tokens per second of
+        measured rounds, none where drafting does not pay (a large batch, whose verify block
+        costs more than its drafts save; a small model on a machine where verifying a block
+        costs several steps). Seeded sampled sequences draft their draft's full depth (or
+        their own controller's, from acceptance alone), so that their draws are those of
+        their solo run. None then."""
         drafted = [seq for _, seq in running if seq.session is not None]
-        if not drafted or not all(seq.sampler.greedy for seq in drafted) or \
+        if not drafted or not all(seq.timed for seq in drafted) or \
                 settings.current().lockstep:
             return None
         deepest = max(seq.request.draft.max_depth for seq in drafted)
