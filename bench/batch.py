@@ -106,8 +106,8 @@ def run_mlx_lm(model: Any, prompts: list[list[int]], new: int) -> dict[str, floa
             "decode_tokens": decode_tokens, "wall_s": wall_s, "wall_tok_s": total / wall_s}
 
 
-def run_solo(model: Any, prompt: list[int], new: int) -> dict[str, float]:
-    result = mlxrunner.generate(model, prompt, options=GREEDY, max_tokens=new)
+def run_solo(model: Any, prompt: list[int], new: int, draft: Any = None) -> dict[str, float]:
+    result = mlxrunner.generate(model, prompt, options=GREEDY, max_tokens=new, draft=draft)
     return {"decode_tok_s": result.stats.tokens_per_second}
 
 
@@ -184,9 +184,22 @@ def main_pair(args: argparse.Namespace) -> int:
               f"{spread['min']:.2f}-{spread['max']:.2f}, {spread['n']} repeats); steps per depth "
               f"{row['drafts']['round_depths']}, {row['drafts']['tokens_per_forward']:.2f} "
               f"tokens a forward", flush=True)
+    # one stream through generate, with its draft against without (the speculative path a
+    # CLI run takes)
+    prompt = bundle.tokenizer.encode(SOURCE_STARTS[0])
+    runs = interleaved({"plain": lambda: run_solo(model, prompt, new),
+                        "drafts": lambda: run_solo(model, prompt, new, draft)}, args.repeats)
+    spread = harness.ratio_spread([r["decode_tok_s"] for r in runs["drafts"]],
+                                  [r["decode_tok_s"] for r in runs["plain"]])
+    alone = {"plain": median_run(runs["plain"]), "drafts": median_run(runs["drafts"]),
+             "drafts / plain": spread}
+    print(f"  generate alone: without the draft {alone['plain']['decode_tok_s']:9.1f} tok/s, "
+          f"with it {alone['drafts']['decode_tok_s']:9.1f} tok/s: median "
+          f"{spread['median']:.2f}x (range {spread['min']:.2f}-{spread['max']:.2f}, "
+          f"{spread['n']} repeats)", flush=True)
     harness.write_json(args.json, {"bench": "batch-pair", "pair": args.pair, "new": new,
                                    "device": str(mx.default_device()), "mlx": mx.__version__,
-                                   "rows": rows})
+                                   "rows": rows, "generate_alone": alone})
     return 0
 
 

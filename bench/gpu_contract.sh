@@ -2,20 +2,22 @@
 # Issue 36's GPU figures in one call of at most 10 minutes, after `bash .mlx-cuda-a/stage.sh`
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
-#   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [pair]
-#     [soak] [vision]    (SWITCHED=NAME=VALUE: a second row of ours under that setting)
+#   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [solo]
+#     [pair] [soak] [vision]    (SWITCHED=NAME=VALUE: a second row of ours under that setting)
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
-# Llama against mlx-lm (bench/llama.py); gemma4, qwen3_5: those benches; startup: bench/startup.py (a fresh kernel cache, then
-# 3 warm processes); pair: the demo pair's streams with drafts in the batch against without
-# (bench/batch.py --pair, 1/4/16/32 streams); soak: serve under 2,000 requests in bursts of
-# 1-32, drafts on and off (bench/serve_soak.py --bursts; needs the server's wheels in .whl:
-# fastapi, starlette, pydantic, pydantic-core, uvicorn, annotated-types, typing-inspection,
-# opentelemetry-api, which the GPU machine lacks); vision: issue 39's time to first token for a
-# 0.8B-shape Qwen3.5 with one 1024x1024 image against mlx-vlm (bench/vision_ttft.py; needs
-# mlx-vlm's wheel in .whl, mlx_vlm-0.7.10-py3-none-any.whl, installed without its
-# dependencies). Results in $OUT/results.tgz.
+# Llama against mlx-lm (bench/llama.py); gemma4, qwen3_5: those benches; startup:
+# bench/startup.py (a fresh kernel cache, then 3 warm processes); solo: the demo pair through
+# generate alone, this core and the one copied to .gpu/before/core; pair: the demo pair's
+# streams with drafts in the batch against without (bench/batch.py --pair, 1/4/16/32
+# streams); soak: serve under 2,000 requests in bursts of 1-32, drafts on and off
+# (bench/serve_soak.py --bursts; needs the server's wheels in .whl: fastapi, starlette,
+# pydantic, pydantic-core, uvicorn, annotated-types, typing-inspection, opentelemetry-api,
+# which the GPU machine lacks); vision: issue 39's time to first token for a 0.8B-shape
+# Qwen3.5 with one 1024x1024 image against mlx-vlm (bench/vision_ttft.py; needs mlx-vlm's
+# wheel in .whl, mlx_vlm-0.7.10-py3-none-any.whl, installed without its dependencies).
+# Results in $OUT/results.tgz.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
 export PYTHONUNBUFFERED=1 MLXRUNNER_SHARED_DATA=$PWD/.gpu/shared-data
@@ -41,6 +43,13 @@ for part in "${@:-tests qwen3 llama startup}"; do
         (cd bench && timeout "${VISION_TIMEOUT:-300}" python3 vision_ttft.py \
           --repeats "${REPEATS:-5}" --json "$out/vision-gpu.json") 2>&1 \
           | tee "$out/vision-gpu.txt" | tail -8 ;;
+      solo)  # generate alone with the demo pair's draft, this core against .gpu/before's
+        for core in before now; do
+          (if [ $core = before ]; then export PYTHONPATH=$PWD/.gpu/before/core:${PYTHONPATH:-}; fi
+           cd bench && timeout "${SOLO_TIMEOUT:-150}" python3 batch.py --pair demo-qwen3.5 \
+             --streams 1 --repeats "${REPEATS:-5}" --json "$out/solo-$core.json") 2>&1 \
+            | tee "$out/solo-$core.txt" | tail -3
+        done ;;
       pair)
         (cd bench && timeout "${PAIR_TIMEOUT:-300}" python3 batch.py --pair demo-qwen3.5 \
           --repeats "${REPEATS:-5}" --json "$out/pair-gpu.json") 2>&1 | tee "$out/pair-gpu.txt" \

@@ -7,7 +7,7 @@ real folder that carries ``mtp.*`` (``--model``), after a prefill of ``--context
 - per depth d = 1..3: the head's proposal (d chained steps), the verify forward over d + 1
   tokens (the core's compiled step, as the loop runs it; snapshots scheduled, rollback
   after), and the real loop's round (after a few warm-up rounds)
-  (``speculative_stream`` at fixed depth, greedy; a random head is rejected, so each round
+  (``generate`` with the head at a fixed depth, greedy; a random head is rejected, so each round
   commits one token);
 - the speedup predicted at per-position acceptance a = 0.6 and 0.8: expected tokens per
   round ``(1 - a^(d+1)) / (1 - a)`` over the round's cost relative to a plain step.

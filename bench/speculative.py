@@ -6,8 +6,9 @@ tokens this measures:
 
 - plain decoding: seconds per token (one-token forward, sample, sync);
 - per depth d = 1..7: the draft's proposal time, the verify forward over d + 1 tokens
-  (snapshots scheduled, rollback after), and the real loop's round time (``speculative_stream``
-  at fixed depth, greedy; the random draft is rejected, so each round commits one token);
+  (snapshots scheduled, rollback after), and the real loop's round time (``generate``
+  with the draft at a fixed depth, greedy; the random draft is rejected, so each round
+  commits one token);
 - the speedup predicted at per-position acceptance a = 0.5, 0.7, 0.9:
   ``E(d) / T(d) * T_plain`` with ``E(d) = sum_{k=0..d} a^k`` committed tokens per round.
 
@@ -178,19 +179,14 @@ def round_seconds(model, draft, prompt: list[int], depth: int, rounds: int) -> f
     """Mean round time of the real loop at a fixed depth (greedy), after a few rounds of
     another generation over the same prompt (the first rounds at a depth trace its verify
     forward, which a generation does once; counted in, they dominate a short run)."""
-    from mlxrunner import SamplerOptions
-    from mlxrunner.decode import SpeculativeStats, speculative_stream
-    from mlxrunner.plugin import Sampler
+    from mlxrunner import SamplerOptions, generate
 
     def run(count: int) -> float:
-        stats = SpeculativeStats()
-        sampler = Sampler(SamplerOptions(temperature=0), model.vocab_size)
-        # a budget large enough that the last rounds are not clipped below depth
-        for _ in speculative_stream(model, draft, prompt, sampler=sampler,
-                                    max_tokens=count * (depth + 1) + depth + 2, depth=depth,
-                                    stats=stats):
-            if stats.depths.get(depth, 0) >= count:
-                break
+        # the random draft is rejected: each round commits one token, so about count rounds
+        # at this depth (the first token is the prompt's; the last rounds draft what is left)
+        stats = generate(model, prompt, options=SamplerOptions(temperature=0),
+                         max_tokens=count + depth + 1, draft=draft,
+                         draft_options={"depth": depth}).stats
         n = stats.depths.get(depth, 0)
         return stats.seconds_by_depth.get(depth, 0.0) / max(n, 1)
 

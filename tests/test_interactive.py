@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import mlxrunner
+from mlxrunner import generate
 from mlxrunner import host as plugins
 from mlxrunner.cli import (
     COMPLETIONS,
@@ -29,7 +30,6 @@ from mlxrunner.cli import (
     read_message,
     slowdown_reason,
 )
-from mlxrunner.decode import generate
 
 pytestmark = pytest.mark.skipif("demo-qwen3.5" not in plugins.host().registry("models"),
                                 reason="the demo plugin (mlxrunner-demo) is not installed")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 import mlxrunner
+from mlxrunner import generate
 from mlxrunner import host as plugins
 from mlxrunner.cli import chat_loop
-from mlxrunner.decode import generate
 
 pytestmark = pytest.mark.skipif("demo-qwen3.5" not in plugins.host().registry("models"),
                                 reason="the demo plugin (mlxrunner-demo) is not installed")

@@ -40,7 +40,7 @@ _USER_API: dict[str, str] = {
     "load_model": "model.loading",
     "build_model": "model.loading",
     "read_config": "model.loading",
-    "generate": "decode.generation",
+    "generate": "batch.generation",
     "generate_batch": "batch.scheduler",
     "GenerationResult": "decode.plain",
     "MediaPrompt": "media",
@@ -120,6 +120,7 @@ _MOVED = {name: ("internal; kept for plugins written before mlxrunner.nn" if nam
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, listed=__all__, moved=_MOVED)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .batch.generation import generate  # noqa: F401
     from .bundle import Bundle, load  # noqa: F401
     from .cache import Cache, KVCache, RecurrentCache, RingCache  # noqa: F401
     from .chat.formats import (  # noqa: F401
@@ -134,7 +135,6 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .chat.parsing import MarkerScanner, ParseEvents, ReplyParser, TrimmedText  # noqa: F401
     from .constants import arange_constant, constant  # noqa: F401
-    from .decode.generation import generate  # noqa: F401
     from .decode.options import SamplerOptionError, SamplerOptions  # noqa: F401
     from .decode.plain import GenerationResult  # noqa: F401
     from .decode.sampler import Sampler  # noqa: F401

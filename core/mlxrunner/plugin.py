@@ -96,13 +96,14 @@ _EXPORTS: dict[str, str] = {
     "HubModel": "store.sources",
     # a command a plugin adds runs models as users do (the user API's own functions)
     "load": "bundle",
-    "generate": "decode.generation",
+    "generate": "batch.generation",
 }
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .batch.generation import generate  # noqa: F401
     from .bundle import load  # noqa: F401
     from .cache import Cache, KVCache, RecurrentCache, RingCache  # noqa: F401
     from .cache.context import ContextCache, RowContext, TracedContext  # noqa: F401
@@ -115,7 +116,6 @@ if TYPE_CHECKING:  # pragma: no cover
         validate_conversation,
     )
     from .chat.parsing import MarkerScanner, ParseEvents, ReplyParser, TrimmedText  # noqa: F401
-    from .decode.generation import generate  # noqa: F401
     from .decode.options import SamplerOptions  # noqa: F401
     from .decode.sampler import Sampler  # noqa: F401
     from .decode.topk import prepare_topk_indices, topk_indices  # noqa: F401

@@ -94,7 +94,7 @@ def test_each_row_rolls_back_to_its_own_offset(model, block):
     keeps = [(1, block, 2), (block, 1, block - 1)]
     for round_, keep in enumerate(keeps):
         blocks = {row: rng.integers(vocab, size=block).tolist() for row in rows}
-        batch.keep_for_restore()
+        batch.keep_for_restore(block)
         _step(model, batch, blocks)
         offsets = list(batch.row_offsets)
         for row, kept in zip(rows, keep):
@@ -137,7 +137,7 @@ def test_bad_restores_say_what_is_wrong(model):
     with pytest.raises(ValueError, match="kept nothing"):
         batch.restore_rows([2])
     with pytest.raises(ValueError, match="cannot restore row 0"):
-        batch.keep_for_restore()
+        batch.keep_for_restore(2)
         _step(model, batch, {0: [4, 5]})
         batch.restore_rows([7])
 

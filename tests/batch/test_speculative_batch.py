@@ -16,7 +16,7 @@ import mlxrunner
 from mlxrunner import SamplerOptions, settings
 from mlxrunner.batch import BatchRequest, Scheduler
 from mlxrunner.cache import PrefixCache
-from mlxrunner.decode.speculative import DepthController
+from mlxrunner.decode import DepthController
 from mlxrunner.testing.speculative import ScriptedDraft, random_draft, speculative_tokens
 
 GREEDY = SamplerOptions(temperature=0)

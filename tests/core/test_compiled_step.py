@@ -20,8 +20,8 @@ import mlx.core as mx
 import pytest
 
 import mlxrunner
-from mlxrunner import SamplerOptions, settings
-from mlxrunner.decode import agree, compiled_steps, forward, generate
+from mlxrunner import SamplerOptions, generate, settings
+from mlxrunner.decode import agree, compiled_steps, forward
 from mlxrunner.testing import check_compiled_step, random_prompt
 from plain_mlx_model import PlainAttention, PlainModel
 

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlxrunner
+from mlxrunner import generate
 from mlxrunner import host as plugins
 from mlxrunner.decode import (
     MAX_WHITESPACE,
@@ -30,7 +31,6 @@ from mlxrunner.decode import (
     SamplerOptions,
     allowed_rows,
     compile_format,
-    generate,
 )
 
 

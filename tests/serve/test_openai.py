@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 import mlxrunner
-from mlxrunner.decode import generate
+from mlxrunner import generate
 
 openai = pytest.importorskip("openai")
 

@@ -10,6 +10,7 @@ _EXPORTS: dict[str, str] = {
     "Scheduler": "scheduler",
     "TokenCallback": "scheduler",
     "batch_budget": "scheduler",
+    "generate": "generation",
     "generate_batch": "scheduler",
     "verify_width": "scheduler",
 }

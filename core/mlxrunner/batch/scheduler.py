@@ -45,7 +45,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .. import settings
-from ..cache import BatchCaches, Cache, scaled_budget
+from ..cache import BatchCaches, Cache, SoloCaches, scaled_budget
 from ..cache.prefix import PrefixHit
 from ..decode import (
     PREFILL_CHUNK,
@@ -105,6 +105,9 @@ class BatchRequest:
     #: a draft model (mlxrunner.plugin.DraftModel): the sequence decodes speculatively, its
     #: blocks verified in the batch's forwards (no logprobs with a draft)
     draft: Any = None
+    #: drafts per round, fixed (clipped to the draft's ``max_depth`` and to the budget);
+    #: None: chosen as docs/batching.md says
+    depth: int | None = None
     #: structured output (:class:`mlxrunner.decode.grammar.Constraint`, one per request):
     #: every token is drawn under its mask, and the sequence ends once it is complete
     constraint: Any = None
@@ -209,7 +212,7 @@ class _Sequence:
             self.request.stats = SpeculativeStats(
                 draft=draft_name(draft), prompt_tokens=stats.prompt_tokens,
                 cached_tokens=stats.cached_tokens)
-        if draft.adaptive_depth and not self.timed:
+        if draft.adaptive_depth and not self.timed and self.request.depth is None:
             self.depths = DepthController(draft.max_depth, measured=False)
         try:
             session = draft.new_session(self.sampler)
@@ -293,9 +296,10 @@ class _RoundPlan:
     verified block's drafts, the drafts' taps and the logprob arrays of rows without one."""
 
     def __init__(self, running: list[tuple[int, _Sequence]], depth: dict[int, int],
-                 rows: int, longest: int | None) -> None:
+                 rows: int, longest: int | None, pads: bool) -> None:
         self.running, self.depth, self.rows = running, depth, rows
-        self.length = verify_width(1 + max(depth.values()), longest)
+        tokens = 1 + max(depth.values())
+        self.length = verify_width(tokens, longest) if pads else tokens
         self.last = [0] * rows
         for row, seq in running:
             self.last[row] = seq.history[-1]
@@ -318,6 +322,8 @@ def _check(request: BatchRequest, vocab_size: int) -> None:
         raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
     if request.draft is not None and not can_speculate(request.options):
         raise ValueError("logprob requests decode without a draft: pass draft=None")
+    if request.depth is not None and request.depth < 0:
+        raise ValueError(f"depth must be at least 0, got {request.depth}")
     bad = [t for t in request.prompt if not 0 <= int(t) < vocab_size]
     if bad:
         raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
@@ -347,7 +353,8 @@ class Scheduler:
     longest, as the batch's buffers are, rows and lengths as the batch allocates them);
     ``prefill_chunk`` is how many prompt tokens one step prefills (the same as
     :func:`mlxrunner.generate`'s chunks by default, which keeps each sequence's output
-    exactly its solo output).
+    exactly its solo output). With ``max_sequences`` 1 the row is the sequence's own caches
+    (:class:`mlxrunner.cache.SoloCaches`: what ``generate`` with a draft runs on).
     """
 
     def __init__(self, model: Model, *, max_sequences: int = 32,
@@ -365,7 +372,9 @@ class Scheduler:
         self._prefilling: deque[_Sequence] = deque()
         self._running: dict[int, _Sequence] = {}  # row -> sequence
         self._pending: _Step | None = None  # queued, its tokens not handed out yet
-        self.batch = BatchCaches(model.make_cache())
+        # one row: the sequence's own caches (its solo forwards; any cache kind)
+        self.batch: BatchCaches | SoloCaches = SoloCaches() if max_sequences == 1 else \
+            BatchCaches(model.make_cache())
         self.steps = 0
         #: the drafted rounds' depth while every drafted sequence is greedy (see _round)
         self._depth: DepthController | None = None
@@ -572,7 +581,8 @@ class Scheduler:
                 self._collect(pending)
             if self._running:
                 self._round(depth)
-        elif pending is not None and not any(s.needs_host for s in self._running.values()):
+        elif pending is not None and self._running and \
+                not any(s.needs_host for s in self._running.values()):
             self._pending = self._launch(pending)
             self._collect(pending)
         else:
@@ -651,9 +661,9 @@ class Scheduler:
     def _round(self, chosen: int | None) -> None:
         """A speculative round over the batch: each sequence with a draft proposes a block,
         one target forward verifies every block (rows padded to the longest; a row without
-        a draft decodes its one token), each row accepts with its own sampler as
-        :func:`mlxrunner.decode.speculative.run_round` does alone, and each row rolls back
-        to what it committed. ``chosen``: the depth the batch's controller chose (None: each
+        a draft decodes its one token), each row accepts with its own sampler
+        (:func:`mlxrunner.decode.speculative.decide_row`), and each row rolls back to what it
+        committed. ``chosen``: the depth the batch's controller chose (None: each
         draft's full depth).
 
         The sequences of a shared context propose in one block forward and accept in one
@@ -668,7 +678,7 @@ class Scheduler:
                 seq.unsent_taps = []
                 self._drafting(seq, "commit", unsent)
         plan = _RoundPlan(running, {row: self._round_depth(seq, chosen) for row, seq in running},
-                          self.batch.rows, self.batch.longest_forward)
+                          self.batch.rows, self.batch.longest_forward, self.batch.pads_verify)
         self._round_propose(plan)
         starts = self.batch.row_offsets
         logits = self._round_verify(plan)
@@ -689,7 +699,8 @@ class Scheduler:
         if seq.session is None:
             return 0
         left = seq.request.max_tokens - len(seq.request.tokens)
-        top = draft.max_depth if chosen is None else min(chosen, draft.max_depth)
+        fixed = seq.request.depth if seq.request.depth is not None else chosen
+        top = draft.max_depth if fixed is None else min(fixed, draft.max_depth)
         n = max(0, min(top, left - 1))
         if seq.depths is not None:
             n = seq.depths.choose(n)
@@ -733,7 +744,7 @@ class Scheduler:
         ids = mx.concatenate([mx.array(plan.last, dtype=mx.int32)[:, None], plan.body],
                              axis=1)
         plan.taps = sorted({t for _, seq in plan.running for t in seq.taps})
-        self.batch.keep_for_restore()
+        self.batch.keep_for_restore(plan.length)
         out = forward(self.model, ids, self.batch.caches, plan.taps or None)
         logits, plan.tapped = (out, None) if not plan.taps else out
         mx.async_eval(logits, *([] if plan.tapped is None else [plan.tapped]))
@@ -835,11 +846,11 @@ class Scheduler:
         measured rounds, none where drafting does not pay (a large batch, whose verify block
         costs more than its drafts save; a small model on a machine where verifying a block
         costs several steps). Seeded sampled sequences draft their draft's full depth (or
-        their own controller's, from acceptance alone), so that their draws are those of
-        their solo run. None then."""
+        their own controller's, from acceptance alone), so that their draws never depend on
+        timings; a request's fixed ``depth`` is its depth. None then."""
         drafted = [seq for _, seq in running if seq.session is not None]
-        if not drafted or not all(seq.timed for seq in drafted) or \
-                settings.current().lockstep:
+        free = all(seq.timed and seq.request.depth is None for seq in drafted)
+        if not drafted or not free or settings.current().lockstep:
             return None
         deepest = max(seq.request.draft.max_depth for seq in drafted)
         if self._depth is None or self._depth.max_depth != deepest:
@@ -929,11 +940,7 @@ class Scheduler:
             if self._running.get(row) is not seq:
                 continue  # finished or cancelled since the step was queued
             seq.request.stats.target_forwards += 1
-            if at in step.taps:
-                seq.keep_taps(step.taps[at])
-            elif seq.shared and step.tapped is not None and seq.kept is not None:
-                r = step.launch_rows[at]
-                seq.keep_taps(self._own_taps(step.tapped[r:r + 1], step.tap_layers, seq.taps))
+            self._keep_step_taps(seq, step, at)
             going = self._deliver(seq, values[at], step.infos.get(at))
             if going and seq.session is not None:
                 if at in step.taps:
@@ -951,6 +958,15 @@ class Scheduler:
             tapped = self._own_taps(step.tapped[mx.array(source, dtype=mx.int32)],
                                     step.tap_layers, tuple(shared.draft.taps))
             self._shared_commit(key, tapped, [int(r in rows) for r in range(shared.rows)])
+
+    def _keep_step_taps(self, seq: _Sequence, step: _Step, at: int) -> None:
+        """Keep (for the prefix cache) the tapped states of ``seq``'s input token to
+        ``step``, where it is the ``at``-th token."""
+        if at in step.taps:
+            seq.keep_taps(step.taps[at])
+        elif seq.shared and step.tapped is not None and seq.kept is not None:
+            r = step.launch_rows[at]
+            seq.keep_taps(self._own_taps(step.tapped[r:r + 1], step.tap_layers, seq.taps))
 
     def _deliver(self, seq: _Sequence, token: int, info: Any) -> bool:
         """Hand a sampled token to its request; returns whether the sequence goes on (else
@@ -1008,6 +1024,10 @@ class Scheduler:
                 # what the row was fed (a queued step's token included), as generate keeps;
                 # a round that ended inside its accepted drafts fed more than was kept: full
                 # keys and values are cut back to the tokens kept (other kinds cannot be)
+                queued = self._pending
+                for at in [] if queued is None else [a for _, s, a in queued.rows if s is seq]:
+                    assert queued is not None
+                    self._keep_step_taps(seq, queued, at)  # the token it fed
                 kept = min(self.batch.row_offsets[seq.row], len(seq.history))
                 solo = self._row_caches(seq.row, length=kept)
                 if solo is not None:
@@ -1021,19 +1041,8 @@ class Scheduler:
 
     def _row_caches(self, row: int, copy: bool = True, length: int | None = None
                     ) -> list[Cache | None] | None:
-        """One row's caches as a solo sequence's, in arrays of their own (the batch writes
-        its buffers on), or as views of the batch's (``copy`` False: read now, not kept);
-        ``length``: only its first positions (None for a kind that cannot be cut back);
-        None for a cache kind the prefix cache does not keep."""
-        own: Callable[[mx.array], mx.array] = mx.array if copy else (lambda a: a)
-        solo = self.model.make_cache()
-        fed = self.batch.row_offsets[row]
-        n = fed if length is None else length
-        for mine, batched in zip(solo, self.batch.caches):
-            if mine is not None and batched is not None and \
-                    not batched.fill_solo(row, mine, n, own):
-                return None
-        return solo
+        """One row's caches as a solo sequence's (see :meth:`BatchCaches.row_caches`)."""
+        return self.batch.row_caches(row, self.model.make_cache, copy, length)
 
     def _finish_unstarted(self, request: BatchRequest) -> None:
         request.finish_reason = "cancel"

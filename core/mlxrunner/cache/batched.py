@@ -334,8 +334,28 @@ class BatchCaches:
             c.set_rows(rows)
         self.live += [False] * (rows - self.rows)
 
+    #: a round's verify forward is padded to a few widths (see the scheduler's verify_width)
+    pads_verify = True
+
+    def row_caches(self, row: int, make: Callable[[], Sequence[Cache | None]],
+                   copy: bool = True, length: int | None = None) -> list[Cache | None] | None:
+        """``row`` as a solo sequence's caches (new ones from ``make``, the model's
+        ``make_cache``, filled here), in arrays of their own, or views of the batch's
+        (``copy`` False: read now, not kept); ``length``: its first positions only (None
+        where a kind cannot be cut back, or the prefix cache does not keep it)."""
+        own: Callable[[mx.array], mx.array] = mx.array if copy else (lambda a: a)
+        solo = make()
+        n = self.row_offsets[row] if length is None else length
+        for mine, batched in zip(solo, self.caches):
+            if mine is not None and batched is not None and \
+                    not batched.fill_solo(row, mine, n, own):
+                return None
+        return list(solo)
+
     # -- rollback --------------------------------------------------------------------------
-    def keep_for_restore(self) -> None:
+    def keep_for_restore(self, length: int) -> None:
+        """A forward of ``length`` tokens per row follows: keep what any row's rollback into
+        it needs."""
         for c in self.layers:
             c.keep_for_restore()
 
@@ -362,3 +382,87 @@ class BatchCaches:
     @property
     def state(self) -> list[mx.array]:
         return [a for c in self.layers for a in c.state]
+
+
+class SoloCaches:
+    """One sequence's own caches in the place of :class:`BatchCaches`, for a scheduler of one
+    row (:func:`mlxrunner.generate` with a draft): its forwards are a solo sequence's (a
+    scalar offset, the solo trace) and its rollback the caches' own snapshots, so every
+    cache kind serves, one without a batched form included. A round's rollback is applied
+    when the caches are next read, so that a sequence ending inside the round may still be
+    cut back to the tokens it kept."""
+
+    pads_verify = False
+    rows = 1
+    longest_forward: int | None = None
+
+    def __init__(self) -> None:
+        self._solo: list[Cache | None] = []
+        self._live: list[Cache] = []
+        self._restore_to: int | None = None
+
+    @property
+    def caches(self) -> list[Cache | None]:
+        self._settle()
+        return self._solo
+
+    def _settle(self) -> None:
+        if self._restore_to is not None:
+            for c in self._live:
+                c.restore(self._restore_to)
+            self._restore_to = None
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        if self._restore_to is not None:
+            return (self._restore_to,)
+        return (self._live[0].offset if self._live else 0,)
+
+    def add(self, solo: Sequence[Cache | None]) -> int:
+        """Take one sequence's caches (after its prefill) as row 0."""
+        if self._live:
+            raise ValueError("a batch of one row holds one sequence")
+        self._solo = list(solo)
+        self._live = [c for c in solo if c is not None]
+        return 0
+
+    def remove(self, row: int) -> None:
+        self._solo, self._live, self._restore_to = [], [], None
+
+    def compact(self) -> dict[int, int]:
+        return {0: 0}
+
+    def row_caches(self, row: int, make: Callable[[], Sequence[Cache | None]],
+                   copy: bool = True, length: int | None = None) -> list[Cache | None] | None:
+        """The sequence's caches themselves (what :meth:`BatchCaches.row_caches` copies out),
+        cut back to ``length`` positions where the last round's
+        rollback still allows (else None)."""
+        if length is not None and length != self.row_offsets[0]:
+            if self._restore_to is None or length > self._restore_to:
+                return None
+            self._restore_to = length  # inside the last forward: its snapshots serve
+        return self.caches
+
+    def keep_for_restore(self, length: int) -> None:
+        """A forward of ``length`` tokens follows: each cache keeps every offset in it."""
+        self._settle()
+        start = self.row_offsets[0]
+        for c in self._live:
+            c.schedule_snapshots(range(start + 1, start + length + 1))
+
+    def restore_rows(self, offsets: Sequence[int]) -> None:
+        self._restore_to = offsets[0]
+
+    def bytes_per_token(self) -> int:
+        return 0  # (one sequence always runs: a budget never weighs it)
+
+    def bytes_per_row(self) -> int:
+        return 0
+
+    def bytes_for(self, rows: int, positions: int) -> int:
+        return sum(a.nbytes for a in self.state)
+
+    @property
+    def state(self) -> list[mx.array]:
+        self._settle()
+        return [a for c in self._live for a in c.state]

@@ -120,8 +120,6 @@ class PrefixCache:
         self._lock = threading.Lock()
         self._tick = 0
         self.bytes = 0
-        self.hits = 0
-        self.lookups = 0
         template = make_cache()
         # how each layer's cache is kept (Cache.prefix_kind; None: not at all, or no cache)
         kinds = [None if c is None else c.prefix_kind() for c in template]
@@ -145,12 +143,10 @@ class PrefixCache:
         :meth:`~mlxrunner.media.MediaPrompt.cache_key`.)"""
         tokens = cache_key(tokens)
         with self._lock:
-            self.lookups += 1
             length, path, partial = self._match(tokens, taps) if self.supported else (0, [], None)
             caches = self.make_cache()
             if length == 0:
                 return PrefixHit(0, caches)
-            self.hits += 1
             self._tick += 1
             stretches: list[_Stretch] = list(path) + ([partial] if partial is not None else [])
             for s in stretches:
@@ -331,15 +327,6 @@ class PrefixCache:
         with self._lock:
             self._root = _Node(tokens=(), kv=[])
             self.bytes = 0
-
-    def __len__(self) -> int:
-        """Stretches held (blocks and tails)."""
-        count, stack = 0, [self._root]
-        while stack:
-            node = stack.pop()
-            count += len(node.tails) + len(node.children)
-            stack.extend(node.children.values())
-        return count
 
 
 def _layer(caches: Sequence[Cache | None], i: int) -> Cache:

@@ -28,11 +28,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ..batch.generation import generate
 from ..bundle import weights_bytes
 from ..cache import prefix_cache_for
 from ..chat.formats import ParsedMessage, media_parts
 from ..chat.streaming import TextStream
-from ..decode.generation import generate
 from ..decode.options import OPTION_HELP, SamplerOptionError, SamplerOptions
 from ..errors import MediaError, MLXRunnerError
 from ..host import plugin_code

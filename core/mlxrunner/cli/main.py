@@ -346,8 +346,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         from ..distributed.ranks import broadcast_text
 
         prompt = broadcast_text(prompt, group)  # what rank 0 was given, on every rank
+    from ..batch.generation import generate
     from ..chat.streaming import TextStream
-    from ..decode.generation import generate
 
     started = time.perf_counter()
     bundle = _load_model_arguments(model_arg, args)

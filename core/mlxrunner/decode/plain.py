@@ -59,11 +59,6 @@ class GenerationStats:
             "tokens_per_second": round(self.tokens_per_second, 2),
         }
 
-    def format(self) -> str:
-        d = self.as_dict()
-        return (f"plain: {d['generated_tokens']} tokens, {d['tokens_per_second']} tok/s "
-                f"(prefill {d['prompt_tokens']} tokens, {d['prefill_tokens_per_second']} tok/s)")
-
 
 @dataclass
 class GenerationResult:

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from copy import copy
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 
@@ -120,15 +120,6 @@ def compiled_steps(model: Any) -> CompiledSteps:
     return steps
 
 
-def weights_fingerprint(model: Any) -> tuple[int, ...]:
-    """The identities of the model's parameter arrays: a traced forward holds the arrays it
-    read, so other arrays (new weights) need new traces."""
-    from mlx.utils import tree_flatten
-
-    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
-    return tuple(id(v) for _, v in flat)
-
-
 class _Traced:
     """One traced forward: the compiled function, what its caches recorded, how often it
     ran."""
@@ -162,13 +153,11 @@ class CompiledSteps:
         #: settings under which an eager forward ran enough host products that every
         #: forward would (host products apply by weight, not by row): none is traced
         self._host_bound_settings: set[Hashable] = set()
-        self._fingerprint: tuple[int, ...] | None = None
         #: forwards traced so far (each a compile of its own)
         self.traces_made = 0
 
     def clear(self) -> None:
         self._traced.clear()
-        self._fingerprint = None
 
     def saw_eager_forward(self, host_weights: int) -> None:
         """An eager forward of the model ran host products over ``host_weights`` weights
@@ -186,12 +175,6 @@ class CompiledSteps:
     def replays(self) -> int:
         """How many calls replayed a trace (the first call of each traces it)."""
         return sum(max(0, t.calls - 1) for t in self._traced.values())
-
-    def check_weights(self) -> None:
-        """Drop the traces if the model's weights are other arrays than when they were
-        traced (called once per generation: it walks the parameter tree)."""
-        if self._fingerprint is not None and weights_fingerprint(self.model) != self._fingerprint:
-            self.clear()
 
     # -- the entry point ------------------------------------------------------------------
     def forward(self, ids: mx.array, caches: Sequence[Any], taps: tuple[int, ...] | None
@@ -212,8 +195,6 @@ class CompiledSteps:
             return None
         traced = self._traced.get(key)
         if traced is None:
-            if not self._traced:
-                self._fingerprint = weights_fingerprint(self.model)
             traced = self._traced[key] = _Traced(mx.compile(self._graph(ids.shape[1], taps)))
             self.traces_made += 1
         thread = threading.get_ident()

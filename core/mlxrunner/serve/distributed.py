@@ -19,8 +19,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..batch.generation import generate
 from ..bundle import Bundle
-from ..decode.generation import generate
 from ..decode.options import SamplerOptions
 from ..distributed.ranks import broadcast_text
 from ..media import MediaPrompt

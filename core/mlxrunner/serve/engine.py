@@ -23,10 +23,10 @@ from http import HTTPStatus
 from typing import Any
 
 from ..batch import BatchRequest, Scheduler, batch_budget
+from ..batch.generation import generate
 from ..bundle import Bundle, context_length, weights_bytes
 from ..cache import prefix_cache_for
 from ..chat.streaming import TextStream
-from ..decode.generation import generate
 from ..decode.grammar import Format, Grammar, GrammarError, Vocabulary, compile_format, vocabulary
 from ..decode.options import SamplerOptionError, SamplerOptions
 from ..errors import MediaError, MLXRunnerError

@@ -41,11 +41,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..batch.generation import generate
 from ..cache import Cache
-from ..decode.generation import generate
 from ..decode.options import SamplerOptions
 from ..decode.sampler import Sampler
-from ..decode.speculative import SpeculativeStats, speculative_stream
+from ..decode.speculative import SpeculativeStats
 from ..host import manager as plugins
 from ..media import MediaPrompt
 from ..model.draft import DraftModel, DraftProposal, DraftSession, build_draft
@@ -87,17 +87,15 @@ def plain_tokens(model: Model, prompt: Sequence[int], max_tokens: int, *,
 
 def speculative_tokens(model: Model, draft: DraftModel, prompt: Sequence[int],
                        max_tokens: int, *, options: SamplerOptions = GREEDY,
-                       eos_ids: Iterable[int] = (), depth: int | None = None,
-                       sampler: Sampler | None = None) -> tuple[list[int], SpeculativeStats]:
-    """Speculative decoding's tokens and statistics."""
-    sampler = sampler if sampler is not None else Sampler(options, model.vocab_size)
-    stats = SpeculativeStats()
-    tokens: list[int] = []
-    for chunk in speculative_stream(model, draft, _ids(prompt), sampler=sampler,
-                                    max_tokens=max_tokens, eos_ids=frozenset(eos_ids),
-                                    depth=depth, stats=stats):
-        tokens.extend(chunk)
-    return tokens, stats
+                       eos_ids: Iterable[int] = (), depth: int | None = None
+                       ) -> tuple[list[int], SpeculativeStats]:
+    """Speculative decoding's tokens and statistics (``depth``: drafts per round, fixed)."""
+    result = generate(model, _ids(prompt), options=options, max_tokens=max_tokens,
+                      eos_ids=frozenset(eos_ids), draft=draft,
+                      draft_options=None if depth is None else {"depth": depth})
+    stats = result.stats
+    assert isinstance(stats, SpeculativeStats)  # a drafted generation's
+    return result.tokens, stats
 
 
 # -- a scripted draft ----------------------------------------------------------------------
