@@ -42,6 +42,7 @@ from ..model.builtin_draft import describe_checkpoint_draft
 from ..model.distribution import Distribution
 from .grammar import Constraint, allowed_rows
 from .options import SamplerOptions
+from .plain import GenerationStats
 from .sampler import Sampler, penalties_active
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,22 +64,15 @@ def can_speculate(options: SamplerOptions) -> bool:
 
 
 @dataclass
-class SpeculativeStats:
+class SpeculativeStats(GenerationStats):
     """What a speculative run reports (``--json`` prints :meth:`as_dict`, which ``--stats``
     formats). A round is one verify forward after the first token."""
 
     draft: str = ""
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    target_forwards: int = 0
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     committed_in_rounds: int = 0
-    #: prompt tokens a prefix cache held (not prefilled again)
-    cached_tokens: int = 0
     depths: dict[int, int] = field(default_factory=dict)
     accepted_lengths: dict[int, int] = field(default_factory=dict)
     seconds_by_depth: dict[int, float] = field(default_factory=dict)
@@ -92,16 +86,6 @@ class SpeculativeStats:
     def tau(self) -> float:
         """Mean committed tokens per round, the residual or bonus token included."""
         return self.committed_in_rounds / self.rounds if self.rounds else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        """Prompt tokens prefilled (those not cached) per second."""
-        read = self.prompt_tokens - self.cached_tokens
-        return read / self.prefill_seconds if self.prefill_seconds else 0.0
 
     def round_ms(self) -> dict[int, float]:
         """Mean wall time of a round per depth, in milliseconds (draft + verify + sync)."""
