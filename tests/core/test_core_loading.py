@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,8 +14,13 @@ from mlx.utils import tree_flatten
 import mlxrunner
 import mlxrunner.plugin
 from mlxrunner import host as plugins
+from mlxrunner import settings
 from mlxrunner.errors import ModelFolderError
+from mlxrunner.model import host_dtype
 from mlxrunner.plugin import KVCache, Model
+
+#: products run on the host BLAS (MLX's CPU device off macOS): half precision computes in float32
+HOST = mx.default_device() == mx.cpu and sys.platform != "darwin"
 
 
 class TinyLM(Model):
@@ -108,8 +114,27 @@ def test_sharded_with_index_and_text_config_and_prefix(tmp_path):
 def test_dtype_kept_or_cast(tmp_path):
     weights = {k: v.astype(mx.bfloat16) for k, v in reference_weights().items()}
     write(tmp_path / "m", CONFIG, weights)
-    assert mlxrunner.load_model(tmp_path / "m").dtype == mx.bfloat16
+    assert mlxrunner.load_model(tmp_path / "m", dtype="bfloat16").dtype == mx.bfloat16
     assert mlxrunner.load_model(tmp_path / "m", dtype="float32").dtype == mx.float32
+    # unasked, half precision computes in float32 where products run on the host BLAS
+    # (MLX's CPU device off macOS), else as stored
+    want = mx.float32 if HOST else mx.bfloat16
+    assert mlxrunner.load_model(tmp_path / "m").dtype == want
+
+
+@pytest.mark.skipif(not HOST, reason="products run on the host BLAS only on MLX's CPU device "
+                    "off macOS")
+def test_host_dtype_takes_float32_only_for_half_precision_that_fits():
+    half = {"w": mx.zeros((256, 256), dtype=mx.bfloat16), "n": mx.zeros((256,), mx.float16)}
+    needed = 4 * (256 * 256 + 256)
+    for declared in (None, mx.bfloat16, mx.float16):
+        assert host_dtype(declared, half, memory=3 * needed) == mx.float32
+        assert host_dtype(declared, half, memory=3 * needed - 4) == declared
+    assert host_dtype(mx.float32, half, memory=10 * needed) == mx.float32
+    mixed = dict(half, q=mx.zeros((8,), mx.uint32), f=mx.zeros((4,), mx.float32))
+    assert host_dtype(None, mixed, memory=10 * needed) is None  # not all half
+    with settings.overridden(host_products=False):  # as on a GPU or macOS
+        assert host_dtype(mx.bfloat16, half, memory=10 * needed) == mx.bfloat16
 
 
 @pytest.mark.parametrize("key", ["dtype", "torch_dtype"])

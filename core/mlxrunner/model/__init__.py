@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "DTYPES": "loading",
     "build_model": "loading",
     "declared_dtype": "loading",
+    "host_dtype": "loading",
     "install_weights": "loading",
     "load_model": "loading",
     "read_config": "loading",

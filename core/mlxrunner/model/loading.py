@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import ModelFolderError, UnknownNameError
 from ..host import manager as plugins
+from ..nn.kernels import host_products
 from .config_bounds import check_config
 from .interface import Model
 from .safetensors import check_safetensors
@@ -414,7 +415,8 @@ def build_model(config: dict[str, Any], where: str = "config.json") -> Model:
 def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
     """The target of a model folder with its weights loaded, in ``dtype`` if given, else in
     the dtype its config.json declares (a folder may store bf16 weights and declare float32
-    to compute in), else in the weights' own."""
+    to compute in), else in the weights' own; half precision is computed in float32 on MLX's
+    CPU device off macOS where that fits (see :func:`host_dtype`)."""
     folder = resolve_model_path(path)
     config = read_config(folder)
     model = build_model(config, str(folder / "config.json"))
@@ -422,5 +424,35 @@ def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
     # A bundle may carry its draft beside the target; those tensors are not the target's.
     weights = {k: v for k, v in weights.items() if not k.startswith("draft.")}
     install_weights(model, config, weights, folder,
-                    dtype if dtype is not None else declared_dtype(config))
+                    dtype if dtype is not None else host_dtype(declared_dtype(config), weights))
     return model
+
+
+#: the share of this machine's memory float32 copies of half-precision weights may take for
+#: the CPU to compute in float32 (the caches and the prefix cache need the rest)
+HOST_FLOAT32_SHARE = 1 / 3
+
+
+def host_dtype(declared: mx.Dtype | None, weights: dict[str, mx.array],
+               memory: int | None = None) -> mx.Dtype | None:
+    """The dtype to compute in where none was asked for: float32 for half-precision weights
+    (``declared``, else the weights' own) on MLX's CPU device off macOS, where their float32
+    copies take at most ``HOST_FLOAT32_SHARE`` of ``memory`` (default: this machine's);
+    else ``declared``. MLX's Linux CPU build multiplies half precision through slow loops
+    while float32 products run on the host BLAS (:func:`mlxrunner.nn.kernels.host_products`):
+    the 0.8B Qwen3.5 shape decoded 1.5 tok/s in bfloat16 on a 2-core CPU, 5.1 in float32
+    (``bench/qwen3_5.py --dtype``)."""
+    if not host_products():
+        return declared
+    floats = [v for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
+    half = (mx.bfloat16, mx.float16)
+    if not ((declared is not None and declared in half) or
+            (declared is None and floats and all(v.dtype in half for v in floats))):
+        return declared
+    if memory is None:
+        try:
+            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return declared
+    needed = 4 * sum(v.size for v in floats)
+    return mx.float32 if needed <= memory * HOST_FLOAT32_SHARE else declared
