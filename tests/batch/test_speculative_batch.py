@@ -259,3 +259,19 @@ def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog, metho
     assert len(calls) == at  # it was not asked again
     assert requests[1].stats.target_forwards < len(requests[1].tokens)  # still drafting
     assert "a draft failed (RuntimeError: the draft broke)" in caplog.text
+
+
+def test_a_cache_kind_without_a_batched_form_decodes_one_at_a_time(caplog):
+    """A model whose caches have no batched form (a plugin's own cache kind) still serves a
+    scheduler of many rows: its sequences run one at a time, each with its solo output."""
+    from mlxrunner.testing.speculative import ToyTarget
+
+    target = ToyTarget({"vocab_size": 24, "hidden_size": 16, "seed": 2})
+    prompts = _prompts(24, [4, 6, 5], seed=3)
+    alone = [mlxrunner.generate(target, p, options=GREEDY, max_tokens=7).tokens for p in prompts]
+    with caplog.at_level("WARNING", logger="mlxrunner.batch"):
+        scheduler = Scheduler(target, max_sequences=4)
+    assert "no batched form of TokenHistoryCache" in caplog.text
+    requests = [scheduler.submit(BatchRequest(p, GREEDY, 7)) for p in prompts]
+    scheduler.run_until_idle()
+    assert [r.tokens for r in requests] == alone

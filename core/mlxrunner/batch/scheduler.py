@@ -373,8 +373,13 @@ class Scheduler:
         self._running: dict[int, _Sequence] = {}  # row -> sequence
         self._pending: _Step | None = None  # queued, its tokens not handed out yet
         # one row: the sequence's own caches (its solo forwards; any cache kind)
-        self.batch: BatchCaches | SoloCaches = SoloCaches() if max_sequences == 1 else \
-            BatchCaches(model.make_cache())
+        self.batch: BatchCaches | SoloCaches = SoloCaches()
+        if max_sequences > 1:
+            try:
+                self.batch = BatchCaches(model.make_cache())
+            except TypeError as exc:  # a cache kind with no batched form: one at a time
+                log.warning("mlxrunner: %s; this model's sequences decode one at a time", exc)
+                self.max_sequences = 1
         self.steps = 0
         #: the drafted rounds' depth while every drafted sequence is greedy (see _round)
         self._depth: DepthController | None = None
