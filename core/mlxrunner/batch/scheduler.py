@@ -1030,9 +1030,9 @@ class Scheduler:
                 # a round that ended inside its accepted drafts fed more than was kept: full
                 # keys and values are cut back to the tokens kept (other kinds cannot be)
                 queued = self._pending
-                for at in [] if queued is None else [a for _, s, a in queued.rows if s is seq]:
-                    assert queued is not None
-                    self._keep_step_taps(seq, queued, at)  # the token it fed
+                for _, fed, at in [] if queued is None else queued.rows:
+                    if fed is seq and queued is not None:
+                        self._keep_step_taps(seq, queued, at)  # the token it fed
                 kept = min(self.batch.row_offsets[seq.row], len(seq.history))
                 solo = self._row_caches(seq.row, length=kept)
                 if solo is not None:

@@ -1,13 +1,12 @@
-"""Reading one media file the user names, bounded: a regular file only, at most a limit of
-bytes read."""
+"""Reading one media file the user names, bounded (:func:`mlxrunner.files.read_regular`)."""
 
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from ..errors import MediaError
+from ..files import NotRegularFile, read_regular
 
 
 def read_media_file(path: str | os.PathLike[str], max_bytes: int, kind: str) -> bytes:
@@ -16,14 +15,9 @@ def read_media_file(path: str | os.PathLike[str], max_bytes: int, kind: str) -> 
     :class:`MediaError` line naming the file."""
     where = Path(path)
     try:
-        if not stat.S_ISREG(where.stat().st_mode):
-            raise MediaError(f"{where}: not a regular file")
-        # opened without blocking and checked again: a FIFO swapped in since is refused
-        descriptor = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(descriptor, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise MediaError(f"{where}: not a regular file")
-            data = handle.read(max_bytes + 1)
+        data = read_regular(where, max_bytes)
+    except NotRegularFile:
+        raise MediaError(f"{where}: not a regular file") from None
     except FileNotFoundError:
         raise MediaError(f"{where}: no such {kind} file") from None
     except OSError as exc:

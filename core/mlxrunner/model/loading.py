@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import ModelFolderError, UnknownNameError
+from ..files import NotRegularFile, read_regular
 from ..host import manager as plugins
 from ..nn.kernels import host_products
 from .config_bounds import check_config
@@ -54,12 +55,9 @@ def read_bounded(path: Path, what: str, limit: int) -> bytes:
     """A regular file's bytes, at most ``limit`` of them (more is one ModelFolderError)."""
     check_regular(path, what)
     try:
-        # opened without blocking and checked again: a FIFO swapped in since is refused
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(descriptor, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise ModelFolderError(f"{path}: {what} is not a regular file")
-            data = handle.read(limit + 1)
+        data = read_regular(path, limit)
+    except NotRegularFile:
+        raise ModelFolderError(f"{path}: {what} is not a regular file") from None
     except OSError as exc:
         raise ModelFolderError(f"{path}: {what} cannot be read ({exc.strerror or exc})") \
             from None

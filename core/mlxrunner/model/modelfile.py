@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import math
 import re
-import stat
 from dataclasses import dataclass, field, replace
 from os import PathLike
 from pathlib import Path
 from typing import Any
 
 from ..errors import ModelfileError
+from ..files import NotRegularFile, read_regular
 
 __all__ = ["Modelfile", "read_modelfile", "parse_modelfile", "inherit_modelfile",
            "PARAMETER_TYPES"]
@@ -113,10 +113,9 @@ def read_modelfile(path: str | PathLike[str]) -> Modelfile:
     """Read and check the Modelfile at ``path``."""
     path = Path(path)
     try:
-        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO, a device: never read
-            raise ModelfileError(f"{path}: not a regular file")
-        with path.open("rb") as handle:
-            data = handle.read(MAX_MODELFILE_BYTES + 1)
+        data = read_regular(path, MAX_MODELFILE_BYTES)  # (a FIFO, a device: never read)
+    except NotRegularFile:
+        raise ModelfileError(f"{path}: not a regular file") from None
     except FileNotFoundError:
         raise ModelfileError(f"{path}: no such file") from None
     except OSError as err:
