@@ -285,6 +285,15 @@ def test_a_config_that_is_no_regular_file_is_refused_at_once(tmp_path, example_m
                    "Modelfile")
 
 
+def test_a_folders_modelfile_that_is_no_regular_file_is_refused(tmp_path, example_model_folder):
+    """A FIFO named Modelfile in the folder a user names is one line, not silently skipped
+    (its settings would be lost without a word)."""
+    (example_model_folder / "Modelfile").unlink(missing_ok=True)
+    os.mkfifo(example_model_folder / "Modelfile")
+    one_line_error(cli("show", str(example_model_folder), cwd=tmp_path), "Modelfile",
+                   "not a regular file")
+
+
 def test_an_oversized_chat_template_is_refused_before_compiling(tmp_path):
     (tmp_path / "t.jinja").write_text("{{ 'x' }}" * 200_000)  # 1.8 MB
     (tmp_path / "c.json").write_text(json.dumps([{"role": "user", "content": "hi"}]))

@@ -186,7 +186,8 @@ def _find_modelfile(path: Path) -> tuple[Path, Path | None]:
     if path.is_file():
         return path.parent, path
     candidate = path / "Modelfile"
-    return path, (candidate if candidate.is_file() else None)
+    # one that is there but no regular file (a FIFO) is read_modelfile's to refuse
+    return path, (candidate if candidate.exists() else None)
 
 
 def choose_renderer_name(explicit: str | None, modelfile_choice: str | None,
