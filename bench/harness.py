@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from cuda_graph_dot import count_launches
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MLXRUNNER_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -128,6 +129,12 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
         if kernels and name in kernels:
             best[name]["kernels_per_step"] = kernels[name]["kernels"]
             best[name]["kernels_by_name"] = kernels[name]["by_name"]
+            best[name]["graphs_per_step"] = kernels[name]["graphs"]
+            if not kernels[name]["graphs"]:
+                print(f"  {name}: MLX wrote no graph in the counted step", flush=True)
+            elif "sample" in kernels[name]:  # a dump this bench could not read: show it
+                print(f"  {name}: {kernels[name]['graphs']} graphs, none read; the first "
+                      f"begins {kernels[name]['sample']!r}", flush=True)
     for name in names:
         result = best[name]
         print(f"  {name:{name_width}s} prefill {result['prefill_tok_s']:10.1f} tok/s   "
@@ -175,22 +182,6 @@ def step_kernels_on_cuda() -> dict[str, Any] | None:
     return None
 
 
-def _graph_kernels(files: list[Path]) -> tuple[int, Counter[str]]:
-    """Kernel nodes in CUDA graphs' DOT files (``cudaGraphDebugDotPrint``): each node's label
-    starts with its type; a kernel's names its function."""
-    import re
-
-    total, names = 0, Counter[str]()
-    for path in files:
-        for label in re.findall(r'label="\{?([^"]*)"', path.read_text(errors="replace")):
-            if not label.upper().startswith("KERNEL"):
-                continue
-            total += 1
-            found = re.search(r"(mlxrunner_\w+|_Z\w+|\b[a-z_]+kernel\w*)", label)
-            names[found.group(1)[:80] if found else "?"] += 1
-    return total, names
-
-
 def count_step_kernels(rows: dict[str, Any], prompt: mx.array) -> dict[str, Any]:
     """(In the child of :func:`step_kernels_on_cuda`.) Each row's kernels in its fourth
     decode step after an 8-token prefill: ``kernels`` and ``by_name`` (the most frequent)."""
@@ -209,7 +200,8 @@ def count_step_kernels(rows: dict[str, Any], prompt: mx.array) -> dict[str, Any]
             eval_cache(cache)
             mx.synchronize()
         new = sorted(set(prefix.parent.glob(f"{prefix.name}*")) - before)
-        total, names = _graph_kernels(new)
+        names = count_launches(new)
+        total = sum(names.values())
         counts[name] = {"kernels": total, "graphs": len(new),
                         "by_name": dict(names.most_common(12))}
         if not total and new:  # a DOT layout this parser does not know: show its start
