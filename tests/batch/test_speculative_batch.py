@@ -84,22 +84,32 @@ def test_a_draft_with_logprobs_is_refused(model):
                                              draft=draft))
 
 
-def test_greedy_drafted_rows_pause_and_resume_drafting(model):
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_greedy_drafted_rows_pause_and_resume_drafting(model, adaptive, monkeypatch):
     """With every drafted sequence greedy, the batch picks its depth from measured rounds,
     none among them (plain steps, drafting paused: the target's tapped states wait for the
     draft and reach it in one commit when drafting resumes; the scripted draft checks that
-    its context then holds every position). Outputs stay the solo greedy ones."""
+    its context then holds every position). Outputs stay the solo greedy ones. A draft of
+    fixed depth (DFlash2: its whole block costs the same at any depth) drafts its whole
+    block or none, so its rounds verify one width (each width is a trace of its own)."""
     prompts = _prompts(model.vocab_size, [6, 9], seed=8)
     budgets = [24, 20]
     alone, drafts = _scripted(model, prompts, budgets)
+    for draft in drafts:
+        draft.adaptive_depth = adaptive
+    chosen = []
+    choose = DepthController.choose
+    monkeypatch.setattr(DepthController, "choose",
+                        lambda self, limit: chosen.append(choose(self, limit)) or chosen[-1])
     scheduler = Scheduler(model, max_sequences=2)
     requests = [scheduler.submit(BatchRequest(p, GREEDY, m, draft=d))
                 for p, m, d in zip(prompts, budgets, drafts)]
     scheduler.run_until_idle()
     for request, want in zip(requests, alone):
         assert request.tokens == want
-    # the controller's warm-up visits the full depth, 1, the middle and none
-    assert {0, 1, 4} <= set(scheduler.round_depths)
+    # the controller's warm-up visits the full depth, 1, the middle and none, or for a
+    # fixed-depth draft the full depth and none
+    assert {0, 1, 4} <= set(chosen) if adaptive else set(chosen) == {0, 4}
 
 
 @pytest.mark.parametrize("seed, paused", [(None, True), (7, False)])

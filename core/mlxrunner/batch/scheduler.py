@@ -80,8 +80,9 @@ from ..model.interface import Model
 log = logging.getLogger("mlxrunner.batch")
 
 #: a drafted batch's depth controller tries one depth deeper than its best every this many
-#: steps
+#: steps, or where one sequence runs, every SOLO_PROBE_EVERY
 BATCH_PROBE_EVERY = 64
+SOLO_PROBE_EVERY = 16
 #: what a per-token callback gets: the token and its logprob entry (None unless asked for);
 #: returning True ends the sequence after that token (finish reason "stop")
 TokenCallback = Callable[[int, "dict[str, Any] | None"], "bool | None"]
@@ -858,10 +859,15 @@ class Scheduler:
         if not drafted or not free or settings.current().lockstep:
             return None
         deepest = max(seq.request.draft.max_depth for seq in drafted)
-        if self._depth is None or self._depth.max_depth != deepest:
-            # probing a deeper depth costs a round, several plain steps where drafting
-            # paused: rarer than alone
-            self._depth = DepthController(deepest, probe_every=BATCH_PROBE_EVERY)
+        # a draft of fixed depth (DFlash2) costs its whole block at any depth: the whole
+        # block or none, as alone (two widths to trace, not every depth)
+        full_only = not any(seq.request.draft.adaptive_depth for seq in drafted)
+        if self._depth is None or self._depth.max_depth != deepest \
+                or self._depth.full_only != full_only:
+            self._depth = DepthController(deepest, full_only=full_only)
+        # probing costs a round, several plain steps where drafting paused: rarer in a
+        # batch than for one sequence
+        self._depth.probe_every = SOLO_PROBE_EVERY if len(running) == 1 else BATCH_PROBE_EVERY
         return self._depth
 
     def _propose(self, row: int, seq: _Sequence, n: int) -> RowProposal:
