@@ -9,7 +9,7 @@
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
 # Llama against mlx-lm (bench/llama.py); gemma4, qwen3_5: those benches; startup:
 # bench/startup.py (a fresh kernel cache, then 3 warm processes); solo: the demo pair through
-# generate alone (bench/draft_alone.py), this core and the one copied to .gpu/other/core,
+# generate alone (bench/draft_alone.py), this core and those copied to .gpu/other*/core,
 # taking turns twice; pair: the demo pair's
 # streams with drafts in the batch against without (bench/batch.py --pair, 1/4/16/32
 # streams); soak: serve under 2,000 requests in bursts of 1-32, drafts on and off
@@ -44,10 +44,10 @@ for part in "${@:-tests qwen3 llama startup}"; do
         (cd bench && timeout "${VISION_TIMEOUT:-300}" python3 vision_ttft.py \
           --repeats "${REPEATS:-5}" --json "$out/vision-gpu.json") 2>&1 \
           | tee "$out/vision-gpu.txt" | tail -8 ;;
-      solo)  # generate alone with the demo pair's draft: this core and .gpu/other's, in turns
+      solo)  # generate alone with the demo pair's draft: this core and .gpu/other*'s, in turns
         for turn in 1 2; do
-          for core in this other; do
-            (if [ $core = other ]; then export PYTHONPATH=$PWD/.gpu/other/core:${PYTHONPATH:-}; fi
+          for core in this $(cd .gpu 2>/dev/null && ls -d other* 2>/dev/null); do
+            (if [ $core != this ]; then export PYTHONPATH=$PWD/.gpu/$core/core:${PYTHONPATH:-}; fi
              timeout "${SOLO_TIMEOUT:-120}" python3 bench/draft_alone.py $core) 2>&1 \
               | tee -a "$out/draft-alone.txt" | tail -1
           done
