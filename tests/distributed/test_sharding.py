@@ -66,3 +66,36 @@ def test_a_draft_that_reads_the_target_caches_is_refused_beside_a_sharded_target
     assert load(target, draft=fixtures / "small_plain").draft is not None
     with pytest.raises(ModelFolderError, match="attends over the target's caches"):
         load(target, draft=fixtures / "small_plain", distributed="tensor")
+
+
+@pytest.mark.skipif(not (__import__("mlx.core").core.default_device() == __import__(
+    "mlx.core").core.cpu and __import__("sys").platform != "darwin"),
+    reason="half precision computes in float32 only on MLX's CPU device off macOS")
+def test_a_rank_computes_half_precision_in_float32_on_the_cpu_as_load_model_does(tmp_path):
+    """A rank's part of a bfloat16 folder computes in float32 where products run on the
+    host BLAS (mlxrunner.model.host_dtype), as the whole model does; an asked dtype wins."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from mlxrunner import load_model
+    from mlxrunner.distributed import load_sharded
+
+    demo = Path(__file__).resolve().parents[2] / "plugins" / "demo" / "mlxrunner_demo" / "model"
+    folder = tmp_path / "m"
+    shutil.copytree(demo, folder, ignore=shutil.ignore_patterns("draft"))
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config))
+    group = mx.distributed.init()
+    assert group.size() == 1
+    whole = load_model(folder)
+    assert whole.dtype == mx.float32
+    for mode in ("tensor", "pipeline"):
+        part = load_sharded(folder, mode, group)
+        assert part.dtype == mx.float32
+        ids = mx.array([[3, 7, 11, 2]])
+        assert mx.array_equal(part(ids), whole(ids)).item()
+    assert load_sharded(folder, "tensor", group, dtype="bfloat16").dtype == mx.bfloat16

@@ -15,6 +15,7 @@ from ..model.loading import (
     build_model,
     cast_floats,
     declared_dtype,
+    host_dtype,
     parse_dtype,
     quantize_for_checkpoint,
     read_config,
@@ -66,7 +67,8 @@ def load_sharded(path: str | Path, mode: str, group: Any,
     if plan is not None:
         weights = _slices(weights, origins, plan, rank, size)
     quantize_for_checkpoint(model, config, weights)
-    target = parse_dtype(dtype if dtype is not None else declared_dtype(config))
+    target = parse_dtype(dtype if dtype is not None
+                         else host_dtype(declared_dtype(config), weights))
     if target is not None:
         weights = cast_floats(weights, target)
     assign_weights(model, weights, folder)
