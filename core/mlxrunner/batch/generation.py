@@ -1,24 +1,22 @@
-"""``generate``: one entry point for plain and speculative decoding, one sequence alone
-(:func:`mlxrunner.decode.plain.stream_plain`, :func:`mlxrunner.decode.speculative.
-speculative_stream`: its own caches, its scalar offset, the shortest step or round).
+"""``generate``: one entry point for plain and speculative decoding.
 
-(The scheduler with one row runs drafts exactly too, but on the H200 the demo pair drafted
-alone at 2,216-2,631 tok/s through it against 3,235-3,385 through the solo loop: its
-verify shapes vary with the batch's depth policy and its greedy block drafts go through the
-shared context.)
+Plain decoding runs its own loop (:func:`mlxrunner.decode.plain.stream_plain`: one
+sequence's caches, its scalar offset, the shortest step); a draft's rounds run in the
+:class:`~.scheduler.Scheduler` with one row, the one place speculative rounds are written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..cache.prefix import PrefixCache
 from ..decode import GenerationResult, GenerationStats, Sampler, SamplerOptions, can_speculate
 from ..decode.grammar import Constraint
 from ..decode.plain import stream_plain
-from ..decode.speculative import speculative_generate
+from ..media import MediaPrompt
 from ..model.interface import Model
+from .scheduler import BatchRequest, Scheduler
 
 
 def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | None = None,
@@ -42,12 +40,13 @@ def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | N
     state for the next (``stats.cached_tokens`` says how many prompt tokens it held).
     """
     options = options or SamplerOptions()
+    if draft is not None and can_speculate(options) and max_tokens > 0:
+        unknown = set(draft_options or {}) - {"depth"}
+        if unknown:
+            raise TypeError(f"unknown draft option {sorted(unknown)[0]!r} (takes: depth)")
+        return _drafted(model, prompt, options, max_tokens, eos_ids, on_token, draft,
+                        (draft_options or {}).get("depth"), constraint, prefix_cache)
     sampler = Sampler(options, model.vocab_size)
-    if draft is not None and can_speculate(options):
-        return speculative_generate(model, draft, prompt, sampler=sampler,
-                                    max_tokens=max_tokens, eos_ids=eos_ids, on_token=on_token,
-                                    constraint=constraint, prefix_cache=prefix_cache,
-                                    **(draft_options or {}))
     want_logprobs = bool(options.logprobs or options.top_logprobs)
     tokens: list[int] = []
     logprobs: list[dict[str, Any]] = []
@@ -65,3 +64,28 @@ def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | N
         constraint is not None and constraint.complete) else "length"
     return GenerationResult(tokens=tokens, finish_reason=finish, stats=stats, logprobs=logprobs)
 
+
+def _drafted(model: Model, prompt: Sequence[int], options: SamplerOptions, max_tokens: int,
+             eos_ids: frozenset[int] | set[int], on_token: Callable[[int], bool | None] | None,
+             draft: Any, depth: int | None, constraint: Constraint | None,
+             prefix_cache: PrefixCache | None) -> GenerationResult:
+    """A drafted generation: the scheduler with one row. What fails is raised here, as
+    plain decoding raises it (the batch ends a failing row alone and goes on)."""
+    raised: list[Exception] = []
+
+    def callback(token: int, _: Any) -> bool | None:
+        try:
+            return on_token(token) if on_token is not None else None
+        except Exception as exc:
+            raised.append(exc)
+            return True
+
+    scheduler = Scheduler(model, max_sequences=1)
+    request = scheduler.submit(BatchRequest(
+        prompt if isinstance(prompt, MediaPrompt) else list(prompt), options, max_tokens,
+        frozenset(eos_ids), callback, draft=draft, depth=depth, constraint=constraint,
+        prefix_cache=prefix_cache))
+    scheduler.run_until_idle()
+    if raised or request.error is not None:
+        raise raised[0] if raised else cast(Exception, request.error)
+    return request.result()

@@ -355,7 +355,7 @@ class Scheduler:
     ``prefill_chunk`` is how many prompt tokens one step prefills (the same as
     :func:`mlxrunner.generate`'s chunks by default, which keeps each sequence's output
     exactly its solo output). With ``max_sequences`` 1 the row is the sequence's own caches
-    (:class:`mlxrunner.cache.SoloCaches`: any cache kind serves).
+    (:class:`mlxrunner.cache.SoloCaches`: what ``generate`` with a draft runs on).
     """
 
     def __init__(self, model: Model, *, max_sequences: int = 32,
@@ -667,9 +667,9 @@ class Scheduler:
     def _round(self, chosen: int | None) -> None:
         """A speculative round over the batch: each sequence with a draft proposes a block,
         one target forward verifies every block (rows padded to the longest; a row without
-        a draft decodes its one token), each row accepts with its own sampler as
-        :func:`mlxrunner.decode.speculative.run_round` does alone, and each row rolls back
-        to what it committed. ``chosen``: the depth the batch's controller chose (None: each
+        a draft decodes its one token), each row accepts with its own sampler
+        (:func:`mlxrunner.decode.speculative.decide_row`), and each row rolls back to what it
+        committed. ``chosen``: the depth the batch's controller chose (None: each
         draft's full depth).
 
         The sequences of a shared context propose in one block forward and accept in one

@@ -386,7 +386,7 @@ class BatchCaches:
 
 class SoloCaches:
     """One sequence's own caches in the place of :class:`BatchCaches`, for a scheduler of one
-    row: its forwards are a solo sequence's (a
+    row (:func:`mlxrunner.generate` with a draft): its forwards are a solo sequence's (a
     scalar offset, the solo trace) and its rollback the caches' own snapshots, so every
     cache kind serves, one without a batched form included. A round's rollback is applied
     when the caches are next read, so that a sequence ending inside the round may still be

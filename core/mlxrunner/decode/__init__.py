@@ -1,4 +1,5 @@
-"""Decoding: sampler options, the sampler pipeline, top-k, grammars, plain and speculative loops.
+"""Decoding: sampler options, the sampler pipeline, top-k, grammars, the plain loop and the
+speculative round's decision.
 
 Names resolve lazily (``options`` is plain Python: the CLI builds its flags from it without
 importing MLX).
@@ -32,14 +33,10 @@ _EXPORTS: dict[str, str] = {
     # speculative decoding
     "DepthController": "speculative",
     "RoundDecision": "speculative",
-    "RoundOutcome": "speculative",
     "SpeculativeStats": "speculative",
     "can_speculate": "speculative",
     "decide": "speculative",
     "penalties_active": "sampler",
-    "run_round": "speculative",
-    "speculative_generate": "speculative",
-    "speculative_stream": "speculative",
     # structured output (a grammar's token mask)
     "Constraint": "grammar",
     "Format": "grammar",

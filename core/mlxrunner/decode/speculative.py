@@ -1,16 +1,18 @@
-"""Exact speculative decoding: the round, the loop, the depth controller, the statistics.
+"""Exact speculative decoding: a round's decision, the depth controller, the statistics.
 
-The round (speculative.md, "The speculative round"), with ``pos`` the slot of
-``current`` (the last emitted token, not yet run through the target):
+The rounds run in :class:`mlxrunner.batch.Scheduler` (``generate`` with a draft is the
+scheduler with one row). A round (speculative.md, "The speculative round"), with ``pos`` the
+slot of ``current`` (the last emitted token, not yet run through the target):
 
 1. the draft session proposes ``d_0 .. d_{N-1}`` and the q_i each was drawn from;
-2. every target cache schedules snapshots at ``pos+1 .. pos+N``;
+2. the target caches keep what rolling back to any of ``pos+1 .. pos+N+1`` needs;
 3. one target forward over ``[current, d_0 .. d_{N-1}]`` gives logits and taps;
 4. p_i from the very sampler pipeline of plain decoding (penalty history:
    committed tokens + ``d[:i]``); greedy is its point-mass case;
 5. accept d_i with probability ``min(1, p_i(d_i) / q_i(d_i))`` in order; the
    residual ``normalise(max(p_i - q_i, 0))`` of every row and the bonus from
-   p_N are drawn before the round's one host sync, which then picks one;
+   p_N are drawn before the round's one host sync, which then picks one
+   (:func:`decide_row`);
 6. an accepted EOS ends generation (so does a structured-output grammar once complete);
 7. every cache rolls back to ``pos + 1 + accepted``; the taps of the committed
    rows become the draft's context.
@@ -28,30 +30,23 @@ taps and restorable caches gets speculative decoding.
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
 
-from .. import settings
-from ..cache.prefix import PrefixCache
-from ..media import history_key
 from ..model.builtin_draft import describe_checkpoint_draft
 from ..model.distribution import Distribution
 from .grammar import Constraint, allowed_rows
 from .options import SamplerOptions
-from .plain import GenerationResult, GenerationStats, prefill
+from .plain import GenerationStats
 from .sampler import Sampler, penalties_active
-from .step import forward
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..cache import Cache
-    from ..model.draft import DraftModel, DraftProposal, DraftSession
-    from ..model.interface import Model
+    from ..model.draft import DraftModel, DraftProposal
 
 
 def draft_name(draft: DraftModel) -> str:
@@ -292,18 +287,6 @@ def decide(sampler: Sampler, p: Distribution, q: Distribution | None,
     return RoundDecision(accepted, mx.concatenate([residual, bonus]).astype(mx.int32))
 
 
-@dataclass
-class RoundOutcome:
-    drafts: list[int]  # what the round verified (under a grammar, maybe fewer than asked)
-    accepted: int
-    fix: int
-    tapped: mx.array  # [1, N + 1, taps * hidden], lazy
-
-    @property
-    def emitted(self) -> list[int]:
-        return self.drafts[:self.accepted] + [self.fix]
-
-
 def _bit_set(words: np.ndarray, token: int) -> bool:
     return bool((int(words.view(np.uint32)[token >> 5]) >> (token & 31)) & 1)
 
@@ -469,51 +452,6 @@ class GrammarPause:
             self.idle = self.backoff
 
 
-def run_round(model: Model, caches: Sequence[Cache | None], session: DraftSession,
-              sampler: Sampler, taps: Sequence[int], history: Sequence[int], current: int,
-              pos: int, n: int, constraint: Constraint | None = None) -> RoundOutcome:
-    """Steps 1-5 and the host sync of one round (rollback and commit are the caller's).
-
-    ``constraint`` (at ``current``, which it has committed) masks the proposals and the
-    target's distributions; the round leaves it as it found it."""
-    live = [c for c in caches if c is not None]
-    row = propose_row(session.propose(current, pos, n) if n > 0 else None, sampler, constraint,
-                      model.vocab_size)
-    ids = mx.array([[current]], dtype=mx.int32) if row.drafts is None else \
-        mx.concatenate([mx.array([current], dtype=mx.int32), row.drafts])[None]
-    for cache in live:
-        cache.schedule_snapshots(range(pos + 1, pos + row.n + 1))
-    logits, tapped = forward(model, ids, caches, taps)
-    # the device runs the verify forward while the host builds the decision (MLX would
-    # otherwise submit its last operations only at the round's sync)
-    mx.async_eval(logits, tapped)
-    # the round's one host sync: everything the host needs in one array, read once (each
-    # read of a device array is a synchronisation, which costs a small model a decode step)
-    values = cast("list[int]", decide_row(sampler, logits[0], row, history).tolist())
-    drafts, accepted, fix = read_row(values, row.n)
-    return RoundOutcome(drafts, accepted, fix, tapped)
-
-
-# -- the loop ---------------------------------------------------------------------------------
-
-
-def _prefill(model: Model, prompt: Sequence[int], caches: list, session: DraftSession,
-             taps: Sequence[int], start: int = 0, kept: TapRows | None = None,
-             on_chunk: Callable[[int], None] | None = None) -> mx.array:
-    """Plain decoding's chunked prefill (same chunks, so the same arithmetic), each chunk's
-    tapped states handed to the draft as they come (and kept in ``kept``); returns the last
-    row's logits. The caches already hold ``prompt[:start]``."""
-    def to_draft(tapped: mx.array) -> list[mx.array]:
-        session.prefill(tapped)
-        if kept is not None:
-            kept.add(tapped, own=True)
-        return list(session.state)
-
-    logits, _ = prefill(model, prompt, caches, taps=taps, on_taps=to_draft, start=start,
-                        on_chunk=on_chunk)
-    return logits
-
-
 class TapRows:
     """The draft's tapped states of every position a sequence's caches hold, which the
     prefix cache keeps with them (a hit rebuilds the draft's session from them). Each part
@@ -538,232 +476,3 @@ class TapRows:
         if len(self.parts) > 1:
             self.parts = [mx.concatenate(self.parts, axis=1)]
         return self.taps, self.parts[0][:, :length]
-
-
-def solo_controller(draft: DraftModel, sampler: Sampler) -> DepthController | None:
-    """The depth controller of a sequence decoding alone: a draft that adapts its depth
-    follows one, measured on this machine's rounds unless the draws must not depend on
-    timings (a seeded sampler; a distributed job's lockstep), then the fixed cost model; a
-    DFlash2-style draft drafts its whole block, unless measured plain steps are faster."""
-    measured = (sampler.greedy or sampler.options.seed is None) \
-        and not settings.current().lockstep
-    if draft.adaptive_depth:
-        return DepthController(draft.max_depth, measured=measured)
-    if measured:
-        return DepthController(draft.max_depth, full_only=True)
-    return None
-
-
-def settle(emitted: list[int], eos: frozenset[int], constraint: Constraint | None
-           ) -> tuple[list[int], bool]:
-    """A round's tokens up to the first that ends generation (an EOS, or the one that
-    completes the grammar, which advances through them), and whether one did."""
-    for i, token in enumerate(emitted):
-        if token in eos:
-            return emitted[:i + 1], True
-        if constraint is not None:
-            constraint.advance(token)
-            if constraint.complete:
-                return emitted[:i + 1], True
-    return emitted, False
-
-
-def speculative_stream(model: Model, draft: DraftModel, prompt: Sequence[int], *,
-                       sampler: Sampler, max_tokens: int = 256,
-                       eos_ids: frozenset[int] | set[int] = frozenset(),
-                       depth: int | None = None, stats: SpeculativeStats | None = None,
-                       controller: DepthController | None = None,
-                       constraint: Constraint | None = None,
-                       prefix_cache: PrefixCache | None = None
-                       ) -> Generator[list[int], None, None]:
-    """Yield the tokens each step commits: the first token, then each round's.
-
-    Stops after an EOS token or ``max_tokens`` tokens, or once ``constraint`` (structured
-    output: every token drawn under its mask) is complete. ``depth`` fixes the
-    drafts per round (clipped to the draft's ``max_depth`` and to the budget); by
-    default a draft with ``adaptive_depth`` follows a :class:`DepthController` and
-    one without (DFlash2) drafts ``max_depth`` every round,
-    pausing (``full_only``) where its measured rounds commit tokens slower than plain
-    steps (with a seeded sampler: every round). Logprob requests must decode without drafting
-    (:func:`can_speculate`).
-    """
-    if not prompt:
-        raise ValueError("the prompt must hold at least one token")
-    if not can_speculate(sampler.options):
-        raise ValueError("logprob requests decode without drafting (see can_speculate)")
-    stats = stats if stats is not None else SpeculativeStats()
-    stats.draft = stats.draft or draft_name(draft)
-    if max_tokens <= 0:
-        return
-    if depth is None and controller is None:
-        controller = solo_controller(draft, sampler)
-    taps = tuple(draft.taps)
-    t0 = time.perf_counter()
-    session = draft.new_session(sampler)
-    caches, kept, logits = _start(model, session, prompt, taps, prefix_cache, stats)
-    live = [c for c in caches if c is not None]
-    history = list(prompt)
-    eos = frozenset(eos_ids)
-    first_allowed = None if constraint is None else \
-        allowed_rows([constraint.words()], model.vocab_size)
-    first = int(sampler.sample(logits, history, first_allowed))
-    stats.prompt_tokens = len(prompt)
-    stats.target_forwards += 1
-    stats.prefill_seconds = time.perf_counter() - t0
-    t_decode = time.perf_counter()
-    # a round whose rollback was skipped (the last): (pos, accepted, its tapped states)
-    unsettled: tuple[int, int, mx.array] | None = None
-    completed = False
-    try:
-        history.append(first)
-        session.extend_tokens([first])
-        stats.generated_tokens = 1
-        stats.decode_seconds = time.perf_counter() - t_decode
-        if constraint is not None and first not in eos:
-            constraint.advance(first)
-        yield [first]
-        if first in eos or (constraint is not None and constraint.complete):
-            return
-        pos, current = len(prompt), first
-        pause = GrammarPause()
-        while stats.generated_tokens < max_tokens:
-            limit = min(draft.max_depth, max_tokens - stats.generated_tokens - 1)
-            n = _depth(depth, controller, limit)
-            if constraint is not None:
-                n = pause.depth(n)
-            t_round = time.perf_counter()
-            outcome = run_round(model, caches, session, sampler, taps, history, current, pos, n,
-                                constraint)
-            seconds = time.perf_counter() - t_round
-            if constraint is not None:
-                pause.update(n, len(outcome.drafts))
-            n = len(outcome.drafts)  # a grammar may have cut the proposal
-            emitted, finished = settle(outcome.emitted, eos, constraint)
-            stats.record_round(n, outcome.accepted, len(outcome.emitted), seconds)
-            if controller is not None:
-                controller.update(n, outcome.accepted, seconds)
-            history.extend(emitted)
-            stats.generated_tokens += len(emitted)
-            if not finished and stats.generated_tokens < max_tokens:
-                _commit(live, session, kept, outcome, pos)
-                pos += outcome.accepted + 1
-                current = emitted[-1]
-            else:
-                unsettled = (pos, outcome.accepted, outcome.tapped)
-            stats.decode_seconds = time.perf_counter() - t_decode
-            yield emitted
-            if finished:
-                completed = True
-                return
-        completed = True
-    except GeneratorExit:  # the consumer stopped early: the caches are whole
-        completed = True
-        raise
-    finally:
-        stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
-        if prefix_cache is not None and kept is not None and completed:
-            _keep_end(prefix_cache, caches, kept, history_key(prompt, history), unsettled)
-
-
-def _keep_end(prefix_cache: PrefixCache, caches: list[Cache | None], kept: TapRows,
-              history: list[int], unsettled: tuple[int, int, mx.array] | None) -> None:
-    """Store what the caches hold once generation ended, the last round's rollback done
-    first where it was skipped (``unsettled``: its position, accepted drafts and taps)."""
-    live = [c for c in caches if c is not None]
-    if unsettled is not None:
-        # the last round kept its whole verify block: back to what it committed
-        at, accepted, tapped = unsettled
-        end = min(at + 1 + accepted, len(history))
-        for cache in live:
-            cache.restore(end)
-        kept.add(tapped[:, :end - at])
-    end = live[0].offset if live else 0
-    prefix_cache.store(history[:end], caches, kept.first(end))
-
-
-def _start(model: Model, session: DraftSession, prompt: Sequence[int], taps: tuple[int, ...],
-           prefix_cache: PrefixCache | None, stats: SpeculativeStats
-           ) -> tuple[list[Cache | None], TapRows | None, mx.array]:
-    """The target's caches after ``prompt`` and its last logits, the draft's session over
-    it, and (with a prefix cache) the tapped states kept for the cache. A prefix hit
-    rebuilds the session from the tapped states kept with the target's caches: it then
-    holds what a prefill of those tokens gives."""
-    hit = prefix_cache.lookup(prompt, taps) if prefix_cache is not None else None
-    caches = hit.caches if hit is not None else model.make_cache()
-    session.bind_target_caches(caches)
-    session.extend_tokens(prompt)
-    kept = TapRows(taps) if prefix_cache is not None else None
-    if hit is not None and hit.length:
-        assert hit.tapped is not None and kept is not None  # asked for with the taps
-        session.prefill(hit.tapped)
-        mx.eval(*session.state)
-        kept.add(hit.tapped, own=True)
-        stats.cached_tokens = hit.length
-    if hit is not None and hit.logits is not None:  # the whole prompt, met before
-        return caches, kept, hit.logits
-
-    def keep(end: int, logits: mx.array | None = None) -> None:
-        if prefix_cache is not None and kept is not None:
-            prefix_cache.store(prompt[:end], caches, kept.first(end), logits)
-
-    logits = _prefill(model, prompt, caches, session, taps, stats.cached_tokens, kept,
-                      # the prompt's end is stored below, with its logits
-                      lambda end: keep(end) if end < len(prompt) else None)
-    keep(len(prompt), logits)
-    return caches, kept, logits
-
-
-def _depth(fixed: int | None, controller: DepthController | None, limit: int) -> int:
-    """A round's depth: ``fixed``, else the controller's choice, else the whole ``limit``."""
-    if fixed is not None:
-        return max(0, min(fixed, limit))
-    return controller.choose(limit) if controller is not None else max(0, limit)
-
-
-def _commit(live: list[Cache], session: DraftSession, kept: TapRows | None,
-            outcome: RoundOutcome, pos: int) -> None:
-    """A round that generation goes on after: the caches back to what it committed (at
-    ``pos`` its current token), the draft given its tokens and their tapped states."""
-    if outcome.accepted < len(outcome.drafts):
-        for cache in live:
-            cache.restore(pos + 1 + outcome.accepted)
-    for cache in live:
-        cache.discard_snapshots()
-    session.extend_tokens(outcome.emitted)
-    session.commit(outcome.tapped[:, :outcome.accepted + 1])
-    if kept is not None:
-        kept.add(outcome.tapped[:, :outcome.accepted + 1])
-
-
-def speculative_generate(model: Model, draft: DraftModel, prompt: Sequence[int], *,
-                         sampler: Sampler | None = None, options: SamplerOptions | None = None,
-                         max_tokens: int = 256, eos_ids: frozenset[int] | set[int] = frozenset(),
-                         on_token: Callable[[int], bool | None] | None = None,
-                         depth: int | None = None,
-                         constraint: Constraint | None = None,
-                         prefix_cache: PrefixCache | None = None) -> GenerationResult:
-    """Generate with ``draft``; the output has plain decoding's distribution (greedy: its
-    very tokens). Returns :class:`mlxrunner.GenerationResult` with
-    :class:`SpeculativeStats` as ``stats``. ``on_token`` returning True ends generation
-    after that token (the rest of its round is dropped), as in :func:`mlxrunner.generate`."""
-    if sampler is None:
-        sampler = Sampler(options or SamplerOptions(), model.vocab_size)
-    stats = SpeculativeStats(draft=draft_name(draft))
-    tokens: list[int] = []
-    stopped = False
-    stream = speculative_stream(model, draft, prompt, sampler=sampler, max_tokens=max_tokens,
-                                eos_ids=eos_ids, depth=depth, stats=stats,
-                                constraint=constraint, prefix_cache=prefix_cache)
-    for chunk in stream:
-        for token in chunk:
-            tokens.append(token)
-            if on_token is not None and on_token(token):
-                stopped = True
-                break
-        if stopped:
-            stream.close()
-            stats.generated_tokens = len(tokens)  # what the caller keeps
-            break
-    finish = "stop" if stopped or (tokens and tokens[-1] in eos_ids) or (
-        constraint is not None and constraint.complete) else "length"
-    return GenerationResult(tokens=tokens, finish_reason=finish, stats=stats)
