@@ -3,7 +3,7 @@
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
 #   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [solo]
-#     [pair] [soak] [vision]    (SWITCHED=NAME=VALUE: a second row of ours under that setting)
+#     [pair] [soak] [vision] [launch]    (SWITCHED=NAME=VALUE: a second row of ours under that setting)
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
@@ -18,6 +18,7 @@
 # which the GPU machine lacks); vision: issue 39's time to first token for a 0.8B-shape
 # Qwen3.5 with one 1024x1024 image against mlx-vlm (bench/vision_ttft.py; needs mlx-vlm's
 # wheel in .whl, mlx_vlm-0.7.10-py3-none-any.whl, installed without its dependencies).
+# launch: host time per kernel launch, built-in against custom kernels (bench/launch_cost.py).
 # Results in $OUT/results.tgz.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
@@ -60,6 +61,9 @@ for part in "${@:-tests qwen3 llama startup}"; do
         MLXRUNNER_MODELS=/tmp/store timeout "${SOAK_TIMEOUT:-540}" python3 bench/serve_soak.py \
           demo-qwen3.5 --bursts --requests "${SOAK_REQUESTS:-2000}" --minutes 8 \
           --json "$out/soak-gpu.json" 2>&1 | tee "$out/soak-gpu.txt" | tail -16 ;;
+      launch)
+        (cd bench && timeout 120 python3 launch_cost.py --json "$out/launch-gpu.json") 2>&1 \
+          | tee "$out/launch-gpu.txt" | tail -8 ;;
       startup)
         timeout "${STARTUP_TIMEOUT:-300}" python3 bench/startup.py --runs 3 \
           --json "$out/startup-gpu.json" 2>&1 | tee "$out/startup-gpu.txt" | tail -24 ;;

@@ -1,0 +1,101 @@
+"""Host time per kernel launch on MLX's CUDA backend: built-in operations against custom
+kernels (``mx.fast.cuda_kernel``), the same custom kernel with its source padded to several
+lengths.
+
+Why: on the H100 (bench/results/2026-12-05i-h100) a decode step of ours launched 181 kernels
+for the Llama-1B shape against mlx-lm's 276 and still submitted slower (1.78 ms against
+1.62): about 15 us a custom kernel against 6 us a built-in one. MLX's
+``CustomKernel::eval_gpu`` hashes the kernel's whole source (for a precompiled kernel, its
+cubin) at every launch to find its module; if that is the cost, the time a launch takes grows
+with the source's length here. Also prints the sizes of the cubins the core built (the
+``mlxrunner`` folder in ``MLX_PTX_CACHE_DIR``), the lengths the core's launches hash.
+
+    python bench/launch_cost.py [--launches 200] [--repeats 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+BODY = """
+    uint i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N) { out[i] = x[i] + 1.0f; }
+"""
+
+
+def custom_kernel(padding: int):
+    # a comment of ``padding`` bytes: the kernel is the same, its source longer
+    source = BODY + ("// " + "x" * 77 + "\n") * (padding // 81)
+    return mx.fast.cuda_kernel(name=f"launch_cost_{padding}", input_names=["x"],
+                               output_names=["out"], source=source)
+
+
+def chain_builtin(x: mx.array, launches: int) -> mx.array:
+    for _ in range(launches):
+        x = x + 1.0
+    return x
+
+
+def chain_custom(kernel, x: mx.array, launches: int) -> mx.array:
+    for _ in range(launches):
+        (x,) = kernel(inputs=[x], template=[("N", x.size)], grid=(x.size, 1, 1),
+                      threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[x.dtype])
+    return x
+
+
+def per_launch_us(function, launches: int, repeats: int) -> list[float]:
+    """Host time per launch of a compiled chain (build, submit and the wait, which for
+    these tiny kernels is the GPU running them back to back)."""
+    x = mx.zeros((1024,), dtype=mx.float32)
+    compiled = mx.compile(function)
+    mx.eval(compiled(x))  # trace, build
+    times = []
+    for _ in range(repeats):
+        mx.synchronize()
+        started = time.perf_counter()
+        mx.eval(compiled(x))
+        mx.synchronize()
+        times.append(1e6 * (time.perf_counter() - started) / launches)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--launches", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        raise SystemExit("launch_cost.py measures MLX's CUDA backend: no CUDA device here")
+    rows: dict[str, list[float]] = {
+        "built-in add": per_launch_us(lambda x: chain_builtin(x, args.launches),
+                                      args.launches, args.repeats)}
+    for padding in (0, 16384, 65536):
+        kernel = custom_kernel(padding)
+        rows[f"custom kernel, source +{padding // 1024} KiB"] = per_launch_us(
+            lambda x, k=kernel: chain_custom(k, x, args.launches), args.launches, args.repeats)
+    print(f"host time per launch, {args.launches} launches a graph, median of "
+          f"{args.repeats} [min - max], device {mx.default_device()}, mlx {mx.__version__}")
+    for name, times in rows.items():
+        print(f"  {name:34s} {statistics.median(times):7.2f} us  "
+              f"[{min(times):.2f} - {max(times):.2f}]")
+    folder = Path(os.environ.get("MLX_PTX_CACHE_DIR", "/nonexistent")) / "mlxrunner"
+    sizes = sorted(p.stat().st_size for p in folder.glob("*.cubin")) if folder.is_dir() else []
+    if sizes:
+        print(f"  the core's cubins in {folder}: {len(sizes)}, bytes median "
+              f"{statistics.median(sizes):.0f}, range {sizes[0]}-{sizes[-1]}")
+    if args.json:
+        args.json.write_text(json.dumps({"launches": args.launches, "rows_us": rows,
+                                         "cubin_bytes": sizes}, indent=1))
+        print(f"  wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
