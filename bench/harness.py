@@ -411,6 +411,29 @@ def record_parity(ours: Any, reference: Any, prompt: mx.array, results: dict[str
           f"{results['parity_max_abs_logit_diff_16_tokens']:.4g} "
           f"(float32: {results['parity_float32']:.3g}, tolerance {PARITY_TOLERANCE:g})",
           flush=True)
+    if results["parity_float32"] > PARITY_TOLERANCE and mx.default_device() != mx.cpu:
+        results["parity_float32_where"] = _parity_split(ours, reference, short)
+        print("  float32 parity, split: " + ", ".join(
+            f"{k} {v:.3g}" for k, v in results["parity_float32_where"].items()), flush=True)
+
+
+def _parity_split(ours: Any, reference: Any, short: mx.array) -> dict[str, float]:
+    """Where a float32 disagreement on the GPU comes from: ours without the core's kernels
+    against the reference, and each model on the GPU against itself on the CPU."""
+    from mlxrunner import settings
+
+    def gap(a: mx.array, b: mx.array) -> float:
+        return mx.abs(a - b).max().item()
+
+    ours_gpu, ref_gpu = _float32_logits(ours, short), _float32_logits(reference, short)
+    with settings.overridden(kernels=frozenset(), attention="mlx", row_products=False):
+        plain = _float32_logits(ours, short)
+    with mx.stream(mx.cpu):
+        ours_cpu, ref_cpu = _float32_logits(ours, short), _float32_logits(reference, short)
+    return {"ours without kernels vs reference": gap(plain, ref_gpu),
+            "ours GPU vs CPU": gap(ours_gpu, ours_cpu),
+            "reference GPU vs CPU": gap(ref_gpu, ref_cpu),
+            "ours vs reference on the CPU": gap(ours_cpu, ref_cpu)}
 
 
 def record_reference(results: dict[str, Any], best: dict[str, Any], version: str | None,
