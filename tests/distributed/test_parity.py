@@ -114,3 +114,29 @@ def quantized_llama(tmp_path_factory) -> Path:
 
 def test_quantized_sharded_greedy_equals_one_process(ring, tmp_path, quantized_llama):
     _check_parity(ring, tmp_path, quantized_llama)
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="half precision computes in float32 only "
+                    "on MLX's CPU device off macOS")
+def test_ranks_agree_on_the_dtype_they_compute_in(ring, tmp_path):
+    """A half-precision folder computes in float32 on MLX's CPU only where every rank would:
+    a rank whose host products are off keeps bfloat16, and so then does every other rank
+    (their collectives need one dtype); with both on, both take float32."""
+    import shutil
+
+    demo = HERE.parent.parent / "plugins" / "demo" / "mlxrunner_demo" / "model"
+    folder = tmp_path / "m"
+    shutil.copytree(demo, folder, ignore=shutil.ignore_patterns("draft"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, dtype="bfloat16")))
+    code = ("import os, sys; import mlx.core as mx; mx.set_default_device(mx.cpu)\n"
+            "if os.environ['MLX_RANK'] == '1': "
+            "os.environ['MLXRUNNER_HOST_PRODUCTS'] = sys.argv[2]\n"
+            "from mlxrunner import distributed\n"
+            "m = distributed.load_sharded(sys.argv[1], 'tensor', distributed.world())\n"
+            "print('dtype', m.dtype)")
+    for second, want in (("1", "float32"), ("0", "bfloat16")):
+        job = ring([sys.executable, "-c", code, str(folder), second])
+        assert job.returncodes == [0, 0], "\n".join(job.outputs)
+        for out in job.outputs:
+            assert f"dtype mlx.core.{want}" in out, out

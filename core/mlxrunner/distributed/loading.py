@@ -62,13 +62,15 @@ def load_sharded(path: str | Path, mode: str, group: Any,
     except (KeyError, ValueError, IndexError) as exc:
         raise ModelFolderError(f"{folder}: checkpoint does not fit the architecture "
                                f"({exc})") from None
+    # judged on the whole model's weights (ranks sharing a machine share its memory), and
+    # agreed: every rank must compute in one dtype for its collectives to match
+    target = parse_dtype(dtype) if dtype is not None else \
+        _agreed_dtype(declared_dtype(config), weights, group)
     if dropped:
         weights = {k: v for k, v in weights.items() if not k.startswith(dropped)}
     if plan is not None:
         weights = _slices(weights, origins, plan, rank, size)
     quantize_for_checkpoint(model, config, weights)
-    target = parse_dtype(dtype if dtype is not None
-                         else host_dtype(declared_dtype(config), weights))
     if target is not None:
         weights = cast_floats(weights, target)
     assign_weights(model, weights, folder)
@@ -77,6 +79,18 @@ def load_sharded(path: str | Path, mode: str, group: Any,
     if plan is not None:
         connect_rows(model, plan, group)
     return model
+
+
+def _agreed_dtype(declared: mx.Dtype | None, weights: dict[str, mx.array],
+                  group: Any) -> mx.Dtype | None:
+    """:func:`~mlxrunner.model.loading.host_dtype` where every rank of ``group`` chose it
+    (each asks of its own device and memory), else ``declared``."""
+    chosen = host_dtype(declared, weights)
+    if group.size() == 1:
+        return chosen
+    votes = mx.distributed.all_sum(mx.array(int(chosen != declared), dtype=mx.int32),
+                                   group=group)
+    return chosen if votes.item() == group.size() else declared
 
 
 def _slices(weights: dict[str, mx.array], origins: dict[int, Any], plan: TensorPlan,
