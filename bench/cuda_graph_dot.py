@@ -6,8 +6,9 @@ index and then its payload on the next line: a kernel's symbol, or, for a node d
 rectangle, the name of a child graph (cuBLAS and cuDNN calls are captured into child graphs,
 each drawn as its own ``subgraph cluster``). The verbose form (other flags) starts a node's
 label with its type (``{KERNEL | {ID | 0 (topoId: 3) | symbol<<<...>>>} ...``). Both are read:
-a launch is a leaf node, reached from a graph no other graph includes, counted once for every
-path to it (a child graph included twice runs twice).
+a launch is a leaf node that does work (a kernel, a copy, a fill: not an empty or event node),
+reached from a graph no other graph includes, counted once for every path to it (a child
+graph included twice runs twice).
 
 Plain Python: no MLX, so it reads dumps copied off the GPU machine too.
 """
@@ -87,14 +88,22 @@ def parse(text: str) -> Dump:
                 found = re.search(r"\b(graph_\d+)\b", body[len("GRAPH"):])
                 payload = found.group(1) if found else ""
             node = Node(kind, payload)
-        else:  # flags 0: index, then the payload
+        else:  # flags 0: index, then the payload (a node that is no kernel: its type)
             lines = _lines(label)
             payload = lines[1] if len(lines) > 1 else (lines[0] if lines else "?")
-            is_child = shape == "rectangle" and re.fullmatch(r"graph_\d+", payload) is not None
-            node = Node("GRAPH" if is_child else "KERNEL", payload if is_child
-                        else _symbol(payload))
+            if shape == "rectangle" and re.fullmatch(r"graph_\d+", payload):
+                node = Node("GRAPH", payload)
+            elif payload.upper() in _TYPES:
+                node = Node(payload.upper(), "")
+            else:
+                node = Node("KERNEL", _symbol(payload))
         dump.graphs.setdefault(graph, []).append(node)
     return dump
+
+
+def kernels(launches: Counter[str]) -> int:
+    """The kernels among :meth:`Dump.launches` (not the copies and fills)."""
+    return sum(n for name, n in launches.items() if name not in WORK)
 
 
 def count_launches(paths: Iterable[Path]) -> Counter[str]:

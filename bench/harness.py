@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from cuda_graph_dot import count_launches
+from cuda_graph_dot import count_launches, kernels
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MLXRUNNER_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -201,7 +201,7 @@ def count_step_kernels(rows: dict[str, Any], prompt: mx.array) -> dict[str, Any]
             mx.synchronize()
         new = sorted(set(prefix.parent.glob(f"{prefix.name}*")) - before)
         names = count_launches(new)
-        total = sum(names.values())
+        total = kernels(names)
         counts[name] = {"kernels": total, "graphs": len(new),
                         "by_name": dict(names.most_common(12))}
         if not total and new:  # a DOT layout this parser does not know: show its start

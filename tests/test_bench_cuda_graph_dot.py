@@ -32,6 +32,9 @@ graph_2
 "graph_1_node_3"[style="bold" shape="octagon" label="3
 _ZN3mlx4core2cu6argmaxEv
 "];
+"graph_1_node_4"[style="solid" shape="ellipse" label="4
+EMPTY
+"];
 "graph_1_node_0" -> "graph_1_node_1" [headlabel=0];
 }
 subgraph cluster_2 {
@@ -74,6 +77,7 @@ def test_flags_zero_dump_flattens_child_graphs_per_inclusion() -> None:
     assert launches == {"_ZN3mlx4core2cu13rms_norm_smallEv": 1, "_ZN3mlx4core2cu6argmaxEv": 1,
                         "sm90_xmma_gemm_bf16bf16": 2, "MEMSET": 2}
     assert dot.parse(PLAIN).roots() == ["graph_1"]
+    assert dot.kernels(launches) == 4  # the fills are no kernels, the empty node nothing
 
 
 def test_verbose_dump_counts_work_nodes_only() -> None:
@@ -86,5 +90,5 @@ def test_files_add_up_and_a_dump_without_nodes_counts_nothing(tmp_path: Path) ->
     (tmp_path / "graph_2.dot").write_text(VERBOSE)
     (tmp_path / "graph_3.dot").write_text("digraph dot {\n}\n")
     total = dot.count_launches(sorted(tmp_path.glob("graph_*.dot")))
-    assert sum(total.values()) == 6 + 3
+    assert sum(total.values()) == 6 + 3 and dot.kernels(total) == 4 + 2
     assert total["_Z6rms_normPf"] == 2
