@@ -271,6 +271,39 @@ def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog, metho
     assert "a draft failed (RuntimeError: the draft broke)" in caplog.text
 
 
+@pytest.mark.parametrize("method, at", [("propose", 2), ("commit", 2), ("extend_tokens", 3),
+                                        ("prefill", 1)])
+def test_a_failing_draft_is_raised_by_generate(model, method, at):
+    """generate raises what its draft raised (its tokens would be plain decoding's, so a
+    broken draft would otherwise pass the exactness checks plugin authors run), as a
+    batch request with ``strict_draft`` ends with it."""
+    prompt = _prompts(model.vocab_size, [6], seed=12)[0]
+    _, (draft,) = _scripted(model, [prompt], [16])
+    made, calls = draft.new_session, []
+
+    def new_session(sampler):
+        session = made(sampler)
+        original = getattr(session, method)
+
+        def broken(*args):
+            calls.append(args)
+            if len(calls) >= at:
+                raise RuntimeError("the draft broke")
+            return original(*args)
+
+        setattr(session, method, broken)
+        return session
+
+    draft.new_session = new_session
+    with settings.overridden(lockstep=True), pytest.raises(RuntimeError, match="draft broke"):
+        mlxrunner.generate(model, prompt, options=GREEDY, max_tokens=16, draft=draft)
+    calls.clear()
+    request = BatchRequest(prompt, GREEDY, 16, draft=draft, strict_draft=True)
+    with settings.overridden(lockstep=True):
+        _run(model, [request], 1)
+    assert request.finish_reason == "error" and "draft broke" in str(request.error)
+
+
 def test_a_cache_kind_without_a_batched_form_decodes_one_at_a_time(caplog):
     """A model whose caches have no batched form (a plugin's own cache kind) still serves a
     scheduler of many rows: its sequences run one at a time, each with its solo output."""

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxrunner import GenerationResult, SamplerOptions, generate
+from mlxrunner import GenerationResult, SamplerOptions, generate, settings
 from mlxrunner.decode import DepthController, SpeculativeStats, can_speculate, decide
 from mlxrunner.plugin import Distribution, DraftProposal, Sampler
 from mlxrunner.testing.speculative import (
@@ -283,30 +283,104 @@ def test_unmeasured_controller_depends_on_acceptance_only():
     assert a.best(7) == b.best(7)
 
 
+def test_a_full_only_controller_drafts_the_whole_block_or_nothing():
+    """A fixed-depth draft (DFlash2): its rounds against plain steps. Where a round of 7
+    costs three plain steps, drafts accepted half the time commit 2 tokens a round and
+    plain steps win; accepted nearly always, 8 tokens a round win."""
+    c = DepthController(7, full_only=True)
+    warm = []
+    for _ in range(3):
+        warm.append(c.choose(7))
+        c.update(warm[-1], 0, 1.0 + 2.0 * (warm[-1] > 0))
+    assert warm == [7, 0, 7]
+    poor = _drive(DepthController(7, full_only=True, probe_every=8), 0.5,
+                  lambda d: 3.0 if d else 1.0)
+    good = _drive(DepthController(7, full_only=True), 0.97, lambda d: 3.0 if d else 1.0)
+    assert (poor, good) == (0, 7)
+    c = DepthController(7, full_only=True, probe_every=8)
+    depths = set()
+    for _ in range(40):  # paused, its probes still draft the whole block
+        depth = c.choose(7)
+        depths.add(depth)
+        c.update(depth, 0, 3.0 if depth else 1.0)
+    assert depths == {0, 7} and c.best(7) == 0
+    assert c.choose(3) in (0, 3)  # near the budget's end: what is left, or nothing
+
+
 def test_a_fixed_depth_draft_pauses_only_where_timed():
-    """Greedy, a fixed-depth draft's depth follows measured rounds (the output is plain
-    decoding's whatever they choose); a seeded sampled run drafts the whole block every
-    round (a choice by timing would make its tokens depend on the machine's speed)."""
+    """Greedy, a fixed-depth draft's rounds are the whole block or none (and the output is
+    plain decoding's); a seeded sampled run drafts the whole block every round (a choice
+    by timing would make its tokens depend on the machine's speed)."""
     target = toy()
     prompt = [2, 3, 4]
     plain = plain_tokens(target, prompt, 60)
     draft = ScriptedDraft.for_script(target, prompt + plain, block_size=8)
     assert not draft.adaptive_depth
-    for script in (prompt + plain, [t + 1 for t in prompt + plain]):  # right, always wrong
-        tokens, stats = speculative_tokens(
-            target, ScriptedDraft.for_script(target, script, block_size=8), prompt, 60)
-        assert tokens == plain
-        assert stats.depths.get(7, 0) >= 1  # its warm-up
+    tokens, stats = speculative_tokens(target, draft, prompt, 60)
+    assert tokens == plain
+    # (a round at the budget's end drafts what is left)
+    assert all(n == 1 for d, n in stats.depths.items() if d not in (0, 7))
+    assert stats.depths.get(0, 0) >= 1  # its warm-up
+    # a draft that is always wrong: still plain decoding's output, rounds of the whole block
+    # or none (how often it pauses depends on this machine's timings: see the next test)
+    wrong = ScriptedDraft.for_script(target, [t + 1 for t in prompt + plain], block_size=8)
+    tokens, stats = speculative_tokens(target, wrong, prompt, 60)
+    assert tokens == plain
+    # every forward after the prompt's is a round, a paused step one of depth 0 (timed)
+    assert stats.rounds == stats.target_forwards - 1 and stats.round_ms().get(0, 1.0) > 0
+    assert all(n == 1 for d, n in stats.depths.items() if d not in (0, 7)), stats.depths
     seeded = generate(target, prompt, draft=draft, max_tokens=40,
                       options=SamplerOptions(temperature=1.0, seed=3))
     # every round drafts min(7, budget left - 1): each shorter depth once, at the end
-    assert seeded.stats.depths[7] > 1
     assert all(n == 1 for d, n in seeded.stats.depths.items() if d != 7)
+
+
+def test_a_fixed_depth_draft_pauses_where_its_rounds_cost_more_than_plain_steps():
+    """Whole-block-or-none choice with given round times (a verify of 8 costing 3 plain
+    steps): a draft that is never right pauses after its warm-up and comes back only for a
+    probe every 16 rounds; one that is always right never pauses."""
+    for accept_rate, pauses in ((0.0, True), (1.0, False)):
+        controller = DepthController(7, full_only=True)
+        chosen = []
+        for _ in range(64):
+            depth = controller.choose(7)
+            chosen.append(depth)
+            controller.update(depth, depth if accept_rate else 0, 3.0 if depth else 1.0)
+        later = chosen[8:]
+        if pauses:
+            assert later.count(0) >= len(later) - len(later) // 16 - 1, chosen
+            assert 7 in later  # a probe
+        else:
+            assert 0 not in later, chosen
+
+def test_an_adaptive_draft_under_lockstep_follows_its_acceptance():
+    """A distributed rank (lockstep) chooses no depth by its own timings: an adaptive draft
+    follows its acceptance alone, so one that is always wrong soon drafts little; a
+    fixed-depth draft drafts its whole block every round."""
+    target = toy()
+    prompt = [2, 3, 4]
+    plain = plain_tokens(target, prompt, 40)
+    wrong = [t + 1 for t in prompt + plain]
+    adaptive = ScriptedDraft.for_script(target, wrong, block_size=8)
+    adaptive.adaptive_depth = True
+    with settings.overridden(lockstep=True):
+        tokens, stats = speculative_tokens(target, adaptive, prompt, 40)
+        fixed = generate(target, prompt, draft=ScriptedDraft.for_script(target, wrong),
+                         max_tokens=40, options=GREEDY)
+    assert tokens == plain and fixed.tokens == plain
+    drafted = sum(d * n for d, n in stats.depths.items())
+    assert drafted < 7 * 40 // 4  # far below the whole block every round
+    assert max(fixed.stats.depths, key=fixed.stats.depths.get) == 7
 
 
 def test_stats_start_empty():
     s = SpeculativeStats()
     assert s.acceptance_rate == 0.0 and s.tau == 0.0 and s.tokens_per_second == 0.0
+    target = toy()
+    none = generate(target, [2, 3, 4], draft=ScriptedDraft.for_script(target, [2, 3, 4]),
+                    max_tokens=0)
+    assert none.tokens == [] and isinstance(none.stats, SpeculativeStats)
+    assert none.stats.rounds == 0 and none.stats.draft
 
 
 def test_on_token_can_end_generation_plain_and_speculative():

@@ -11,9 +11,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from ..cache.prefix import PrefixCache
-from ..decode import GenerationResult, GenerationStats, Sampler, SamplerOptions, can_speculate
+from ..decode import (
+    GenerationResult,
+    GenerationStats,
+    Sampler,
+    SamplerOptions,
+    SpeculativeStats,
+    can_speculate,
+)
 from ..decode.grammar import Constraint
 from ..decode.plain import stream_plain
+from ..decode.speculative import draft_name
 from ..media import MediaPrompt
 from ..model.interface import Model
 from .scheduler import BatchRequest, Scheduler
@@ -40,10 +48,14 @@ def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | N
     state for the next (``stats.cached_tokens`` says how many prompt tokens it held).
     """
     options = options or SamplerOptions()
-    if draft is not None and can_speculate(options) and max_tokens > 0:
+    if draft is not None and can_speculate(options):
         unknown = set(draft_options or {}) - {"depth"}
         if unknown:
             raise TypeError(f"unknown draft option {sorted(unknown)[0]!r} (takes: depth)")
+        if max_tokens <= 0:  # nothing to draft: its stats say so
+            return GenerationResult(tokens=[], finish_reason="length",
+                                    stats=SpeculativeStats(draft=draft_name(draft),
+                                                           prompt_tokens=len(prompt)))
         return _drafted(model, prompt, options, max_tokens, eos_ids, on_token, draft,
                         (draft_options or {}).get("depth"), constraint, prefix_cache)
     sampler = Sampler(options, model.vocab_size)
@@ -84,7 +96,7 @@ def _drafted(model: Model, prompt: Sequence[int], options: SamplerOptions, max_t
     request = scheduler.submit(BatchRequest(
         prompt if isinstance(prompt, MediaPrompt) else list(prompt), options, max_tokens,
         frozenset(eos_ids), callback, draft=draft, depth=depth, constraint=constraint,
-        prefix_cache=prefix_cache))
+        prefix_cache=prefix_cache, strict_draft=True))
     scheduler.run_until_idle()
     if raised or request.error is not None:
         raise raised[0] if raised else cast(Exception, request.error)

@@ -109,6 +109,9 @@ class BatchRequest:
     #: drafts per round, fixed (clipped to the draft's ``max_depth`` and to the budget);
     #: None: chosen as docs/batching.md says
     depth: int | None = None
+    #: a draft that raises ends the sequence with its error ("error", :attr:`error`), as
+    #: ``generate`` raises it, rather than the sequence decoding on without the draft
+    strict_draft: bool = False
     #: structured output (:class:`mlxrunner.decode.grammar.Constraint`, one per request):
     #: every token is drawn under its mask, and the sequence ends once it is complete
     constraint: Any = None
@@ -188,6 +191,8 @@ class _Sequence:
         self.row = -1
         self.admitted = admitted
         self.decode_start = 0.0
+        #: when its last token was handed out (a paused drafted step's time runs from it)
+        self.delivered_at = 0.0
         #: this sequence's own failure (its grammar), which ends it at its next token
         self.error: Exception | None = None
 
@@ -213,7 +218,10 @@ class _Sequence:
             self.request.stats = SpeculativeStats(
                 draft=draft_name(draft), prompt_tokens=stats.prompt_tokens,
                 cached_tokens=stats.cached_tokens)
-        if draft.adaptive_depth and not self.timed and self.request.depth is None:
+        if draft.adaptive_depth and self.request.depth is None and (
+                not self.timed or settings.current().lockstep):
+            # its own depth from acceptance alone: seeded draws, or a distributed rank,
+            # whose choices must not rest on its own timings
             self.depths = DepthController(draft.max_depth, measured=False)
         try:
             session = draft.new_session(self.sampler)
@@ -231,9 +239,12 @@ class _Sequence:
 
     def without_draft(self, exc: Exception) -> None:
         """The draft failed: the sequence decodes on without it (plain decoding's output,
-        which a draft only speeds up)."""
-        log.warning("mlxrunner: a draft failed (%s: %s); its sequence goes on without it",
-                    type(exc).__name__, exc)
+        which a draft only speeds up), or with a strict draft ends with its error."""
+        if self.request.strict_draft:
+            self.error = self.error or exc
+        else:
+            log.warning("mlxrunner: a draft failed (%s: %s); its sequence goes on without it",
+                        type(exc).__name__, exc)
         self.session, self.shared, self.taps = None, False, ()
         self.kept, self.depths, self.unsent_taps = None, None, []
 
@@ -950,7 +961,13 @@ class Scheduler:
         for row, seq, at in step.rows:
             if self._running.get(row) is not seq:
                 continue  # finished or cancelled since the step was queued
-            seq.request.stats.target_forwards += 1
+            stats = seq.request.stats
+            if seq.session is not None and isinstance(stats, SpeculativeStats):
+                # drafting paused: a round of depth 0, as the depth controller sees it
+                now = time.perf_counter()
+                stats.record_round(0, 0, 1, now - (seq.delivered_at or seq.decode_start))
+            else:
+                stats.target_forwards += 1
             self._keep_step_taps(seq, step, at)
             going = self._deliver(seq, values[at], step.infos.get(at))
             if going and seq.session is not None:
@@ -983,6 +1000,7 @@ class Scheduler:
         """Hand a sampled token to its request; returns whether the sequence goes on (else
         it is finished and its row freed)."""
         request = seq.request
+        seq.delivered_at = time.perf_counter()
         if seq.error is not None:
             self._fail(seq, seq.error)
             return False
@@ -1019,8 +1037,8 @@ class Scheduler:
 
     def _fail(self, seq: _Sequence, exc: Exception) -> None:
         """End one sequence on its own failure; the batch's other rows go on."""
-        log.warning("mlxrunner: a request's structured output failed (%s: %s); it ends, the "
-                    "batch goes on", type(exc).__name__, exc)
+        log.warning("mlxrunner: a request failed (%s: %s); it ends alone",
+                    type(exc).__name__, exc)
         seq.request.error = exc
         self._finish(seq, "error")
 

@@ -24,7 +24,7 @@ last bits).
 
 Optionally each block also keeps the target's tapped hidden states of its positions (keyed
 by the tap layers): a speculative draft builds its context from them, so a hit can rebuild
-the draft's session too (see :mod:`mlxrunner.decode.speculative`).
+the draft's session too (see :class:`mlxrunner.batch.Scheduler`).
 
 LRU eviction under ``budget_bytes``: the least recently used leaf (a tail, or a block with
 nothing after it) goes first, until the arrays held fit.

@@ -10,10 +10,10 @@ the target with :meth:`validate`, loads its weights strictly, and then only ever
 talks to it through :meth:`DraftModel.new_session` and the :class:`DraftSession`
 it returns. A block draft's settings (DFlash's kind) are :mod:`.block_draft`'s.
 
-The speculative round (``mlxrunner.decode.speculative``) knows nothing else about a
-draft: per generation it calls ``prefill`` with the prompt's tapped target states,
-and per round ``propose(current, pos, n)`` then ``commit`` with the tapped states
-of the tokens the round committed.
+The speculative round (:class:`mlxrunner.batch.Scheduler`'s, for one sequence or many)
+knows nothing else about a draft: per generation it calls ``prefill`` with the prompt's
+tapped target states, and per round ``propose(current, pos, n)`` then ``commit`` with the
+tapped states of the tokens the round committed.
 """
 
 from __future__ import annotations
