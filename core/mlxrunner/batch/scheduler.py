@@ -613,16 +613,27 @@ class Scheduler:
             controller.update_rows(0, [], time.perf_counter() - started)
         self._maybe_compact()
 
+    def _carries_all(self, previous: _Step) -> bool:
+        """Whether ``previous`` sampled every running row's next input, each at its own row's
+        index, over the batch's current rows."""
+        return previous.tokens.shape[0] == self.batch.rows \
+            and len(previous.rows) == len(self._running) \
+            and all(at == row and self._running.get(row) is seq for row, seq, at in previous.rows)
+
     def _launch(self, previous: _Step | None) -> _Step | None:
         """One batched forward over the running rows, sampled lazily; a row's input is its
         last token, taken from ``previous`` (still lazy) where that step covered it."""
-        last = [0] * self.batch.rows
-        for row, seq in self._running.items():
-            last[row] = seq.history[-1]
-        ids = mx.array(last, dtype=mx.int32)
-        if previous is not None:
-            carried = [(row, at) for row, seq, at in previous.rows
-                       if self._running.get(row) is seq]
+        if previous is not None and self._carries_all(previous):
+            # the steady state: every row's input is its own token of the step before, at
+            # its own index (no host arrays, gather or scatter: a step's fewest launches)
+            ids = previous.tokens.astype(mx.int32)
+        else:
+            last = [0] * self.batch.rows
+            for row, seq in self._running.items():
+                last[row] = seq.history[-1]
+            ids = mx.array(last, dtype=mx.int32)
+            carried = [] if previous is None else [
+                (row, at) for row, seq, at in previous.rows if self._running.get(row) is seq]
             if carried:
                 ids[mx.array([r for r, _ in carried], dtype=mx.int32)] = \
                     previous.tokens[mx.array([a for _, a in carried], dtype=mx.int32)]
