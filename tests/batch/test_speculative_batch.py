@@ -232,17 +232,10 @@ def test_generate_batch_with_a_draft_equals_generate_per_prompt(tiny):
         mlxrunner.generate_batch(model, prompts, draft=[draft])
 
 
-@pytest.mark.parametrize("method, at", [("propose", 2), ("commit", 2), ("extend_tokens", 3),
-                                        ("prefill", 1)])
-def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog, method, at):
-    """A draft whose session raises mid-generation (its proposal, its commit, the tokens it
-    is handed, its prefill): its sequence goes on without drafting (plain decoding's
-    tokens), the other rows, drafted or not, are untouched."""
-    prompts = _prompts(model.vocab_size, [6, 9, 5], seed=12)
-    budgets = [16, 14, 12]
-    alone, drafts = _scripted(model, prompts, budgets)
-    failing, calls = drafts[0], []
-    made = failing.new_session
+def _break(draft, method: str, at: int) -> list:
+    """Make ``draft``'s sessions raise from the ``at``-th call of ``method`` on (counted
+    over all its sessions: the list returned)."""
+    made, calls = draft.new_session, []
 
     def new_session(sampler):
         session = made(sampler)
@@ -257,7 +250,21 @@ def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog, metho
         setattr(session, method, broken)
         return session
 
-    failing.new_session = new_session
+    draft.new_session = new_session
+    return calls
+
+
+@pytest.mark.parametrize("method, at", [("propose", 2), ("commit", 2), ("extend_tokens", 3),
+                                        ("prefill", 1)])
+def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog, method, at):
+    """A draft whose session raises mid-generation (its proposal, its commit, the tokens it
+    is handed, its prefill): its sequence goes on without drafting (plain decoding's
+    tokens), the other rows, drafted or not, are untouched."""
+    prompts = _prompts(model.vocab_size, [6, 9, 5], seed=12)
+    budgets = [16, 14, 12]
+    alone, drafts = _scripted(model, prompts, budgets)
+    failing = drafts[0]
+    calls = _break(failing, method, at)
     requests = [BatchRequest(prompts[0], GREEDY, budgets[0], draft=failing),
                 BatchRequest(prompts[1], GREEDY, budgets[1], draft=drafts[1]),
                 BatchRequest(prompts[2], GREEDY, budgets[2])]
@@ -279,22 +286,7 @@ def test_a_failing_draft_is_raised_by_generate(model, method, at):
     batch request with ``strict_draft`` ends with it."""
     prompt = _prompts(model.vocab_size, [6], seed=12)[0]
     _, (draft,) = _scripted(model, [prompt], [16])
-    made, calls = draft.new_session, []
-
-    def new_session(sampler):
-        session = made(sampler)
-        original = getattr(session, method)
-
-        def broken(*args):
-            calls.append(args)
-            if len(calls) >= at:
-                raise RuntimeError("the draft broke")
-            return original(*args)
-
-        setattr(session, method, broken)
-        return session
-
-    draft.new_session = new_session
+    calls = _break(draft, method, at)
     with settings.overridden(lockstep=True), pytest.raises(RuntimeError, match="draft broke"):
         mlxrunner.generate(model, prompt, options=GREEDY, max_tokens=16, draft=draft)
     calls.clear()
