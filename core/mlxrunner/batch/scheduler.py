@@ -632,11 +632,12 @@ class Scheduler:
             for row, seq in self._running.items():
                 last[row] = seq.history[-1]
             ids = mx.array(last, dtype=mx.int32)
-            carried = [] if previous is None else [
-                (row, at) for row, seq, at in previous.rows if self._running.get(row) is seq]
-            if carried:
-                ids[mx.array([r for r, _ in carried], dtype=mx.int32)] = \
-                    previous.tokens[mx.array([a for _, a in carried], dtype=mx.int32)]
+            if previous is not None:
+                carried = [(row, at) for row, seq, at in previous.rows
+                           if self._running.get(row) is seq]
+                if carried:
+                    ids[mx.array([r for r, _ in carried], dtype=mx.int32)] = \
+                        previous.tokens[mx.array([a for _, a in carried], dtype=mx.int32)]
         taps = sorted({t for seq in self._running.values() for t in seq.taps})
         tapped = None
         if taps:  # drafted rows whose drafting paused: their drafts get these states later
