@@ -280,7 +280,7 @@ def test_a_failing_draft_leaves_its_row_decoding_without_it(model, caplog, metho
 
 @pytest.mark.parametrize("method, at", [("propose", 2), ("commit", 2), ("extend_tokens", 3),
                                         ("prefill", 1)])
-def test_a_failing_draft_is_raised_by_generate(model, method, at):
+def test_a_failing_draft_is_raised_by_generate(model, caplog, method, at):
     """generate raises what its draft raised (its tokens would be plain decoding's, so a
     broken draft would otherwise pass the exactness checks plugin authors run), as a
     batch request with ``strict_draft`` ends with it."""
@@ -289,6 +289,7 @@ def test_a_failing_draft_is_raised_by_generate(model, method, at):
     calls = _break(draft, method, at)
     with settings.overridden(lockstep=True), pytest.raises(RuntimeError, match="draft broke"):
         mlxrunner.generate(model, prompt, options=GREEDY, max_tokens=16, draft=draft)
+    assert "draft broke" not in caplog.text  # raised, not also logged
     calls.clear()
     request = BatchRequest(prompt, GREEDY, 16, draft=draft, strict_draft=True)
     with settings.overridden(lockstep=True):

@@ -110,7 +110,8 @@ class BatchRequest:
     #: None: chosen as docs/batching.md says
     depth: int | None = None
     #: a draft that raises ends the sequence with its error ("error", :attr:`error`), as
-    #: ``generate`` raises it, rather than the sequence decoding on without the draft
+    #: ``generate`` raises it, rather than the sequence decoding on without the draft; the
+    #: caller raises what ends the sequence, so it is not logged
     strict_draft: bool = False
     #: structured output (:class:`mlxrunner.decode.grammar.Constraint`, one per request):
     #: every token is drawn under its mask, and the sequence ends once it is complete
@@ -1048,9 +1049,11 @@ class Scheduler:
         return True
 
     def _fail(self, seq: _Sequence, exc: Exception) -> None:
-        """End one sequence on its own failure; the batch's other rows go on."""
-        log.warning("mlxrunner: a request failed (%s: %s); it ends alone",
-                    type(exc).__name__, exc)
+        """End one sequence on its own failure; the batch's other rows go on. (A strict
+        request's caller, ``generate``, raises the error: no warning then.)"""
+        if not seq.request.strict_draft:
+            log.warning("mlxrunner: a request failed (%s: %s); it ends alone",
+                        type(exc).__name__, exc)
         seq.request.error = exc
         self._finish(seq, "error")
 
