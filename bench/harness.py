@@ -405,27 +405,29 @@ def record_parity(ours: Any, reference: Any, prompt: mx.array, results: dict[str
     short = prompt[None, :16]
     diff = mx.abs(ours(short).astype(mx.float32) - reference(short).astype(mx.float32))
     results["parity_max_abs_logit_diff_16_tokens"] = diff.max().item()
-    f32 = mx.abs(_float32_logits(ours, short) - _float32_logits(reference, short))
-    results["parity_float32"] = f32.max().item()
+    ours_f32, reference_f32 = _float32_logits(ours, short), _float32_logits(reference, short)
+    results["parity_float32"] = mx.abs(ours_f32 - reference_f32).max().item()
     print(f"  parity: max |logit difference| over 16 tokens "
           f"{results['parity_max_abs_logit_diff_16_tokens']:.4g} "
           f"(float32: {results['parity_float32']:.3g}, tolerance {PARITY_TOLERANCE:g})",
           flush=True)
     if results["parity_float32"] > PARITY_TOLERANCE and mx.default_device() != mx.cpu:
-        results["parity_float32_where"] = _parity_split(ours, reference, short)
+        results["parity_float32_where"] = _parity_split(ours, reference, short, ours_f32,
+                                                        reference_f32)
         print("  float32 parity, split: " + ", ".join(
             f"{k} {v:.3g}" for k, v in results["parity_float32_where"].items()), flush=True)
 
 
-def _parity_split(ours: Any, reference: Any, short: mx.array) -> dict[str, float]:
-    """Where a float32 disagreement on the GPU comes from: ours without the core's kernels
-    against the reference, and each model on the GPU against itself on the CPU."""
+def _parity_split(ours: Any, reference: Any, short: mx.array, ours_gpu: mx.array,
+                  ref_gpu: mx.array) -> dict[str, float]:
+    """Where a float32 disagreement on the GPU (``ours_gpu`` against ``ref_gpu``) comes
+    from: ours without the core's kernels against the reference, and each model on the GPU
+    against itself on the CPU."""
     from mlxrunner import settings
 
     def gap(a: mx.array, b: mx.array) -> float:
         return mx.abs(a - b).max().item()
 
-    ours_gpu, ref_gpu = _float32_logits(ours, short), _float32_logits(reference, short)
     with settings.overridden(kernels=frozenset(), attention="mlx", row_products=False):
         plain = _float32_logits(ours, short)
     with mx.stream(mx.cpu):
