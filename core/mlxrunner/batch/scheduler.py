@@ -600,7 +600,8 @@ class Scheduler:
             if self._running:
                 self._round(depth)
         elif pending is not None and self._running and \
-                not any(s.needs_host for s in self._running.values()):
+                not any(s.needs_host for s in self._running.values()) and \
+                not self._budgets_end(pending):
             self._pending = self._launch(pending)
             self._collect(pending)
         else:
@@ -620,6 +621,13 @@ class Scheduler:
         return previous.tokens.shape[0] == self.batch.rows \
             and len(previous.rows) == len(self._running) \
             and all(at == row and self._running.get(row) is seq for row, seq, at in previous.rows)
+
+    def _budgets_end(self, pending: _Step) -> bool:
+        """Whether ``pending``'s tokens end every running sequence by its token budget (a
+        step queued after them would be computed for nothing)."""
+        covered = {row for row, seq, _ in pending.rows if self._running.get(row) is seq}
+        return all(row in covered and len(seq.request.tokens) + 1 >= seq.request.max_tokens
+                   for row, seq in self._running.items())
 
     def _launch(self, previous: _Step | None) -> _Step | None:
         """One batched forward over the running rows, sampled lazily; a row's input is its

@@ -1,5 +1,5 @@
-"""Decoding: sampler options, the sampler pipeline, top-k, grammars, the plain loop and the
-speculative round's decision.
+"""Decoding: sampler options, the sampler pipeline, top-k, grammars, the prefill and the
+speculative round's decision (the steps themselves are :class:`mlxrunner.batch.Scheduler`'s).
 
 Names resolve lazily (``options`` is plain Python: the CLI builds its flags from it without
 importing MLX).
@@ -29,7 +29,6 @@ _EXPORTS: dict[str, str] = {
     "PREFILL_CHUNK": "plain",
     "logprob_entry": "plain",
     "prefill": "plain",
-    "stream_plain": "plain",
     # speculative decoding
     "DepthController": "speculative",
     "RoundDecision": "speculative",

@@ -1,29 +1,19 @@
-"""Plain decoding: prefill in chunks, then one token per target forward.
-
-The sampler is the same pipeline the speculative round uses; greedy is its
-point-mass case. Each decode step goes through the core's compiled step
-(:func:`mlxrunner.decode.step.forward`). The step for token t+1 is queued from the
-still-lazy token t before the host reads t, so the device never waits for the host
-between steps (unless repetition penalties need the history on the host first).
-"""
+"""What every generation shares: the chunked prefill, the statistics and the result (the
+steps themselves are :class:`mlxrunner.batch.Scheduler`'s)."""
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
 
-from ..cache.prefix import PrefixCache
-from ..media import MediaPrompt, history_key
+from ..media import MediaPrompt
 from ..model.interface import Model
 from ..nn import last_logits_only
-from .grammar import Constraint, allowed_rows
-from .sampler import Sampler, penalties_active
-from .step import eager_forward, forward
+from .step import eager_forward
 
 PREFILL_CHUNK = 512
 
@@ -123,108 +113,6 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
     if tapped_parts and on_taps is None:
         tapped_all = mx.concatenate(tapped_parts, axis=1)
     return logits, tapped_all
-
-
-def stream_plain(model: Model, prompt: Sequence[int], sampler: Sampler, max_tokens: int,
-                 eos_ids: frozenset[int] | set[int] = frozenset(),
-                 stats: GenerationStats | None = None,
-                 want_logprobs: bool = False, constraint: Constraint | None = None,
-                 prefix_cache: PrefixCache | None = None
-                 ) -> Iterator[tuple[int, dict[str, Any] | None]]:
-    """Yield ``(token, logprob_info)`` one at a time; stops after an EOS token or ``max_tokens``,
-    or once ``constraint`` (structured output) is complete. Each token is drawn under the
-    constraint's mask and commits to it.
-
-    With a ``prefix_cache``, the longest cached prefix of the prompt is not prefilled again,
-    and the caches are stored there at each prefill chunk's end and once generation ends
-    (the next chat turn starts with this prompt and its reply)."""
-    if not prompt:
-        raise ValueError("the prompt must hold at least one token")
-    stats = stats if stats is not None else GenerationStats()
-    t0 = time.perf_counter()
-    history = list(prompt)
-    cache, logits = _start(model, prompt, prefix_cache, stats)
-    stats.prompt_tokens = len(prompt)
-    stats.target_forwards += 1
-
-    def pick(logits_row: mx.array) -> tuple[mx.array, Any]:
-        allowed = None if constraint is None else \
-            allowed_rows([constraint.words()], logits_row.shape[-1])
-        token = sampler.sample(logits_row, history, allowed)
-        info = sampler.logprobs(logits_row.reshape(1, -1), token.reshape(1), allowed) \
-            if want_logprobs else None
-        return token, info
-
-    token, info = pick(logits)
-    mx.async_eval(token)
-    # without penalties a step needs no token on the host: queue it from the lazy one (a
-    # grammar's next mask needs the token on the host)
-    pipelined = not penalties_active(sampler.options) and constraint is None
-
-    def step(ids: mx.array) -> tuple[mx.array, Any]:
-        stats.target_forwards += 1
-        following = pick(forward(model, ids, cache)[:, -1, :])
-        mx.async_eval(following[0])
-        return following
-
-    t_decode = time.perf_counter()
-    completed = False
-    try:
-        for n in range(max_tokens):
-            more = n + 1 < max_tokens
-            following = step(token.reshape(1, 1).astype(mx.int32)) if pipelined and more \
-                else None
-            value = int(token)
-            if n == 0:
-                stats.prefill_seconds = time.perf_counter() - t0
-                t_decode = time.perf_counter()
-            history.append(value)
-            if value in eos_ids:
-                more = False
-            elif constraint is not None:
-                constraint.advance(value)
-                more = more and not constraint.complete
-            if more and following is None:
-                following = step(mx.array([[value]], dtype=mx.int32))
-            stats.generated_tokens += 1
-            yield value, logprob_entry(info)
-            if not more:
-                break
-            assert following is not None  # stepped above when more
-            token, info = following
-        completed = True
-    except GeneratorExit:  # the consumer stopped early: the caches are whole
-        completed = True
-        raise
-    finally:  # also when the consumer stops early
-        stats.decode_seconds = max(time.perf_counter() - t_decode, 1e-9)
-        if prefix_cache is not None and completed:
-            # the caches hold the tokens fed so far (a queued step's included)
-            fed = [c.offset for c in cache if c is not None]
-            if fed and fed[0] <= len(history):
-                prefix_cache.store(history_key(prompt, history[:fed[0]]), cache)
-
-
-def _start(model: Model, prompt: Sequence[int], prefix_cache: PrefixCache | None,
-           stats: GenerationStats) -> tuple[list[Any], mx.array]:
-    """The caches after ``prompt`` and its last logits: the longest prefix the prefix cache
-    holds is not prefilled again, and the cache keeps each prefill chunk's end and the
-    prompt's with its logits."""
-    hit = prefix_cache.lookup(prompt) if prefix_cache is not None else None
-    cache = hit.caches if hit is not None else model.make_cache()
-    stats.cached_tokens = hit.length if hit is not None else 0
-    if hit is not None and hit.logits is not None:  # the whole prompt, met before
-        return cache, hit.logits
-
-    def keep_chunk(end: int) -> None:
-        if prefix_cache is not None and end < len(prompt):  # the end: below, with logits
-            prefix_cache.store(prompt[:end], cache)
-
-    logits, _ = prefill(model, prompt, cache, start=stats.cached_tokens,
-                        on_chunk=keep_chunk if prefix_cache is not None else None)
-    if prefix_cache is not None:
-        prefix_cache.store(prompt, cache, logits=logits)
-    return cache, logits
 
 
 def logprob_entry(info: Any) -> dict[str, Any] | None:

@@ -80,7 +80,7 @@ def _ids(prompt: Sequence[int]) -> Sequence[int]:
 def plain_tokens(model: Model, prompt: Sequence[int], max_tokens: int, *,
                  options: SamplerOptions = GREEDY,
                  eos_ids: Iterable[int] = ()) -> list[int]:
-    """Plain decoding's tokens (the product's own plain loop)."""
+    """Plain decoding's tokens (``generate`` without a draft)."""
     return generate(model, _ids(prompt), options=options, max_tokens=max_tokens,
                     eos_ids=frozenset(eos_ids)).tokens
 
