@@ -1,0 +1,50 @@
+"""When a bench reports its ratio to mlx-lm (bench/harness.py ``parity_withheld``): float32
+logits within the tolerance; or, on a GPU, the mapping within it and the core's kernels no
+further from the reference than the reference's own GPU result from its CPU one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx.core")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import harness  # noqa: E402  (the benches' module, imported as they import it)
+
+WHERE = "parity_float32_where"
+
+
+def split(mapping: float, spread: float) -> dict[str, float]:
+    return {"ours without kernels vs reference": mapping, "reference GPU vs CPU": spread}
+
+
+def test_within_tolerance_reports() -> None:
+    results = {"parity_float32": 4e-4}
+    assert harness.parity_withheld(results) is None
+    assert "within" in results["parity_rule"]
+
+
+def test_unmeasured_parity_withholds() -> None:
+    assert harness.parity_withheld({}) == "parity not measured"
+
+
+def test_over_tolerance_without_a_split_withholds() -> None:
+    why = harness.parity_withheld({"parity_float32": 3.6e-3})
+    assert why is not None and "0.0036 > 0.001" in why
+
+
+def test_kernels_inside_the_references_own_spread_report() -> None:
+    results = {"parity_float32": 3.57e-3, WHERE: split(7.8e-4, 6.3e-3)}
+    assert harness.parity_withheld(results) is None
+    assert "(0.00078)" in results["parity_rule"] and "0.0063" in results["parity_rule"]
+
+
+@pytest.mark.parametrize("mapping,spread", [(2e-3, 6.3e-3),   # the mapping itself differs
+                                            (7.8e-4, 1e-3)])  # the kernels move them further
+def test_a_wrong_mapping_or_kernels_past_the_spread_withhold(mapping: float,
+                                                              spread: float) -> None:
+    results = {"parity_float32": 3.57e-3, WHERE: split(mapping, spread)}
+    why = harness.parity_withheld(results)
+    assert why is not None and "parity_rule" not in results
