@@ -330,3 +330,31 @@ def test_audio_the_model_cannot_take_is_one_line(tmp_path, case):
         clip.write_bytes(wav_bytes(1))
     result = cli("run", "./m", "hi", "--audio", str(clip), "-n", "2", cwd=tmp_path)
     one_line_error(result, {"text-only": "takes no audio input", "missing": "a.wav"}[case])
+
+
+def test_an_error_mid_reply_starts_its_own_line(monkeypatch, capsys):
+    """A failure after part of the reply streamed: the reply's line is ended on stdout before
+    the error's line on stderr (at a terminal both share one screen)."""
+    from mlxrunner.batch import generation
+    from mlxrunner.cli.main import main
+
+    real = generation.generate
+
+    def failing(*args, on_token=None, **kwargs):
+        seen = []
+
+        def token(t):
+            seen.append(t)
+            if len(seen) == 4:
+                raise RuntimeError("the device went away")
+            return on_token(t) if on_token is not None else None
+
+        return real(*args, on_token=token, **kwargs)
+
+    monkeypatch.setattr(generation, "generate", failing)
+    code = main(["run", "demo-qwen3.5", "hi", "--max-tokens", "8", "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert out.strip() and out.endswith("\n"), repr(out)
+    assert err.strip().splitlines()[-1].startswith(
+        "mlxrunner: internal error: RuntimeError: the device went away"), err

@@ -38,6 +38,7 @@ from ..errors import MediaError, MLXRunnerError
 from ..host import plugin_code
 from ..media import MAX_AUDIO_BYTES, read_image
 from ..media.files import read_media_file
+from . import streamed
 from .conversation import (
     SavedConversation,
     conversation_file,
@@ -464,11 +465,6 @@ def image_paths(text: str) -> list[tuple[str, str]]:
     return found
 
 
-def _write_out(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()  # a reply streams: each piece shows as it comes
-
-
 def _number(text: str) -> Any:
     """A ``/set parameter`` value as typed: an int, a float, or the text itself."""
     for kind in (int, float):
@@ -519,7 +515,7 @@ def chat_loop(bundle: Any, options: Any, *, max_tokens: int, think: bool | None 
 
     ``conversations`` is the folder ``/save`` and ``/load`` use (None: they are off);
     ``name`` what the user called the model (None: its folder)."""
-    write = write or _write_out
+    write = write or streamed.write
     if bundle.renderer is None:
         raise MLXRunnerError(f"{bundle.path}: no chat format to chat with (pass a prompt, "
                              "or --renderer NAME)")

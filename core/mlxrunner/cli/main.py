@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from ..errors import MLXRunnerError, PluginError
 from ..host import manager as plugins
-from . import bench, client, store
+from . import bench, client, store, streamed
 from .arguments import at_least, count, output_format, port
 
 DEFAULT_PROMPT = "What is the capital of France?"
@@ -403,14 +403,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         """A fresh constraint for each generation (None without --format)."""
         return grammar.constraint() if grammar is not None else None
 
-    def write(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
     if stream:
         _show_prompt(prompt)
     stops = bundle.stop_strings()
-    text = TextStream(tok, stop_ids, stops, on_text=write if stream else None)
+    text = TextStream(tok, stop_ids, stops, on_text=streamed.write if stream else None)
 
     def until_stop_string() -> Any:
         """An ``on_token`` that ends a run where the Modelfile's stop strings end the text."""
@@ -433,7 +429,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       draft=bundle.draft, constraint=constraint())
     if stream:  # --json decodes the whole reply once, at the end
         text.finish()
-        write("\n")
+        streamed.write("\n")
         if result.finish_reason == "length":
             print(cap_notice(max_tokens), file=sys.stderr, flush=True)
     stats = {"run": result.stats.as_dict()}
@@ -889,15 +885,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MLXRunnerError as exc:
         if debug:
             raise
+        streamed.end_line()
         print(f"mlxrunner: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        streamed.end_line()
         return 130
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug, not a user error: still one line unless --debug
         if debug:
             raise
+        streamed.end_line()
         lost = _lost_rank(exc)
         if lost is not None:
             from ..distributed.ranks import say_once
