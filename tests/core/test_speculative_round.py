@@ -380,7 +380,10 @@ def test_stats_start_empty():
     none = generate(target, [2, 3, 4], draft=ScriptedDraft.for_script(target, [2, 3, 4]),
                     max_tokens=0)
     assert none.tokens == [] and isinstance(none.stats, SpeculativeStats)
-    assert none.stats.rounds == 0 and none.stats.draft
+    assert none.stats.rounds == 0 and none.stats.draft and none.stats.prompt_tokens == 3
+    plain = generate(target, [2, 3, 4], max_tokens=0)  # the same facts without a draft
+    assert plain.tokens == [] and plain.finish_reason == "length"
+    assert plain.stats.prompt_tokens == 3 and plain.stats.generated_tokens == 0
 
 
 def test_on_token_can_end_generation_plain_and_speculative():

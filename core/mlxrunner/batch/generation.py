@@ -48,7 +48,8 @@ def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | N
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     if max_tokens <= 0:  # nothing to decode (a draft's stats say so)
-        stats = GenerationStats() if draft is None or not can_speculate(options) else \
+        stats = GenerationStats(prompt_tokens=len(prompt)) \
+            if draft is None or not can_speculate(options) else \
             SpeculativeStats(draft=draft_name(draft), prompt_tokens=len(prompt))
         return GenerationResult(tokens=[], finish_reason="length", stats=stats)
     unknown = set(draft_options or {}) - {"depth"}
