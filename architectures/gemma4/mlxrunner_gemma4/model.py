@@ -287,6 +287,13 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), shared
 
 
+def last_query(kv: mnn.KV) -> mnn.KV:
+    """``kv`` for the last of its block's queries alone: that row of its mask (a causal
+    block's last query sees every key)."""
+    mask = kv.mask
+    return kv._replace(mask=mask[..., -1:, :] if isinstance(mask, mx.array) else None)
+
+
 def vision_blocks(ids: mx.array, vision_ids: tuple[int, ...], window: int) -> mx.array:
     """For a prompt chunk ``ids [B, L]``: ``[L, L]`` (``[B, 1, L, L]`` for B > 1) True where
     query ``i`` and key ``j`` are tokens of one run of consecutive vision tokens and ``j >
@@ -638,7 +645,16 @@ class Gemma4Model(Model):
         blocks = vision_blocks(ids, a.vision_token_ids, a.sliding_window) \
             if a.bidirectional_vision and embeddings is not None and ids.shape[1] > 1 else None
         kv_of: dict[int, mnn.KV] = {}
+        # from the first KV-sharing layer on no layer writes a cache and a row reads no other
+        # row's stream: where only the last row's logits are wanted (the core's prefill) and
+        # no tap needs the rest, those layers run that row alone
+        first_shared = next((i for i, s in enumerate(a.kv_source) if s != i), a.num_layers)
+        cut = not any(t >= first_shared for t in tapped.requested or ())
         for i, layer in enumerate(self.layers):
+            if i == first_shared and cut and mnn.head_rows(h).shape[1] < h.shape[1]:
+                offset = offset + h.shape[1] - 1
+                h, per_layer = h[:, -1:], [p if p is None else p[:, -1:] for p in per_layer]
+                kv_of = {s: last_query(kv) for s, kv in kv_of.items()}
             source = a.kv_source[i]
             h, kv_of[source] = layer(h, cache[i], offset, kv_of.get(source), per_layer[i],
                                      blocks)

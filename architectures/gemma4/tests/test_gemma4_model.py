@@ -196,3 +196,43 @@ def test_gemma4_conformance_with_a_batch_of_two():
     model = mlxrunner.load_model(FIXTURES / "e2b")
     ran = run_conformance(model, batch=2, prompt_len=14, draft_len=9, rounds=2)
     assert "cache_rollback" in ran
+
+
+@pytest.mark.parametrize("chunks", [[20], [5, 14], [11, 1, 9]])
+def test_gemma4_prefill_runs_the_kv_sharing_layers_on_the_last_row_alone(chunks, monkeypatch):
+    """Inside the core's prefill (last_logits_only) the KV-sharing layers take the chunk's
+    last row alone: its logits and every cache equal a whole forward's, for chunks shorter
+    and longer than the window (8) and after earlier chunks; a tap on a sharing layer keeps
+    every row (the cut is not taken)."""
+    from mlxrunner_gemma4 import model as gemma4
+
+    from mlxrunner import nn as mnn
+
+    rows: list[int] = []  # the rows each layer's call took
+    layer_call = gemma4.DecoderLayer.__call__
+    monkeypatch.setattr(gemma4.DecoderLayer, "__call__",
+                        lambda self, x, *a: rows.append(x.shape[1]) or layer_call(self, x, *a))
+    model = mlxrunner.load_model(FIXTURES / "e2b")
+    ids = mx.array(np.random.default_rng(7).integers(3, 128, (1, sum(chunks))))
+    whole, cut = model.make_cache(), model.make_cache()
+    start = 0
+    for n in chunks:
+        block = ids[:, start:start + n]
+        expected = model(block, cache=whole)[:, -1:]
+        rows.clear()
+        with mnn.last_logits_only():
+            got = model(block, cache=cut)
+        assert got.shape[1] == 1 and rows == [n] * 6 + [1] * 4  # layers 6-9 share
+
+        np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-5, rtol=2e-5)
+        for a, b in zip(whole, cut):
+            for x, y in zip(a.state if a else (), b.state if b else ()):
+                assert mx.array_equal(x, y)
+        start += n
+    rows.clear()
+    with mnn.last_logits_only():
+        logits, tapped = model(ids, taps=[2, 8])
+    assert rows == [ids.shape[1]] * 10
+    full_logits, full_tapped = model(ids, taps=[2, 8])
+    assert tapped.shape == full_tapped.shape and mx.allclose(tapped, full_tapped, atol=1e-5)
+    np.testing.assert_allclose(np.array(logits), np.array(full_logits[:, -1:]), atol=2e-5)
