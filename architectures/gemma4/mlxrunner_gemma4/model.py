@@ -638,7 +638,7 @@ class Gemma4Model(Model):
             h = embeddings
         # as transformers: the token table reads media tokens as padding, the projection
         # reads the embeddings with the media rows
-        per_layer = self.model.per_layer_inputs(text_ids, h, a) \
+        per_layer: list[mx.array | None] = [*self.model.per_layer_inputs(text_ids, h, a)] \
             if a.hidden_size_per_layer_input else [None] * a.num_layers
         # a prompt chunk holding media of a bidirectional-vision checkpoint: its images'
         # tokens attend to each other both ways in the sliding layers
