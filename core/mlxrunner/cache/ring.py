@@ -89,9 +89,12 @@ class RingCache(Cache):
             filled = min(self.offset, self.window)
             return self.keys[..., :filled, :], self.values[..., :filled, :]
 
-        old_keys, old_values = self._in_time_order(start)
-        out_keys = mx.concatenate([old_keys, keys], axis=2)
-        out_values = mx.concatenate([old_values, values], axis=2)
+        if start:
+            old_keys, old_values = self._in_time_order(start)
+            out_keys = mx.concatenate([old_keys, keys], axis=2)
+            out_values = mx.concatenate([old_values, values], axis=2)
+        else:  # a prompt's first chunk: nothing older to put before it
+            out_keys, out_values = keys, values
         if self._needs_capture(start, n):
             self._captured = (self.keys, self.values, start, keys, values)
         self.keys, self.values = self._written(self.keys, self.values, start, keys, values)
