@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,45 @@ def build_mlx_lm(config: dict[str, Any], ours: Gemma4Model) -> Any:
     return model
 
 
+def first_token(model: Gemma4Model, reference: Any, prompt: mx.array,
+                repeats: int) -> dict[str, Any]:
+    """Milliseconds from the prompt to its first token through each tool's own generation:
+    ``mlxrunner.generate`` (its prefill wants the last position's logits alone) and
+    mlx-lm's ``generate_step`` (all but the last token prefilled, then a step on it); one
+    warm-up each, then ``repeats`` taking turns. Printed as medians, with the per-repeat
+    ratios' median and range."""
+    import time
+
+    from mlx_lm.generate import generate_step
+
+    import mlxrunner
+
+    ids, greedy = prompt.tolist(), mlxrunner.SamplerOptions(temperature=0)
+
+    def ours() -> tuple[float, int]:
+        mx.synchronize()
+        start = time.perf_counter()
+        token = mlxrunner.generate(model, ids, options=greedy, max_tokens=1).tokens[0]
+        return 1e3 * (time.perf_counter() - start), token
+
+    def theirs() -> tuple[float, int]:
+        mx.synchronize()
+        start = time.perf_counter()
+        token, _ = next(generate_step(prompt, reference, max_tokens=1))
+        return 1e3 * (time.perf_counter() - start), int(token)
+
+    ours(), theirs()
+    runs = [(ours(), theirs()) for _ in range(repeats)]
+    mine, other = [r[0][0] for r in runs], [r[1][0] for r in runs]
+    spread = harness.ratio_spread([1 / t for t in mine], [1 / t for t in other])
+    same = all(r[0][1] == r[1][1] for r in runs)
+    print(f"  first token: mlxrunner {statistics.median(mine):.1f} ms, mlx-lm "
+          f"{statistics.median(other):.1f} ms; speed ratio median {spread['median']:.2f}x "
+          f"(range {spread['min']:.2f}-{spread['max']:.2f}, {spread['n']} repeats); "
+          f"same token: {same}", flush=True)
+    return {"mlxrunner_ms": mine, "mlx_lm_ms": other, "ratio": spread, "same_token": same}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
@@ -105,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     parser.add_argument("--new", type=int, default=128, help="generated tokens")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (best kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row")
     parser.add_argument("--quick", action="store_true",
                         help="CPU-sized run: a scaled-down E2B layout, prompt 160, 16 new "
                              "tokens, best of 3")
@@ -117,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.apply_common_arguments(args)
     if args.quick:
         config, config_name = composite(QUICK_TEXT_CONFIG), "quick (E2B layout, scaled down)"
-        args.prompt, args.new, args.repeats = 160, 16, 3
+        args.prompt, args.new = 160, 16
     elif args.config.is_file():
         config, config_name = composite(json.loads(args.config.read_text())), args.config.name
     elif args.config == DEFAULT_CONFIG:
@@ -168,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if reference is not None:
         harness.record_reference(results, best, reference_version,
                                  rows=("mlxrunner", *switched))
+        results["first_token"] = first_token(model, reference, prompt, args.repeats)
     harness.write_json(args.json, results)
     return 0
 
