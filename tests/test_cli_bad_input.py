@@ -333,28 +333,27 @@ def test_audio_the_model_cannot_take_is_one_line(tmp_path, case):
 
 
 def test_an_error_mid_reply_starts_its_own_line(monkeypatch, capsys):
-    """A failure after part of the reply streamed: the reply's line is ended on stdout before
-    the error's line on stderr (at a terminal both share one screen)."""
-    from mlxrunner.batch import generation
-    from mlxrunner.cli.main import main
+    """A failure after part of the reply streamed (here the output's fourth write raises):
+    the reply's line is ended on stdout before the error's line on stderr (at a terminal
+    both share one screen)."""
+    import io
 
-    real = generation.generate
+    from mlxrunner.cli import main
 
-    def failing(*args, on_token=None, **kwargs):
-        seen = []
+    class FailingOnce(io.StringIO):
+        writes = 0
 
-        def token(t):
-            seen.append(t)
-            if len(seen) == 4:
+        def write(self, text: str) -> int:
+            self.writes += 1
+            if self.writes == 4:
                 raise RuntimeError("the device went away")
-            return on_token(t) if on_token is not None else None
+            return super().write(text)
 
-        return real(*args, on_token=token, **kwargs)
-
-    monkeypatch.setattr(generation, "generate", failing)
+    out = FailingOnce()
+    monkeypatch.setattr(sys, "stdout", out)
     code = main(["run", "demo-qwen3.5", "hi", "--max-tokens", "8", "--temperature", "0"])
-    out, err = capsys.readouterr()
+    err = capsys.readouterr().err
     assert code == 1
-    assert out.strip() and out.endswith("\n"), repr(out)
+    assert out.getvalue().strip() and out.getvalue().endswith("\n"), repr(out.getvalue())
     assert err.strip().splitlines()[-1].startswith(
         "mlxrunner: internal error: RuntimeError: the device went away"), err
