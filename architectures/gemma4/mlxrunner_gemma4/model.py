@@ -287,9 +287,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), shared
 
 
-def last_query(kv: mnn.KV) -> mnn.KV:
+def last_query(kv: mnn.KV | None) -> mnn.KV | None:
     """``kv`` for the last of its block's queries alone: that row of its mask (a causal
-    block's last query sees every key)."""
+    block's last query sees every key). None stays None (a pipeline stage's stand-in for a
+    layer it does not hold)."""
+    if kv is None:
+        return None
     mask = kv.mask
     return kv._replace(mask=mask[..., -1:, :] if isinstance(mask, mx.array) else None)
 
@@ -644,7 +647,7 @@ class Gemma4Model(Model):
         # tokens attend to each other both ways in the sliding layers
         blocks = vision_blocks(ids, a.vision_token_ids, a.sliding_window) \
             if a.bidirectional_vision and embeddings is not None and ids.shape[1] > 1 else None
-        kv_of: dict[int, mnn.KV] = {}
+        kv_of: dict[int, mnn.KV | None] = {}  # (None: a pipeline stage without the layer)
         # from the first KV-sharing layer on no layer writes a cache and a row reads no other
         # row's stream: where only the last row's logits are wanted (the core's prefill) and
         # no tap needs the rest, those layers run that row alone
