@@ -357,3 +357,27 @@ def test_an_error_mid_reply_starts_its_own_line(monkeypatch, capsys):
     assert out.getvalue().strip() and out.getvalue().endswith("\n"), repr(out.getvalue())
     assert err.strip().splitlines()[-1].startswith(
         "mlxrunner: internal error: RuntimeError: the device went away"), err
+
+
+def test_a_reply_cut_by_a_closed_pipe_leaves_no_open_line_behind(monkeypatch, tmp_path):
+    """A reader that closed the pipe mid-reply ends the run quietly (exit 0), and the next
+    run in the process starts clean: its error adds nothing to stdout."""
+    import io
+
+    from mlxrunner.cli import main
+
+    class ClosedAfterThree(io.StringIO):
+        writes = 0
+
+        def write(self, text: str) -> int:
+            self.writes += 1
+            if self.writes >= 4:
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stdout", ClosedAfterThree())
+    assert main(["run", "demo-qwen3.5", "hi", "--max-tokens", "8", "--temperature", "0"]) == 0
+    after = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", after)
+    assert main(["show", str(tmp_path / "no-such-model")]) == 1
+    assert after.getvalue() == ""

@@ -892,6 +892,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         streamed.end_line()
         return 130
     except BrokenPipeError:
+        streamed.end_line()  # (fails on the closed pipe: forgets the open line)
         return 0
     except Exception as exc:  # a bug, not a user error: still one line unless --debug
         if debug:

@@ -4,9 +4,11 @@ terminal."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 _line_open = False
+_TRAILING_CODES = re.compile(r"(\x1b\[[0-9;]*m)+$")
 
 
 def write(piece: str) -> None:
@@ -15,7 +17,10 @@ def write(piece: str) -> None:
     if piece:
         sys.stdout.write(piece)
         sys.stdout.flush()
-        _line_open = not piece.endswith("\n")
+        # (a coloured line ends with its reset code after the newline)
+        visible = _TRAILING_CODES.sub("", piece)
+        if visible:
+            _line_open = not visible.endswith("\n")
 
 
 def end_line() -> None:
