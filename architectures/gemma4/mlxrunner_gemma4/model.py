@@ -256,16 +256,18 @@ class Attention(nn.Module):
         self.rope = mnn.RoPE.from_config(d, {}, cfg.rope[layer_type])
 
     def __call__(self, x: mx.array, cache: KVCache | RingCache | None, offset: int | mx.array,
-                 shared: mnn.KV | None, blocks: mx.array | None = None
+                 shared: mnn.KV | None, blocks: mx.array | None = None, last_row: bool = False
                  ) -> tuple[mx.array, mnn.KV]:
         """The attention output and the keys and values it attended over (``shared``: a
         KV-sharing layer's, from the layer it shares them with; ``blocks``: the chunk's
         query/key pairs of one image that a sliding layer also lets attend, see
-        :func:`vision_blocks`)."""
+        :func:`vision_blocks`). ``last_row``: every row's keys and values are stored, the
+        last row alone attends (its output ``[B, 1, hidden]``; the KV returned is that
+        row's, see :func:`last_query`)."""
         B, L, _ = x.shape
 
         def heads(y: mx.array) -> mx.array:  # -1: this rank's heads when sharded
-            return y.reshape(B, L, -1, self.head_dim)
+            return y.reshape(B, y.shape[1], -1, self.head_dim)
 
         if self.has_kv:
             if self.k_eq_v:  # the value is the raw key projection, normed like any value
@@ -282,9 +284,12 @@ class Attention(nn.Module):
         else:
             q = self.q_proj(x)
         assert shared is not None
+        if last_row:
+            q, offset, shared = q[:, -1:], offset + L - 1, last_query(shared)
+            assert shared is not None
         q = self.rope(self.q_norm(heads(q)).transpose(0, 2, 1, 3), offset)
         out = mnn.attend(q, *shared, scale=1.0)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), shared
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, q.shape[2], -1)), shared
 
 
 def last_query(kv: mnn.KV | None) -> mnn.KV | None:
@@ -379,9 +384,13 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, cache: KVCache | RingCache | None, offset: int | mx.array,
                  shared: mnn.KV | None, per_layer_input: mx.array | None,
-                 blocks: mx.array | None = None) -> tuple[mx.array, mnn.KV]:
-        attn, kv = self.self_attn(self.input_layernorm(x), cache, offset, shared, blocks)
-        h = x + self.post_attention_layernorm(attn)
+                 blocks: mx.array | None = None, last_row: bool = False
+                 ) -> tuple[mx.array, mnn.KV]:
+        """``last_row``: the chunk's keys and values are stored, the rest runs on its last
+        row alone (``per_layer_input`` that row's; see :class:`Attention`)."""
+        attn, kv = self.self_attn(self.input_layernorm(x), cache, offset, shared, blocks,
+                                  last_row)
+        h = (x[:, -1:] if last_row else x) + self.post_attention_layernorm(attn)
         ff = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:
             indices, weights = self.router(h)
@@ -396,10 +405,11 @@ class DecoderLayer(nn.Module):
 
     @staticmethod
     def pipeline_passthrough(x: mx.array, cache: Any, offset: Any, shared: mnn.KV | None,
-                             per_layer_input: Any, blocks: Any = None
+                             per_layer_input: Any, blocks: Any = None, last_row: bool = False
                              ) -> tuple[mx.array, mnn.KV | None]:
-        """What stands for this layer on a pipeline stage that does not hold it."""
-        return x, shared
+        """What stands for this layer on a pipeline stage that does not hold it (the shapes
+        the layer returns: the stages exchange them)."""
+        return (x[:, -1:], last_query(shared)) if last_row else (x, shared)
 
 
 class TextModel(nn.Module):
@@ -648,19 +658,23 @@ class Gemma4Model(Model):
         blocks = vision_blocks(ids, a.vision_token_ids, a.sliding_window) \
             if a.bidirectional_vision and embeddings is not None and ids.shape[1] > 1 else None
         kv_of: dict[int, mnn.KV | None] = {}  # (None: a pipeline stage without the layer)
-        # from the first KV-sharing layer on no layer writes a cache and a row reads no other
-        # row's stream: where only the last row's logits are wanted (the core's prefill) and
-        # no tap needs the rest, those layers run that row alone
+        # After the last layer that writes a cache stores its keys and values, no row reads
+        # another row's stream (the KV-sharing layers after it write none): where only the
+        # last row's logits are wanted (the core's prefill) and no tap needs the rest, that
+        # layer's attention and MLP and every layer after it run the last row alone.
         first_shared = next((i for i, s in enumerate(a.kv_source) if s != i), a.num_layers)
-        cut = not any(t >= first_shared for t in tapped.requested or ())
+        last_writer = first_shared - 1
+        cut = not any(t >= last_writer for t in tapped.requested or ()) and \
+            mnn.head_rows(h).shape[1] < h.shape[1]
         for i, layer in enumerate(self.layers):
-            if i == first_shared and cut and mnn.head_rows(h).shape[1] < h.shape[1]:
-                offset = offset + h.shape[1] - 1
-                h, per_layer = h[:, -1:], [p if p is None else p[:, -1:] for p in per_layer]
+            if cut and i == last_writer:
+                per_layer = [p if p is None else p[:, -1:] for p in per_layer]
+            elif cut and i == first_shared:
+                offset = offset + ids.shape[1] - 1
                 kv_of = {s: last_query(kv) for s, kv in kv_of.items()}
             source = a.kv_source[i]
             h, kv_of[source] = layer(h, cache[i], offset, kv_of.get(source), per_layer[i],
-                                     blocks)
+                                     blocks, cut and i == last_writer)
             tapped.after(i, h)
         logits = self.raw_logits(self.model.norm(mnn.head_rows(h)))
         return tapped.result(mnn.softcap(logits, a.final_logit_softcapping))

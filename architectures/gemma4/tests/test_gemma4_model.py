@@ -199,19 +199,26 @@ def test_gemma4_conformance_with_a_batch_of_two():
 
 
 @pytest.mark.parametrize("chunks", [[20], [5, 14], [11, 1, 9]])
-def test_gemma4_prefill_runs_the_kv_sharing_layers_on_the_last_row_alone(chunks, monkeypatch):
-    """Inside the core's prefill (last_logits_only) the KV-sharing layers take the chunk's
-    last row alone: its logits and every cache equal a whole forward's, for chunks shorter
-    and longer than the window (8) and after earlier chunks; a tap on a sharing layer keeps
-    every row (the cut is not taken)."""
+def test_gemma4_prefill_runs_the_last_rows_alone_past_the_last_cache_write(chunks, monkeypatch):
+    """Inside the core's prefill (last_logits_only) the last layer that writes a cache (5:
+    layers 6-9 share) stores every row's keys and values and runs the rest on the chunk's
+    last row, and the layers after it take that row alone: the logits and every cache equal
+    a whole forward's, for chunks shorter and longer than the window (8) and after earlier
+    chunks. A tap before that layer is every row's; a tap at or past it keeps every row
+    everywhere (the cut is not taken)."""
     from mlxrunner_gemma4 import model as gemma4
 
     from mlxrunner import nn as mnn
 
-    rows: list[int] = []  # the rows each layer's call took
+    rows: list[tuple[int, int]] = []  # each layer's rows in and out
+
+    def spied(self, x, *args):
+        out = layer_call(self, x, *args)
+        rows.append((x.shape[1], out[0].shape[1]))
+        return out
+
     layer_call = gemma4.DecoderLayer.__call__
-    monkeypatch.setattr(gemma4.DecoderLayer, "__call__",
-                        lambda self, x, *a: rows.append(x.shape[1]) or layer_call(self, x, *a))
+    monkeypatch.setattr(gemma4.DecoderLayer, "__call__", spied)
     model = mlxrunner.load_model(FIXTURES / "e2b")
     ids = mx.array(np.random.default_rng(7).integers(3, 128, (1, sum(chunks))))
     whole, cut = model.make_cache(), model.make_cache()
@@ -222,17 +229,51 @@ def test_gemma4_prefill_runs_the_kv_sharing_layers_on_the_last_row_alone(chunks,
         rows.clear()
         with mnn.last_logits_only():
             got = model(block, cache=cut)
-        assert got.shape[1] == 1 and rows == [n] * 6 + [1] * 4  # layers 6-9 share
-
+        assert got.shape[1] == 1 and rows == [(n, n)] * 5 + [(n, 1)] + [(1, 1)] * 4
         np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-5, rtol=2e-5)
         for a, b in zip(whole, cut):
             for x, y in zip(a.state if a else (), b.state if b else ()):
                 assert mx.array_equal(x, y)
         start += n
+    L = ids.shape[1]
+    for taps, cut_taken in (([2], True), ([2, 5], False), ([2, 8], False)):
+        rows.clear()
+        with mnn.last_logits_only():
+            logits, tapped = model(ids, taps=taps)
+        assert rows == ([(L, L)] * 5 + [(L, 1)] + [(1, 1)] * 4 if cut_taken
+                        else [(L, L)] * 10)
+        full_logits, full_tapped = model(ids, taps=taps)
+        assert tapped.shape == full_tapped.shape and mx.allclose(tapped, full_tapped, atol=1e-5)
+        np.testing.assert_allclose(np.array(logits), np.array(full_logits[:, -1:]), atol=2e-5)
+
+
+@pytest.mark.parametrize("name, layers", [("dense", 8), ("moe", 6)])
+def test_gemma4_prefill_without_sharing_runs_the_last_layers_rest_on_one_row(name, layers,
+                                                                             monkeypatch):
+    """No layer shares keys and values: the last layer is the last cache write, and past its
+    keys and values it runs the last row alone; logits and caches equal a whole forward's."""
+    from mlxrunner_gemma4 import model as gemma4
+
+    from mlxrunner import nn as mnn
+
+    rows: list[tuple[int, int]] = []
+    layer_call = gemma4.DecoderLayer.__call__
+
+    def spied(self, x, *args):
+        out = layer_call(self, x, *args)
+        rows.append((x.shape[1], out[0].shape[1]))
+        return out
+
+    monkeypatch.setattr(gemma4.DecoderLayer, "__call__", spied)
+    model = mlxrunner.load_model(FIXTURES / name)
+    ids = mx.array(np.random.default_rng(3).integers(3, 128, (1, 13)))
+    whole, cut = model.make_cache(), model.make_cache()
+    expected = model(ids, cache=whole)[:, -1:]
     rows.clear()
     with mnn.last_logits_only():
-        logits, tapped = model(ids, taps=[2, 8])
-    assert rows == [ids.shape[1]] * 10
-    full_logits, full_tapped = model(ids, taps=[2, 8])
-    assert tapped.shape == full_tapped.shape and mx.allclose(tapped, full_tapped, atol=1e-5)
-    np.testing.assert_allclose(np.array(logits), np.array(full_logits[:, -1:]), atol=2e-5)
+        got = model(ids, cache=cut)
+    assert rows == [(13, 13)] * (layers - 1) + [(13, 1)]
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-5, rtol=2e-5)
+    for a, b in zip(whole, cut):
+        for x, y in zip(a.state if a else (), b.state if b else ()):
+            assert mx.array_equal(x, y)
