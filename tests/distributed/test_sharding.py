@@ -41,6 +41,9 @@ def test_pipeline_cuts_are_even_and_keep_kv_sharing_layers_together():
     # Gemma 4 E2B-like: layers 6-9 read the keys and values of layers 4 and 5
     sources = [0, 1, 2, 3, 4, 5, 4, 5, 4, 5]
     assert stage_cuts(10, 2, sources) == [0, 4, 10]
+    # the nearest even cut (3 of 8, over 3 ranks) would leave no cut allowed after it
+    assert stage_cuts(8, 3, [0, 1, 2, 3, 4, 4, 4, 3]) == [0, 2, 3, 8]
+    assert stage_cuts(5, 1) == [0, 5]
     with pytest.raises(DistributedError, match="share keys"):
         stage_cuts(3, 2, [0, 0, 0])
     with pytest.raises(DistributedError, match="cannot be split over 3 ranks"):

@@ -55,17 +55,30 @@ def stage_cuts(num_layers: int, size: int, kv_sources: Sequence[int] | None = No
     def allowed(c: int) -> bool:
         return all(sources[j] >= c for j in range(c, num_layers))
 
-    cuts = [0]
-    for k in range(1, size):
-        ideal = round(k * num_layers / size)
-        candidates = [c for c in range(cuts[-1] + 1, num_layers - (size - k) + 1) if allowed(c)]
-        if not candidates:
-            raise DistributedError(f"the model's {num_layers} layers cannot be split over "
-                                   f"{size} ranks without parting layers that share keys "
-                                   "and values")
-        cuts.append(min(candidates, key=lambda c: (abs(c - ideal), c)))
-    cuts.append(num_layers)
-    return cuts
+    points = [c for c in range(1, num_layers) if allowed(c)]
+    if len(points) < size - 1:
+        raise DistributedError(f"the model's {num_layers} layers cannot be split over "
+                               f"{size} ranks without parting layers that share keys "
+                               "and values")
+    ideal = [round(k * num_layers / size) for k in range(1, size)]
+    # the cuts nearest the even ones in all (the smallest on a tie), over the allowed points:
+    # best[j] is the cheapest (distance, cuts) whose latest cut is points[j]
+    best: list[tuple[int, tuple[int, ...]] | None] = [(0, ())] if size == 1 else \
+        [(abs(p - ideal[0]), (p,)) for p in points]
+    for k in range(1, size - 1):
+        best = [_cheapest_ending_at([b for b in best[:j] if b is not None], p, ideal[k])
+                for j, p in enumerate(points)]
+    chosen = min(b for b in best if b is not None)
+    return [0, *chosen[1], num_layers]
+
+
+def _cheapest_ending_at(before: list[tuple[int, tuple[int, ...]]], point: int,
+                        ideal: int) -> tuple[int, tuple[int, ...]] | None:
+    """The cheapest of ``before`` followed by a cut at ``point`` (None: nothing before)."""
+    if not before:
+        return None
+    cost, cuts = min(before)
+    return cost + abs(point - ideal), (*cuts, point)
 
 
 class Elsewhere(nn.Module):
