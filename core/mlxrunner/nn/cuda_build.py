@@ -220,7 +220,9 @@ class CudaKernel:
         self.name, self.source = name, source
         self.input_names, self.output_names = list(input_names), list(output_names)
         self._mlx: Any = None
-        self._unbuilt: set[str] = set()  # sources NVRTC refused here: MLX builds those
+        # each case's cubin (None: NVRTC refused its source here, MLX builds it), so a call
+        # met again (every eager step) neither writes nor hashes its source
+        self._cubins: dict[tuple[Any, ...], bytes | None] = {}
 
     def _in_mlx(self) -> Any:
         if self._mlx is None:
@@ -233,26 +235,39 @@ class CudaKernel:
                  output_shapes: Sequence[Sequence[int]],
                  output_dtypes: Sequence[mx.Dtype]) -> list[mx.array]:
         build = builder()
-        if build is not None:
-            kinds = [x.dtype for x in inputs]
-            unit = kernel_source(self.name, self.source, list(zip(self.input_names, kinds)),
-                                 list(zip(self.output_names, output_dtypes)), template)
-            if unit not in self._unbuilt:
-                try:
-                    _, cubin = build.cubin(unit)
-                except RuntimeError as exc:
-                    self._unbuilt.add(unit)
-                    log.debug("%s does not build with CUDA's headers (%s); MLX builds it",
-                              self.name, str(exc).splitlines()[0])
-                else:
-                    return list(mx.fast.precompiled_cuda_kernel(
-                        name=self.name, compiled_source=cubin, inputs=list(inputs),
-                        output_shapes=[tuple(s) for s in output_shapes],
-                        output_dtypes=list(output_dtypes), scalars=[], grid=grid,
-                        threadgroup=threadgroup, ensure_row_contiguous=True))
+        cubin = None if build is None else self._cubin(build, inputs, template, output_dtypes)
+        if cubin is not None:
+            return list(mx.fast.precompiled_cuda_kernel(
+                name=self.name, compiled_source=cubin, inputs=list(inputs),
+                output_shapes=[tuple(s) for s in output_shapes],
+                output_dtypes=list(output_dtypes), scalars=[], grid=grid,
+                threadgroup=threadgroup, ensure_row_contiguous=True))
         return list(self._in_mlx()(
             inputs=list(inputs), template=list(template), grid=grid, threadgroup=threadgroup,
             output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes)))
+
+
+    def _cubin(self, build: Builder, inputs: Sequence[mx.array],
+               template: Sequence[TemplateArg], output_dtypes: Sequence[mx.Dtype]
+               ) -> bytes | None:
+        """This case's cubin from ``build``, or None where NVRTC refuses its source."""
+        # (a template value's type too: True and 1 are equal keys but spell another source)
+        key = (build, tuple(x.dtype for x in inputs), tuple(output_dtypes),
+               tuple((name, type(value), value) for name, value in template))
+        if key in self._cubins:
+            return self._cubins[key]
+        unit = kernel_source(self.name, self.source,
+                             list(zip(self.input_names, key[1])),
+                             list(zip(self.output_names, output_dtypes)), template)
+        cubin: bytes | None
+        try:
+            _, cubin = build.cubin(unit)
+        except RuntimeError as exc:
+            cubin = None
+            log.debug("%s does not build with CUDA's headers (%s); MLX builds it",
+                      self.name, str(exc).splitlines()[0])
+        self._cubins[key] = cubin
+        return cubin
 
 
 @functools.cache  # (asked at every attend on CUDA: worked out once)
