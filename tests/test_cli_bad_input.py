@@ -381,3 +381,18 @@ def test_a_reply_cut_by_a_closed_pipe_leaves_no_open_line_behind(monkeypatch, tm
     monkeypatch.setattr(sys, "stdout", after)
     assert main(["show", str(tmp_path / "no-such-model")]) == 1
     assert after.getvalue() == ""
+
+
+def test_a_tokenizer_that_is_not_the_models_is_one_line(tmp_path):
+    """A folder whose tokenizer makes ids past the model's vocabulary (300 ids against 64
+    embedding rows): one error line naming the token and the vocabulary, not an internal
+    error, and nothing decoded from rows that do not exist."""
+    pytest.importorskip("mlxrunner_example_architecture",
+                        reason="the example-architecture plugin is not installed")
+    from mlxrunner_test_support import EXAMPLE_CONFIG, write_model_folder
+
+    folder = write_model_folder(tmp_path / "m", dict(EXAMPLE_CONFIG, vocab_size=64))
+    result = cli("run", str(folder), "hello world, a sentence", "--max-tokens", "3",
+                 cwd=tmp_path)
+    one_line_error(result, "outside the vocabulary (0..63)", "tokenizer")
+    assert result.stdout.strip() == ""

@@ -66,6 +66,7 @@ _PLUGIN_API: dict[str, str] = {
     "PluginError": "errors",
     "ModelfileError": "errors",
     "ConversationError": "errors",
+    "PromptError": "errors",
     "DraftConfigError": "errors",
     "Model": "model.interface",
     "Cache": "cache",
@@ -146,6 +147,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ModelfileError,
         ModelFolderError,
         PluginError,
+        PromptError,
         UnknownNameError,
     )
     from .host.hookspecs import hookimpl  # noqa: F401

@@ -43,6 +43,11 @@ class TokenizerInputError(MLXRunnerError):
     """A text the tokenizer refuses: too long, or one its Rust code panicked on."""
 
 
+class PromptError(MLXRunnerError, ValueError):
+    """A prompt the model cannot take: empty, or holding a token id outside its vocabulary
+    (a tokenizer that is not the model's)."""
+
+
 class ConversationError(MLXRunnerError):
     """A malformed conversation (messages, tools) handed to a renderer."""
 

@@ -18,6 +18,7 @@ from ..decode import (
 )
 from ..decode.grammar import Constraint
 from ..decode.speculative import draft_name
+from ..errors import PromptError
 from ..media import MediaPrompt
 from ..model.interface import Model
 from .scheduler import BatchRequest, Scheduler
@@ -46,7 +47,7 @@ def generate(model: Model, prompt: Sequence[int], *, options: SamplerOptions | N
     """
     options = options or SamplerOptions()
     if not prompt:
-        raise ValueError("the prompt must hold at least one token")
+        raise PromptError("the prompt must hold at least one token")
     if max_tokens <= 0:  # nothing to decode (a draft's stats say so)
         stats = GenerationStats(prompt_tokens=len(prompt)) \
             if draft is None or not can_speculate(options) else \

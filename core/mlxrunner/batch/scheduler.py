@@ -72,6 +72,7 @@ from ..decode.speculative import (
     propose_row,
     read_row,
 )
+from ..errors import PromptError
 from ..media import MediaPrompt, history_key
 from ..model.block_draft import BlockDraft, BlockDraftBatch, BlockDraftSession
 from ..model.draft import DraftSession
@@ -330,7 +331,7 @@ class _RoundPlan:
 
 def _check(request: BatchRequest, vocab_size: int) -> None:
     if not request.prompt:
-        raise ValueError("the prompt must hold at least one token")
+        raise PromptError("the prompt must hold at least one token")
     if request.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
     if request.draft is not None and not can_speculate(request.options):
@@ -339,7 +340,8 @@ def _check(request: BatchRequest, vocab_size: int) -> None:
         raise ValueError(f"depth must be at least 0, got {request.depth}")
     bad = [t for t in request.prompt if not 0 <= int(t) < vocab_size]
     if bad:
-        raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        raise PromptError(f"prompt token {bad[0]} is outside the vocabulary "
+                          f"(0..{vocab_size - 1}): is the tokenizer this model's?")
 
 
 #: the batch's caches a server lets a model take by default (see batch_budget)

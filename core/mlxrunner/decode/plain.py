@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from ..errors import PromptError
 from ..media import MediaPrompt
 from ..model.interface import Model
 from ..nn import last_logits_only
@@ -77,7 +78,7 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
     logits = None
     total = ids.shape[1]
     if total == 0:
-        raise ValueError("the prompt must hold at least one token")
+        raise PromptError("the prompt must hold at least one token")
     if not 0 <= start < total:
         raise ValueError(f"prefill must start inside the prompt (start {start}, {total} tokens)")
     bounds = [start, *range((start // chunk + 1) * chunk, total, chunk), total]
