@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per row")
     parser.add_argument("--quick", action="store_true",
                         help="CPU-sized run: a scaled-down E2B layout, prompt 160, 16 new "
-                             "tokens, best of 3")
+                             "tokens")
     parser.add_argument("--no-eager", action="store_true",
                         help="skip the row with eager (uncompiled) decode steps")
     harness.add_switched_argument(parser, "attention=folded")

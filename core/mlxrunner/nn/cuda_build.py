@@ -246,7 +246,6 @@ class CudaKernel:
             inputs=list(inputs), template=list(template), grid=grid, threadgroup=threadgroup,
             output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes)))
 
-
     def _cubin(self, build: Builder, inputs: Sequence[mx.array],
                template: Sequence[TemplateArg], output_dtypes: Sequence[mx.Dtype]
                ) -> bytes | None:
