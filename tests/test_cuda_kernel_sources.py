@@ -120,15 +120,46 @@ def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int) -> No
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("norm,res,glu", [(False, False, 0), (True, False, 0), (False, True, 0),
-                                          (True, False, 1), (True, False, 2)])
+@pytest.mark.parametrize("norm,res,glu,upx", [(False, False, 0, False), (True, False, 0, False),
+                                              (False, True, 0, False), (True, False, 1, False),
+                                              (True, False, 2, False), (False, False, 2, True)])
 def test_fused_product_kernel_compiles(builder, dtype: str, norm: bool, res: bool,
-                                       glu: int) -> None:
+                                       glu: int, upx: bool) -> None:
     from mlxrunner.nn import cuda_products
 
     template = [("T", dtype), ("K", 2048), ("N", 2048), ("M", 2), ("NT", 256),
-                ("NORM", norm), ("RES", res), ("GLU", glu)]
+                ("NORM", norm), ("RES", res), ("GLU", glu), ("UPX", upx)]
     _compile(builder, "mlxrunner_product", _wrap(
         "mlxrunner_product", cuda_products.PRODUCT_SOURCE,
-        [("x", dtype), ("w", dtype), ("nw", dtype), ("res", dtype), ("eps", "float32")],
-        [("y", dtype)], template))
+        [("x", dtype), ("w", dtype), ("nw", dtype), ("res", dtype), ("up_x", dtype),
+         ("eps", "float32")], [("y", dtype)], template))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("freqs,trad,per_sequence", [(False, False, False), (True, False, True),
+                                                     (False, True, False)])
+def test_heads_kernel_compiles(builder, dtype: str, freqs: bool, trad: bool,
+                               per_sequence: bool) -> None:
+    from mlxrunner.nn import cuda_norms
+
+    template = [("T", dtype), ("D", 256), ("H0", 8), ("H1", 2), ("H2", 2), ("NORM0", 2),
+                ("NORM1", 2), ("NORM2", 1), ("ROT0", True), ("ROT1", True), ("ROT2", False),
+                ("RD", 64), ("TRAD", trad), ("FREQS", freqs), ("L", 2),
+                ("PERB", per_sequence), ("NT", cuda_norms.HEAD_THREADS)]
+    inputs = [(n, dtype) for n in ("x0", "x1", "x2", "w0", "w1", "w2")]
+    inputs += [("eps", "float32"), ("offset", "int32"), ("freqs", "float32"), ("rf", "float32")]
+    _compile(builder, "mlxrunner_heads", _wrap(
+        "mlxrunner_heads", cuda_norms.HEADS_SOURCE, inputs,
+        [(n, dtype) for n in ("y0", "y1", "y2")], template))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("scale", [False, True])
+def test_add_norm_kernel_compiles(builder, dtype: str, scale: bool) -> None:
+    from mlxrunner.nn import cuda_norms
+
+    _compile(builder, "mlxrunner_add_norm", _wrap(
+        "mlxrunner_add_norm", cuda_norms.ADD_NORM_SOURCE,
+        [("x", dtype), ("w", dtype), ("res", dtype), ("s", dtype), ("eps", "float32")],
+        [("y", dtype)], [("T", dtype), ("D", 1536), ("NT", cuda_norms.ADD_THREADS),
+                         ("SCALE", scale)]))

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, fields, replace
 from .errors import MLXRunnerError
 
 #: the fused kernels ``MLXRUNNER_KERNELS`` names
-KERNELS = ("attention", "deltanet", "products", "topk")
+KERNELS = ("attention", "deltanet", "norms", "products", "topk")
 ATTENTION_MODES = ("kernel", "folded", "mlx")
 
 

@@ -142,10 +142,37 @@ def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned):
         got = emulate_kernel(
             cuda_products.PRODUCT_SOURCE,
             {"x": x, "w": w, "nw": nw, "res": r if res else np.zeros(1, np.float32),
-             "eps": eps}, {"y": ((rows, N), np.float32)},
+             "up_x": np.zeros(1, np.float32), "eps": eps}, {"y": ((rows, N), np.float32)},
             [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
-             ("NORM", norm), ("RES", res), ("GLU", glu)],
+             ("NORM", norm), ("RES", res), ("GLU", glu), ("UPX", False)],
             blocks=-(-N // (threads // 32)), threads=threads)["y"]
         want = _reference_np(x, w, nw, r if res else None, 1e-5, norm, glu)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
                                    err_msg=f"norm={norm} res={res} glu={glu}")
+
+
+@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
+                    .emulation_available(), reason="needs g++ for the CUDA emulation")
+@pytest.mark.parametrize("glu", [1, 2])
+def test_a_gate_product_times_a_given_up_computes_its_math_in_emulation(glu):
+    """``act(rms_norm(x) @ Wg.T) * up`` with ``up`` an input (a per-layer input, not the
+    weight's up rows): the weight has N rows."""
+    from mlxrunner.testing.cuda_emulation import emulate_kernel
+
+    rng = np.random.default_rng(glu)
+    rows, K, N, threads = 2, 64, 24, 256
+    x = rng.normal(size=(rows, K)).astype(np.float32)
+    w = (rng.normal(size=(N, K)) * K ** -0.5).astype(np.float32)
+    nw = (1 + 0.1 * rng.normal(size=K)).astype(np.float32)
+    up = rng.normal(size=(rows, N)).astype(np.float32)
+    got = emulate_kernel(
+        cuda_products.PRODUCT_SOURCE,
+        {"x": x, "w": w, "nw": nw, "res": np.zeros(1, np.float32), "up_x": up,
+         "eps": np.array([1e-6], np.float32)}, {"y": ((rows, N), np.float32)},
+        [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
+         ("NORM", True), ("RES", False), ("GLU", glu), ("UPX", True)],
+        blocks=-(-N // (threads // 32)), threads=threads)["y"]
+    gate = _reference_np(x, w, nw, None, 1e-6, True, 0)
+    act = gate / (1 + np.exp(-gate)) if glu == 1 else 0.5 * gate * (
+        1 + np.tanh(0.7978845608028654 * (gate + 0.044715 * gate ** 3)))
+    np.testing.assert_allclose(got, act * up, rtol=1e-5, atol=1e-5)

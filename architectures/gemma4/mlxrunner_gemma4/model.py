@@ -275,8 +275,13 @@ class Attention(nn.Module):
                 v = k
             else:
                 q, k, v = mnn.linears(x, self.q_proj, self.k_proj, self.v_proj)
-            k = self.rope(self.k_norm(heads(k)).transpose(0, 2, 1, 3), offset)
-            v = mnn.rms_norm(heads(v), self.eps).transpose(0, 2, 1, 3)
+            if last_row:
+                k, v = mnn.attention_heads(offset, (heads(k), self.k_norm, self.rope),
+                                           (heads(v), self.eps, None))
+            else:
+                q, k, v = mnn.attention_heads(offset, (heads(q), self.q_norm, self.rope),
+                                              (heads(k), self.k_norm, self.rope),
+                                              (heads(v), self.eps, None))
             shared = mnn.store(cache, k, v, self.window)
             if blocks is not None and self.window is not None:
                 shared = shared._replace(mask=with_blocks(shared.mask, blocks,
@@ -287,7 +292,8 @@ class Attention(nn.Module):
         if last_row:
             q, offset, shared = q[:, -1:], offset + L - 1, last_query(shared)
             assert shared is not None
-        q = self.rope(self.q_norm(heads(q)).transpose(0, 2, 1, 3), offset)
+        if last_row or not self.has_kv:
+            q, = mnn.attention_heads(offset, (heads(q), self.q_norm, self.rope))
         out = mnn.attend(q, *shared, scale=1.0)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, q.shape[2], -1)), shared
 
@@ -390,18 +396,20 @@ class DecoderLayer(nn.Module):
         row alone (``per_layer_input`` that row's; see :class:`Attention`)."""
         attn, kv = self.self_attn(self.input_layernorm(x), cache, offset, shared, blocks,
                                   last_row)
-        h = (x[:, -1:] if last_row else x) + self.post_attention_layernorm(attn)
+        h = self.post_attention_layernorm.add_normed(x[:, -1:] if last_row else x, attn)
         ff = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:
             indices, weights = self.router(h)
             moe = self.experts(self.pre_feedforward_layernorm_2(h), indices, weights)
-            ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(moe)
-        h = h + self.post_feedforward_layernorm(ff)
-        if self.per_layer:
-            assert per_layer_input is not None  # the model gives one to every layer then
-            gate = mnn.gelu_tanh_mul(self.per_layer_input_gate(h), per_layer_input)
-            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
-        return h * self.layer_scalar, kv
+            ff = self.post_feedforward_layernorm_2.add_normed(
+                self.post_feedforward_layernorm_1(ff), moe)
+        if not self.per_layer:
+            return self.post_feedforward_layernorm.add_normed(h, ff, self.layer_scalar), kv
+        h = self.post_feedforward_layernorm.add_normed(h, ff)
+        assert per_layer_input is not None  # the model gives one to every layer then
+        gate = mnn.gelu_tanh_mul(self.per_layer_input_gate(h), per_layer_input)
+        return self.post_per_layer_input_norm.add_normed(h, self.per_layer_projection(gate),
+                                                         self.layer_scalar), kv
 
     @staticmethod
     def pipeline_passthrough(x: mx.array, cache: Any, offset: Any, shared: mnn.KV | None,

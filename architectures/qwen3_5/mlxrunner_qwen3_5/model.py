@@ -200,13 +200,14 @@ class Attention(nn.Module):
         q_gate, k, v = mnn.linears(x, self.q_proj, self.k_proj, self.v_proj)
         d = self.head_dim
         q, gate = mx.split(q_gate.reshape(B, L, -1, 2 * d), 2, axis=-1)
-        q = self.q_norm(q).transpose(0, 2, 1, 3)
-        k = self.k_norm(k.reshape(B, L, -1, d)).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, -1, d)
         if rope is None:
             offset = cache.offset if cache is not None else 0
-            q, k = self.rope(q, offset), self.rope(k, offset)
+            q, k = mnn.attention_heads(offset, (q, self.q_norm, self.rope),
+                                       (k, self.k_norm, self.rope))
         else:
-            q, k = rotate(q, rope), rotate(k, rope)
+            q = rotate(self.q_norm(q).transpose(0, 2, 1, 3), rope)
+            k = rotate(self.k_norm(k).transpose(0, 2, 1, 3), rope)
         v = v.reshape(B, L, -1, d).transpose(0, 2, 1, 3)
         out = mnn.attend(q, *mnn.store(cache, k, v), scale=self.scale)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate.reshape(B, L, -1))

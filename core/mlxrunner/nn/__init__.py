@@ -16,6 +16,7 @@ from .attention import KV, attend, store
 from .deltanet import GatedDeltaNet, chunked_gated_delta
 from .derived import derived
 from .embedding import Embedding, QuantizedEmbedding
+from .heads import attention_heads
 from .linear import Linear, QuantizedLinear, apply_linear, joined_linears, linears
 from .mlp import ACTIVATIONS, GatedMLP, gelu_tanh_mul, silu_mul, softcap
 from .moe import ExpertLinear, GatedExperts, QuantizedExpertLinear, experts_glu
@@ -47,6 +48,7 @@ __all__ = [
     "apply_linear",
     "arange_constant",
     "attend",
+    "attention_heads",
     "chunked_gated_delta",
     "constant",
     "derived",

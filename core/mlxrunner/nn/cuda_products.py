@@ -45,7 +45,8 @@ NOTED_NORMS = 8
 # Template constants: T (x, weight, residual and norm weight dtype), K (inputs per row), N
 # (outputs per row), M (rows), NT (threads per block), NORM (normalise x with nw and eps
 # first), RES (add res to the rounded product), GLU (0: none; 1: silu, 2: gelu_tanh of rows
-# [0, N) times rows [N, 2N) of w). One warp per output n; the block's warps take consecutive n.
+# [0, N) times rows [N, 2N) of w, or times up where UPX). One warp per output n; the block's
+# warps take consecutive n.
 PRODUCT_SOURCE = r"""
     constexpr int kWarps = NT / 32;
     constexpr int kVec = 16 / sizeof(T);
@@ -91,6 +92,7 @@ PRODUCT_SOURCE = r"""
 
     const int n = blockIdx.x * kWarps + warp;
     if (n >= N) return;
+    constexpr bool kUpRows = GLU && !UPX;
     float acc[M];
     float acc_up[M];
     #pragma unroll
@@ -100,12 +102,12 @@ PRODUCT_SOURCE = r"""
     if (reinterpret_cast<size_t>(w) & 15) {  // a weight view off 16-byte alignment
         for (int k = lane; k < K; k += 32) {
             const float wf = static_cast<float>(row[k]);
-            const float uf = GLU ? static_cast<float>(row_up[k]) : 0.f;
+            const float uf = kUpRows ? static_cast<float>(row_up[k]) : 0.f;
             #pragma unroll
             for (int m = 0; m < M; ++m) {
                 const float xf = static_cast<float>(xs[m * K + k]);
                 acc[m] += wf * xf;
-                if (GLU) acc_up[m] += uf * xf;
+                if (kUpRows) acc_up[m] += uf * xf;
             }
         }
     } else
@@ -115,7 +117,7 @@ PRODUCT_SOURCE = r"""
         const T* wv = reinterpret_cast<const T*>(&wp);
         uint4 up;
         const T* uv = reinterpret_cast<const T*>(&up);
-        if (GLU) up = *reinterpret_cast<const uint4*>(row_up + k);
+        if (kUpRows) up = *reinterpret_cast<const uint4*>(row_up + k);
         #pragma unroll
         for (int m = 0; m < M; ++m) {
             const uint4 xp = *reinterpret_cast<const uint4*>(xs + m * K + k);
@@ -124,7 +126,7 @@ PRODUCT_SOURCE = r"""
             for (int j = 0; j < kVec; ++j) {
                 const float xf = static_cast<float>(xv[j]);
                 acc[m] += static_cast<float>(wv[j]) * xf;
-                if (GLU) acc_up[m] += static_cast<float>(uv[j]) * xf;
+                if (kUpRows) acc_up[m] += static_cast<float>(uv[j]) * xf;
             }
         }
     }
@@ -132,25 +134,25 @@ PRODUCT_SOURCE = r"""
     for (int m = 0; m < M; ++m) {
         for (int o = 16; o > 0; o >>= 1) {
             acc[m] += __shfl_xor_sync(0xffffffff, acc[m], o);
-            if (GLU) acc_up[m] += __shfl_xor_sync(0xffffffff, acc_up[m], o);
+            if (kUpRows) acc_up[m] += __shfl_xor_sync(0xffffffff, acc_up[m], o);
         }
     }
     if (lane != 0) return;
     #pragma unroll
     for (int m = 0; m < M; ++m) {
         T out = static_cast<T>(acc[m]);
+        const T u = UPX ? up_x[m * N + n] : static_cast<T>(acc_up[m]);
         if (GLU == 1) {  // silu(g) * u, rounding each step as MLX's fused silu_mul does
             const float g = static_cast<float>(out);
             const T sig = static_cast<T>(1.f / (1.f + expf(-g)));
             const T act = static_cast<T>(g * static_cast<float>(sig));
-            out = static_cast<T>(static_cast<float>(act) *
-                                 static_cast<float>(static_cast<T>(acc_up[m])));
+            out = static_cast<T>(static_cast<float>(act) * static_cast<float>(u));
         } else if (GLU == 2) {  // gelu_tanh(g) in float32, rounded once, times u
             const float g = static_cast<float>(out);
             const float act = 0.5f * g * (1.f + tanhf(0.7978845608028654f *
                                                       (g + 0.044715f * g * g * g)));
             out = static_cast<T>(static_cast<float>(static_cast<T>(act)) *
-                                 static_cast<float>(static_cast<T>(acc_up[m])));
+                                 static_cast<float>(u));
         }
         if (RES) out = static_cast<T>(static_cast<float>(out) +
                                       static_cast<float>(res[m * N + n]));
@@ -158,7 +160,8 @@ PRODUCT_SOURCE = r"""
     }
 """
 
-_kernel = CudaKernel(name="mlxrunner_product", input_names=["x", "w", "nw", "res", "eps"],
+_kernel = CudaKernel(name="mlxrunner_product",
+                     input_names=["x", "w", "nw", "res", "up_x", "eps"],
                      output_names=["y"], source=PRODUCT_SOURCE)
 _noted = threading.local()
 
@@ -182,11 +185,17 @@ def note_norm(out: mx.array, x: mx.array, weight: mx.array | None, eps: float) -
     if weight is None or weight.dtype != x.dtype or weight.shape != x.shape[-1:] or \
             not _fits(x, x.shape[-1]):
         return
-    noted = getattr(_noted, "norms", None)
+    _note(_noted, "norms", out, (out, x, weight, eps), NOTED_NORMS)
+
+
+def _note(where: threading.local, kind: str, out: mx.array, entry: tuple[Any, ...],
+          kept: int) -> None:
+    noted = getattr(where, kind, None)
     if noted is None:
-        noted = _noted.norms = OrderedDict()
-    noted[id(out)] = (out, x, weight, eps)  # (out held: its id is not reused meanwhile)
-    while len(noted) > NOTED_NORMS:
+        noted = OrderedDict()
+        setattr(where, kind, noted)
+    noted[id(out)] = entry  # (out held in the entry: its id is not reused meanwhile)
+    while len(noted) > kept:
         noted.popitem(last=False)
 
 
@@ -199,25 +208,28 @@ def _norm_of(x: mx.array) -> tuple[mx.array, mx.array, float] | None:
 
 
 def _launch(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-            norm: tuple[mx.array, mx.array, float] | None) -> mx.array:
+            norm: tuple[mx.array, mx.array, float] | None, up: mx.array | None = None
+            ) -> mx.array:
     K = x.shape[-1]
     M = _rows(x)
-    N = weight.shape[0] // (2 if glu else 1)
+    N = weight.shape[0] // (2 if glu and up is None else 1)
     source = x if norm is None else norm[0]
     dummy = constant((0,), x.dtype)
     outputs = _kernel(
         inputs=[source, weight, dummy if norm is None else norm[1],
-                dummy if residual is None else residual,
+                dummy if residual is None else residual, dummy if up is None else up,
                 constant((0.0 if norm is None else float(norm[2]),), mx.float32)],
         template=[("T", x.dtype), ("K", K), ("N", N), ("M", M), ("NT", THREADS),
-                  ("NORM", norm is not None), ("RES", residual is not None), ("GLU", glu)],
+                  ("NORM", norm is not None), ("RES", residual is not None), ("GLU", glu),
+                  ("UPX", up is not None)],
         grid=(THREADS * -(-N // (THREADS // 32)), 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
     return outputs[0]
 
 
 def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-               norm: tuple[mx.array, mx.array, float] | None) -> mx.array:
+               norm: tuple[mx.array, mx.array, float] | None, up: mx.array | None = None
+               ) -> mx.array:
     """What MLX's operations compute for the same case (the check's reference)."""
     from .mlp import gelu_tanh_mul, silu_mul  # (mlp imports linear, which imports this)
 
@@ -225,7 +237,7 @@ def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: in
         x = mx.fast.rms_norm(norm[0], norm[1], norm[2])
     y = x @ weight.T
     if glu:
-        gate, up = mx.split(y, 2, axis=-1)
+        gate, up = mx.split(y, 2, axis=-1) if up is None else (y, up)
         y = (silu_mul if glu == 1 else gelu_tanh_mul)(gate, up)
     return y if residual is None else residual + y
 
@@ -248,23 +260,44 @@ def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = Non
     norm = _norm_of(x)
     if not _serves(x, weight, residual is not None, glu, norm is not None):
         return None
-    return _launch(x, weight, residual, glu, norm)
+    y = _launch(x, weight, residual, glu, norm)
+    if residual is None and not glu:
+        _note(_noted, "products", y, (y, x, weight, norm), NOTED_NORMS)
+    return y
 
 
-def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, norm: bool) -> bool:
+def fused_gated(gate: mx.array, up: mx.array, activation: str) -> mx.array | None:
+    """``act(gate) * up`` as one kernel with the product that made ``gate`` (a fused
+    product's output, noted as it ran: that product's operation then never runs); None
+    where ``gate`` is no such output or no kernel serves the case."""
+    noted = getattr(_noted, "products", None)
+    entry = None if noted is None else noted.get(id(gate))
+    glu = GLU.get(activation, 0)
+    if entry is None or entry[0] is not gate or not glu or up.shape != gate.shape \
+            or up.dtype != gate.dtype:
+        return None
+    _, x, weight, norm = entry
+    if not _serves(x, weight, False, glu, norm is not None, upx=True):
+        return None
+    return _launch(x, weight, None, glu, norm, up)
+
+
+def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, norm: bool,
+            upx: bool = False) -> bool:
     K, M, dtype = x.shape[-1], _rows(x), x.dtype
     rows = weight.shape[0]
-    case = (K, rows, M, dtype, res, glu, norm)
+    case = (K, rows, M, dtype, res, glu, norm) + ((True,) if upx else ())
 
     def probe() -> tuple[Any, ...]:
         keys = [mx.random.key(4711 + i) for i in range(4)]  # no gather (see deltanet's)
         px = mx.random.normal((M, K), key=keys[0]).astype(dtype)
         pw = (mx.random.normal((rows, K), key=keys[1]) * K ** -0.5).astype(dtype)
-        n_out = rows // (2 if glu else 1)
+        n_out = rows // (2 if glu and not upx else 1)
         pr = mx.random.normal((M, n_out), key=keys[2]).astype(dtype) if res else None
         pn = (1.0 + 0.1 * mx.random.normal((K,), key=keys[3])).astype(dtype)
-        return px, pw, pr, (px, pn, 1e-5) if norm else None
+        pu = mx.random.normal((M, n_out), key=keys[3]).astype(dtype) if upx else None
+        return px, pw, pr, (px, pn, 1e-5) if norm else None, pu
 
-    return serves("products", case, lambda p: _launch(p[0], p[1], p[2], glu, p[3]),
-                  lambda p: _reference(p[0], p[1], p[2], glu, p[3]), probe,
+    return serves("products", case, lambda p: _launch(p[0], p[1], p[2], glu, p[3], p[4]),
+                  lambda p: _reference(p[0], p[1], p[2], glu, p[3], p[4]), probe,
                   2e-3 if dtype == mx.float32 else 3e-2, source=kernel_code(__file__))

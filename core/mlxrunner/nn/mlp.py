@@ -8,25 +8,37 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cuda_products import fused_product
+from .cuda_products import fused_gated, fused_product
 from .host_ops import host_silu_mul
 from .linear import Linear, apply_linear, linears, packed
 from .parallel import Column, Row
 
 
 @partial(mx.compile, shapeless=True)
-def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """``silu(gate) * up`` as one fused kernel."""
+def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
 
 
 @partial(mx.compile, shapeless=True)
-def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """``gelu_tanh(gate) * up`` (``gelu_pytorch_tanh``), the GELU in float32 and rounded
-    once, as torch computes it for half-precision inputs; one fused kernel."""
+def _gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     g = gate.astype(mx.float32)
     g = 0.5 * g * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g)))
     return g.astype(up.dtype) * up
+
+
+def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` as one fused kernel (on CUDA, where ``gate`` is a decode step's
+    product: in that product's kernel)."""
+    fused = fused_gated(gate, up, "silu")
+    return _silu_mul(gate, up) if fused is None else fused
+
+
+def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``gelu_tanh(gate) * up`` (``gelu_pytorch_tanh``), the GELU in float32 and rounded
+    once, as torch computes it for half-precision inputs; one fused kernel (on CUDA, where
+    ``gate`` is a decode step's product: in that product's kernel)."""
+    fused = fused_gated(gate, up, "gelu_tanh")
+    return _gelu_tanh_mul(gate, up) if fused is None else fused
 
 
 @partial(mx.compile, shapeless=True)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cuda_norms import fused_add_norm
 from .cuda_products import note_norm
 from .derived import derived
 from .host_ops import host_rms_norm
+from .kernels import on_cuda
 
 
 class RMSNorm(nn.Module):
@@ -36,6 +38,17 @@ class RMSNorm(nn.Module):
         out = mx.fast.rms_norm(x, weight, self.eps)
         note_norm(out, x, weight, self.eps)  # a fused product reading out may run it
         return out
+
+    def add_normed(self, residual: mx.array, x: mx.array, scale: mx.array | None = None
+                   ) -> mx.array:
+        """``(residual + self(x)) * scale`` (a post-norm's residual add; ``scale``: a
+        one-element array, or None for none): one fused kernel for a decode step on CUDA."""
+        if on_cuda():
+            fused = fused_add_norm(residual, x, self.applied_weight(), self.eps, scale)
+            if fused is not None:
+                return fused
+        out = residual + self(x)
+        return out if scale is None else out * scale
 
 
 def rms_norm(x: mx.array, eps: float = 1e-6) -> mx.array:

@@ -1,0 +1,308 @@
+"""Norms fused with their neighbours on CUDA, for a decode step's few rows: attention's
+per-head inputs (each head's RMS norm, RoPE and the ``[B, H, L, D]`` layout, for queries,
+keys and values in one launch), and a post-norm's residual add (``(residual + norm(x)) *
+scale``, one launch for what MLX runs as a norm and an add).
+
+A decode step on MLX's CUDA backend is bound by host time per launched kernel (see
+:mod:`mlxrunner.nn.cuda_products`): a layer with query and key norms, RoPE and a value
+norm spends five launches on its heads before attention, a post-norm layer two on each
+residual add. These kernels round where MLX's operations round (the normalised row in
+the input's dtype, times the weight in that dtype; each rotated pair; the add; the
+scale), and serve a case only after its self-check against those operations
+(:func:`mlxrunner.nn.kernels.serves`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from ..constants import constant
+from .cuda_build import CudaKernel, kernel_code
+from .kernels import kernel_allowed, serves
+
+#: positions per sequence a heads launch takes (a decode step, a short verify block)
+MAX_HEAD_POSITIONS = 4
+#: rows (sequences times positions) a fused launch takes: a decode step of a batch
+MAX_ROWS = 64
+FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+HEAD_THREADS = 128
+ADD_THREADS = 256
+TOLERANCE = {mx.float32: 2e-3, mx.float16: 3e-2, mx.bfloat16: 3e-2}
+
+# Template constants: T (dtype), D (head size), H0..H2 (heads of each part; 0: no part),
+# NORM0..2 (0: none, 1: without weight, 2: with weight), ROT0..2 (rotate), RD (rotated
+# dims), TRAD (rotate interleaved pairs), FREQS (periods from freqs, else from the base),
+# L (positions per sequence), PERB (an offset per sequence), NT (threads). A block per
+# (part, row, head); rows are (sequence, position) pairs, B * L of them. rf: log2(base),
+# position scale; eps: each part's.
+HEADS_SOURCE = r"""
+    __shared__ __align__(16) T xs[D];
+    __shared__ float red[NT / 32];
+    const int tid = threadIdx.x;
+    const int rows = gridDim.x / (H0 + H1 + H2);
+    int blk = blockIdx.x, part = 0, H = H0;
+    if (blk >= rows * H0) { blk -= rows * H0; part = 1; H = H1;
+        if (blk >= rows * H1) { blk -= rows * H1; part = 2; H = H2; } }
+    const T* x = part == 0 ? x0 : (part == 1 ? x1 : x2);
+    const T* w = part == 0 ? w0 : (part == 1 ? w1 : w2);
+    T* y = part == 0 ? y0 : (part == 1 ? y1 : y2);
+    const int norm = part == 0 ? NORM0 : (part == 1 ? NORM1 : NORM2);
+    const bool rot = part == 0 ? ROT0 : (part == 1 ? ROT1 : ROT2);
+    const int m = blk / H, h = blk - m * H;
+    const int b = m / L, l = m - b * L;
+    x += (size_t)blk * D;
+    y += ((size_t)(b * H + h) * L + l) * D;
+
+    if (norm) {
+        float ss = 0.f;
+        #pragma unroll 1
+        for (int j = tid; j < D; j += NT) {
+            const float v = static_cast<float>(x[j]);
+            ss += v * v;
+        }
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+        if ((tid & 31) == 0) red[tid >> 5] = ss;
+        __syncthreads();
+        float total = 0.f;
+        for (int i = 0; i < NT / 32; ++i) total += red[i];
+        const float inv = rsqrtf(total / D + eps[part]);
+        #pragma unroll 1
+        for (int j = tid; j < D; j += NT) {
+            const T xn = static_cast<T>(static_cast<float>(x[j]) * inv);
+            xs[j] = norm == 2 ? static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(xn))
+                              : xn;
+        }
+    } else {
+        #pragma unroll 1
+        for (int j = tid; j < D; j += NT) xs[j] = x[j];
+    }
+    __syncthreads();
+    if (!rot) {
+        #pragma unroll 1
+        for (int j = tid; j < D; j += NT) y[j] = xs[j];
+        return;
+    }
+    const float pos = rf[1] * static_cast<float>(offset[PERB ? b : 0] + l);
+    constexpr int half = RD / 2;
+    #pragma unroll 1
+    for (int i = tid; i < half; i += NT) {
+        float inv_freq;
+        if (FREQS) inv_freq = static_cast<float>(1.0 / static_cast<double>(freqs[i]));
+        else inv_freq = exp2f(-(static_cast<float>(i) / static_cast<float>(half)) * rf[0]);
+        const float theta = pos * inv_freq;
+        const float c = cosf(theta), s = sinf(theta);
+        const int i1 = TRAD ? 2 * i : i;
+        const int i2 = TRAD ? 2 * i + 1 : i + half;
+        const float a = static_cast<float>(xs[i1]), e = static_cast<float>(xs[i2]);
+        y[i1] = static_cast<T>(a * c - e * s);
+        y[i2] = static_cast<T>(a * s + e * c);
+    }
+    #pragma unroll 1
+    for (int j = RD + tid; j < D; j += NT) y[j] = xs[j];
+"""
+
+# Template constants: T, D (row size), NT, SCALE (times s[0]). A block per row:
+# y = (res + rms_norm(x) * w) * s, rounding as MLX's norm, add and multiply do.
+ADD_NORM_SOURCE = r"""
+    __shared__ float red[NT / 32];
+    const int tid = threadIdx.x;
+    const size_t base = (size_t)blockIdx.x * D;
+    float ss = 0.f;
+    #pragma unroll 1
+    for (int j = tid; j < D; j += NT) {
+        const float v = static_cast<float>(x[base + j]);
+        ss += v * v;
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    if ((tid & 31) == 0) red[tid >> 5] = ss;
+    __syncthreads();
+    float total = 0.f;
+    for (int i = 0; i < NT / 32; ++i) total += red[i];
+    const float inv = rsqrtf(total / D + eps[0]);
+    #pragma unroll 1
+    for (int j = tid; j < D; j += NT) {
+        const T xn = static_cast<T>(static_cast<float>(x[base + j]) * inv);
+        const T n = static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(xn));
+        T out = static_cast<T>(static_cast<float>(res[base + j]) + static_cast<float>(n));
+        if (SCALE) out = static_cast<T>(static_cast<float>(out) * static_cast<float>(s[0]));
+        y[base + j] = out;
+    }
+"""
+
+_heads = CudaKernel(name="mlxrunner_heads",
+                    input_names=["x0", "x1", "x2", "w0", "w1", "w2", "eps", "offset", "freqs",
+                                 "rf"],
+                    output_names=["y0", "y1", "y2"], source=HEADS_SOURCE)
+_add_norm = CudaKernel(name="mlxrunner_add_norm", input_names=["x", "w", "res", "s", "eps"],
+                       output_names=["y"], source=ADD_NORM_SOURCE)
+
+
+# ---------------------------------------------------------------------------------------
+# attention's heads
+# ---------------------------------------------------------------------------------------
+
+#: a part as the kernel takes it: heads ``[B, L, H, D]``, the norm weight (None: no
+#: weight), eps (None: no norm), rotate
+HeadPart = tuple[mx.array, "mx.array | None", "float | None", bool]
+#: the rotation: dims, traditional, log2(base) or None (periods from freqs), scale, freqs
+Rotation = tuple[int, bool, "float | None", float, "mx.array | None"]
+
+
+def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
+                offset: int | mx.array) -> list[mx.array] | None:
+    """Each part normalised, laid out ``[B, H, L, D]`` and rotated (see the module), in one
+    launch; None where the kernel does not serve this case (the caller runs MLX's)."""
+    if not 0 < len(parts) <= 3 or not kernel_allowed("norms"):
+        return None
+    x = parts[0][0]
+    if x.ndim != 4 or x.dtype not in FLOATS:
+        return None
+    B, L, _, D = x.shape
+    if not 0 < L <= MAX_HEAD_POSITIONS or not 0 < B * L <= MAX_ROWS or D % 2:
+        return None
+    for p, weight, _eps, _rot in parts:
+        if p.ndim != 4 or p.dtype != x.dtype or p.shape[:2] != (B, L) or p.shape[3] != D \
+                or (weight is not None and (weight.shape != (D,) or weight.dtype != x.dtype)):
+            return None
+    if isinstance(offset, mx.array):
+        if offset.dtype != mx.int32 or offset.size not in (1, B) or offset.ndim > 1:
+            return None
+    elif not isinstance(offset, int):
+        return None
+    if any(p[3] for p in parts) and (rotation is None or not 0 < rotation[0] <= D
+                                     or rotation[0] % 2):
+        return None
+    rot = rotation or (D, False, 0.0, 1.0, None)
+    per_sequence = isinstance(offset, mx.array) and offset.size > 1
+    case = (x.dtype, D, L, per_sequence, tuple((p.shape[2], w is not None, e is not None, r)
+                                               for p, w, e, r in parts),
+            rot[0], rot[1], rot[2] is None, rot[3])
+    if not _heads_serve(case):
+        return None
+    return _launch_heads(parts, rot, offset)
+
+
+def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array
+                  ) -> list[mx.array]:
+    x = parts[0][0]
+    B, L, _, D = x.shape
+    dims, traditional, log2_base, scale, freqs = rot
+    dummy = constant((1,), x.dtype)
+    padded = list(parts) + [(dummy, None, None, False)] * (3 - len(parts))
+    heads = [p[0].shape[2] if i < len(parts) else 0 for i, p in enumerate(padded)]
+    offsets = offset.reshape(-1) if isinstance(offset, mx.array) else \
+        mx.array([offset], dtype=mx.int32)
+    template: list[tuple[str, Any]] = [("T", x.dtype), ("D", D)]
+    template += [(f"H{i}", heads[i]) for i in range(3)]
+    template += [(f"NORM{i}", 0 if p[2] is None else (2 if p[1] is not None else 1))
+                 for i, p in enumerate(padded)]
+    template += [(f"ROT{i}", bool(p[3])) for i, p in enumerate(padded)]
+    template += [("RD", dims), ("TRAD", bool(traditional)), ("FREQS", log2_base is None),
+                 ("L", L), ("PERB", bool(offsets.size > 1)), ("NT", HEAD_THREADS)]
+    outputs = _heads(
+        inputs=[*(p[0] for p in padded), *(dummy if p[1] is None else p[1] for p in padded),
+                mx.array([0.0 if p[2] is None else p[2] for p in padded], dtype=mx.float32),
+                offsets, constant((1,), mx.float32) if freqs is None else freqs,
+                mx.array([log2_base or 0.0, scale], dtype=mx.float32)],
+        template=template, grid=(HEAD_THREADS * B * L * sum(heads), 1, 1),
+        threadgroup=(HEAD_THREADS, 1, 1),
+        output_shapes=[(B, heads[i], L, D) if i < len(parts) else (1,) for i in range(3)],
+        output_dtypes=[x.dtype] * 3)
+    return outputs[:len(parts)]
+
+
+def reference_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array
+                    ) -> list[mx.array]:
+    """What MLX's operations compute for the parts (the check's reference)."""
+    dims, traditional, log2_base, scale, freqs = rot
+    out = []
+    for x, weight, eps, rotate in parts:
+        if eps is not None:
+            x = mx.fast.rms_norm(x, weight, eps)
+        x = x.transpose(0, 2, 1, 3)
+        if rotate:
+            x = mx.fast.rope(x, dims, traditional=traditional,
+                             base=None if log2_base is None else 2.0 ** log2_base,
+                             scale=scale, offset=offset, freqs=freqs)
+        out.append(x)
+    return out
+
+
+def _heads_serve(case: tuple[Any, ...]) -> bool:
+    dtype, D, L, per_sequence, shapes, dims, traditional, by_freqs, scale = case
+    B = 2 if per_sequence else 1
+
+    def probe() -> tuple[list[HeadPart], Rotation, mx.array]:
+        keys = [mx.random.key(4811 + i) for i in range(2 * len(shapes) + 1)]
+        parts: list[HeadPart] = []
+        for i, (heads, weighted, normed, rotate) in enumerate(shapes):
+            x = (3.0 * mx.random.normal((B, L, heads, D), key=keys[2 * i])).astype(dtype)
+            w = (1.0 + 0.1 * mx.random.normal((D,), key=keys[2 * i + 1])).astype(dtype) \
+                if weighted else None
+            parts.append((x, w, 1e-6 if normed else None, rotate))
+        freqs = 10000.0 ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) \
+            if by_freqs else None
+        offset = mx.array([37, 1000][:B], dtype=mx.int32)
+        return parts, (dims, traditional, None if by_freqs else math.log2(10000.0), scale,
+                       freqs), offset
+
+    return serves("norms", ("heads", *case), lambda p: _launch_heads(*p),
+                  lambda p: reference_heads(*p), probe, TOLERANCE[dtype],
+                  source=kernel_code(__file__))
+
+
+# ---------------------------------------------------------------------------------------
+# a post-norm's residual add
+# ---------------------------------------------------------------------------------------
+
+def fused_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
+                   scale: mx.array | None) -> mx.array | None:
+    """``(residual + rms_norm(x, weight, eps)) * scale`` in one launch; None where the
+    kernel does not serve this case."""
+    if not kernel_allowed("norms") or x.dtype not in FLOATS or x.ndim == 0:
+        return None
+    D = x.shape[-1]
+    rows = x.size // D if D else 0
+    if residual.shape != x.shape or residual.dtype != x.dtype or weight.shape != (D,) \
+            or weight.dtype != x.dtype or not 0 < rows <= MAX_ROWS \
+            or (scale is not None and (scale.size != 1 or scale.dtype != x.dtype)):
+        return None
+    if not _add_norm_serves(x.dtype, D, scale is not None):
+        return None
+    return _launch_add_norm(residual, x, weight, eps, scale)
+
+
+def _launch_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
+                     scale: mx.array | None) -> mx.array:
+    D = x.shape[-1]
+    return _add_norm(
+        inputs=[x, weight, residual,
+                constant((1,), x.dtype) if scale is None else scale.reshape(1),
+                mx.array([eps], dtype=mx.float32)],
+        template=[("T", x.dtype), ("D", D), ("NT", ADD_THREADS), ("SCALE", scale is not None)],
+        grid=(ADD_THREADS * (x.size // D), 1, 1), threadgroup=(ADD_THREADS, 1, 1),
+        output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
+
+
+def reference_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
+                       scale: mx.array | None) -> mx.array:
+    out = residual + mx.fast.rms_norm(x, weight, eps)
+    return out if scale is None else out * scale
+
+
+def _add_norm_serves(dtype: mx.Dtype, D: int, scaled: bool) -> bool:
+    def probe() -> tuple[mx.array, mx.array, mx.array, float, mx.array | None]:
+        keys = [mx.random.key(4911 + i) for i in range(4)]
+        x = (4.0 * mx.random.normal((3, D), key=keys[0])).astype(dtype)
+        r = mx.random.normal((3, D), key=keys[1]).astype(dtype)
+        w = (1.0 + 0.1 * mx.random.normal((D,), key=keys[2])).astype(dtype)
+        s = (0.5 + mx.random.uniform(shape=(1,), key=keys[3])).astype(dtype) if scaled else None
+        return r, x, w, 1e-6, s
+
+    return serves("norms", ("add", dtype, D, scaled), lambda p: _launch_add_norm(*p),
+                  lambda p: reference_add_norm(*p), probe, TOLERANCE[dtype],
+                  source=kernel_code(__file__))
