@@ -267,16 +267,20 @@ _ATTEND_BODY = r"""
 
 ATTEND_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
     float big = -3.0e38f;
+    #pragma unroll 1
     for (int w = 0; w < kWarps; ++w) {
         big = fmaxf(big, part_m[w]);
     }
     float total = 0.f;
+    #pragma unroll 1
     for (int w = 0; w < kWarps; ++w) {
         total += part_l[w] * expf(part_m[w] - big);
     }
+    #pragma unroll 1
     for (int d = t; d < DV; d += NT) {
         float o = 0.f;
-        for (int w = 0; w < kWarps; ++w) {
+        #pragma unroll 1
+    for (int w = 0; w < kWarps; ++w) {
             o += part_acc[w * DV + d] * expf(part_m[w] - big);
         }
         out[(size_t)row * DV + d] = static_cast<T>(o / total);
@@ -288,17 +292,21 @@ ATTEND_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
 # the P partials (:func:`_merge`). A split without a live key writes a zero sum.
 ATTEND_SPLIT_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
     float big = -3.0e38f;
+    #pragma unroll 1
     for (int w = 0; w < kWarps; ++w) {
         big = fmaxf(big, part_m[w]);
     }
     float total = 0.f;
+    #pragma unroll 1
     for (int w = 0; w < kWarps; ++w) {
         total += part_l[w] * expf(part_m[w] - big);
     }
     const size_t at = (size_t)row * P + blockIdx.y;
+    #pragma unroll 1
     for (int d = t; d < DV; d += NT) {
         float o = 0.f;
-        for (int w = 0; w < kWarps; ++w) {
+        #pragma unroll 1
+    for (int w = 0; w < kWarps; ++w) {
             o += part_acc[w * DV + d] * expf(part_m[w] - big);
         }
         part_o[at * DV + d] = total > 0.f ? o / total : 0.f;

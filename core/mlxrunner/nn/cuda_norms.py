@@ -94,7 +94,8 @@ HEADS_SOURCE = r"""
         if (FREQS) inv_freq = static_cast<float>(1.0 / static_cast<double>(freqs[i]));
         else inv_freq = exp2f(-(static_cast<float>(i) / static_cast<float>(half)) * rf[0]);
         const float theta = pos * inv_freq;
-        const float c = cosf(theta), s = sinf(theta);
+        float s, c;
+        sincosf(theta, &s, &c);
         const int i1 = TRAD ? 2 * i : i;
         const int i2 = TRAD ? 2 * i + 1 : i + half;
         const float a = static_cast<float>(xs[i1]), e = static_cast<float>(xs[i2]);

@@ -61,6 +61,7 @@ PRODUCT_SOURCE = r"""
         float ss[M];
         #pragma unroll
         for (int m = 0; m < M; ++m) ss[m] = 0.f;
+        #pragma unroll 1
         for (int k = tid; k < K; k += NT) {
             #pragma unroll
             for (int m = 0; m < M; ++m) {
@@ -80,12 +81,14 @@ PRODUCT_SOURCE = r"""
             inv[tid] = rsqrtf(s / K + eps[0]);
         }
         __syncthreads();
+        #pragma unroll 1
         for (int i = tid; i < M * K; i += NT) {
             const int m = i / K;
             const T xn = static_cast<T>(static_cast<float>(x[i]) * inv[m]);
             xs[i] = static_cast<T>(static_cast<float>(nw[i - m * K]) * static_cast<float>(xn));
         }
     } else {
+        #pragma unroll 1
         for (int i = tid; i < M * K; i += NT) xs[i] = x[i];
     }
     __syncthreads();
@@ -100,6 +103,7 @@ PRODUCT_SOURCE = r"""
     const T* row = w + (size_t)n * K;
     const T* row_up = w + (size_t)(n + N) * K;
     if (reinterpret_cast<size_t>(w) & 15) {  // a weight view off 16-byte alignment
+        #pragma unroll 1
         for (int k = lane; k < K; k += 32) {
             const float wf = static_cast<float>(row[k]);
             const float uf = kUpRows ? static_cast<float>(row_up[k]) : 0.f;
@@ -111,7 +115,7 @@ PRODUCT_SOURCE = r"""
             }
         }
     } else
-    #pragma unroll 4
+    #pragma unroll 2  // (a larger cubin costs every launch: MLX hashes it each time)
     for (int k = lane * kVec; k < K; k += 32 * kVec) {
         const uint4 wp = *reinterpret_cast<const uint4*>(row + k);
         const T* wv = reinterpret_cast<const T*>(&wp);
