@@ -61,7 +61,6 @@ PRODUCT_SOURCE = r"""
         float ss[M];
         #pragma unroll
         for (int m = 0; m < M; ++m) ss[m] = 0.f;
-        #pragma unroll 1
         for (int k = tid; k < K; k += NT) {
             #pragma unroll
             for (int m = 0; m < M; ++m) {
@@ -81,14 +80,12 @@ PRODUCT_SOURCE = r"""
             inv[tid] = rsqrtf(s / K + eps[0]);
         }
         __syncthreads();
-        #pragma unroll 1
         for (int i = tid; i < M * K; i += NT) {
             const int m = i / K;
             const T xn = static_cast<T>(static_cast<float>(x[i]) * inv[m]);
             xs[i] = static_cast<T>(static_cast<float>(nw[i - m * K]) * static_cast<float>(xn));
         }
     } else {
-        #pragma unroll 1
         for (int i = tid; i < M * K; i += NT) xs[i] = x[i];
     }
     __syncthreads();
