@@ -33,15 +33,33 @@ HEAD_THREADS = 128
 ADD_THREADS = 256
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 3e-2, mx.bfloat16: 3e-2}
 
+# 1 / rms(row[0, D)) with eps over the block's NT threads (every thread calls it)
+INVERSE_RMS = r"""
+    __shared__ float red[NT / 32];
+    const auto inverse_rms = [&](const T* row, float eps_value) {
+        float ss = 0.f;
+        #pragma unroll 1
+        for (int j = threadIdx.x; j < D; j += NT) {
+            const float v = static_cast<float>(row[j]);
+            ss += v * v;
+        }
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+        __syncthreads();
+        float total = 0.f;
+        for (int i = 0; i < NT / 32; ++i) total += red[i];
+        return rsqrtf(total / D + eps_value);
+    };
+"""
+
 # Template constants: T (dtype), D (head size), H0..H2 (heads of each part; 0: no part),
 # NORM0..2 (0: none, 1: without weight, 2: with weight), ROT0..2 (rotate), RD (rotated
 # dims), TRAD (rotate interleaved pairs), FREQS (periods from freqs, else from the base),
 # L (positions per sequence), PERB (an offset per sequence), NT (threads). A block per
 # (part, row, head); rows are (sequence, position) pairs, B * L of them. rf: log2(base),
 # position scale; eps: each part's.
-HEADS_SOURCE = r"""
+HEADS_SOURCE = INVERSE_RMS + r"""
     __shared__ __align__(16) T xs[D];
-    __shared__ float red[NT / 32];
     const int tid = threadIdx.x;
     const int rows = gridDim.x / (H0 + H1 + H2);
     int blk = blockIdx.x, part = 0, H = H0;
@@ -58,18 +76,7 @@ HEADS_SOURCE = r"""
     y += ((size_t)(b * H + h) * L + l) * D;
 
     if (norm) {
-        float ss = 0.f;
-        #pragma unroll 1
-        for (int j = tid; j < D; j += NT) {
-            const float v = static_cast<float>(x[j]);
-            ss += v * v;
-        }
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-        if ((tid & 31) == 0) red[tid >> 5] = ss;
-        __syncthreads();
-        float total = 0.f;
-        for (int i = 0; i < NT / 32; ++i) total += red[i];
-        const float inv = rsqrtf(total / D + eps[part]);
+        const float inv = inverse_rms(x, eps[part]);
         #pragma unroll 1
         for (int j = tid; j < D; j += NT) {
             const T xn = static_cast<T>(static_cast<float>(x[j]) * inv);
@@ -108,22 +115,10 @@ HEADS_SOURCE = r"""
 
 # Template constants: T, D (row size), NT, SCALE (times s[0]). A block per row:
 # y = (res + rms_norm(x) * w) * s, rounding as MLX's norm, add and multiply do.
-ADD_NORM_SOURCE = r"""
-    __shared__ float red[NT / 32];
+ADD_NORM_SOURCE = INVERSE_RMS + r"""
     const int tid = threadIdx.x;
     const size_t base = (size_t)blockIdx.x * D;
-    float ss = 0.f;
-    #pragma unroll 1
-    for (int j = tid; j < D; j += NT) {
-        const float v = static_cast<float>(x[base + j]);
-        ss += v * v;
-    }
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-    if ((tid & 31) == 0) red[tid >> 5] = ss;
-    __syncthreads();
-    float total = 0.f;
-    for (int i = 0; i < NT / 32; ++i) total += red[i];
-    const float inv = rsqrtf(total / D + eps[0]);
+    const float inv = inverse_rms(x + base, eps[0]);
     #pragma unroll 1
     for (int j = tid; j < D; j += NT) {
         const T xn = static_cast<T>(static_cast<float>(x[base + j]) * inv);
