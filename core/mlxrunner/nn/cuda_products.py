@@ -41,6 +41,9 @@ THREADS = 256
 GLU = {"silu": 1, "gelu_tanh": 2}
 #: norm outputs remembered per thread (a layer's norm is read by the next product or two)
 NOTED_NORMS = 8
+#: product outputs remembered per thread (a gate is read right after its product; each
+#: entry holds its weight alive)
+NOTED_PRODUCTS = 2
 
 # Template constants: T (x, weight, residual and norm weight dtype), K (inputs per row), N
 # (outputs per row), M (rows), NT (threads per block), NORM (normalise x with nw and eps
@@ -263,7 +266,7 @@ def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = Non
         return None
     y = _launch(x, weight, residual, glu, norm)
     if residual is None and not glu:
-        _note(_noted, "products", y, (y, x, weight, norm), NOTED_NORMS)
+        _note(_noted, "products", y, (y, x, weight, norm), NOTED_PRODUCTS)
     return y
 
 
@@ -275,7 +278,7 @@ def fused_gated(gate: mx.array, up: mx.array, activation: str) -> mx.array | Non
     entry = None if noted is None else noted.get(id(gate))
     glu = GLU.get(activation, 0)
     if entry is None or entry[0] is not gate or not glu or up.shape != gate.shape \
-            or up.dtype != gate.dtype:
+            or up.dtype != gate.dtype or not kernel_allowed("products"):
         return None
     _, x, weight, norm = entry
     if not _serves(x, weight, False, glu, norm is not None, upx=True):
