@@ -12,7 +12,11 @@ with the source's length here. Also prints the sizes of the cubins the core buil
 Confirmed on the H100 (bench/results/2026-12-05j-h100): 0.3-0.4 us a KiB. Then the same for
 the core's own layers: one-row bf16 products, MLX's ``nn.Linear`` against
 ``mlxrunner.nn.Linear`` (the fused product kernel), alone and after an RMS norm (two MLX
-kernels against the core's one).
+kernels against the core's one); a post-norm's residual add (``RMSNorm.add_normed``: MLX's
+norm and add against the core's one kernel) and attention's heads (``attention_heads`` of a
+query, a key and a value: MLX's three norms and two RoPEs against the core's one kernel).
+Each row gives the host's share (until the chain is submitted) beside the whole time (until
+the GPU is done): a fused kernel that is cheap to submit may still run slower.
 
     python bench/launch_cost.py [--launches 200] [--repeats 7] [--json out.json]
 """
@@ -105,21 +109,100 @@ def product_rows(launches: int, repeats: int) -> dict[str, list[float]]:
 
 def per_launch_us(function, launches: int, repeats: int,
                   x: mx.array | None = None) -> list[float]:
-    """Host time per launch of a compiled chain (build, submit and the wait, which for
-    these tiny kernels is the GPU running them back to back); ``launches``: the operations
-    the chain holds (for the core's fused rows: the operations it stands for)."""
+    """Time per launch of a compiled chain (build, submit and the wait, which for these
+    tiny kernels is the GPU running them back to back); ``launches``: the operations the
+    chain holds (for the core's fused rows: the operations it stands for). The host's share
+    alone (build and submit) is kept in ``HOST_US`` under the same list's id."""
     x = mx.zeros((1024,), dtype=mx.float32) if x is None else x
     mx.eval(function(x))  # eagerly first: the core's kernels settle their self-checks
     compiled = mx.compile(function)
     mx.eval(compiled(x))  # trace, build
-    times = []
+    times, host = [], []
     for _ in range(repeats):
         mx.synchronize()
         started = time.perf_counter()
-        mx.eval(compiled(x))
+        out = compiled(x)
+        mx.async_eval(out)
+        submitted = time.perf_counter()
+        mx.eval(out)
         mx.synchronize()
         times.append(1e6 * (time.perf_counter() - started) / launches)
+        host.append(1e6 * (submitted - started) / launches)
+    HOST_US[id(times)] = host
     return times
+
+
+#: each row's host share (see :func:`per_launch_us`), by the id of its list of times
+HOST_US: dict[int, list[float]] = {}
+
+
+def norm_rows(launches: int, repeats: int) -> dict[str, list[float]]:
+    """A post-norm's residual add (hidden 1536) and attention's heads (8 query heads, one
+    key and one value head of 256, Gemma 4 E2B's sliding layers), chained: MLX's operations
+    against the core's kernel."""
+    import mlx.nn as nn
+
+    import mlxrunner.nn as mnn
+
+    def weights(count: int, dims: int) -> list[mx.array]:
+        out = [(1 + 0.1 * mx.random.normal((dims,))).astype(mx.bfloat16) for _ in range(count)]
+        mx.eval(out)
+        return out
+
+    h = (mx.random.normal((1, 1, 1536)) * 0.1).astype(mx.bfloat16)
+    norm_weights = weights(8, 1536)
+    our_norms = []
+    for w in norm_weights:
+        norm = mnn.RMSNorm(1536, 1e-6)
+        norm.weight = w
+        our_norms.append(norm)
+
+    def mlx_add_norm(y: mx.array, count: int) -> mx.array:
+        for i in range(count):
+            y = y + mx.fast.rms_norm(y, norm_weights[i % 8], 1e-6)
+        return y
+
+    def core_add_norm(y: mx.array, count: int) -> mx.array:
+        for i in range(count):
+            y = our_norms[i % 8].add_normed(y, y)
+        return y
+
+    q = (mx.random.normal((1, 1, 8, 256))).astype(mx.bfloat16)
+    k = (mx.random.normal((1, 1, 1, 256))).astype(mx.bfloat16)
+    head_weights = weights(2, 256)
+    q_norm, k_norm = mnn.RMSNorm(256, 1e-6), mnn.RMSNorm(256, 1e-6)
+    q_norm.weight, k_norm.weight = head_weights
+    rope = mnn.RoPE(256, base=10000.0)
+    offset = mx.array(300, dtype=mx.int32)
+
+    def mlx_heads(y: mx.array, count: int) -> mx.array:
+        for _ in range(count):
+            a = mx.fast.rope(mx.fast.rms_norm(y, head_weights[0], 1e-6).transpose(0, 2, 1, 3),
+                             256, traditional=False, base=10000.0, scale=1.0, offset=offset)
+            b = mx.fast.rope(mx.fast.rms_norm(k, head_weights[1], 1e-6).transpose(0, 2, 1, 3),
+                             256, traditional=False, base=10000.0, scale=1.0, offset=offset)
+            c = mx.fast.rms_norm(k, None, 1e-6).transpose(0, 2, 1, 3)
+            y = (a + b + c).transpose(0, 2, 1, 3)  # (one more kernel each: the sum)
+        return y
+
+    def core_heads(y: mx.array, count: int) -> mx.array:
+        for _ in range(count):
+            a, b, c = mnn.attention_heads(offset, (y, q_norm, rope), (k, k_norm, rope),
+                                          (k, 1e-6, None))
+            y = (a + b + c).transpose(0, 2, 1, 3)
+        return y
+
+    per = launches // 6
+    return {
+        "MLX norm + add (2 kernels)": per_launch_us(
+            lambda y: mlx_add_norm(y, launches // 2), 2 * (launches // 2), repeats, h),
+        "core add_normed (1 kernel)": per_launch_us(
+            lambda y: core_add_norm(y, launches // 2), 2 * (launches // 2), repeats, h),
+        "MLX heads (5 kernels + a sum)": per_launch_us(
+            lambda y: mlx_heads(y, per), 6 * per, repeats, q),
+        "core heads (1 kernel + a sum)": per_launch_us(
+            lambda y: core_heads(y, per), 6 * per, repeats, q),
+    }
 
 
 def main() -> None:
@@ -138,11 +221,14 @@ def main() -> None:
         rows[f"custom kernel, source +{padding // 1024} KiB"] = per_launch_us(
             lambda x, k=kernel: chain_custom(k, x, args.launches), args.launches, args.repeats)
     rows.update(product_rows(args.launches, args.repeats))
-    print(f"host time per launch, {args.launches} launches a graph, median of "
-          f"{args.repeats} [min - max], device {mx.default_device()}, mlx {mx.__version__}")
+    rows.update(norm_rows(args.launches, args.repeats))
+    print(f"time per launch, {args.launches} launches a graph, median of {args.repeats} "
+          f"[min - max], and the host's share (until submitted), device "
+          f"{mx.default_device()}, mlx {mx.__version__}")
+    host = {name: HOST_US[id(times)] for name, times in rows.items()}
     for name, times in rows.items():
         print(f"  {name:34s} {statistics.median(times):7.2f} us  "
-              f"[{min(times):.2f} - {max(times):.2f}]")
+              f"[{min(times):.2f} - {max(times):.2f}]   host {statistics.median(host[name]):.2f}")
     folder = Path(os.environ.get("MLX_PTX_CACHE_DIR", "/nonexistent")) / "mlxrunner"
     sizes = sorted(p.stat().st_size for p in folder.glob("*.cubin")) if folder.is_dir() else []
     if sizes:
@@ -150,7 +236,7 @@ def main() -> None:
               f"{statistics.median(sizes):.0f}, range {sizes[0]}-{sizes[-1]}")
     if args.json:
         args.json.write_text(json.dumps({"launches": args.launches, "rows_us": rows,
-                                         "cubin_bytes": sizes}, indent=1))
+                                         "host_us": host, "cubin_bytes": sizes}, indent=1))
         print(f"  wrote {args.json}")
 
 
