@@ -140,7 +140,6 @@ def norm_rows(launches: int, repeats: int) -> dict[str, list[float]]:
     """A post-norm's residual add (hidden 1536) and attention's heads (8 query heads, one
     key and one value head of 256, Gemma 4 E2B's sliding layers), chained: MLX's operations
     against the core's kernel."""
-    import mlx.nn as nn
 
     import mlxrunner.nn as mnn
 
