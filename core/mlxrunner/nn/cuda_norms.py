@@ -211,7 +211,7 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
     return outputs[:len(parts)]
 
 
-def reference_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array
+def _reference_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array
                     ) -> list[mx.array]:
     """What MLX's operations compute for the parts (the check's reference)."""
     dims, traditional, log2_base, scale, freqs = rot
@@ -247,7 +247,7 @@ def _heads_serve(case: tuple[Any, ...]) -> bool:
                        freqs), offset
 
     return serves("norms", ("heads", *case), lambda p: _launch_heads(*p),
-                  lambda p: reference_heads(*p), probe, TOLERANCE[dtype],
+                  lambda p: _reference_heads(*p), probe, TOLERANCE[dtype],
                   source=kernel_code(__file__))
 
 
@@ -284,7 +284,7 @@ def _launch_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
         output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
 
 
-def reference_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
+def _reference_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
                        scale: mx.array | None) -> mx.array:
     out = residual + mx.fast.rms_norm(x, weight, eps)
     return out if scale is None else out * scale
@@ -300,5 +300,5 @@ def _add_norm_serves(dtype: mx.Dtype, D: int, scaled: bool) -> bool:
         return r, x, w, 1e-6, s
 
     return serves("norms", ("add", dtype, D, scaled), lambda p: _launch_add_norm(*p),
-                  lambda p: reference_add_norm(*p), probe, TOLERANCE[dtype],
+                  lambda p: _reference_add_norm(*p), probe, TOLERANCE[dtype],
                   source=kernel_code(__file__))

@@ -235,14 +235,16 @@ def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: in
                norm: tuple[mx.array, mx.array, float] | None, up: mx.array | None = None
                ) -> mx.array:
     """What MLX's operations compute for the same case (the check's reference)."""
-    from .mlp import gelu_tanh_mul, silu_mul  # (mlp imports linear, which imports this)
+    # (mlp imports linear, which imports this); the compiled chains themselves, which no
+    # product output noted here can turn into a kernel
+    from .mlp import _gelu_tanh_mul, _silu_mul
 
     if norm is not None:
         x = mx.fast.rms_norm(norm[0], norm[1], norm[2])
     y = x @ weight.T
     if glu:
         gate, up = mx.split(y, 2, axis=-1) if up is None else (y, up)
-        y = (silu_mul if glu == 1 else gelu_tanh_mul)(gate, up)
+        y = (_silu_mul if glu == 1 else _gelu_tanh_mul)(gate, up)
     return y if residual is None else residual + y
 
 

@@ -10,7 +10,6 @@ from .cuda_norms import fused_add_norm
 from .cuda_products import note_norm
 from .derived import derived
 from .host_ops import host_rms_norm
-from .kernels import on_cuda
 
 
 class RMSNorm(nn.Module):
@@ -43,10 +42,9 @@ class RMSNorm(nn.Module):
                    ) -> mx.array:
         """``(residual + self(x)) * scale`` (a post-norm's residual add; ``scale``: a
         one-element array, or None for none): one fused kernel for a decode step on CUDA."""
-        if on_cuda():
-            fused = fused_add_norm(residual, x, self.applied_weight(), self.eps, scale)
-            if fused is not None:
-                return fused
+        fused = fused_add_norm(residual, x, self.applied_weight(), self.eps, scale)
+        if fused is not None:
+            return fused
         out = residual + self(x)
         return out if scale is None else out * scale
 
