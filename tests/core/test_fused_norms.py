@@ -65,6 +65,15 @@ def test_off_cuda_the_parts_are_the_layers_own_operations():
                                rtol=1e-6, atol=1e-6)
 
 
+def test_heads_not_shaped_as_heads_get_one_clear_error():
+    rope = mnn.RoPE(8, base=10000.0)
+    with pytest.raises(ValueError, match=r"part 0's heads must be \[B, L, H, D\].*\[1, 2, 8\]"):
+        mnn.attention_heads(0, (mx.zeros((1, 2, 8)), mnn.RMSNorm(8), rope))
+    with pytest.raises(ValueError, match="part 1's heads"):
+        mnn.attention_heads(0, (mx.zeros((1, 2, 4, 8)), None, rope),
+                            (mx.zeros((1, 3, 1, 8)), None, rope))
+
+
 ROPES = {
     "base": lambda D: mnn.RoPE(D, base=10000.0),
     "partial": lambda D: mnn.RoPE(D // 4, base=1e7),

@@ -25,7 +25,12 @@ Part = tuple[mx.array, RMSNorm | float | None, RoPE | None]
 
 def attention_heads(offset: int | mx.array, *parts: Part) -> list[mx.array]:
     """Each part's heads ``[B, L, H, D]`` normalised, as ``[B, H, L, D]``, rotated at
-    positions from ``offset`` (see the module)."""
+    positions from ``offset`` (see the module). ValueError where a part's heads are not
+    ``[B, L, H, D]`` or its parts disagree on ``B`` and ``L``."""
+    for i, (x, _, _) in enumerate(parts):
+        if x.ndim != 4 or x.shape[:2] != parts[0][0].shape[:2]:
+            raise ValueError(f"attention_heads: part {i}'s heads must be [B, L, H, D] with the "
+                             f"other parts' B and L, got shape {list(x.shape)}")
     if on_cuda():
         fused = _fused(offset, parts)
         if fused is not None:
