@@ -3,7 +3,7 @@
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
 #   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [solo]
-#     [pair] [soak] [vision] [launch]    (SWITCHED=NAME=VALUE: a second row of ours under that setting)
+#     [pair] [soak] [vision] [launch] [prefill]    (SWITCHED=NAME=VALUE: a second row of ours under that setting)
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
@@ -19,6 +19,7 @@
 # Qwen3.5 with one 1024x1024 image against mlx-vlm (bench/vision_ttft.py; needs mlx-vlm's
 # wheel in .whl, mlx_vlm-0.7.10-py3-none-any.whl, installed without its dependencies).
 # launch: host time per kernel launch, built-in against custom kernels (bench/launch_cost.py).
+# prefill: a Gemma 4 prefill in parts, ours against mlx-lm's (bench/gemma4_prefill.py).
 # Results in $OUT/results.tgz.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
@@ -64,6 +65,10 @@ for part in "${@:-tests qwen3 llama startup}"; do
       launch)
         (cd bench && timeout 120 python3 launch_cost.py --json "$out/launch-gpu.json") 2>&1 \
           | tee "$out/launch-gpu.txt" | tail -8 ;;
+      prefill)  # where a Gemma 4 prefill's time goes, against mlx-lm's
+        (cd bench && timeout "${PREFILL_TIMEOUT:-200}" python3 gemma4_prefill.py \
+          --json "$out/gemma4-prefill-gpu.json") 2>&1 | tee "$out/gemma4-prefill-gpu.txt" \
+          | tail -24 ;;
       startup)
         timeout "${STARTUP_TIMEOUT:-300}" python3 bench/startup.py --runs 3 \
           --json "$out/startup-gpu.json" 2>&1 | tee "$out/startup-gpu.txt" | tail -24 ;;

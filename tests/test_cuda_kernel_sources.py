@@ -142,7 +142,8 @@ def test_heads_kernel_compiles(builder, dtype: str, freqs: bool, trad: bool,
                                per_sequence: bool) -> None:
     from mlxrunner.nn import cuda_norms
 
-    template = [("T", dtype), ("D", 256), ("H0", 8), ("H1", 2), ("H2", 2), ("NORM0", 2),
+    template = [("T", dtype), ("D", 256), ("H0", 8), ("H1", 2), ("H2", 2), ("W0", 512),
+                ("W1", 256), ("W2", 256), ("NORM0", 2),
                 ("NORM1", 2), ("NORM2", 1), ("ROT0", True), ("ROT1", True), ("ROT2", False),
                 ("RD", 64), ("TRAD", trad), ("FREQS", freqs), ("L", 2),
                 ("PERB", per_sequence), ("NT", cuda_norms.HEAD_THREADS)]

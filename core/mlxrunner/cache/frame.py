@@ -36,7 +36,6 @@ class TraceFrame:
 
     def __init__(self, offset: mx.array, length: int) -> None:
         self.offset = offset
-        self.start = offset.reshape(1)
         self.length = length
         self._masks: dict[Any, mx.array] = {}
         self._mask_pairs: dict[Any, tuple[mx.array, mx.array]] = {}
@@ -49,6 +48,17 @@ class TraceFrame:
         if "queries" not in self._masks:
             self._masks["queries"] = self.offset + arange_constant(self.length)
         return self._masks["queries"]
+
+    def write_slots(self, shape: tuple[int, ...], window: int | None = None) -> mx.array:
+        """Where the forward's rows ``[B, H, L, D]`` (``shape``) go along axis 2 of a
+        buffer, as ``mx.put_along_axis`` takes them: their positions, or with ``window`` their
+        slots in a ring of that many. (One scatter kernel on CUDA, where MLX's dynamic slice
+        update launches two; the indices are made once a forward.)"""
+        key = ("slots", tuple(shape), window)
+        if key not in self._masks:
+            rows = self.queries() if window is None else mx.remainder(self.queries(), window)
+            self._masks[key] = mx.broadcast_to(rows.reshape(1, 1, -1, 1), shape)
+        return self._masks[key]
 
     def buffer_masks(self, size: int) -> tuple[mx.array, mx.array]:
         """For a buffer whose slot ``j`` holds position ``j``: (causal ``[L, size]``,

@@ -150,8 +150,10 @@ class _TracedKVCache(KVCache):
         return causal
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys, self.frame.start, (2,))
-        self.values = mx.slice_update(self.values, values, self.frame.start, (2,))
+        frame = self.frame
+        self.keys = mx.put_along_axis(self.keys, frame.write_slots(keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, frame.write_slots(values.shape), values,
+                                        axis=2)
         self.frame.hand_out(self.keys, *self.frame.buffer_masks(self.keys.shape[2]))
         return self.keys, self.values
 

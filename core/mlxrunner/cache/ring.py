@@ -260,20 +260,19 @@ class _TracedRingCache(RingCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         frame, window = self.frame, self.window
+        written_keys = mx.put_along_axis(self.keys, frame.write_slots(keys.shape, window),
+                                         keys, axis=2)
+        written_values = mx.put_along_axis(self.values,
+                                           frame.write_slots(values.shape, window), values,
+                                           axis=2)
         if frame.length == 1:
-            slot = mx.remainder(frame.offset, window).reshape(1)
-            self.keys = mx.slice_update(self.keys, keys, slot, (2,))
-            self.values = mx.slice_update(self.values, values, slot, (2,))
+            self.keys, self.values = written_keys, written_values
             mask = self.mask(1)
             frame.hand_out(self.keys, mask, mask)
             return self.keys, self.values
         out_keys = mx.concatenate([self.keys, keys], axis=2)
         out_values = mx.concatenate([self.values, values], axis=2)
-        slots = mx.remainder(frame.queries(), window)[None, None, :, None]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys,
-                                      axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape),
-                                        values, axis=2)
+        self.keys, self.values = written_keys, written_values
         if self.capture:
             self.written = [keys, values]
         mask = self.mask(frame.length)

@@ -1,0 +1,117 @@
+"""Where a Gemma 4 prefill's time goes, ours against mlx-lm's on the same weights: the
+whole prompt (caches evaluated, as ``bench/gemma4.py`` times it), the embeddings with the
+per-layer inputs, and each cache-writing layer on its own (from the same evaluated input,
+with a fresh cache), medians of ``--repeats`` synchronised runs in milliseconds.
+
+    python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gemma4
+import harness
+import mlx.core as mx
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Median milliseconds of ``fn`` (its result evaluated), after one warm-up."""
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        mx.synchronize()
+        start = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the CPU-sized layout")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    config = gemma4.composite(gemma4.QUICK_TEXT_CONFIG if args.quick else
+                              json.loads(gemma4.DEFAULT_CONFIG.read_text())
+                              if gemma4.DEFAULT_CONFIG.is_file() else gemma4.E2B_TEXT_CONFIG)
+    model = gemma4.build_ours(config, mx.bfloat16, 0)
+    reference = gemma4.build_mlx_lm(config, model)
+    ours_row = harness.Ours(model)
+    text = reference.language_model.model
+    a = model.args
+    ids = mx.random.randint(0, a.vocab_size, (1, args.prompt - 1), key=mx.random.key(0))
+    rows: dict[str, dict[str, float]] = {}
+
+    def row(name: str, mine: Callable[[], Any], theirs: Callable[[], Any]) -> None:
+        rows[name] = {"mlxrunner": timed(mine, args.repeats),
+                      "mlx-lm": timed(theirs, args.repeats)}
+        r = rows[name]
+        print(f"  {name:<28} mlxrunner {r['mlxrunner']:8.3f} ms   mlx-lm {r['mlx-lm']:8.3f} ms"
+              f"   ratio {r['mlx-lm'] / r['mlxrunner']:5.2f}x", flush=True)
+
+    def whole(fn: Any) -> Callable[[], Any]:
+        def run() -> Any:
+            cache = fn.make_cache()
+            fn(ids, cache=cache)
+            return [c.state for c in cache if c is not None]
+        return run
+
+    print(f"Gemma 4 prefill parts: {args.prompt - 1} tokens, {mx.default_device()}, "
+          f"mlx {mx.__version__}", flush=True)
+    row("whole (caches)", whole(ours_row), whole(reference))
+    row("whole, eager model", whole(model), whole(reference))
+
+    def ours_inputs() -> Any:
+        h = model.model.embed_tokens(ids)
+        return [h, *model.model.per_layer_inputs(ids, h, a)]
+
+    def their_inputs() -> Any:
+        e = text.embed_tokens(ids)
+        h = e * text.embed_scale
+        return [h, text._project_per_layer_inputs(h, text._get_per_layer_inputs(ids, e))]
+
+    row("embeddings + per-layer", ours_inputs, their_inputs)
+    h0, *per_layer = ours_inputs()
+    mx.eval(h0, per_layer)
+    their_per_layer = mx.stack(per_layer, axis=2)
+    mx.eval(their_per_layer)
+    writers = [i for i in range(a.num_layers) if a.kv_source[i] == i]
+    h = h0
+    for i in writers:
+        layer, theirs = model.layers[i], text.layers[i]
+        x = h
+
+        def mine(layer: Any = layer, x: mx.array = x, i: int = i) -> Any:
+            cache = model.make_cache()[i]
+            out, _ = layer(x, cache, 0, None, per_layer[i])
+            return [out, *cache.state]
+
+        def their(theirs: Any = theirs, x: mx.array = x, i: int = i) -> Any:
+            cache = reference.make_cache()
+            mask = text._make_masks(x, cache)[i]
+            out, _, _ = theirs(x, mask, cache[i], per_layer_input=their_per_layer[:, :, i],
+                               shared_kv=None, offset=None)
+            return [out, *cache[i].state]
+
+        row(f"layer {i} ({a.layer_types[i].split('_')[0]})", mine, their)
+        h = mine()[0]
+        mx.eval(h)
+    if args.json:
+        args.json.write_text(json.dumps({"prompt": args.prompt, "device": str(mx.default_device()),
+                                         "mlx": mx.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
