@@ -180,7 +180,8 @@ def test_a_conversation_at_a_terminal(pane_factory, home: Path):
     pane.type("/set parameter num_predict 4000")
     pane.wait_prompts(8, "/set parameter")
     pane.type("import os")
-    pane.wait(lambda s: len(s.rsplit(">>> import os", 1)[1].strip()) > 40, "the reply to start")
+    pane.wait(lambda s: len(s.rsplit(">>> import os", 1)[-1].strip()) > 40
+              and ">>> import os" in s, "the reply to start")  # (the line may not show yet)
     pane.keys("C-c")
     stopped = time.monotonic()
     screen = pane.wait_prompts(9, "the prompt after Ctrl-C", timeout=30)
