@@ -104,10 +104,10 @@ def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int) -> No
     from mlxrunner.nn import attention as nn
 
     inputs = [("q", dtype), ("keys", dtype), ("values", dtype), ("scale", "float32"),
-              ("mask", "bool"), ("dims", "int32")]
+              ("mask", "bool"), ("dims", "int32"), ("gate", dtype)]
     template = [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D), ("DV", min(D, 512)),
                 ("NT", nn.ATTEND_THREADS), ("U", nn.keys_at_once(D, min(D, 512))),
-                ("MASK", mask)]
+                ("MASK", mask), ("GATE", False)]
     _compile(builder, "attend_split", _wrap("attend_split", nn.ATTEND_SPLIT_SOURCE, inputs,
                                           [("part_o", "float32"), ("part_max", "float32"),
                                            ("part_sum", "float32")], template))
@@ -116,7 +116,7 @@ def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int) -> No
                                     [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D),
                                      ("DV", min(D, 512)), ("NT", nn.ATTEND_THREADS),
                                      ("U", nn.keys_at_once(D, min(D, 512))),
-                                     ("MASK", mask)]))
+                                     ("MASK", mask), ("GATE", mask == 0)]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -143,7 +143,7 @@ def test_heads_kernel_compiles(builder, dtype: str, freqs: bool, trad: bool,
     from mlxrunner.nn import cuda_norms
 
     template = [("T", dtype), ("D", 256), ("H0", 8), ("H1", 2), ("H2", 2), ("W0", 512),
-                ("W1", 256), ("W2", 256), ("NORM0", 2),
+                ("W1", 256), ("W2", 256), ("C0", 0), ("C1", 0), ("C2", 0), ("NORM0", 2),
                 ("NORM1", 2), ("NORM2", 1), ("ROT0", True), ("ROT1", True), ("ROT2", False),
                 ("RD", 64), ("TRAD", trad), ("FREQS", freqs), ("L", 2),
                 ("PERB", per_sequence), ("NT", cuda_norms.HEAD_THREADS)]

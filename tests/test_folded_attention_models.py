@@ -44,9 +44,11 @@ def _spy_on(monkeypatch, path: str) -> list:
 
     def spy(q, keys, values, *args, **kwargs):
         calls.append(q.shape)
-        if path == "_launch":
+        if path == "_launch":  # (the kernel's contract: its output gate included)
             scale, mask = args[:2]
-            return real(q, keys, values, scale=scale, mask=mask)
+            out = real(q, keys, values, scale=scale, mask=mask)
+            gate = kwargs.get("gate")
+            return out if gate is None else out * mx.sigmoid(gate)
         return real(q, keys, values, *args, **kwargs)
 
     monkeypatch.setattr(attention, path, spy)

@@ -91,9 +91,10 @@ def test_attend_folds_only_short_blocks_on_cuda(monkeypatch):
 # ---- the fused kernel ------------------------------------------------------------------
 
 
-def _emulated(q, k, v, scale, mask, splits=1):
-    """The kernel's body under the host emulation (float32): its output, or with ``splits``
-    > 1 the split form's partials merged by the MLX operations that merge them."""
+def _emulated(q, k, v, scale, mask, splits=1, gate=None):
+    """The kernel's body under the host emulation (float32): its output (times
+    ``sigmoid(gate)``), or with ``splits`` > 1 the split form's partials merged by the MLX
+    operations that merge them."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
     B, Hq, L, D = q.shape
@@ -108,11 +109,12 @@ def _emulated(q, k, v, scale, mask, splits=1):
         {"q": np.array(q), "keys": np.array(k), "values": np.array(v),
          "scale": np.array([scale], np.float32),
          "mask": np.array(mask if mask is not None else mx.array([True])),
-         "dims": np.array([L, S, splits], np.int32)},
+         "dims": np.array([L, S, splits], np.int32),
+         "gate": np.array(gate if gate is not None else mx.array([0.0]))},
         outputs,
         [("T", mx.float32), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
          ("NT", attention.ATTEND_THREADS), ("U", attention.keys_at_once(D, Dv)),
-         ("MASK", kind)],
+         ("MASK", kind), ("GATE", gate is not None)],
         blocks=(rows, splits) if splits > 1 else rows, threads=attention.ATTEND_THREADS)
     if splits == 1:
         return got["out"]
@@ -136,6 +138,53 @@ def test_kernel_source_on_the_cpu(Hq, Hk, L, mask):
         want = attention.folded_attention(q, k, v, scale=0.2, mask=m)
         np.testing.assert_allclose(_emulated(q, k, v, 0.2, m), np.array(want),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
+                    .emulation_available(), reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("L,mask", [(1, "none"), (3, "block")])
+def test_gated_kernel_source_on_the_cpu(L, mask):
+    """With an output gate the kernel's output is the attention times sigmoid(gate)."""
+    q, k, v = _case(1, 4, 2, L, 40, 64, 24, mx.float32, seed=3)
+    gate = 3 * mx.random.normal((1, 4, L, 24), key=mx.random.key(8))
+    m = _masks(L, 40)[mask]
+    want = attention.folded_attention(q, k, v, scale=0.2, mask=m) * mx.sigmoid(gate)
+    np.testing.assert_allclose(_emulated(q, k, v, 0.2, m, gate=gate), np.array(want),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_attend_gates_its_output_on_every_path(monkeypatch):
+    """attend(gate=g) is attend() times sigmoid(g): MLX's function (the CPU), the folded
+    form and the kernel (its stand-in here) alike; a gate of another shape is applied
+    after the kernel, not fused."""
+    q, k, v = _case(1, 4, 2, 1, 30, 16, 16, mx.float32)
+    gate = 2 * mx.random.normal((1, 4, 1, 16), key=mx.random.key(3))
+    mask = mx.arange(30) < 20
+    want = attention.attend(q, k, v, mask, scale=0.3) * mx.sigmoid(gate)
+    np.testing.assert_allclose(np.array(attention.attend(q, k, v, mask, scale=0.3, gate=gate)),
+                               np.array(want), rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(attention, "_cuda_default", lambda: True)
+    monkeypatch.setattr(kernels, "_verdicts", {})
+    fused = []
+
+    def stand_in(q, k, v, scale, mask, splits=None, gate=None):
+        fused.append(gate is not None)
+        out = attention.folded_attention(q, k, v, scale=scale, mask=mask)
+        return out if gate is None else out * mx.sigmoid(gate)
+
+    monkeypatch.setattr(attention, "_launch", stand_in)
+    for mode in ("kernel", "folded"):
+        with settings.overridden(attention=mode):
+            got = attention.attend(q, k, v, mask, scale=0.3, gate=gate)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-6)
+    assert fused[-1] is True  # the case's check, then the gated launch
+    wide = mx.broadcast_to(gate[:, :1], gate.shape)  # [1, 1, 1, 16] broadcast: not fused
+    attention.attend(q, k, v, mask, scale=0.3, gate=gate[:, :1])
+    assert fused[-1] is False
+    np.testing.assert_allclose(
+        np.array(attention.attend(q, k, v, mask, scale=0.3, gate=gate[:, :1])),
+        np.array(attention.attend(q, k, v, mask, scale=0.3) * mx.sigmoid(wide)),
+        rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
@@ -171,9 +220,10 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_verdicts", {})
     launches = []
 
-    def stand_in(q, k, v, scale, mask, splits=None):  # the kernel's arithmetic, on the CPU
+    def stand_in(q, k, v, scale, mask, splits=None, gate=None):  # the kernel's arithmetic
         launches.append(q.shape)
-        return attention.folded_attention(q, k, v, scale=scale, mask=mask)
+        out = attention.folded_attention(q, k, v, scale=scale, mask=mask)
+        return out if gate is None else out * mx.sigmoid(gate)
 
     monkeypatch.setattr(attention, "_launch", stand_in)
     q, k, v = _case(1, 4, 2, 1, 30, 16, 16, mx.float32)
@@ -211,9 +261,13 @@ def test_kernel_matches_mlx_operations_on_the_gpu(dtype, Hq, Hk, D, L, S):
     mx.set_default_device(mx.gpu)
     try:
         q, k, v = _case(2, Hq, Hk, L, S, D, D, dtype, seed=D)
+        gate = (2 * mx.random.normal((2, Hq, L, D), key=mx.random.key(D))).astype(dtype)
         for name, m in _masks(L, S).items():
             got = attention._launch(q, k, v, D ** -0.5, m)
             want = attention.folded_attention(q, k, v, scale=D ** -0.5, mask=m)
+            if name == "block":  # with an output gate
+                got = attention._launch(q, k, v, D ** -0.5, m, gate=gate)
+                want = want * mx.sigmoid(gate)
             tolerance = 1e-4 if dtype == mx.float32 else 3e-2
             np.testing.assert_allclose(np.array(got.astype(mx.float32)),
                                        np.array(want.astype(mx.float32)),

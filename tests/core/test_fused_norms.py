@@ -72,18 +72,23 @@ def test_heads_not_shaped_as_heads_get_one_clear_error():
     with pytest.raises(ValueError, match="part 1's heads"):
         mnn.attention_heads(0, (mx.zeros((1, 2, 4, 8)), None, rope),
                             (mx.zeros((1, 3, 1, 8)), None, rope))
-    with pytest.raises(ValueError, match="part 0 takes 16 entries of heads of 8"):
+    with pytest.raises(ValueError, match="part 0 takes 16 of heads of 8"):
         mnn.attention_heads(0, (mx.zeros((1, 2, 4, 8)), None, rope, 16))
+    with pytest.raises(ValueError, match=r"part 1 takes slice\(0, 8, 2\) of heads of 8"):
+        mnn.attention_heads(0, (mx.zeros((1, 2, 4, 8)), None, rope),
+                            (mx.zeros((1, 2, 4, 8)), None, None, slice(0, 8, 2)))
 
 
 def test_a_size_takes_each_heads_leading_entries():
     q, k, v, q_norm, k_norm = _parts(mx.float32, 2, 1, 32)
     rope = mnn.RoPE(16, base=10000.0)
     q_gate = mx.concatenate([q, 5 * q + 1], axis=-1)
-    got_q, got_k = mnn.attention_heads(7, (q_gate, q_norm, rope, 32), (k, k_norm, rope))
+    got_q, got_k, gate = mnn.attention_heads(7, (q_gate, q_norm, rope, 32), (k, k_norm, rope),
+                                             (q_gate, None, None, slice(32, None)))
     want = _by_hand(7, q, k, v, q_norm, k_norm, rope)
     _close(got_q, want[0], mx.float32)
     _close(got_k, want[1], mx.float32)
+    _close(gate, (5 * q + 1).transpose(0, 2, 1, 3), mx.float32)
 
 
 ROPES = {
@@ -120,10 +125,12 @@ def test_heads_match_mlx_operations_on_the_gpu(dtype, rope, B, L, D):
         # one part alone, without a norm
         alone, = mnn.attention_heads(offset, (q, None, r))
         _close(alone, r(q.transpose(0, 2, 1, 3), offset), dtype)
-        # the leading half of wider heads (a query ahead of its gate), read in place
-        q_gate = mx.concatenate([q, -q], axis=-1)
-        half, = mnn.attention_heads(offset, (q_gate, q_norm, r, D))
-        _close(half, _by_hand(offset, q, k, v, q_norm, k_norm, r)[0], dtype)
+        # the halves of wider heads (a query ahead of its gate), read in place
+        q_gate = mx.concatenate([q, 3 * v[:, :, :1] - 1], axis=-1)
+        query, gate = mnn.attention_heads(offset, (q_gate, q_norm, r, D),
+                                          (q_gate, None, None, slice(D, None)))
+        _close(query, _by_hand(offset, q, k, v, q_norm, k_norm, r)[0], dtype)
+        _close(gate, q_gate[..., D:].transpose(0, 2, 1, 3), dtype)
 
 
 @on_cuda
@@ -187,7 +194,7 @@ def _rope_np(x, positions, dims, traditional, inv_freq):
 def test_the_heads_kernel_computes_its_math_in_emulation(B, L, freqs, traditional, dims, wide):
     """Three parts (weighted norm, rotated; weighted, rotated; weightless, not rotated),
     positions per sequence, a partial rotation, periods given or from the base; the first
-    part's heads ``wide`` entries wider than the D taken (a query ahead of its gate)."""
+    part's heads ``wide`` entries wider than the D taken, from entry ``wide // 2`` on."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
     rng = np.random.default_rng(B * 10 + L)
@@ -201,7 +208,8 @@ def test_the_heads_kernel_computes_its_math_in_emulation(B, L, freqs, traditiona
     periods = (base ** (2 * half / dims) * 3).astype(np.float32)
     inv_freq = 1 / periods if freqs else 2.0 ** (-(half / (dims // 2)) * math.log2(base))
     template = [("T", mx.float32), ("D", D), ("H0", 3), ("H1", 1), ("H2", 1),
-                ("W0", D + wide), ("W1", D), ("W2", D), ("NORM0", 2),
+                ("W0", D + wide), ("W1", D), ("W2", D), ("C0", wide // 2), ("C1", 0),
+                ("C2", 0), ("NORM0", 2),
                 ("NORM1", 2), ("NORM2", 1), ("ROT0", True), ("ROT1", True), ("ROT2", False),
                 ("RD", dims), ("TRAD", traditional), ("FREQS", freqs), ("L", L),
                 ("PERB", B > 1), ("NT", cuda_norms.HEAD_THREADS)]
@@ -214,7 +222,7 @@ def test_the_heads_kernel_computes_its_math_in_emulation(B, L, freqs, traditiona
         blocks=B * L * sum(heads), threads=cuda_norms.HEAD_THREADS)
     positions = scale * (offsets[:, None] + np.arange(L))[:, None, :]  # [B, 1, L]
     for i, x in enumerate(xs):
-        x = x[..., :D]
+        x = x[..., wide // 2:wide // 2 + D] if i == 0 else x
         n = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps[i])
         n = (n * ws[i] if i < 2 else n).transpose(0, 2, 1, 3)
         want = _rope_np(n, positions, dims, traditional, inv_freq) if i < 2 else n

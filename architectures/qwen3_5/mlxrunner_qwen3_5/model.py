@@ -200,21 +200,20 @@ class Attention(nn.Module):
         q_gate, k, v = mnn.linears(x, self.q_proj, self.k_proj, self.v_proj)
         d = self.head_dim
         q_gate = q_gate.reshape(B, L, -1, 2 * d)  # each head: its query, then its gate
-        q, gate = mx.split(q_gate, 2, axis=-1)
         k = k.reshape(B, L, -1, d)
         if rope is None:
             offset = cache.offset if cache is not None else 0
-            q, k = mnn.attention_heads(offset, (q_gate, self.q_norm, self.rope, d),
-                                       (k, self.k_norm, self.rope))
+            q, k, gate = mnn.attention_heads(offset, (q_gate, self.q_norm, self.rope, d),
+                                             (k, self.k_norm, self.rope),
+                                             (q_gate, None, None, slice(d, None)))
         else:
+            q, gate = mx.split(q_gate, 2, axis=-1)
             q = rotate(self.q_norm(q).transpose(0, 2, 1, 3), rope)
             k = rotate(self.k_norm(k).transpose(0, 2, 1, 3), rope)
+            gate = gate.transpose(0, 2, 1, 3)
         v = v.reshape(B, L, -1, d).transpose(0, 2, 1, 3)
-        out = mnn.attend(q, *mnn.store(cache, k, v), scale=self.scale)
-        # gated per head: the gate's strided view is read in place (flattening it would
-        # copy it first)
-        out = (out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)).reshape(B, L, -1)
-        return self.o_proj(out, residual)
+        out = mnn.attend(q, *mnn.store(cache, k, v), scale=self.scale, gate=gate)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
 
 
 class DecoderLayer(nn.Module):

@@ -130,11 +130,13 @@ def folded_attention(q: mx.array, keys: mx.array, values: mx.array, *, scale: fl
 
 
 def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str | None = None,
-           *, scale: float) -> mx.array:
+           *, scale: float, gate: mx.array | None = None) -> mx.array:
     """Attention of queries ``q [B, Hq, L, D]`` over ``keys [B, Hk, S, D]`` and ``values
     [B, Hk, S, Dv]`` (query head ``h`` reads key/value head ``h // (Hq // Hk)``), as
     ``mx.fast.scaled_dot_product_attention`` with the same arguments; ``[B, Hq, L, Dv]``.
-    ``attend(q, *store(cache, k, v), scale=...)`` attends over a layer's cache.
+    ``attend(q, *store(cache, k, v), scale=...)`` attends over a layer's cache. ``gate``
+    (``[B, Hq, L, Dv]``): the output times ``sigmoid(gate)``, a gated attention's output
+    gate (in the fused kernel where it runs).
 
     Inside a traced forward the keys a cache stand-in handed out are a whole buffer: the
     mask becomes the one that makes attention over it what ``mask`` meant over the eager
@@ -144,13 +146,19 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
         mask = frame.mask_for(keys, mask)
     chosen = mode()
     if chosen != "mlx" and not isinstance(mask, str) and _short_block_on_cuda(q, keys, mask):
-        if chosen == "kernel" and _kernel_serves(q, keys, values, mask):
-            return _launch(q, keys, values, scale, mask)
-        return folded_attention(q, keys, values, scale=scale, mask=mask)
-    hosted = host_attention(q, keys, values, mask, scale) if frame is None else None
-    if hosted is not None:
-        return hosted
-    return mlx_attention(q, keys, values, scale=scale, mask=mask)
+        fused_gate = gate is not None and gate.shape == (*q.shape[:3], values.shape[3]) \
+            and gate.dtype == q.dtype
+        if chosen == "kernel" and _kernel_serves(q, keys, values, mask, fused_gate):
+            if fused_gate or gate is None:
+                return _launch(q, keys, values, scale, mask, gate=gate)
+            out = _launch(q, keys, values, scale, mask)
+        else:
+            out = folded_attention(q, keys, values, scale=scale, mask=mask)
+    else:
+        hosted = host_attention(q, keys, values, mask, scale) if frame is None else None
+        out = hosted if hosted is not None else \
+            mlx_attention(q, keys, values, scale=scale, mask=mask)
+    return out if gate is None else out * mx.sigmoid(gate)
 
 
 # -- the fused kernel ---------------------------------------------------------------------
@@ -164,8 +172,9 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
 # are merged at the end. Rounded as MLX's operations round (the scaled query and each score
 # to T), except that the probabilities are not rounded to T before they weight the values.
 # Template constants: HQ, HK, D, DV, NT (threads), U (keys a warp loads at once), MASK (0:
-# none, 1: one row [S] for every query, 2: [L, S]); type T. ``dims`` = [L, S, P] (P: key
-# splits, 1 for this form).
+# none, 1: one row [S] for every query, 2: [L, S]), GATE (the output times sigmoid(gate),
+# rounded as MLX's sigmoid and multiply; the unsplit form); type T. ``dims`` = [L, S, P]
+# (P: key splits, 1 for this form).
 _ATTEND_BODY = r"""
     constexpr int kWarps = NT / 32;
     constexpr int QPL = (D + 31) / 32;
@@ -283,7 +292,15 @@ ATTEND_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
     for (int w = 0; w < kWarps; ++w) {
             o += part_acc[w * DV + d] * expf(part_m[w] - big);
         }
-        out[(size_t)row * DV + d] = static_cast<T>(o / total);
+        const T a = static_cast<T>(o / total);
+        if (GATE) {
+            const float g = static_cast<float>(gate[(size_t)row * DV + d]);
+            const T sig = static_cast<T>(1.f / (1.f + expf(-g)));
+            out[(size_t)row * DV + d] = static_cast<T>(static_cast<float>(a) *
+                                                       static_cast<float>(sig));
+        } else {
+            out[(size_t)row * DV + d] = a;
+        }
     }
 """
 
@@ -349,17 +366,20 @@ def _mask_kind(mask: mx.array | None) -> int:
     return 0 if mask is None else mask.ndim
 
 
-def _case(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None
-          ) -> tuple[Any, ...]:
+def _case(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None,
+          gated: bool = False) -> tuple[Any, ...]:
     """What a verdict is kept for: head counts and sizes, the dtype, the mask's kind, the
-    block length and whether keys are split (any batch and buffer length)."""
+    block length, whether keys are split (any batch and buffer length) and whether an
+    output gate is fused."""
     rows = q.shape[0] * q.shape[1] * q.shape[2]
+    split = key_splits(rows, keys.shape[2]) > 1
     return (q.shape[1], keys.shape[1], q.shape[3], values.shape[3], q.dtype,
-            _mask_kind(mask), q.shape[2], key_splits(rows, keys.shape[2]) > 1)
+            _mask_kind(mask), q.shape[2], split, gated and not split)
 
 
 def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
-            mask: mx.array | None, splits: int | None = None) -> mx.array:
+            mask: mx.array | None, splits: int | None = None,
+            gate: mx.array | None = None) -> mx.array:
     B, Hq, L, D = q.shape
     Hk, S, Dv = keys.shape[1], keys.shape[2], values.shape[3]
     rows = B * Hq * L
@@ -368,7 +388,7 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     if split not in _kernels:
         _kernels[split] = CudaKernel(
             name="mlxrunner_attend_split" if split else "mlxrunner_attend",
-            input_names=["q", "keys", "values", "scale", "mask", "dims"],
+            input_names=["q", "keys", "values", "scale", "mask", "dims", "gate"],
             output_names=["part_o", "part_max", "part_sum"] if split else ["out"],
             source=ATTEND_SPLIT_SOURCE if split else ATTEND_SOURCE)
     if mask is not None and mask.ndim == 2 and mask.shape != (L, S):
@@ -376,16 +396,18 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     outputs = _kernels[split](
         inputs=[q, keys, values, constant((float(scale),), mx.float32),
                 mask if mask is not None else constant((True,), mx.bool_),
-                constant((L, S, P), mx.int32)],
+                constant((L, S, P), mx.int32),
+                gate if gate is not None and not split else constant((0.0,), q.dtype)],
         template=[("T", q.dtype), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
                   ("NT", ATTEND_THREADS), ("U", keys_at_once(D, Dv)),
-                  ("MASK", _mask_kind(mask))],
+                  ("MASK", _mask_kind(mask)), ("GATE", gate is not None and not split)],
         grid=(ATTEND_THREADS * rows, P, 1), threadgroup=(ATTEND_THREADS, 1, 1),
         output_shapes=[(rows, P, Dv), (rows, P), (rows, P)] if split else [(B, Hq, L, Dv)],
         output_dtypes=[mx.float32] * 3 if split else [q.dtype])
     if not split:
         return outputs[0]
-    return _merge(*outputs).astype(q.dtype).reshape(B, Hq, L, Dv)
+    out = _merge(*outputs).astype(q.dtype).reshape(B, Hq, L, Dv)
+    return out if gate is None else out * mx.sigmoid(gate)
 
 
 @mx.compile
@@ -408,31 +430,37 @@ def _kernel_applies(q: mx.array, keys: mx.array, values: mx.array,
 
 
 def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
-                   mask: mx.array | None) -> bool:
-    """Whether the fused kernel serves this case (settled by a self-check on random inputs
-    of its shapes, the first time)."""
+                   mask: mx.array | None, gated: bool = False) -> bool:
+    """Whether the fused kernel serves this case (``gated``: with an output gate; settled
+    by a self-check on random inputs of its shapes, the first time)."""
     if not (_kernel_applies(q, keys, values, mask)
             and settings.current().kernel_allowed("attention")):
         return False
-    heads, kv_heads, head_dim, value_dim, dtype, kind, length, split = _case(q, keys, values,
-                                                                              mask)
+    case = _case(q, keys, values, mask, gated)
+    heads, kv_heads, head_dim, value_dim, dtype, kind, length, split, gated = case
     scale = head_dim ** -0.5
 
-    def probe() -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
+    def probe() -> tuple[mx.array, mx.array, mx.array, mx.array | None, mx.array | None]:
         S = 67  # not a multiple of the warps: some take one key fewer
-        parts = [mx.random.key(2024 + i) for i in range(4)]  # no gather (see deltanet's)
+        parts = [mx.random.key(2024 + i) for i in range(5)]  # no gather (see deltanet's)
         pq = mx.random.normal((1, heads, length, head_dim), key=parts[0]).astype(dtype)
         pk = mx.random.normal((1, kv_heads, S, head_dim), key=parts[1]).astype(dtype)
         pv = mx.random.normal((1, kv_heads, S, value_dim), key=parts[2]).astype(dtype)
         keep = mx.random.uniform(shape=(length, S), key=parts[3]) < 0.7
         keep = keep | (mx.arange(S)[None] == mx.arange(length)[:, None])  # a key per row
-        return pq, pk, pv, (None, keep[0], keep)[kind]
+        gate = (3 * mx.random.normal((1, heads, length, value_dim), key=parts[4])
+                ).astype(dtype) if gated else None
+        return pq, pk, pv, (None, keep[0], keep)[kind], gate
 
-    return serves("attention", _case(q, keys, values, mask),
-                  lambda p: _launch(p[0], p[1], p[2], scale, p[3], splits=3 if split else 1),
-                  lambda p: folded_attention(*p[:3], scale=scale, mask=p[3]), probe,
-                  2e-3 if dtype == mx.float32 else 5e-2, against="MLX's operations",
-                  source=kernel_code(__file__))
+    def reference(p: tuple[Any, ...]) -> mx.array:
+        out = folded_attention(*p[:3], scale=scale, mask=p[3])
+        return out if p[4] is None else out * mx.sigmoid(p[4])
+
+    return serves("attention", case,
+                  lambda p: _launch(p[0], p[1], p[2], scale, p[3], splits=3 if split else 1,
+                                    gate=p[4]),
+                  reference, probe, 2e-3 if dtype == mx.float32 else 5e-2,
+                  against="MLX's operations", source=kernel_code(__file__))
 
 
 def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, length: int,

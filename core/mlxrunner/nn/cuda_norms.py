@@ -53,7 +53,8 @@ INVERSE_RMS = r"""
 """
 
 # Template constants: T (dtype), D (head size), H0..H2 (heads of each part; 0: no part),
-# W0..W2 (each part's row per head: D, or wider where a head's D lead other entries),
+# W0..W2 (each part's row per head: D, or wider where a part takes D of them), C0..C2 (the
+# first entry each part takes),
 # NORM0..2 (0: none, 1: without weight, 2: with weight), ROT0..2 (rotate), RD (rotated
 # dims), TRAD (rotate interleaved pairs), FREQS (periods from freqs, else from the base),
 # L (positions per sequence), PERB (an offset per sequence), NT (threads). A block per
@@ -68,13 +69,14 @@ HEADS_SOURCE = INVERSE_RMS + r"""
         if (blk >= rows * H1) { blk -= rows * H1; part = 2; H = H2; } }
     const T* x = part == 0 ? x0 : (part == 1 ? x1 : x2);
     const int W = part == 0 ? W0 : (part == 1 ? W1 : W2);
+    const int C = part == 0 ? C0 : (part == 1 ? C1 : C2);
     const T* w = part == 0 ? w0 : (part == 1 ? w1 : w2);
     T* y = part == 0 ? y0 : (part == 1 ? y1 : y2);
     const int norm = part == 0 ? NORM0 : (part == 1 ? NORM1 : NORM2);
     const bool rot = part == 0 ? ROT0 : (part == 1 ? ROT1 : ROT2);
     const int m = blk / H, h = blk - m * H;
     const int b = m / L, l = m - b * L;
-    x += (size_t)blk * W;
+    x += (size_t)blk * W + C;
     y += ((size_t)(b * H + h) * L + l) * D;
 
     if (norm) {
@@ -143,18 +145,20 @@ _add_norm = CudaKernel(name="mlxrunner_add_norm", input_names=["x", "w", "res", 
 # attention's heads
 # ---------------------------------------------------------------------------------------
 
-#: a part as the kernel takes it: heads ``[B, L, H, W]`` (each head's first ``D`` entries
-#: read), the norm weight (None: no weight), eps (None: no norm), rotate
+#: a part as the kernel takes it: heads ``[B, L, H, W]`` (``D`` entries of each read), the
+#: norm weight (None: no weight), eps (None: no norm), rotate
 HeadPart = tuple[mx.array, "mx.array | None", "float | None", bool]
 #: the rotation: dims, traditional, log2(base) or None (periods from freqs), scale, freqs
 Rotation = tuple[int, bool, "float | None", float, "mx.array | None"]
 
 
 def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
-                offset: int | mx.array, size: int | None = None) -> list[mx.array] | None:
-    """Each part's heads (their first ``size`` entries; default: all of the first part's)
-    normalised, laid out ``[B, H, L, size]`` and rotated (see the module), in one launch;
-    None where the kernel does not serve this case (the caller runs MLX's)."""
+                offset: int | mx.array, size: int | None = None,
+                starts: Sequence[int] | None = None) -> list[mx.array] | None:
+    """Each part's heads (``size`` entries of each from its entry in ``starts``; default:
+    all of the first part's) normalised, laid out ``[B, H, L, size]`` and rotated (see the
+    module), in one launch; None where the kernel does not serve this case (the caller runs
+    MLX's)."""
     if not 0 < len(parts) <= 3 or not kernel_allowed("norms"):
         return None
     x = parts[0][0]
@@ -164,8 +168,12 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
     D = x.shape[3] if size is None else size
     if not 0 < L <= MAX_HEAD_POSITIONS or not 0 < B * L <= MAX_ROWS or D % 2 or D < 2:
         return None
-    for p, weight, _eps, _rot in parts:
-        if p.ndim != 4 or p.dtype != x.dtype or p.shape[:2] != (B, L) or p.shape[3] < D \
+    starts = [0] * len(parts) if starts is None else list(starts)
+    if len(starts) != len(parts):
+        return None
+    for (p, weight, _eps, _rot), start in zip(parts, starts):
+        if p.ndim != 4 or p.dtype != x.dtype or p.shape[:2] != (B, L) \
+                or not 0 <= start <= p.shape[3] - D \
                 or (weight is not None and (weight.shape != (D,) or weight.dtype != x.dtype)):
             return None
     if isinstance(offset, mx.array):
@@ -179,16 +187,16 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
     rot = rotation or (D, False, 0.0, 1.0, None)
     per_sequence = isinstance(offset, mx.array) and offset.size > 1
     case = (x.dtype, D, L, per_sequence,
-            tuple((p.shape[2], p.shape[3] - D, w is not None, e is not None, r)
-                  for p, w, e, r in parts),
+            tuple((p.shape[2], p.shape[3] - D, start, w is not None, e is not None, r)
+                  for (p, w, e, r), start in zip(parts, starts)),
             rot[0], rot[1], rot[2] is None, rot[3])
     if not _heads_serve(case):
         return None
-    return _launch_heads(parts, rot, offset, D)
+    return _launch_heads(parts, rot, offset, D, starts)
 
 
-def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array, D: int
-                  ) -> list[mx.array]:
+def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array, D: int,
+                  starts: Sequence[int]) -> list[mx.array]:
     x = parts[0][0]
     B, L = x.shape[:2]
     dims, traditional, log2_base, scale, freqs = rot
@@ -201,6 +209,7 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
     template += [(f"H{i}", heads[i]) for i in range(3)]
     template += [(f"W{i}", p[0].shape[3] if i < len(parts) else D)
                  for i, p in enumerate(padded)]
+    template += [(f"C{i}", starts[i] if i < len(parts) else 0) for i in range(3)]
     template += [(f"NORM{i}", 0 if p[2] is None else (2 if p[1] is not None else 1))
                  for i, p in enumerate(padded)]
     template += [(f"ROT{i}", bool(p[3])) for i, p in enumerate(padded)]
@@ -219,12 +228,12 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
 
 
 def _reference_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array,
-                     D: int) -> list[mx.array]:
+                     D: int, starts: Sequence[int]) -> list[mx.array]:
     """What MLX's operations compute for the parts (the check's reference)."""
     dims, traditional, log2_base, scale, freqs = rot
     out = []
-    for x, weight, eps, rotate in parts:
-        x = x[..., :D]
+    for (x, weight, eps, rotate), start in zip(parts, starts):
+        x = x[..., start:start + D]
         if eps is not None:
             x = mx.fast.rms_norm(x, weight, eps)
         x = x.transpose(0, 2, 1, 3)
@@ -243,7 +252,7 @@ def _heads_serve(case: tuple[Any, ...]) -> bool:
     def probe() -> tuple[list[HeadPart], Rotation, mx.array]:
         keys = [mx.random.key(4811 + i) for i in range(2 * len(shapes) + 1)]
         parts: list[HeadPart] = []
-        for i, (heads, extra, weighted, normed, rotate) in enumerate(shapes):
+        for i, (heads, extra, _start, weighted, normed, rotate) in enumerate(shapes):
             x = (3.0 * mx.random.normal((B, L, heads, D + extra), key=keys[2 * i])
                  ).astype(dtype)
             w = (1.0 + 0.1 * mx.random.normal((D,), key=keys[2 * i + 1])).astype(dtype) \
@@ -255,8 +264,11 @@ def _heads_serve(case: tuple[Any, ...]) -> bool:
         return parts, (dims, traditional, None if by_freqs else math.log2(10000.0), scale,
                        freqs), offset
 
-    return serves("norms", ("heads", *case), lambda p: _launch_heads(p[0], p[1], p[2], D),
-                  lambda p: _reference_heads(p[0], p[1], p[2], D), probe, TOLERANCE[dtype],
+    starts = [shape[2] for shape in shapes]
+    return serves("norms", ("heads", *case),
+                  lambda p: _launch_heads(p[0], p[1], p[2], D, starts),
+                  lambda p: _reference_heads(p[0], p[1], p[2], D, starts), probe,
+                  TOLERANCE[dtype],
                   source=kernel_code(__file__))
 
 

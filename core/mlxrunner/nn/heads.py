@@ -3,12 +3,13 @@
 ``q, k, v = attention_heads(offset, (q, self.q_norm, self.rope), (k, self.k_norm, self.rope),
 (v, eps, None))`` is ``rope(norm(x).transpose(0, 2, 1, 3), offset)`` for each part (a
 norm: an :class:`~mlxrunner.nn.RMSNorm`, a float for the weightless norm of that eps, or
-None; a rope: a :class:`~mlxrunner.nn.RoPE` or None). A part's fourth entry, a size, takes
-each head's leading entries: ``(q_gate, self.q_norm, self.rope, d)`` with ``q_gate [B, L, H,
-2 d]`` (a query interleaved with its gate) is the part ``q_gate[..., :d]``, which the kernel
-reads in place (a slice would be copied first). On CUDA a decode step's parts run as one
-fused kernel where they share one RoPE; elsewhere, and for a prompt, they are the layers'
-own operations.
+None; a rope: a :class:`~mlxrunner.nn.RoPE` or None). A part's fourth entry takes part of
+each head: a size ``d`` (its first ``d`` entries) or a slice. With ``q_gate [B, L, H, 2 d]``
+(each head's query, then its gate), ``(q_gate, self.q_norm, self.rope, d)`` is the query
+part and ``(q_gate, None, None, slice(d, None))`` the gate laid out as heads; the kernel
+reads them in place (a slice would be copied first). On CUDA a decode step's parts run as
+one fused kernel where they share one RoPE and one head size; elsewhere, and for a prompt,
+they are the layers' own operations.
 """
 
 from __future__ import annotations
@@ -22,35 +23,32 @@ from .kernels import on_cuda
 from .norm import RMSNorm, rms_norm
 from .rope import RoPE
 
-#: a part: heads ``[B, L, H, D]``, their norm and their rotation; optionally the size of
-#: each head's leading entries to take
+#: a part: heads ``[B, L, H, D]``, their norm and their rotation; optionally what to take
+#: of each head (a size: its leading entries; or a slice)
 Part = tuple[mx.array, RMSNorm | float | None, RoPE | None] | \
-    tuple[mx.array, RMSNorm | float | None, RoPE | None, int]
+    tuple[mx.array, RMSNorm | float | None, RoPE | None, int | slice]
 
 
 def attention_heads(offset: int | mx.array, *parts: Part) -> list[mx.array]:
     """Each part's heads ``[B, L, H, D]`` normalised, as ``[B, H, L, D]``, rotated at
     positions from ``offset`` (see the module). ValueError where a part's heads are not
-    ``[B, L, H, D]``, its parts disagree on ``B`` and ``L``, or its size is not in ``(0, D]``."""
-    sizes = set()
+    ``[B, L, H, D]``, its parts disagree on ``B`` and ``L``, or what it takes of each head is
+    not a non-empty run of its entries."""
+    taken = []
     for i, (x, *_) in enumerate(parts):
         if x.ndim != 4 or x.shape[:2] != parts[0][0].shape[:2]:
             raise ValueError(f"attention_heads: part {i}'s heads must be [B, L, H, D] with the "
                              f"other parts' B and L, got shape {list(x.shape)}")
-        size = _size(parts[i])
-        if not 0 < size <= x.shape[3]:
-            raise ValueError(f"attention_heads: part {i} takes {size} entries of heads of "
-                             f"{x.shape[3]}")
-        sizes.add(size)
-    if on_cuda() and len(sizes) == 1:
-        fused = _fused(offset, parts, sizes.pop())
+        taken.append(_taken(parts[i], i))
+    if on_cuda() and len({size for _, size in taken}) == 1:
+        fused = _fused(offset, parts, taken)
         if fused is not None:
             return fused
     out = []
-    for part in parts:
+    for part, (start, size) in zip(parts, taken):
         x, norm, rope = part[:3]
-        if _size(part) < x.shape[3]:
-            x = x[..., :_size(part)]
+        if size < x.shape[3]:
+            x = x[..., start:start + size]
         if isinstance(norm, RMSNorm):
             x = norm(x)
         elif norm is not None:
@@ -60,11 +58,23 @@ def attention_heads(offset: int | mx.array, *parts: Part) -> list[mx.array]:
     return out
 
 
-def _size(part: Part) -> int:
-    return part[3] if len(part) == 4 else part[0].shape[3]
+def _taken(part: Part, i: int) -> tuple[int, int]:
+    """(first entry, entries) that ``part`` takes of each of its heads."""
+    width = part[0].shape[3]
+    if len(part) == 3:
+        return 0, width
+    what = part[3]
+    if isinstance(what, slice):
+        start, stop, step = what.indices(width)
+    else:
+        start, stop, step = 0, int(what), 1
+    if step != 1 or not 0 <= start < stop <= width:
+        raise ValueError(f"attention_heads: part {i} takes {what!r} of heads of {width} "
+                         "(a size or a slice of consecutive entries)")
+    return start, stop - start
 
 
-def _fused(offset: int | mx.array, parts: tuple[Part, ...], size: int
+def _fused(offset: int | mx.array, parts: tuple[Part, ...], taken: list[tuple[int, int]]
            ) -> list[mx.array] | None:
     ropes = {id(r): r for _, _, r, *_ in parts if r is not None}
     if len(ropes) > 1:
@@ -83,4 +93,4 @@ def _fused(offset: int | mx.array, parts: tuple[Part, ...], size: int
         else:
             kernel_parts.append((x, None, None if norm is None else float(norm),
                                  part_rope is not None))
-    return fused_heads(kernel_parts, rotation, offset, size)
+    return fused_heads(kernel_parts, rotation, offset, taken[0][1], [t[0] for t in taken])
