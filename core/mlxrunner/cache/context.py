@@ -127,10 +127,18 @@ class TracedContext:
 
     def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Writes rows at ``length`` (a block, or the rows a commit appends)."""
-        at = self.length.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
-        self.values = mx.slice_update(self.values, values, at, axes=(2,))
+        self.keys = mx.put_along_axis(self.keys, self._slots(keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, self._slots(values.shape), values, axis=2)
         return self.keys, self.values
+
+    def _slots(self, shape: tuple[int, ...]) -> mx.array:
+        # one scatter where a dynamic slice update launches two kernels on CUDA (see
+        # mlxrunner.cache.frame.TraceFrame.write_slots); shared like the masks
+        key = ("slots", self.window, tuple(shape))
+        if key not in self.masks:
+            rows = self.length.reshape(1) + arange_constant(shape[2])
+            self.masks[key] = mx.broadcast_to(rows.reshape(1, 1, -1, 1), shape)
+        return self.masks[key]
 
     def block_mask(self, pos: mx.array, block: int, causal: bool) -> mx.array:
         key = (self.window, self.keys.shape[2], block, causal)
