@@ -115,8 +115,8 @@ def test_heads_match_mlx_operations_on_the_gpu(dtype, rope, B, L, D):
         parts = ((q, q_norm, r), (k, k_norm, r), (v, 1e-5, None))
         kernel_parts = [(q, q_norm.applied_weight(), 1e-6, True),
                         (k, k_norm.applied_weight(), 1e-6, True), (v, None, 1e-5, False)]
-        rotation = (r.dims, r.traditional, None if r._freqs is not None else
-                    math.log2(r.base), r.scale, r._freqs)
+        rotation = (r.dims, r.traditional, None if r.freqs is not None else
+                    math.log2(r.base), r.scale, r.freqs)
         assert cuda_norms.fused_heads(kernel_parts, rotation, offset) is not None, \
             "the kernel should serve this case"
         got = mnn.attention_heads(offset, *parts)

@@ -71,12 +71,12 @@ def test_gemma4_e2b_facts():
     # Parameter shapes, without materialising 5B random numbers.
     model = Gemma4Model(text_part(hub))
     full = model.layers[4].self_attn.rope
-    periods = full._freqs.tolist()
+    periods = full.freqs.tolist()
     assert full.dims == 512 and len(periods) == 256
     assert sum(p != float("inf") for p in periods) == 64  # 1/4 of 256 frequencies
     assert periods[1] == pytest.approx(1e6 ** (2 / 512))
     sliding = model.layers[0].self_attn.rope
-    assert sliding._freqs is None and sliding.dims == 256 and sliding.base == 1e4
+    assert sliding.freqs is None and sliding.dims == 256 and sliding.base == 1e4
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
     assert shapes["model.layers.4.self_attn.q_proj.weight"] == (8 * 512, 1536)
     assert shapes["model.layers.0.self_attn.k_proj.weight"] == (256, 1536)

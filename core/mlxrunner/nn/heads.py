@@ -83,7 +83,7 @@ def _fused(offset: int | mx.array, parts: tuple[Part, ...], taken: list[tuple[in
     for rope in ropes.values():
         if rope.mscale != 1.0:
             return None
-        freqs = rope._freqs  # (the core's own class)
+        freqs = rope.freqs
         rotation = (rope.dims, rope.traditional,
                     None if freqs is not None else math.log2(rope.base), rope.scale, freqs)
     kernel_parts: list[HeadPart] = []

@@ -45,6 +45,12 @@ class RoPE(nn.Module):
         if self._freqs is not None:
             mx.eval(self._freqs)
 
+    @property
+    def freqs(self) -> mx.array | None:
+        """The periods given (float32, one per rotated pair), or None where ``base`` gives
+        them."""
+        return self._freqs
+
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if self.mscale != 1.0:  # yarn scales the rotated dims only
             scaled = x[..., :self.dims] * mx.array(self.mscale, x.dtype)
