@@ -128,11 +128,17 @@ def test_fused_product_kernel_compiles(builder, dtype: str, norm: bool, res: boo
     from mlxrunner.nn import cuda_products
 
     template = [("T", dtype), ("K", 2048), ("N", 2048), ("M", 2), ("NT", 256),
-                ("NORM", norm), ("RES", res), ("GLU", glu), ("UPX", upx)]
+                ("NORM", norm), ("RES", res), ("GLU", glu), ("UPX", upx), ("ADDN", False)]
+    inputs = [("x", dtype), ("w", dtype), ("nw", dtype), ("res", dtype), ("up_x", dtype),
+              ("eps", "float32")]
     _compile(builder, "mlxrunner_product", _wrap(
-        "mlxrunner_product", cuda_products.PRODUCT_SOURCE,
-        [("x", dtype), ("w", dtype), ("nw", dtype), ("res", dtype), ("up_x", dtype),
-         ("eps", "float32")], [("y", dtype)], template))
+        "mlxrunner_product", cuda_products.PRODUCT_SOURCE, inputs, [("y", dtype)], template))
+    if not (res or glu):  # a post norm's residual add after it
+        _compile(builder, "mlxrunner_product_add_norm", _wrap(
+            "mlxrunner_product_add_norm", cuda_products.PRODUCT_ADD_NORM_SOURCE,
+            inputs + [("pw", dtype), ("pres", dtype), ("ps", dtype), ("peps", "float32"),
+                      ("cnt", "int32")], [("y", dtype), ("h", dtype)],
+            template[:-1] + [("ADDN", True), ("PSCALE", norm)]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

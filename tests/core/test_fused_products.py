@@ -44,6 +44,44 @@ def test_off_cuda_nothing_is_fused_and_layers_compute_mlx_results():
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+def test_a_post_norm_add_relaunches_the_product_that_made_its_input(monkeypatch):
+    """add_normed(residual, y) where y is a fused product's output: the product launched
+    again with the post norm's residual add after it (the kernel stood in for by MLX's
+    operations here), the first launch left without a reader; any other y takes the
+    add-norm kernel's path."""
+    launches = []
+
+    def stand_in(x, w, res, glu, norm, up=None, post=None):
+        launches.append(post is not None)
+        return cuda_products._reference(x, w, res, glu, norm, up, post)
+
+    probed = []
+
+    def checked(name, case, kernel, reference, probe, tolerance, **kwargs):  # the check's
+        inputs = probe()  # inputs built and passed as the real check passes them
+        np.testing.assert_allclose(np.array(kernel(inputs)), np.array(reference(inputs)))
+        probed.append(case)
+        return True
+
+    monkeypatch.setattr(cuda_products, "kernel_allowed", lambda name: True)
+    monkeypatch.setattr(cuda_products, "serves", checked)
+    monkeypatch.setattr(cuda_products, "_launch", stand_in)
+    mx.random.seed(4)
+    x, w = mx.random.normal((1, 1, 64)), mx.random.normal((96, 64)) * 0.1
+    r, s = mx.random.normal((1, 1, 96)), mx.array([0.5])
+    post = mnn.RMSNorm(96, 1e-6)
+    post.weight = 1 + 0.1 * mx.random.normal((96,))
+    y = cuda_products.fused_product(x, w)
+    assert y is not None and launches == [False, False]  # the check's launch, then its own
+    got = post.add_normed(r, y, s)
+    assert launches == [False, False, True, True]
+    assert probed[-1][-2:] == ("post", 2)  # checked as a case of its own
+    want = (r + mx.fast.rms_norm(x @ w.T, post.weight, 1e-6)) * s
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    assert cuda_products.fused_add_normed(r, x @ w.T, post.weight, 1e-6, s) is None
+    assert cuda_products.fused_add_normed(r[..., :48], y, post.weight, 1e-6, s) is None
+
+
 @on_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("rows", [1, 3])
@@ -97,6 +135,34 @@ def test_a_norm_fuses_into_the_products_that_read_it_on_the_gpu(dtype):
     assert "RMSNorm" not in labels and "Matmul" not in labels and "Add" not in labels, labels
 
 
+@on_cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_post_norm_add_runs_in_its_products_launch_on_the_gpu(dtype, rows):
+    """``post_norm.add_normed(residual, o_proj(x), scale)``: the post norm's residual add
+    in the product's own launch (its last block), equal to MLX's operations, one kernel,
+    again and again (the block counter is back at 0 after each launch)."""
+    mx.set_default_device(mx.gpu)
+    mx.random.seed(5)
+    o_proj, post = mnn.Linear(512, 1536, bias=False), mnn.RMSNorm(1536, 1e-6)
+    o_proj.set_dtype(dtype)
+    post.weight = (1 + 0.1 * mx.random.normal((1536,))).astype(dtype)
+    scale = mx.array([0.7], dtype=dtype)
+    for _ in range(3):
+        x = mx.random.normal((rows, 1, 512)).astype(dtype)
+        r = mx.random.normal((rows, 1, 1536)).astype(dtype)
+        mx.eval(x, r)
+        for s in (None, scale):
+            with settings.overridden(kernels=frozenset({"attention", "deltanet", "topk"})):
+                want = post.add_normed(r, o_proj(x), s)
+                mx.eval(want)
+            got = post.add_normed(r, o_proj(x), s)
+            _close(got, want, dtype)
+            views = {"Reshape", "Broadcast", "Slice", "Transpose", "Squeeze", "ExpandDims"}
+            kernels_run = [label for label in _graph_labels(got) if label not in views]
+            assert len(kernels_run) == 1, kernels_run  # the product's launch alone
+
+
 def _graph_labels(*outputs: mx.array) -> list[str]:
     import re
     import tempfile
@@ -144,11 +210,48 @@ def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned):
             {"x": x, "w": w, "nw": nw, "res": r if res else np.zeros(1, np.float32),
              "up_x": np.zeros(1, np.float32), "eps": eps}, {"y": ((rows, N), np.float32)},
             [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
-             ("NORM", norm), ("RES", res), ("GLU", glu), ("UPX", False)],
+             ("NORM", norm), ("RES", res), ("GLU", glu), ("UPX", False), ("ADDN", False)],
             blocks=-(-N // (threads // 32)), threads=threads)["y"]
         want = _reference_np(x, w, nw, r if res else None, 1e-5, norm, glu)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
                                    err_msg=f"norm={norm} res={res} glu={glu}")
+
+
+@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
+                    .emulation_available(), reason="needs g++ for the CUDA emulation")
+@pytest.mark.parametrize("rows,scaled,norm", [(1, False, False), (3, True, True)])
+def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, scaled, norm):
+    """``h = (pres + rms_norm(x @ W.T) * pw) * ps`` by the last block (its count reaching
+    the grid), the block counter left at 0; N over several blocks, not a whole number of
+    the block's threads."""
+    from mlxrunner.testing.cuda_emulation import emulate_kernel
+
+    rng = np.random.default_rng(rows)
+    K, N, threads = 64, 300, 256
+    x = rng.normal(size=(rows, K)).astype(np.float32)
+    w = (rng.normal(size=(N, K)) * K ** -0.5).astype(np.float32)
+    nw = (1 + 0.1 * rng.normal(size=K)).astype(np.float32)
+    pw = (1 + 0.1 * rng.normal(size=N)).astype(np.float32)
+    pres = rng.normal(size=(rows, N)).astype(np.float32)
+    ps = np.array([0.6], np.float32)
+    counter = np.zeros(1, np.int32)
+    for _ in range(2):  # the counter is reset for the next launch
+        got = emulate_kernel(
+            cuda_products.PRODUCT_ADD_NORM_SOURCE,
+            {"x": x, "w": w, "nw": nw, "res": np.zeros(1, np.float32),
+             "up_x": np.zeros(1, np.float32), "eps": np.array([1e-5], np.float32),
+             "pw": pw, "pres": pres, "ps": ps, "peps": np.array([1e-6], np.float32),
+             "cnt": counter},
+            {"y": ((rows, N), np.float32), "h": ((rows, N), np.float32)},
+            [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
+             ("NORM", norm), ("RES", False), ("GLU", 0), ("UPX", False), ("ADDN", True),
+             ("PSCALE", scaled)],
+            blocks=-(-N // (threads // 32)), threads=threads)
+        y = _reference_np(x, w, nw, None, 1e-5, norm, 0)
+        np.testing.assert_allclose(got["y"], y, rtol=1e-5, atol=1e-5)
+        h = pres + y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6) * pw
+        np.testing.assert_allclose(got["h"], h * ps if scaled else h, rtol=1e-5, atol=1e-5)
+        assert counter[0] == 0
 
 
 @pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
@@ -170,7 +273,7 @@ def test_a_gate_product_times_a_given_up_computes_its_math_in_emulation(glu):
         {"x": x, "w": w, "nw": nw, "res": np.zeros(1, np.float32), "up_x": up,
          "eps": np.array([1e-6], np.float32)}, {"y": ((rows, N), np.float32)},
         [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
-         ("NORM", True), ("RES", False), ("GLU", glu), ("UPX", True)],
+         ("NORM", True), ("RES", False), ("GLU", glu), ("UPX", True), ("ADDN", False)],
         blocks=-(-N // (threads // 32)), threads=threads)["y"]
     gate = _reference_np(x, w, nw, None, 1e-6, True, 0)
     act = gate / (1 + np.exp(-gate)) if glu == 1 else 0.5 * gate * (

@@ -16,18 +16,26 @@ each output it hands out on CUDA (:func:`note_norm`, per thread, the last few), 
 product whose input is such an output normalises the norm's own input instead; the norm's
 operation then has no reader and never runs. Every case (sizes, rows, dtype, what is fused)
 serves only after its self-check against MLX's operations (``mlxrunner.nn.kernels.serves``).
+
+A post norm's residual add after a product (``RMSNorm.add_normed(residual, y)``, Gemma's
+layers) needs the product's whole row, which no one block has: the product is launched
+again with the add after it, done by the block that finishes last (each block counts
+itself out on a counter of that product's own, which the last one resets), and the first
+launch, with no reader left, never runs.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..constants import constant
-from .cuda_build import CudaKernel, kernel_code
+from .cuda_build import CudaKernel, TemplateArg, kernel_code
 from .kernels import kernel_allowed, serves
 
 #: rows of ``x`` a fused product takes (a decode step of up to this many sequences, or a
@@ -48,8 +56,10 @@ NOTED_PRODUCTS = 2
 # Template constants: T (x, weight, residual and norm weight dtype), K (inputs per row), N
 # (outputs per row), M (rows), NT (threads per block), NORM (normalise x with nw and eps
 # first), RES (add res to the rounded product), GLU (0: none; 1: silu, 2: gelu_tanh of rows
-# [0, N) times rows [N, 2N) of w, or times up where UPX). One warp per output n; the block's
-# warps take consecutive n.
+# [0, N) times rows [N, 2N) of w, or times up where UPX), ADDN (then a post-norm's residual
+# add: h = (pres + rms_norm(y) * pw) * ps where PSCALE, by the block that finishes last,
+# counted in cnt, which it leaves at 0 again). One warp per output n; the block's warps
+# take consecutive n.
 PRODUCT_SOURCE = r"""
     constexpr int kWarps = NT / 32;
     constexpr int kVec = 16 / sizeof(T);
@@ -94,79 +104,129 @@ PRODUCT_SOURCE = r"""
     __syncthreads();
 
     const int n = blockIdx.x * kWarps + warp;
-    if (n >= N) return;
-    constexpr bool kUpRows = GLU && !UPX;
-    float acc[M];
-    float acc_up[M];
-    #pragma unroll
-    for (int m = 0; m < M; ++m) { acc[m] = 0.f; acc_up[m] = 0.f; }
-    const T* row = w + (size_t)n * K;
-    const T* row_up = w + (size_t)(n + N) * K;
-    if (reinterpret_cast<size_t>(w) & 15) {  // a weight view off 16-byte alignment
-        #pragma unroll 1
-        for (int k = lane; k < K; k += 32) {
-            const float wf = static_cast<float>(row[k]);
-            const float uf = kUpRows ? static_cast<float>(row_up[k]) : 0.f;
+    if (!ADDN && n >= N) return;
+    if (n < N) {
+        constexpr bool kUpRows = GLU && !UPX;
+        float acc[M];
+        float acc_up[M];
+        #pragma unroll
+        for (int m = 0; m < M; ++m) { acc[m] = 0.f; acc_up[m] = 0.f; }
+        const T* row = w + (size_t)n * K;
+        const T* row_up = w + (size_t)(n + N) * K;
+        if (reinterpret_cast<size_t>(w) & 15) {  // a weight view off 16-byte alignment
+            #pragma unroll 1
+            for (int k = lane; k < K; k += 32) {
+                const float wf = static_cast<float>(row[k]);
+                const float uf = kUpRows ? static_cast<float>(row_up[k]) : 0.f;
+                #pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    const float xf = static_cast<float>(xs[m * K + k]);
+                    acc[m] += wf * xf;
+                    if (kUpRows) acc_up[m] += uf * xf;
+                }
+            }
+        } else
+        #pragma unroll 2  // (a larger cubin costs every launch: MLX hashes it each time)
+        for (int k = lane * kVec; k < K; k += 32 * kVec) {
+            const uint4 wp = *reinterpret_cast<const uint4*>(row + k);
+            const T* wv = reinterpret_cast<const T*>(&wp);
+            uint4 up;
+            const T* uv = reinterpret_cast<const T*>(&up);
+            if (kUpRows) up = *reinterpret_cast<const uint4*>(row_up + k);
             #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const float xf = static_cast<float>(xs[m * K + k]);
-                acc[m] += wf * xf;
-                if (kUpRows) acc_up[m] += uf * xf;
+                const uint4 xp = *reinterpret_cast<const uint4*>(xs + m * K + k);
+                const T* xv = reinterpret_cast<const T*>(&xp);
+                #pragma unroll
+                for (int j = 0; j < kVec; ++j) {
+                    const float xf = static_cast<float>(xv[j]);
+                    acc[m] += static_cast<float>(wv[j]) * xf;
+                    if (kUpRows) acc_up[m] += static_cast<float>(uv[j]) * xf;
+                }
             }
         }
-    } else
-    #pragma unroll 2  // (a larger cubin costs every launch: MLX hashes it each time)
-    for (int k = lane * kVec; k < K; k += 32 * kVec) {
-        const uint4 wp = *reinterpret_cast<const uint4*>(row + k);
-        const T* wv = reinterpret_cast<const T*>(&wp);
-        uint4 up;
-        const T* uv = reinterpret_cast<const T*>(&up);
-        if (kUpRows) up = *reinterpret_cast<const uint4*>(row_up + k);
         #pragma unroll
         for (int m = 0; m < M; ++m) {
-            const uint4 xp = *reinterpret_cast<const uint4*>(xs + m * K + k);
-            const T* xv = reinterpret_cast<const T*>(&xp);
+            for (int o = 16; o > 0; o >>= 1) {
+                acc[m] += __shfl_xor_sync(0xffffffff, acc[m], o);
+                if (kUpRows) acc_up[m] += __shfl_xor_sync(0xffffffff, acc_up[m], o);
+            }
+        }
+        if (lane == 0) {
             #pragma unroll
-            for (int j = 0; j < kVec; ++j) {
-                const float xf = static_cast<float>(xv[j]);
-                acc[m] += static_cast<float>(wv[j]) * xf;
-                if (kUpRows) acc_up[m] += static_cast<float>(uv[j]) * xf;
+            for (int m = 0; m < M; ++m) {
+                T out = static_cast<T>(acc[m]);
+                const T u = UPX ? up_x[m * N + n] : static_cast<T>(acc_up[m]);
+                if (GLU == 1) {  // silu(g) * u, rounding each step as MLX's fused silu_mul does
+                    const float g = static_cast<float>(out);
+                    const T sig = static_cast<T>(1.f / (1.f + expf(-g)));
+                    const T act = static_cast<T>(g * static_cast<float>(sig));
+                    out = static_cast<T>(static_cast<float>(act) * static_cast<float>(u));
+                } else if (GLU == 2) {  // gelu_tanh(g) in float32, rounded once, times u
+                    const float g = static_cast<float>(out);
+                    const float act = 0.5f * g * (1.f + tanhf(0.7978845608028654f *
+                                                              (g + 0.044715f * g * g * g)));
+                    out = static_cast<T>(static_cast<float>(static_cast<T>(act)) *
+                                         static_cast<float>(u));
+                }
+                if (RES) out = static_cast<T>(static_cast<float>(out) +
+                                              static_cast<float>(res[m * N + n]));
+                y[m * N + n] = out;
             }
         }
     }
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        for (int o = 16; o > 0; o >>= 1) {
-            acc[m] += __shfl_xor_sync(0xffffffff, acc[m], o);
-            if (kUpRows) acc_up[m] += __shfl_xor_sync(0xffffffff, acc_up[m], o);
-        }
+"""
+
+# The post-norm residual add after the product (ADDN, see above): the product kernel with
+# pw, pres, ps, peps and cnt more inputs and h another output.
+PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + r"""
+    // every block's rows of y are written once the count reaches the grid: the last
+    // block norms them (rounding as the add-norm kernel does)
+    __shared__ bool last;
+    __threadfence();  // this thread's rows of y, seen by every block before it counts out
+    __syncthreads();
+    if (tid == 0) {
+        last = atomicAdd(const_cast<int*>(cnt), 1) == static_cast<int>(gridDim.x) - 1;
     }
-    if (lane != 0) return;
-    #pragma unroll
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    #pragma unroll 1
     for (int m = 0; m < M; ++m) {
-        T out = static_cast<T>(acc[m]);
-        const T u = UPX ? up_x[m * N + n] : static_cast<T>(acc_up[m]);
-        if (GLU == 1) {  // silu(g) * u, rounding each step as MLX's fused silu_mul does
-            const float g = static_cast<float>(out);
-            const T sig = static_cast<T>(1.f / (1.f + expf(-g)));
-            const T act = static_cast<T>(g * static_cast<float>(sig));
-            out = static_cast<T>(static_cast<float>(act) * static_cast<float>(u));
-        } else if (GLU == 2) {  // gelu_tanh(g) in float32, rounded once, times u
-            const float g = static_cast<float>(out);
-            const float act = 0.5f * g * (1.f + tanhf(0.7978845608028654f *
-                                                      (g + 0.044715f * g * g * g)));
-            out = static_cast<T>(static_cast<float>(static_cast<T>(act)) *
-                                 static_cast<float>(u));
+        float ss = 0.f;
+        #pragma unroll 1
+        for (int j = tid; j < N; j += NT) {
+            const float v = static_cast<float>(__ldcg(y + m * N + j));
+            ss += v * v;
         }
-        if (RES) out = static_cast<T>(static_cast<float>(out) +
-                                      static_cast<float>(res[m * N + n]));
-        y[m * N + n] = out;
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+        if (lane == 0) red[warp] = ss;
+        __syncthreads();
+        float total = 0.f;
+        for (int w8 = 0; w8 < kWarps; ++w8) total += red[w8];
+        const float r = rsqrtf(total / N + peps[0]);
+        #pragma unroll 1
+        for (int j = tid; j < N; j += NT) {
+            const T xn = static_cast<T>(static_cast<float>(__ldcg(y + m * N + j)) * r);
+            const T nv = static_cast<T>(static_cast<float>(pw[j]) * static_cast<float>(xn));
+            T o = static_cast<T>(static_cast<float>(pres[m * N + j]) + static_cast<float>(nv));
+            if (PSCALE) o = static_cast<T>(static_cast<float>(o) * static_cast<float>(ps[0]));
+            h[m * N + j] = o;
+        }
+        __syncthreads();  // (red is read above before the next row writes it)
     }
+    if (tid == 0) *const_cast<int*>(cnt) = 0;
 """
 
 _kernel = CudaKernel(name="mlxrunner_product",
                      input_names=["x", "w", "nw", "res", "up_x", "eps"],
                      output_names=["y"], source=PRODUCT_SOURCE)
+_add_norm_kernel = CudaKernel(name="mlxrunner_product_add_norm",
+                              input_names=["x", "w", "nw", "res", "up_x", "eps", "pw", "pres",
+                                           "ps", "peps", "cnt"],
+                              output_names=["y", "h"], source=PRODUCT_ADD_NORM_SOURCE)
+#: a post norm after a product: (residual, norm weight, eps, scale or None)
+PostNorm = tuple[mx.array, mx.array, float, "mx.array | None"]
 _noted = threading.local()
 
 
@@ -212,28 +272,58 @@ def _norm_of(x: mx.array) -> tuple[mx.array, mx.array, float] | None:
 
 
 def _launch(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-            norm: tuple[mx.array, mx.array, float] | None, up: mx.array | None = None
-            ) -> mx.array:
+            norm: tuple[mx.array, mx.array, float] | None, up: mx.array | None = None,
+            post: PostNorm | None = None) -> mx.array:
+    """The product's output, or with ``post`` the post norm's residual add after it."""
     K = x.shape[-1]
     M = _rows(x)
     N = weight.shape[0] // (2 if glu and up is None else 1)
     source = x if norm is None else norm[0]
     dummy = constant((0,), x.dtype)
-    outputs = _kernel(
-        inputs=[source, weight, dummy if norm is None else norm[1],
-                dummy if residual is None else residual, dummy if up is None else up,
-                constant((0.0 if norm is None else float(norm[2]),), mx.float32)],
-        template=[("T", x.dtype), ("K", K), ("N", N), ("M", M), ("NT", THREADS),
-                  ("NORM", norm is not None), ("RES", residual is not None), ("GLU", glu),
-                  ("UPX", up is not None)],
-        grid=(THREADS * -(-N // (THREADS // 32)), 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
-    return outputs[0]
+    inputs = [source, weight, dummy if norm is None else norm[1],
+              dummy if residual is None else residual, dummy if up is None else up,
+              constant((0.0 if norm is None else float(norm[2]),), mx.float32)]
+    template: list[TemplateArg] = [
+        ("T", x.dtype), ("K", K), ("N", N), ("M", M), ("NT", THREADS),
+        ("NORM", norm is not None), ("RES", residual is not None), ("GLU", glu),
+        ("UPX", up is not None), ("ADDN", post is not None)]
+    grid = (THREADS * -(-N // (THREADS // 32)), 1, 1)
+    shape = (*x.shape[:-1], N)
+    if post is None:
+        return _kernel(inputs=inputs, template=template, grid=grid,
+                       threadgroup=(THREADS, 1, 1), output_shapes=[shape],
+                       output_dtypes=[x.dtype])[0]
+    post_residual, post_weight, post_eps, scale = post
+    inputs += [post_weight, post_residual, dummy if scale is None else scale.reshape(1),
+               constant((float(post_eps),), mx.float32), _counter(weight)]
+    return _add_norm_kernel(inputs=inputs, template=template + [("PSCALE", scale is not None)],
+                            grid=grid, threadgroup=(THREADS, 1, 1),
+                            output_shapes=[shape, shape], output_dtypes=[x.dtype] * 2)[1]
+
+
+#: id(weight) -> (a weak reference to it, its launches' block counter)
+_counters: dict[int, tuple[weakref.ref[mx.array], mx.array]] = {}
+_counters_lock = threading.Lock()
+
+
+def _counter(weight: mx.array) -> mx.array:
+    """The block counter of the add-norm launches of the product with ``weight``: its own
+    (launches that may run at once must not share one), made once, at 0 between launches
+    (the last block resets it)."""
+    with _counters_lock:
+        entry = _counters.get(id(weight))
+        if entry is None or entry[0]() is not weight:
+            for key in [k for k, (ref, _) in _counters.items() if ref() is None]:
+                del _counters[key]
+            # a host array: no operation to evaluate, also while a step is being traced
+            entry = (weakref.ref(weight), mx.array(np.zeros(1, np.int32)))
+            _counters[id(weight)] = entry
+        return entry[1]
 
 
 def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-               norm: tuple[mx.array, mx.array, float] | None, up: mx.array | None = None
-               ) -> mx.array:
+               norm: tuple[mx.array, mx.array, float] | None, up: mx.array | None = None,
+               post: PostNorm | None = None) -> mx.array:
     """What MLX's operations compute for the same case (the check's reference)."""
     # (mlp imports linear, which imports this); the compiled chains themselves, which no
     # product output noted here can turn into a kernel
@@ -245,7 +335,11 @@ def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: in
     if glu:
         gate, up = mx.split(y, 2, axis=-1) if up is None else (y, up)
         y = (_silu_mul if glu == 1 else _gelu_tanh_mul)(gate, up)
-    return y if residual is None else residual + y
+    y = y if residual is None else residual + y
+    if post is None:
+        return y
+    h = post[0] + mx.fast.rms_norm(y, post[1], post[2])
+    return h if post[3] is None else h * post[3]
 
 
 def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = None, *,
@@ -288,22 +382,52 @@ def fused_gated(gate: mx.array, up: mx.array, activation: str) -> mx.array | Non
     return _launch(x, weight, None, glu, norm, up)
 
 
+def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
+                     scale: mx.array | None) -> mx.array | None:
+    """``(residual + rms_norm(x, weight, eps)) * scale`` in the launch of the fused product
+    that made ``x`` (a product's output noted as it ran, as :func:`fused_gated` takes one:
+    that product's operation then never runs); None where ``x`` is no such output or no
+    kernel serves the case."""
+    noted = getattr(_noted, "products", None)
+    entry = None if noted is None else noted.get(id(x))
+    if entry is None or entry[0] is not x or residual.shape != x.shape \
+            or residual.dtype != x.dtype or weight.shape != x.shape[-1:] \
+            or weight.dtype != x.dtype \
+            or (scale is not None and (scale.size != 1 or scale.dtype != x.dtype)) \
+            or not (kernel_allowed("products") and kernel_allowed("norms")):
+        return None
+    _, source, product_weight, norm = entry
+    if not _serves(source, product_weight, False, 0, norm is not None,
+                   post=1 if scale is None else 2):
+        return None
+    return _launch(source, product_weight, None, 0, norm, post=(residual, weight, eps, scale))
+
+
 def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, norm: bool,
-            upx: bool = False) -> bool:
+            upx: bool = False, post: int = 0) -> bool:
+    """Whether the kernel serves this case (``post``: 0, or 1 / 2 for a post norm's
+    residual add after it without / with a scale)."""
     K, M, dtype = x.shape[-1], _rows(x), x.dtype
     rows = weight.shape[0]
-    case = (K, rows, M, dtype, res, glu, norm) + ((True,) if upx else ())
+    case = (K, rows, M, dtype, res, glu, norm) + ((True,) if upx else ()) + \
+        (("post", post) if post else ())
 
     def probe() -> tuple[Any, ...]:
-        keys = [mx.random.key(4711 + i) for i in range(4)]  # no gather (see deltanet's)
+        keys = [mx.random.key(4711 + i) for i in range(7)]  # no gather (see deltanet's)
         px = mx.random.normal((M, K), key=keys[0]).astype(dtype)
         pw = (mx.random.normal((rows, K), key=keys[1]) * K ** -0.5).astype(dtype)
         n_out = rows // (2 if glu and not upx else 1)
         pr = mx.random.normal((M, n_out), key=keys[2]).astype(dtype) if res else None
         pn = (1.0 + 0.1 * mx.random.normal((K,), key=keys[3])).astype(dtype)
         pu = mx.random.normal((M, n_out), key=keys[3]).astype(dtype) if upx else None
-        return px, pw, pr, (px, pn, 1e-5) if norm else None, pu
+        pp = None if not post else (
+            mx.random.normal((M, n_out), key=keys[4]).astype(dtype),
+            (1.0 + 0.1 * mx.random.normal((n_out,), key=keys[5])).astype(dtype), 1e-6,
+            (0.5 + mx.random.uniform(shape=(1,), key=keys[6])).astype(dtype)
+            if post == 2 else None)
+        return px, pw, pr, (px, pn, 1e-5) if norm else None, pu, pp
 
-    return serves("products", case, lambda p: _launch(p[0], p[1], p[2], glu, p[3], p[4]),
-                  lambda p: _reference(p[0], p[1], p[2], glu, p[3], p[4]), probe,
+    return serves("products", case,
+                  lambda p: _launch(p[0], p[1], p[2], glu, p[3], p[4], p[5]),
+                  lambda p: _reference(p[0], p[1], p[2], glu, p[3], p[4], p[5]), probe,
                   2e-3 if dtype == mx.float32 else 3e-2, source=kernel_code(__file__))

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cuda_norms import fused_add_norm
-from .cuda_products import note_norm
+from .cuda_products import fused_add_normed, note_norm
 from .derived import derived
 from .host_ops import host_rms_norm
 
@@ -41,8 +41,12 @@ class RMSNorm(nn.Module):
     def add_normed(self, residual: mx.array, x: mx.array, scale: mx.array | None = None
                    ) -> mx.array:
         """``(residual + self(x)) * scale`` (a post-norm's residual add; ``scale``: a
-        one-element array, or None for none): one fused kernel for a decode step on CUDA."""
-        fused = fused_add_norm(residual, x, self.applied_weight(), self.eps, scale)
+        one-element array, or None for none): one fused kernel for a decode step on CUDA,
+        or none of its own where ``x`` is a fused product's output (its launch does it)."""
+        weight = self.applied_weight()
+        fused = fused_add_normed(residual, x, weight, self.eps, scale)
+        if fused is None:
+            fused = fused_add_norm(residual, x, weight, self.eps, scale)
         if fused is not None:
             return fused
         out = residual + self(x)

@@ -31,6 +31,7 @@ _C_TYPES = {np.dtype(np.float32): ("float", ctypes.c_float),
 
 _PRELUDE = r"""
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstddef>
@@ -55,6 +56,10 @@ static float __shfl_xor_sync(unsigned, float v, int offset) {
     return r;
 }
 static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// (blocks run one after another here: the last block to count is the grid's last)
+static int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <typename T> static T __ldcg(const T* p) { return *p; }
 using std::max;  // CUDA's integer min and max
 using std::min;
 static unsigned int __float_as_uint(float x) {
