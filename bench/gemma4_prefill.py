@@ -1,7 +1,8 @@
 """Where a Gemma 4 prefill's time goes, ours against mlx-lm's on the same weights: the
 whole prompt (caches evaluated, as ``bench/gemma4.py`` times it), the embeddings with the
 per-layer inputs, and each cache-writing layer on its own (from the same evaluated input,
-with a fresh cache), medians of ``--repeats`` synchronised runs in milliseconds.
+with a fresh cache; the first of each kind also in parts: attention, MLP, per-layer
+input), medians of ``--repeats`` synchronised runs in milliseconds.
 
     python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--json PATH]
 """
@@ -20,6 +21,9 @@ from typing import Any
 import gemma4
 import harness
 import mlx.core as mx
+import mlx.nn as nn
+
+import mlxrunner.nn as mnn
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> float:
@@ -86,6 +90,35 @@ def main(argv: list[str] | None = None) -> int:
     mx.eval(h0, per_layer)
     their_per_layer = mx.stack(per_layer, axis=2)
     mx.eval(their_per_layer)
+    def parts(i: int, layer: Any, theirs: Any, x: mx.array, pli: mx.array,
+              their_pli: mx.array, kind: str) -> None:
+        """A layer's attention (its input norm, projections, heads, cache write, attention
+        and output projection), MLP (with its norm) and per-layer-input block alone."""
+        def attention_mine() -> Any:
+            cache = model.make_cache()[i]
+            out, _ = layer.self_attn(layer.input_layernorm(x), cache, 0, None)
+            return [out, *cache.state]
+
+        def attention_theirs() -> Any:
+            cache = reference.make_cache()
+            out, _, _ = theirs.self_attn(theirs.input_layernorm(x),
+                                         text._make_masks(x, cache)[i], cache[i])
+            return [out, *cache[i].state]
+
+        row(f"  attention ({kind})", attention_mine, attention_theirs)
+        row(f"  MLP ({kind})", lambda: layer.mlp(layer.pre_feedforward_layernorm(x)),
+            lambda: theirs.mlp(theirs.pre_feedforward_layernorm(x)))
+
+        def per_layer_mine() -> Any:
+            gate = mnn.gelu_tanh_mul(layer.per_layer_input_gate(x), pli)
+            return layer.post_per_layer_input_norm(layer.per_layer_projection(gate))
+
+        def per_layer_theirs() -> Any:
+            gate = nn.gelu_approx(theirs.per_layer_input_gate(x)) * their_pli
+            return theirs.post_per_layer_input_norm(theirs.per_layer_projection(gate))
+
+        row(f"  per-layer input ({kind})", per_layer_mine, per_layer_theirs)
+
     writers = [i for i in range(a.num_layers) if a.kv_source[i] == i]
     h = h0
     for i in writers:
@@ -104,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                                shared_kv=None, offset=None)
             return [out, *cache[i].state]
 
-        row(f"layer {i} ({a.layer_types[i].split('_')[0]})", mine, their)
+        kind = a.layer_types[i].split('_')[0]
+        row(f"layer {i} ({kind})", mine, their)
+        if i == a.layer_types.index(a.layer_types[i]):  # the first layer of its kind: parts
+            parts(i, layer, theirs, x, per_layer[i], their_per_layer[:, :, i], kind)
         h = mine()[0]
         mx.eval(h)
     if args.json:
