@@ -96,14 +96,14 @@ class LlamaAttention(nn.Module):
     def __call__(self, n: mx.array, cache: KVCache | None, residual: mx.array) -> mx.array:
         B, L, _ = n.shape
 
-        def heads(x: mx.array) -> mx.array:  # [B, L, H*D] -> [B, H, L, D]
-            return x.reshape(B, L, -1, self.head_dim).swapaxes(1, 2)
+        def heads(x: mx.array) -> mx.array:  # [B, L, H*D] -> [B, L, H, D]
+            return x.reshape(B, L, -1, self.head_dim)
 
         q, k, v = mnn.linears(n, self.q_proj, self.k_proj, self.v_proj)
         position = 0 if cache is None else cache.offset
-        q = self.rope(heads(q), position)
-        k = self.rope(heads(k), position)
-        keys, values, mask = mnn.store(cache, k, heads(v))
+        q, k = mnn.attention_heads(position, (heads(q), None, self.rope),
+                                   (heads(k), None, self.rope))
+        keys, values, mask = mnn.store(cache, k, heads(v).swapaxes(1, 2))
         out = mnn.attend(q, keys, values, mask, scale=self.scale)
         return self.o_proj(out.swapaxes(1, 2).reshape(B, L, -1), residual)
 

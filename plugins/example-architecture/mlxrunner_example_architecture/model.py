@@ -73,11 +73,11 @@ class Attention(nn.Module):
         """``residual + attention(x)``."""
         B, L, _ = x.shape
         q, k, v = mnn.linears(x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.reshape(B, L, self.heads, -1).transpose(0, 2, 1, 3)
-        k = k.reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        # [B, L, H, D] heads to [B, H, L, D], rotated (one kernel for both on CUDA)
+        q, k = mnn.attention_heads(offset, (q.reshape(B, L, self.heads, -1), None, self.rope),
+                                   (k.reshape(B, L, self.kv_heads, -1), None, self.rope))
+        v = v.reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3)
         out = mnn.attend(q, *mnn.store(cache, k, v), scale=self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
 
