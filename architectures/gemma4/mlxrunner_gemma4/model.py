@@ -626,9 +626,12 @@ class Gemma4Model(Model):
         what Gemma4ForConditionalGeneration looks up in its token tables."""
         if not self.args.media_token_ids:
             return ids
-        # (constants made once: a traced step does not rebuild them on every replay)
-        media = mnn.constant(self.args.media_token_ids, ids.dtype)
-        is_media = (ids[..., None] == media).any(axis=-1)
+        # (constants made once: a traced step does not rebuild them on every replay; the
+        # few ids compared one by one: elementwise, one fused kernel in a traced step)
+        first, *rest = self.args.media_token_ids
+        is_media = ids == mnn.constant((first,), ids.dtype)
+        for token in rest:
+            is_media = is_media | (ids == mnn.constant((token,), ids.dtype))
         return mx.where(is_media, mnn.constant((self.args.pad_token_id,), ids.dtype), ids)
 
     def raw_logits(self, hidden: mx.array) -> mx.array:
