@@ -161,6 +161,18 @@ def test_a_post_norm_add_runs_in_its_products_launch_on_the_gpu(dtype, rows):
             views = {"Reshape", "Broadcast", "Slice", "Transpose", "Squeeze", "ExpandDims"}
             kernels_run = [label for label in _graph_labels(got) if label not in views]
             assert len(kernels_run) == 1, kernels_run  # the product's launch alone
+    # two launches of one product with independent inputs, evaluated together (as a
+    # traced step and the eager step that checks it): each counts its own blocks
+    xs = [mx.random.normal((rows, 1, 512)).astype(dtype) for _ in range(2)]
+    mx.eval(xs)
+    with settings.overridden(kernels=frozenset({"attention", "deltanet", "topk"})):
+        want = [post.add_normed(r, o_proj(x), scale) for x in xs]
+        mx.eval(want)
+    for _ in range(3):
+        got = [post.add_normed(r, o_proj(x), scale) for x in xs]
+        mx.eval(got)
+        for a, b in zip(got, want):
+            _close(a, b, dtype)
 
 
 def _graph_labels(*outputs: mx.array) -> list[str]:

@@ -172,8 +172,9 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
 # are merged at the end. Rounded as MLX's operations round (the scaled query and each score
 # to T), except that the probabilities are not rounded to T before they weight the values.
 # Template constants: HQ, HK, D, DV, NT (threads), U (keys a warp loads at once), MASK (0:
-# none, 1: one row [S] for every query, 2: [L, S]), GATE (the output times sigmoid(gate),
-# rounded as MLX's sigmoid and multiply; the unsplit form); type T. ``dims`` = [L, S, P]
+# none, 1: one row [S] for every query, 2: [L, S]), GATE (the output, rounded to T, times
+# sigmoid(gate) computed in float32 and rounded to T, the product rounded: within a unit in
+# the last place of MLX's sigmoid and multiply; the unsplit form); type T. ``dims`` = [L, S, P]
 # (P: key splits, 1 for this form).
 _ATTEND_BODY = r"""
     constexpr int kWarps = NT / 32;

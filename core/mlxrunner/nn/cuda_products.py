@@ -20,14 +20,13 @@ serves only after its self-check against MLX's operations (``mlxrunner.nn.kernel
 A post norm's residual add after a product (``RMSNorm.add_normed(residual, y)``, Gemma's
 layers) needs the product's whole row, which no one block has: the product is launched
 again with the add after it, done by the block that finishes last (each block counts
-itself out on a counter of that product's own, which the last one resets), and the first
-launch, with no reader left, never runs.
+itself out on a counter of that launch's own, which the last one's count wraps to 0), and
+the first launch, with no reader left, never runs.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -58,8 +57,8 @@ NOTED_PRODUCTS = 2
 # first), RES (add res to the rounded product), GLU (0: none; 1: silu, 2: gelu_tanh of rows
 # [0, N) times rows [N, 2N) of w, or times up where UPX), ADDN (then a post-norm's residual
 # add: h = (pres + rms_norm(y) * pw) * ps where PSCALE, by the block that finishes last,
-# counted in cnt, which it leaves at 0 again). One warp per output n; the block's warps
-# take consecutive n.
+# counted in cnt, whose count by that block wraps it to 0 again). One warp per output n;
+# the block's warps take consecutive n.
 PRODUCT_SOURCE = r"""
     constexpr int kWarps = NT / 32;
     constexpr int kVec = 16 / sizeof(T);
@@ -186,7 +185,10 @@ PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + r"""
     __threadfence();  // this thread's rows of y, seen by every block before it counts out
     __syncthreads();
     if (tid == 0) {
-        last = atomicAdd(const_cast<int*>(cnt), 1) == static_cast<int>(gridDim.x) - 1;
+        // (the last count wraps the counter to 0: ready for the launch's next replay)
+        const unsigned int grid = gridDim.x;
+        last = atomicInc(reinterpret_cast<unsigned int*>(const_cast<int*>(cnt)), grid - 1)
+               == grid - 1;
     }
     __syncthreads();
     if (!last) return;
@@ -215,7 +217,6 @@ PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + r"""
         }
         __syncthreads();  // (red is read above before the next row writes it)
     }
-    if (tid == 0) *const_cast<int*>(cnt) = 0;
 """
 
 _kernel = CudaKernel(name="mlxrunner_product",
@@ -295,30 +296,18 @@ def _launch(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
                        output_dtypes=[x.dtype])[0]
     post_residual, post_weight, post_eps, scale = post
     inputs += [post_weight, post_residual, dummy if scale is None else scale.reshape(1),
-               constant((float(post_eps),), mx.float32), _counter(weight)]
+               constant((float(post_eps),), mx.float32), _new_counter()]
     return _add_norm_kernel(inputs=inputs, template=template + [("PSCALE", scale is not None)],
                             grid=grid, threadgroup=(THREADS, 1, 1),
                             output_shapes=[shape, shape], output_dtypes=[x.dtype] * 2)[1]
 
 
-#: id(weight) -> (a weak reference to it, its launches' block counter)
-_counters: dict[int, tuple[weakref.ref[mx.array], mx.array]] = {}
-_counters_lock = threading.Lock()
-
-
-def _counter(weight: mx.array) -> mx.array:
-    """The block counter of the add-norm launches of the product with ``weight``: its own
-    (launches that may run at once must not share one), made once, at 0 between launches
-    (the last block resets it)."""
-    with _counters_lock:
-        entry = _counters.get(id(weight))
-        if entry is None or entry[0]() is not weight:
-            for key in [k for k, (ref, _) in _counters.items() if ref() is None]:
-                del _counters[key]
-            # a host array: no operation to evaluate, also while a step is being traced
-            entry = (weakref.ref(weight), mx.array(np.zeros(1, np.int32)))
-            _counters[id(weight)] = entry
-        return entry[1]
+def _new_counter() -> mx.array:
+    """A launch's block counter, at 0: each launch its own (two launches that share one
+    and may run at once, as a traced step and the eager step checking it in one
+    evaluation, would count each other's blocks). A host array: no operation to evaluate,
+    also while a step is traced, whose replays then reuse it (one after another)."""
+    return mx.array(np.zeros(1, np.int32))
 
 
 def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,

@@ -58,6 +58,12 @@ static float __shfl_xor_sync(unsigned, float v, int offset) {
 static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 // (blocks run one after another here: the last block to count is the grid's last)
 static int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static unsigned int atomicInc(unsigned int* p, unsigned int limit) {  // wraps past limit to 0
+    unsigned int old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (!__atomic_compare_exchange_n(p, &old, old >= limit ? 0u : old + 1u, false,
+                                        __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    return old;
+}
 static void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <typename T> static T __ldcg(const T* p) { return *p; }
 using std::max;  // CUDA's integer min and max
