@@ -74,6 +74,8 @@ def test_heads_not_shaped_as_heads_get_one_clear_error():
                             (mx.zeros((1, 3, 1, 8)), None, rope))
     with pytest.raises(ValueError, match="part 0 takes 16 of heads of 8"):
         mnn.attention_heads(0, (mx.zeros((1, 2, 4, 8)), None, rope, 16))
+    with pytest.raises(ValueError, match="part 0 takes '4' of heads of 8"):
+        mnn.attention_heads(0, (mx.zeros((1, 2, 4, 8)), None, rope, "4"))
     with pytest.raises(ValueError, match=r"part 1 takes slice\(0, 8, 2\) of heads of 8"):
         mnn.attention_heads(0, (mx.zeros((1, 2, 4, 8)), None, rope),
                             (mx.zeros((1, 2, 4, 8)), None, None, slice(0, 8, 2)))

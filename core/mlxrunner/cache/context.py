@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..constants import arange_constant
-from .frame import bucket_capacity
+from .frame import bucket_capacity, slots_along
 
 
 class ContextCache:
@@ -136,8 +136,8 @@ class TracedContext:
         # mlxrunner.cache.frame.TraceFrame.write_slots); shared like the masks
         key = ("slots", self.window, tuple(shape))
         if key not in self.masks:
-            rows = self.length.reshape(1) + arange_constant(shape[2])
-            self.masks[key] = mx.broadcast_to(rows.reshape(1, 1, -1, 1), shape)
+            self.masks[key] = slots_along(self.length.reshape(1) + arange_constant(shape[2]),
+                                          shape)
         return self.masks[key]
 
     def block_mask(self, pos: mx.array, block: int, causal: bool) -> mx.array:

@@ -57,7 +57,7 @@ class TraceFrame:
         key = ("slots", tuple(shape), window)
         if key not in self._masks:
             rows = self.queries() if window is None else mx.remainder(self.queries(), window)
-            self._masks[key] = mx.broadcast_to(rows.reshape(1, 1, -1, 1), shape)
+            self._masks[key] = slots_along(rows, shape)
         return self._masks[key]
 
     def buffer_masks(self, size: int) -> tuple[mx.array, mx.array]:
@@ -124,6 +124,12 @@ class TraceFrame:
                 return mask & written
             return mx.where(written, mask, mx.array(-mx.inf, dtype=mask.dtype))
         raise Untraceable(f"an attention mask of type {type(mask).__name__}")
+
+
+def slots_along(rows: mx.array, shape: tuple[int, ...]) -> mx.array:
+    """Indices for ``mx.put_along_axis(buffer, ..., update, axis=2)`` writing an update of
+    ``shape`` ``[B, H, L, D]`` at slots ``rows [L]``."""
+    return mx.broadcast_to(rows.reshape(1, 1, -1, 1), shape)
 
 
 def trace_capacity_step() -> int:

@@ -149,9 +149,9 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
         fused_gate = gate is not None and gate.shape == (*q.shape[:3], values.shape[3]) \
             and gate.dtype == q.dtype
         if chosen == "kernel" and _kernel_serves(q, keys, values, mask, fused_gate):
-            if fused_gate or gate is None:
-                return _launch(q, keys, values, scale, mask, gate=gate)
-            out = _launch(q, keys, values, scale, mask)
+            out = _launch(q, keys, values, scale, mask, gate=gate if fused_gate else None)
+            if fused_gate:
+                return out
         else:
             out = folded_attention(q, keys, values, scale=scale, mask=mask)
     else:
@@ -290,7 +290,7 @@ ATTEND_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
     for (int d = t; d < DV; d += NT) {
         float o = 0.f;
         #pragma unroll 1
-    for (int w = 0; w < kWarps; ++w) {
+        for (int w = 0; w < kWarps; ++w) {
             o += part_acc[w * DV + d] * expf(part_m[w] - big);
         }
         const T a = static_cast<T>(o / total);
@@ -324,7 +324,7 @@ ATTEND_SPLIT_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
     for (int d = t; d < DV; d += NT) {
         float o = 0.f;
         #pragma unroll 1
-    for (int w = 0; w < kWarps; ++w) {
+        for (int w = 0; w < kWarps; ++w) {
             o += part_acc[w * DV + d] * expf(part_m[w] - big);
         }
         part_o[at * DV + d] = total > 0.f ? o / total : 0.f;

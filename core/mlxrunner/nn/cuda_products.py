@@ -264,12 +264,16 @@ def _note(where: threading.local, kind: str, out: mx.array, entry: tuple[Any, ..
         noted.popitem(last=False)
 
 
+def _noted_entry(kind: str, out: mx.array) -> tuple[Any, ...] | None:
+    """What :func:`_note` kept of ``out`` (this thread), without ``out`` itself; None."""
+    noted = getattr(_noted, kind, None)
+    entry = None if noted is None else noted.get(id(out))
+    return None if entry is None or entry[0] is not out else entry[1:]
+
+
 def _norm_of(x: mx.array) -> tuple[mx.array, mx.array, float] | None:
-    noted = getattr(_noted, "norms", None)
-    entry = None if noted is None else noted.get(id(x))
-    if entry is None or entry[0] is not x:
-        return None
-    return entry[1], entry[2], entry[3]
+    entry = _noted_entry("norms", x)
+    return None if entry is None else (entry[0], entry[1], entry[2])
 
 
 def _launch(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
@@ -359,13 +363,12 @@ def fused_gated(gate: mx.array, up: mx.array, activation: str) -> mx.array | Non
     """``act(gate) * up`` as one kernel with the product that made ``gate`` (a fused
     product's output, noted as it ran: that product's operation then never runs); None
     where ``gate`` is no such output or no kernel serves the case."""
-    noted = getattr(_noted, "products", None)
-    entry = None if noted is None else noted.get(id(gate))
+    entry = _noted_entry("products", gate)
     glu = GLU.get(activation, 0)
-    if entry is None or entry[0] is not gate or not glu or up.shape != gate.shape \
-            or up.dtype != gate.dtype or not kernel_allowed("products"):
+    if entry is None or not glu or up.shape != gate.shape or up.dtype != gate.dtype \
+            or not kernel_allowed("products"):
         return None
-    _, x, weight, norm = entry
+    x, weight, norm = entry
     if not _serves(x, weight, False, glu, norm is not None, upx=True):
         return None
     return _launch(x, weight, None, glu, norm, up)
@@ -377,15 +380,14 @@ def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
     that made ``x`` (a product's output noted as it ran, as :func:`fused_gated` takes one:
     that product's operation then never runs); None where ``x`` is no such output or no
     kernel serves the case."""
-    noted = getattr(_noted, "products", None)
-    entry = None if noted is None else noted.get(id(x))
-    if entry is None or entry[0] is not x or residual.shape != x.shape \
+    entry = _noted_entry("products", x)
+    if entry is None or residual.shape != x.shape \
             or residual.dtype != x.dtype or weight.shape != x.shape[-1:] \
             or weight.dtype != x.dtype \
             or (scale is not None and (scale.size != 1 or scale.dtype != x.dtype)) \
             or not (kernel_allowed("products") and kernel_allowed("norms")):
         return None
-    _, source, product_weight, norm = entry
+    source, product_weight, norm = entry
     if not _serves(source, product_weight, False, 0, norm is not None,
                    post=1 if scale is None else 2):
         return None

@@ -66,8 +66,10 @@ def _taken(part: Part, i: int) -> tuple[int, int]:
     what = part[3]
     if isinstance(what, slice):
         start, stop, step = what.indices(width)
+    elif isinstance(what, int) and not isinstance(what, bool):
+        start, stop, step = 0, what, 1
     else:
-        start, stop, step = 0, int(what), 1
+        start = stop = step = 0
     if step != 1 or not 0 <= start < stop <= width:
         raise ValueError(f"attention_heads: part {i} takes {what!r} of heads of {width} "
                          "(a size or a slice of consecutive entries)")
