@@ -263,12 +263,18 @@ class Ours:
 
     def __call__(self, ids: mx.array, cache: Any = None, **kwargs: Any) -> Any:
         from mlxrunner import settings
+
+        if not self.changes:  # (the plain row pays for no settings swap a step)
+            return self._call(ids, cache, **kwargs)
+        with settings.overridden(**self.changes):
+            return self._call(ids, cache, **kwargs)
+
+    def _call(self, ids: mx.array, cache: Any = None, **kwargs: Any) -> Any:
         from mlxrunner.decode import forward
 
-        with settings.overridden(**self.changes):
-            if cache is None:
-                return self.model(ids, **kwargs)
-            return forward(self.model, ids, cache, kwargs.get("taps"))
+        if cache is None:
+            return self.model(ids, **kwargs)
+        return forward(self.model, ids, cache, kwargs.get("taps"))
 
 
 def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None:
