@@ -22,9 +22,11 @@ from mlxrunner.nn import heads as heads_module
 def launches(monkeypatch) -> Counter:
     """The fused kernels' launches, by kind, while the fused paths are forced on."""
     counts: Counter = Counter()
+    counts["refused"] = ()  # kernel kinds a test turns off: ``launches["refused"] = ("norms",)``
 
     def product(x, w, res, glu, norm, up=None, post=None):
         counts["product with post norm" if post is not None else "product"] += 1
+        counts["product with its norm"] += norm is not None
         return cuda_products._reference(x, w, res, glu, norm, up, post)
 
     def heads(parts, rot, offset, D, starts):
@@ -41,7 +43,7 @@ def launches(monkeypatch) -> Counter:
         out = attention.folded_attention(q, keys, values, scale=scale, mask=mask)
         return out if gate is None else out * mx.sigmoid(gate)
 
-    allowed = lambda name: True  # noqa: E731
+    allowed = lambda name: name not in counts["refused"]  # noqa: E731
     for module in (cuda_products, cuda_norms):
         monkeypatch.setattr(module, "kernel_allowed", allowed)
         monkeypatch.setattr(module, "serves", lambda *args, **kwargs: True)
@@ -61,10 +63,13 @@ def _one_step(model, launches: Counter) -> tuple[dict[str, int], mx.array, mx.ar
     ids = mx.array(np.random.default_rng(0).integers(3, 200, (1, 13)).astype(np.int32))
     cache = model.make_cache()
     mx.eval(model(ids[:, :12], cache))
+    refused = launches["refused"]
     launches.clear()
+    launches["refused"] = refused
     logits = model(ids[:, 12:], cache)
     mx.eval(logits)
-    return dict(launches), logits
+    got = {k: v for k, v in launches.items() if k != "refused" and v}
+    return got, logits
 
 
 def _gemma4():
@@ -126,3 +131,17 @@ def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monk
     assert got["heads"] == 1 and got["head parts"] == 3, got
     assert got["attend with gate"] == 1 and "attend" not in got, got
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_norm_runs_inside_its_product_only_with_the_norms_kernels(launches, monkeypatch):
+    """``products`` alone: each product reads its norm's output (the norm runs as MLX's);
+    with ``norms`` too, the product normalises the norm's input itself."""
+    mx.set_default_device(mx.cpu)
+    model = _gemma4()
+    got, with_norms = _one_step(model, launches)
+    assert got["product with its norm"] >= 5, got  # at least each layer's q|k|v product
+    launches["refused"] = ("norms",)
+    got, without = _one_step(model, launches)
+    assert "product with its norm" not in got and "heads" not in got, got
+    assert got["product"] >= 5, got
+    np.testing.assert_allclose(np.array(without), np.array(with_norms), rtol=1e-5, atol=1e-5)

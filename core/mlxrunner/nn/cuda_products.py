@@ -272,6 +272,10 @@ def _noted_entry(kind: str, out: mx.array) -> tuple[Any, ...] | None:
 
 
 def _norm_of(x: mx.array) -> tuple[mx.array, mx.array, float] | None:
+    """The norm that made ``x`` (its input, weight and eps) where the product may run it:
+    a noted norm's output, with the ``norms`` kernels allowed (as every norm fusion)."""
+    if not kernel_allowed("norms"):
+        return None
     entry = _noted_entry("norms", x)
     return None if entry is None else (entry[0], entry[1], entry[2])
 
