@@ -12,7 +12,8 @@ with the source's length here. Also prints the sizes of the cubins the core buil
 Confirmed on the H100 (bench/results/2026-12-05j-h100): 0.3-0.4 us a KiB. Then the same for
 the core's own layers: one-row bf16 products, MLX's ``nn.Linear`` against
 ``mlxrunner.nn.Linear`` (the fused product kernel), alone and after an RMS norm (two MLX
-kernels against the core's one); a post-norm's residual add (``RMSNorm.add_normed``: MLX's
+kernels against the core's one, and against the core's product with the norm apart: the
+``norms`` kernels off); a post-norm's residual add (``RMSNorm.add_normed``: MLX's
 norm and add against the core's one kernel) and attention's heads (``attention_heads`` of a
 query, a key and a value: MLX's three norms and two RoPEs against the core's one kernel).
 Each row gives the host's share (until the chain is submitted) beside the whole time (until
@@ -95,6 +96,15 @@ def product_rows(launches: int, repeats: int) -> dict[str, list[float]]:
         return [f for i in range(count) for f in (norm_layers[i % 8], linear_layers[i % 8])]
 
     half = launches // 2
+    from mlxrunner import settings
+
+    def norm_apart() -> list[float]:
+        # the core's product without the norm inside (MLXRUNNER_KERNELS without norms): the
+        # same chain as two launches, MLX's norm and the fused product
+        with settings.overridden(kernels=frozenset(settings.KERNELS) - {"norms"}):
+            return per_launch_us(lambda y: chain_layers(normed(our_norms, ours, half), y),
+                                 2 * half, repeats, x)
+
     return {
         "MLX nn.Linear, 1 row": per_launch_us(
             lambda y: chain_layers(chain(theirs, launches), y), launches, repeats, x),
@@ -104,6 +114,7 @@ def product_rows(launches: int, repeats: int) -> dict[str, list[float]]:
             lambda y: chain_layers(normed(norms, theirs, half), y), 2 * half, repeats, x),
         "core RMSNorm + Linear (1 kernel)": per_launch_us(
             lambda y: chain_layers(normed(our_norms, ours, half), y), 2 * half, repeats, x),
+        "core RMSNorm + Linear, norms off (2)": norm_apart(),
     }
 
 
