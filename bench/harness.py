@@ -285,20 +285,25 @@ def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None
                              "row_products=0; repeatable, one row each")
 
 
+#: the settings a bench row may switch (``--switched NAME=VALUE``), each read from
+#: ``MLXRUNNER_<NAME>`` as the environment gives it
+SWITCHABLE = ("attention", "compile", "host_products", "kernels", "row_products")
+
+
 def _setting(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` as the setting's value, parsed (and refused) as the environment's
+    ``MLXRUNNER_<NAME>`` would be."""
     from mlxrunner import settings
 
     name, _, value = text.partition("=")
-    fields = {f.name: f for f in __import__("dataclasses").fields(settings.Settings)}
-    if name not in fields or not value:
+    if name not in SWITCHABLE or not value:
         raise SystemExit(f"--switched {text!r}: use NAME=VALUE with NAME one of "
-                         f"{', '.join(sorted(fields))}")
-    if name in ("compile", "row_products", "host_products"):
-        return name, value == "1"
-    if name == "kernels":
-        return name, frozenset() if value == "0" else (
-            frozenset(settings.KERNELS) if value == "1" else frozenset(value.split(",")))
-    return name, value
+                         f"{', '.join(SWITCHABLE)}")
+    try:
+        parsed = settings.Settings.from_environment({f"MLXRUNNER_{name.upper()}": value})
+    except settings.SettingsError as exc:
+        raise SystemExit(f"--switched: {exc}") from None
+    return name, getattr(parsed, name)
 
 
 def switched_rows(values: list[str], build: Callable[[], Any], **base: Any

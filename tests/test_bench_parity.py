@@ -48,3 +48,18 @@ def test_a_wrong_mapping_or_kernels_past_the_spread_withhold(mapping: float,
     results = {"parity_float32": 3.57e-3, WHERE: split(mapping, spread)}
     why = harness.parity_withheld(results)
     assert why is not None and "parity_rule" not in results
+
+
+@pytest.mark.parametrize("text,why", [
+    ("kernels=norm", "unknown kernel 'norm'"),
+    ("compile=yes", "use 0 or 1"),
+    ("attention=fast", "use one of"),
+    ("lockstep=1", "NAME one of"),
+])
+def test_a_switched_row_refuses_what_the_environment_would(text: str, why: str) -> None:
+    """``--switched NAME=VALUE`` parses as ``MLXRUNNER_<NAME>``: a misspelt kernel is one
+    clear line, not a row that quietly turns every kernel off."""
+    with pytest.raises(SystemExit, match=why):
+        harness._setting(text)
+    assert harness._setting("kernels=attention,products") == (
+        "kernels", frozenset({"attention", "products"}))
