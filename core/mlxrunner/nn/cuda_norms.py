@@ -119,17 +119,28 @@ HEADS_SOURCE = INVERSE_RMS + r"""
 
 # Template constants: T, D (row size), NT, SCALE (times s[0]). A block per row:
 # y = (res + rms_norm(x) * w) * s, rounding as MLX's norm, add and multiply do.
-ADD_NORM_SOURCE = INVERSE_RMS + r"""
+# One entry of a post norm's residual add, ``(r + rms_norm(x) * w) * s`` (``x`` times its
+# row's inverse RMS ``inv``; ``s`` where ``scaled``), rounded to T where MLX's norm, add
+# and multiply round; the product kernel's post-norm tail (cuda_products) uses it too.
+ADD_NORMED = r"""
+    const auto add_normed = [](float x_value, float inv, T w_value, T r_value, bool scaled,
+                               T s_value) {
+        const T xn = static_cast<T>(x_value * inv);
+        const T n = static_cast<T>(static_cast<float>(w_value) * static_cast<float>(xn));
+        const T out = static_cast<T>(static_cast<float>(r_value) + static_cast<float>(n));
+        return scaled ? static_cast<T>(static_cast<float>(out) * static_cast<float>(s_value))
+                      : out;
+    };
+"""
+
+ADD_NORM_SOURCE = INVERSE_RMS + ADD_NORMED + r"""
     const int tid = threadIdx.x;
     const size_t base = (size_t)blockIdx.x * D;
     const float inv = inverse_rms(x + base, eps[0]);
     #pragma unroll 1
     for (int j = tid; j < D; j += NT) {
-        const T xn = static_cast<T>(static_cast<float>(x[base + j]) * inv);
-        const T n = static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(xn));
-        T out = static_cast<T>(static_cast<float>(res[base + j]) + static_cast<float>(n));
-        if (SCALE) out = static_cast<T>(static_cast<float>(out) * static_cast<float>(s[0]));
-        y[base + j] = out;
+        y[base + j] = add_normed(static_cast<float>(x[base + j]), inv, w[j], res[base + j],
+                                 SCALE, s[0]);
     }
 """
 

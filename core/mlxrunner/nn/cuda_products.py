@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..constants import constant
+from . import cuda_norms
 from .cuda_build import CudaKernel, TemplateArg, kernel_code
 from .kernels import kernel_allowed, serves
 
@@ -178,9 +179,9 @@ PRODUCT_SOURCE = r"""
 
 # The post-norm residual add after the product (ADDN, see above): the product kernel with
 # pw, pres, ps, peps and cnt more inputs and h another output.
-PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + r"""
+PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + cuda_norms.ADD_NORMED + r"""
     // every block's rows of y are written once the count reaches the grid: the last
-    // block norms them (rounding as the add-norm kernel does)
+    // block norms them (add_normed: the add-norm kernel's own entry step)
     __shared__ bool last;
     __threadfence();  // this thread's rows of y, seen by every block before it counts out
     __syncthreads();
@@ -209,11 +210,8 @@ PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + r"""
         const float r = rsqrtf(total / N + peps[0]);
         #pragma unroll 1
         for (int j = tid; j < N; j += NT) {
-            const T xn = static_cast<T>(static_cast<float>(__ldcg(y + m * N + j)) * r);
-            const T nv = static_cast<T>(static_cast<float>(pw[j]) * static_cast<float>(xn));
-            T o = static_cast<T>(static_cast<float>(pres[m * N + j]) + static_cast<float>(nv));
-            if (PSCALE) o = static_cast<T>(static_cast<float>(o) * static_cast<float>(ps[0]));
-            h[m * N + j] = o;
+            h[m * N + j] = add_normed(static_cast<float>(__ldcg(y + m * N + j)), r, pw[j],
+                                      pres[m * N + j], PSCALE, ps[0]);
         }
         __syncthreads();  // (red is read above before the next row writes it)
     }
@@ -333,10 +331,8 @@ def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: in
         gate, up = mx.split(y, 2, axis=-1) if up is None else (y, up)
         y = (_silu_mul if glu == 1 else _gelu_tanh_mul)(gate, up)
     y = y if residual is None else residual + y
-    if post is None:
-        return y
-    h = post[0] + mx.fast.rms_norm(y, post[1], post[2])
-    return h if post[3] is None else h * post[3]
+    return y if post is None else \
+        cuda_norms._reference_add_norm(post[0], y, post[1], post[2], post[3])
 
 
 def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = None, *,
@@ -425,4 +421,5 @@ def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, norm: bool,
     return serves("products", case,
                   lambda p: _launch(p[0], p[1], p[2], glu, p[3], p[4], p[5]),
                   lambda p: _reference(p[0], p[1], p[2], glu, p[3], p[4], p[5]), probe,
-                  2e-3 if dtype == mx.float32 else 3e-2, source=kernel_code(__file__))
+                  2e-3 if dtype == mx.float32 else 3e-2,
+                  source=kernel_code(__file__, cuda_norms.__file__))  # (its add_normed)
