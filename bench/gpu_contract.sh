@@ -3,7 +3,7 @@
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
 #   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [solo]
-#     [pair] [soak] [vision] [launch] [prefill]    (SWITCHED=NAME=VALUE: a second row of ours under that setting)
+#     [pair] [soak] [vision] [launch] [prefill]    (SWITCHED="NAME=VALUE ...": a row of ours under each)
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
@@ -28,6 +28,8 @@ export MLX_PTX_CACHE_DIR=/tmp/ptx-cache  # kept while the machine is
 mkdir -p "$MLX_PTX_CACHE_DIR"
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
+switched=()
+for s in ${SWITCHED:-}; do switched+=(--switched "$s"); done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/machine.txt"
 for part in "${@:-tests qwen3 llama startup}"; do
   for one in $part; do
@@ -40,7 +42,7 @@ for part in "${@:-tests qwen3 llama startup}"; do
           tests/core/test_attention_styles.py tests/core/test_fused_products.py tests/core/test_fused_norms.py 2>&1 | tee "$out/cuda-tests.txt" | tail -4 ;;
       qwen3|llama|gemma4|qwen3_5)
         (cd bench && timeout "${BENCH_TIMEOUT:-240}" python3 "$one.py" --repeats "${REPEATS:-5}" \
-          ${SWITCHED:+--switched "$SWITCHED"} --json "$out/$one-gpu.json") 2>&1 \
+          "${switched[@]}" --json "$out/$one-gpu.json") 2>&1 \
           | tee "$out/$one-gpu.txt" | tail -16 ;;
       vision)
         (cd bench && timeout "${VISION_TIMEOUT:-300}" python3 vision_ttft.py \

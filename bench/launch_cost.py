@@ -13,11 +13,12 @@ Confirmed on the H100 (bench/results/2026-12-05j-h100): 0.3-0.4 us a KiB. Then t
 the core's own layers: one-row bf16 products, MLX's ``nn.Linear`` against
 ``mlxrunner.nn.Linear`` (the fused product kernel), alone and after an RMS norm (two MLX
 kernels against the core's one, and against the core's product with the norm apart: the
-``norms`` kernels off); a post-norm's residual add (``RMSNorm.add_normed``: MLX's
-norm and add against the core's one kernel) and attention's heads (``attention_heads`` of a
-query, a key and a value: MLX's three norms and two RoPEs against the core's one kernel).
-Each row gives the host's share (until the chain is submitted) beside the whole time (until
-the GPU is done): a fused kernel that is cheap to submit may still run slower.
+``norms`` kernels off); a post-norm's residual add (``RMSNorm.add_normed``: MLX's norm and add
+against the core's one kernel) and attention's heads (``attention_heads`` of a query, a key and
+a value: MLX's three norms and two RoPEs against the core's one kernel), and the core's product
+launched as its cubin rather than its packed image (``MLXRUNNER_PACKED_KERNELS=0``). Each row
+gives the host's share (until the chain is submitted) beside the whole time (until the GPU is
+done): a fused kernel that is cheap to submit may still run slower.
 
     python bench/launch_cost.py [--launches 200] [--repeats 7] [--json out.json]
 """
@@ -105,11 +106,19 @@ def product_rows(launches: int, repeats: int) -> dict[str, list[float]]:
             return per_launch_us(lambda y: chain_layers(normed(our_norms, ours, half), y),
                                  2 * half, repeats, x)
 
+    def as_cubins() -> list[float]:
+        # the same launches handing MLX the cubins, not the packed images
+        # (MLXRUNNER_PACKED_KERNELS=0): what MLX hashes at every launch, 3x longer
+        with settings.overridden(packed_kernels=False):
+            return per_launch_us(lambda y: chain_layers(chain(ours, launches), y), launches,
+                                 repeats, x)
+
     return {
         "MLX nn.Linear, 1 row": per_launch_us(
             lambda y: chain_layers(chain(theirs, launches), y), launches, repeats, x),
         "core Linear (fused product)": per_launch_us(
             lambda y: chain_layers(chain(ours, launches), y), launches, repeats, x),
+        "core Linear, launched as cubins": as_cubins(),
         "MLX RMSNorm + Linear (2 kernels)": per_launch_us(
             lambda y: chain_layers(normed(norms, theirs, half), y), 2 * half, repeats, x),
         "core RMSNorm + Linear (1 kernel)": per_launch_us(
@@ -240,13 +249,16 @@ def main() -> None:
         print(f"  {name:34s} {statistics.median(times):7.2f} us  "
               f"[{min(times):.2f} - {max(times):.2f}]   host {statistics.median(host[name]):.2f}")
     folder = Path(os.environ.get("MLX_PTX_CACHE_DIR", "/nonexistent")) / "mlxrunner"
-    sizes = sorted(p.stat().st_size for p in folder.glob("*.cubin")) if folder.is_dir() else []
-    if sizes:
-        print(f"  the core's cubins in {folder}: {len(sizes)}, bytes median "
-              f"{statistics.median(sizes):.0f}, range {sizes[0]}-{sizes[-1]}")
+    sizes = {kind: sorted(p.stat().st_size for p in folder.glob(f"*.{kind}"))
+             if folder.is_dir() else [] for kind in ("cubin", "fatbin")}
+    for kind, found in sizes.items():
+        if found:
+            print(f"  the core's {kind}s in {folder}: {len(found)}, bytes median "
+                  f"{statistics.median(found):.0f}, range {found[0]}-{found[-1]}")
     if args.json:
         args.json.write_text(json.dumps({"launches": args.launches, "rows_us": rows,
-                                         "host_us": host, "cubin_bytes": sizes}, indent=1))
+                                         "host_us": host, "cubin_bytes": sizes["cubin"],
+                                         "fatbin_bytes": sizes["fatbin"]}, indent=1))
         print(f"  wrote {args.json}")
 
 

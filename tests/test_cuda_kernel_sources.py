@@ -10,6 +10,8 @@ about 90 MB) and skip elsewhere.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,77 @@ def test_a_built_kernel_is_read_back_not_built_again(builder: cuda_build.Builder
     assert again.cubin(source) == (key, cubin) and again.compiled == 0
     other = cuda_build.Builder(builder.nvrtc, "sm_80", builder.folder)  # another GPU
     assert other.cubin(source)[0] != key and other.compiled == 1
+
+
+def _product_source() -> str:
+    from mlxrunner.nn import cuda_products
+
+    template = [("T", "bfloat16"), ("K", 1024), ("N", 3584), ("M", 1), ("NT", 256),
+                ("NORM", True), ("RES", False), ("GLU", 1), ("UPX", False), ("ADDN", False)]
+    inputs = [("x", "bfloat16"), ("w", "bfloat16"), ("nw", "bfloat16"), ("res", "bfloat16"),
+              ("up_x", "bfloat16"), ("eps", "float32")]
+    return _wrap("mlxrunner_product", cuda_products.PRODUCT_SOURCE, inputs,
+                 [("y", "bfloat16")], template)
+
+
+def _cuobjdump() -> Path | None:
+    """NVIDIA's cuobjdump (the ``nvidia-cuda-cuobjdump`` wheel): reads fat binaries."""
+    for entry in sys.path:
+        found = sorted(Path(entry).glob("nvidia/*/bin/cuobjdump")) if entry else []
+        if found:
+            return found[0]
+    return None
+
+
+def test_a_packed_kernel_is_its_cubin_in_fewer_bytes(builder: cuda_build.Builder,
+                                                             tmp_path: Path) -> None:
+    """A launch's packed image holds the very cubin (cuobjdump, NVIDIA's reader of fat
+    binaries, extracts it byte for byte) in well under half its bytes, which MLX hashes
+    at every launch."""
+    packer, reader = cuda_build.find_nvfatbin(), _cuobjdump()
+    if packer is None or reader is None:
+        pytest.skip("nvFatbin or cuobjdump is not installed "
+                    "(pip install nvidia-nvfatbin nvidia-cuda-cuobjdump)")
+    _, cubin = builder.cubin(_product_source())
+    image = packer.pack(cubin, "sm_90")
+    assert image[:4] == bytes.fromhex("50ed55ba")  # a fat binary (0xBA55ED50), not an ELF
+    assert len(image) < 0.45 * len(cubin), (len(image), len(cubin))
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "k.fatbin").write_bytes(image)
+    listed = subprocess.run([str(reader), "-lelf", str(tmp_path / "k.fatbin")], check=True,
+                            capture_output=True, text=True).stdout
+    assert "sm_90" in listed, listed
+    subprocess.run([str(reader), "-xelf", "all", str(tmp_path / "k.fatbin")], check=True,
+                   capture_output=True, cwd=out)
+    assert [p.read_bytes() for p in out.iterdir()] == [cubin]
+
+
+def test_packed_images_are_kept_and_used_only_where_the_driver_loads_them(
+        builder: cuda_build.Builder, monkeypatch: pytest.MonkeyPatch) -> None:
+    packer = cuda_build.find_nvfatbin()
+    if packer is None:
+        pytest.skip("nvFatbin is not installed (pip install nvidia-nvfatbin)")
+    key, cubin = builder.cubin(_product_source())
+    assert builder.image(key, cubin) is cubin  # no packer: the cubin
+    loaded: list[bytes] = []
+    monkeypatch.setattr(cuda_build, "driver_loads", lambda image: loaded.append(image) or True)
+    packing = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder, packer)
+    image = packing.image(key, cubin)
+    assert image != cubin and loaded == [image]  # the driver loaded the first one
+    assert sorted(p.name for p in builder.folder.iterdir()) == [f"{key}.cubin", f"{key}.fatbin"]
+    assert packing.image(key, cubin) is image and loaded == [image]  # once
+
+    class Refusing(cuda_build.NvFatbin):
+        def pack(self, cubin: bytes, arch: str) -> bytes:
+            raise AssertionError("packed again")
+
+    again = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder,
+                               Refusing(packer.lib._name))
+    assert again.image(key, cubin) == image  # read back from the folder
+    monkeypatch.setattr(cuda_build, "driver_loads", lambda image: False)
+    old_driver = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder, packer)
+    assert old_driver.image(key, cubin) is cubin and old_driver.packer is None
 
 
 def test_a_source_that_does_not_build_says_why(builder: cuda_build.Builder) -> None:

@@ -12,6 +12,9 @@ is not noticed halfway through a generation, and a bad value is one clear error 
   CUDA through the fused kernel, folded batched products, or MLX's own function.
 - ``MLXRUNNER_ROW_PRODUCTS`` (``1``/``0``): on CUDA, short products (a few rows) as one-row
   products (see ``mlxrunner.nn.kernels.project``).
+- ``MLXRUNNER_PACKED_KERNELS`` (``1``/``0``, default 1): on CUDA, the core's built kernels
+  launch as compressed fat binaries where nvFatbin is installed (MLX hashes a kernel's image
+  at every launch: see ``mlxrunner.nn.cuda_build``); 0: as the cubins themselves.
 - ``MLXRUNNER_HOST_PRODUCTS`` (``1``/``0``): on MLX's CPU device off macOS, float32 products
   on the host (numpy's BLAS; quantized weights through the core's C loops, see
   ``mlxrunner.nn.host_quantized``), the decode steps that run enough of them eager, and the
@@ -58,6 +61,7 @@ class Settings:
     kernels: frozenset[str] = frozenset(KERNELS)
     attention: str = "kernel"
     row_products: bool = True
+    packed_kernels: bool = True
     host_products: bool = True
     load_plugins: tuple[str, ...] | None = None
     prefix_cache: bool = True
@@ -88,6 +92,7 @@ class Settings:
             kernels=_kernels(env.get("MLXRUNNER_KERNELS", "1")),
             attention=_choice(env, "MLXRUNNER_ATTENTION", "kernel", ATTENTION_MODES),
             row_products=_flag(env, "MLXRUNNER_ROW_PRODUCTS", True),
+            packed_kernels=_flag(env, "MLXRUNNER_PACKED_KERNELS", True),
             host_products=_flag(env, "MLXRUNNER_HOST_PRODUCTS", True),
             load_plugins=None if plugins is None else tuple(
                 p.strip() for p in plugins.split(",") if p.strip()),

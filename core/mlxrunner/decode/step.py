@@ -369,7 +369,7 @@ class CompiledSteps:
 def _switches() -> Hashable:
     """The settings a trace depends on."""
     s = settings.current()
-    return (s.kernels, s.attention, s.row_products, s.host_products)
+    return (s.kernels, s.attention, s.row_products, s.host_products, s.packed_kernels)
 
 
 # what the traced function reads when MLX traces it (its first call; replays run no

@@ -8,6 +8,14 @@ the cubin in MLX's kernel cache folder (``MLX_PTX_CACHE_DIR``, else MLX's defaul
 launches it with ``mx.fast.precompiled_cuda_kernel``: a later process reads the file. Where
 NVRTC cannot be loaded or the build fails, the kernel is ``mx.fast.cuda_kernel`` itself
 (the call and its results are the same).
+
+MLX hashes a precompiled kernel's whole image at every launch (to find its loaded module),
+a host cost that grows with the image (0.2-0.4 us a KiB, ``bench/launch_cost.py``) and that
+a decode step pays for each of its kernels. So where nvFatbin is installed (NVIDIA's
+``nvidia-nvfatbin`` wheel, the ``cuda13`` extra) and this machine's driver loads the result,
+a launch hands MLX the cubin packed into a compressed fat binary (zstd: about a third of
+the bytes), kept beside the cubin; the driver unpacks it once, when MLX loads the module.
+``MLXRUNNER_PACKED_KERNELS=0`` (:mod:`mlxrunner.settings`) launches the cubins themselves.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import settings
 from .kernels import code_of, kernel_cache_folder
 
 log = logging.getLogger("mlxrunner.nn")
@@ -105,6 +114,84 @@ class NVRTC:
             self.lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
+class NvFatbin:
+    """nvFatbin through ctypes: a cubin into a fat binary whose one entry is compressed."""
+
+    #: every entry compressed (by default small ones are not), for size (zstd)
+    OPTIONS = (b"-64", b"-host=linux", b"-compress-all", b"-compress-mode=size")
+
+    def __init__(self, library: str) -> None:
+        self.lib = ctypes.CDLL(library)
+        major, minor = ctypes.c_uint(), ctypes.c_uint()
+        self._check(self.lib.nvFatbinVersion(ctypes.byref(major), ctypes.byref(minor)),
+                    "nvFatbinVersion")
+        self.version = (major.value, minor.value)
+
+    def _check(self, result: int, call: str) -> None:
+        if result:
+            raise RuntimeError(f"{call} failed ({result})")
+
+    def pack(self, cubin: bytes, arch: str) -> bytes:
+        """``cubin``, built for ``arch`` (``sm_90``), as a compressed fat binary."""
+        handle = ctypes.c_void_p()
+        options = (ctypes.c_char_p * len(self.OPTIONS))(*self.OPTIONS)
+        self._check(self.lib.nvFatbinCreate(ctypes.byref(handle), options, len(self.OPTIONS)),
+                    "nvFatbinCreate")
+        try:
+            self._check(self.lib.nvFatbinAddCubin(handle, cubin, ctypes.c_size_t(len(cubin)),
+                                                  arch.removeprefix("sm_").encode(),
+                                                  b"mlxrunner"), "nvFatbinAddCubin")
+            size = ctypes.c_size_t()
+            self._check(self.lib.nvFatbinSize(handle, ctypes.byref(size)), "nvFatbinSize")
+            data = ctypes.create_string_buffer(size.value)
+            self._check(self.lib.nvFatbinGet(handle, data), "nvFatbinGet")
+            return data.raw
+        finally:
+            self.lib.nvFatbinDestroy(ctypes.byref(handle))
+
+
+def find_nvfatbin() -> NvFatbin | None:
+    """nvFatbin where this machine has it (NVIDIA's wheel or a CUDA toolkit), the newest
+    first; None if none loads."""
+    found: list[tuple[tuple[int, ...], str]] = []
+    for root in _roots():
+        for path in glob.glob(str(root / "*" / "lib" / "libnvfatbin.so.*")) + \
+                glob.glob(str(root / "lib64" / "libnvfatbin.so.*")):
+            suffix = path.rsplit(".so.", 1)[1]
+            found.append((tuple(int(p) for p in suffix.split(".") if p.isdigit()), path))
+    for _, path in sorted(found, reverse=True):
+        try:
+            return NvFatbin(path)
+        except (OSError, RuntimeError, AttributeError) as exc:
+            log.debug("nvFatbin %s does not load: %s", path, exc)
+    return None
+
+
+def driver_loads(image: bytes) -> bool:
+    """Whether the CUDA driver loads ``image`` as a module on the default GPU (in its primary
+    context, then unloaded): a packed kernel is only used where this holds."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        device, context, module = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+        if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), 0) or \
+                cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device):
+            return False
+        try:
+            if cuda.cuCtxPushCurrent_v2(context):
+                return False
+            try:
+                if cuda.cuModuleLoadData(ctypes.byref(module), image):
+                    return False
+                cuda.cuModuleUnload(module)
+                return True
+            finally:
+                cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        finally:
+            cuda.cuDevicePrimaryCtxRelease_v2(device)
+    except (OSError, AttributeError):
+        return False
+
+
 def _roots() -> list[Path]:
     """The folders that may hold NVIDIA's Python packages (``nvidia/<part>/lib``)."""
     roots = [Path(p) / "nvidia" for p in sys.path if p and (Path(p) / "nvidia").is_dir()]
@@ -157,9 +244,13 @@ class Builder:
     """Builds kernel sources into cubins for one GPU architecture, each once per machine
     (a file in :func:`cache_folder`, named by a digest of everything that goes into it)."""
 
-    def __init__(self, nvrtc: NVRTC, arch: str, folder: Path) -> None:
+    def __init__(self, nvrtc: NVRTC, arch: str, folder: Path,
+                 packer: NvFatbin | None = None) -> None:
         self.nvrtc, self.arch, self.folder = nvrtc, arch, folder
+        #: packs cubins for launch (None: launches hand MLX the cubins)
+        self.packer = packer
         self.built: dict[str, bytes] = {}
+        self.packed: dict[str, bytes] = {}
         self.compiled = 0  # builds this process ran (not read from the folder)
 
     def cubin(self, source: str) -> tuple[str, bytes]:
@@ -181,6 +272,32 @@ class Builder:
             self._store(path, data)
         self.built[key] = data
         return key, data
+
+    def image(self, key: str, cubin: bytes) -> bytes:
+        """What a launch hands MLX for the cubin ``key`` (:meth:`cubin`'s): packed (see the
+        module) where the packer is, kept beside the cubin; else the cubin. The first packed
+        image this builder hands out is loaded by the driver first: where that fails, every
+        launch takes the cubins."""
+        if key in self.packed:
+            return self.packed[key]
+        if self.packer is None:
+            return cubin
+        path = self.folder / f"{key}.fatbin"
+        try:
+            data = path.read_bytes()
+        except OSError:
+            try:
+                data = self.packer.pack(cubin, self.arch)
+            except RuntimeError as exc:
+                log.debug("kernel %s not packed: %s", key, exc)
+                return cubin
+            self._store(path, data)
+        if not self.packed and not driver_loads(data):
+            log.debug("the driver does not load packed kernels: launching cubins")
+            self.packer = None
+            return cubin
+        self.packed[key] = data
+        return data
 
     def _store(self, path: Path, data: bytes) -> None:
         # a temporary name, then rename: another process never reads half a file
@@ -204,7 +321,8 @@ def builder() -> Builder | None:
     with _lock:
         if _builder is False:
             nvrtc, arch = find_nvrtc(), device_arch()
-            _builder = Builder(nvrtc, arch, kernel_cache_folder()) if nvrtc and arch else None
+            _builder = Builder(nvrtc, arch, kernel_cache_folder(), find_nvfatbin()) \
+                if nvrtc and arch else None
             if _builder is None:
                 log.debug("no NVRTC or GPU architecture (%s, %s): kernels build in MLX",
                           nvrtc, arch)
@@ -220,9 +338,9 @@ class CudaKernel:
         self.name, self.source = name, source
         self.input_names, self.output_names = list(input_names), list(output_names)
         self._mlx: Any = None
-        # each case's cubin (None: NVRTC refused its source here, MLX builds it), so a call
-        # met again (every eager step) neither writes nor hashes its source
-        self._cubins: dict[tuple[Any, ...], bytes | None] = {}
+        # each case's cubin with its key (None: NVRTC refused its source here, MLX builds
+        # it), so a call met again (every eager step) neither writes nor hashes its source
+        self._cubins: dict[tuple[Any, ...], tuple[str, bytes] | None] = {}
 
     def _in_mlx(self) -> Any:
         if self._mlx is None:
@@ -235,10 +353,12 @@ class CudaKernel:
                  output_shapes: Sequence[Sequence[int]],
                  output_dtypes: Sequence[mx.Dtype]) -> list[mx.array]:
         build = builder()
-        cubin = None if build is None else self._cubin(build, inputs, template, output_dtypes)
-        if cubin is not None:
+        built = None if build is None else self._cubin(build, inputs, template, output_dtypes)
+        if build is not None and built is not None:
+            key, cubin = built
+            image = build.image(key, cubin) if settings.current().packed_kernels else cubin
             return list(mx.fast.precompiled_cuda_kernel(
-                name=self.name, compiled_source=cubin, inputs=list(inputs),
+                name=self.name, compiled_source=image, inputs=list(inputs),
                 output_shapes=[tuple(s) for s in output_shapes],
                 output_dtypes=list(output_dtypes), scalars=[], grid=grid,
                 threadgroup=threadgroup, ensure_row_contiguous=True))
@@ -248,8 +368,9 @@ class CudaKernel:
 
     def _cubin(self, build: Builder, inputs: Sequence[mx.array],
                template: Sequence[TemplateArg], output_dtypes: Sequence[mx.Dtype]
-               ) -> bytes | None:
-        """This case's cubin from ``build``, or None where NVRTC refuses its source."""
+               ) -> tuple[str, bytes] | None:
+        """This case's cubin from ``build`` with its key, or None where NVRTC refuses its
+        source."""
         # (a template value's type too: True and 1 are equal keys but spell another source)
         key = (build, tuple(x.dtype for x in inputs), tuple(output_dtypes),
                tuple((name, type(value), value) for name, value in template))
@@ -258,15 +379,15 @@ class CudaKernel:
         unit = kernel_source(self.name, self.source,
                              list(zip(self.input_names, key[1])),
                              list(zip(self.output_names, output_dtypes)), template)
-        cubin: bytes | None
+        built: tuple[str, bytes] | None
         try:
-            _, cubin = build.cubin(unit)
+            built = build.cubin(unit)
         except RuntimeError as exc:
-            cubin = None
+            built = None
             log.debug("%s does not build with CUDA's headers (%s); MLX builds it",
                       self.name, str(exc).splitlines()[0])
-        self._cubins[key] = cubin
-        return cubin
+        self._cubins[key] = built
+        return built
 
 
 @functools.cache  # (asked at every attend on CUDA: worked out once)
