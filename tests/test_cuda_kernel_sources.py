@@ -109,31 +109,50 @@ def test_a_packed_kernel_is_its_cubin_in_fewer_bytes(builder: cuda_build.Builder
     assert [p.read_bytes() for p in out.iterdir()] == [cubin]
 
 
+def _zstd(image: bytes) -> bool:
+    """Whether a fat binary's one entry is compressed with zstd (its flags' bit 0x8000;
+    LZ4: 0x2000), read off the entry's header (flags at its byte 40)."""
+    flags = int.from_bytes(image[16 + 40:16 + 48], "little")
+    assert flags & 0xA000, hex(flags)  # compressed one way or the other
+    return bool(flags & 0x8000)
+
+
 def test_packed_images_are_kept_and_used_only_where_the_driver_loads_them(
         builder: cuda_build.Builder, monkeypatch: pytest.MonkeyPatch) -> None:
-    packer = cuda_build.find_nvfatbin()
-    if packer is None:
+    if cuda_build.find_nvfatbin() is None:
         pytest.skip("nvFatbin is not installed (pip install nvidia-nvfatbin)")
     key, cubin = builder.cubin(_product_source())
     assert builder.image(key, cubin) is cubin  # no packer: the cubin
     loaded: list[bytes] = []
     monkeypatch.setattr(cuda_build, "driver_loads", lambda image: loaded.append(image) or True)
-    packing = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder, packer)
+    packing = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder,
+                                 cuda_build.find_nvfatbin())
     image = packing.image(key, cubin)
-    assert image != cubin and loaded == [image]  # the driver loaded the first one
-    assert sorted(p.name for p in builder.folder.iterdir()) == [f"{key}.cubin", f"{key}.fatbin"]
+    assert image != cubin and _zstd(image) and loaded == [image]  # the driver loaded it
+    assert sorted(p.name for p in builder.folder.iterdir()) == [f"{key}.cubin",
+                                                                f"{key}.size.fatbin"]
     assert packing.image(key, cubin) is image and loaded == [image]  # once
 
     class Refusing(cuda_build.NvFatbin):
         def pack(self, cubin: bytes, arch: str) -> bytes:
             raise AssertionError("packed again")
 
-    again = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder,
-                               Refusing(packer.lib._name))
+    reader = Refusing(packing.packer.lib._name)  # type: ignore[union-attr]
+    again = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder, reader)
     assert again.image(key, cubin) == image  # read back from the folder
+
+    # a driver that reads LZ4 alone (before CUDA 12.8): the next mode
+    monkeypatch.setattr(cuda_build, "driver_loads", lambda image: not _zstd(image))
+    older = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder,
+                               cuda_build.find_nvfatbin())
+    lz4 = older.image(key, cubin)
+    assert not _zstd(lz4) and len(image) < len(lz4) < 0.6 * len(cubin)
+    assert older.packer is not None and older.packer.mode == "speed"
+    # one that reads neither: the cubins
     monkeypatch.setattr(cuda_build, "driver_loads", lambda image: False)
-    old_driver = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder, packer)
-    assert old_driver.image(key, cubin) is cubin and old_driver.packer is None
+    oldest = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder,
+                                cuda_build.find_nvfatbin())
+    assert oldest.image(key, cubin) is cubin and oldest.packer is None
 
 
 def test_a_source_that_does_not_build_says_why(builder: cuda_build.Builder) -> None:

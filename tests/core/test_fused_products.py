@@ -291,3 +291,26 @@ def test_a_gate_product_times_a_given_up_computes_its_math_in_emulation(glu):
     act = gate / (1 + np.exp(-gate)) if glu == 1 else 0.5 * gate * (
         1 + np.tanh(0.7978845608028654 * (gate + 0.044715 * gate ** 3)))
     np.testing.assert_allclose(got, act * up, rtol=1e-5, atol=1e-5)
+
+
+@on_cuda
+def test_packed_and_plain_images_launch_the_same_product():
+    """On a GPU with nvFatbin installed (requirements-test.txt; the cuda13 extra) the
+    product launches as a packed image the driver loaded, and gives what its cubin gives."""
+    from mlxrunner.nn import cuda_build
+
+    build = cuda_build.builder()
+    if build is None or cuda_build.find_nvfatbin() is None:
+        pytest.skip("no NVRTC or no nvFatbin on this GPU machine")
+    mx.random.seed(3)
+    x = mx.random.normal((1, 1, 1024)).astype(mx.bfloat16)
+    w = (mx.random.normal((3584, 1024)) * 0.03).astype(mx.bfloat16)
+    got = {}
+    for packed in (False, True):
+        with settings.overridden(packed_kernels=packed):
+            y = cuda_products.fused_product(x, w)
+            assert y is not None
+            got[packed] = np.array(y.astype(mx.float32))
+    assert build.packer is not None and build.packed, "the driver loaded no packed image"
+    assert all(image[:4] == bytes.fromhex("50ed55ba") for image in build.packed.values())
+    np.testing.assert_array_equal(got[True], got[False])

@@ -117,11 +117,13 @@ class NVRTC:
 class NvFatbin:
     """nvFatbin through ctypes: a cubin into a fat binary whose one entry is compressed."""
 
-    #: every entry compressed (by default small ones are not), for size (zstd)
-    OPTIONS = (b"-64", b"-host=linux", b"-compress-all", b"-compress-mode=size")
+    #: how an entry may be compressed, in the order tried: for size (zstd, which drivers
+    #: read since CUDA 12.8), then for speed (LZ4, which older ones read too)
+    MODES = ("size", "speed")
 
     def __init__(self, library: str) -> None:
         self.lib = ctypes.CDLL(library)
+        self.mode = self.MODES[0]
         major, minor = ctypes.c_uint(), ctypes.c_uint()
         self._check(self.lib.nvFatbinVersion(ctypes.byref(major), ctypes.byref(minor)),
                     "nvFatbinVersion")
@@ -132,10 +134,13 @@ class NvFatbin:
             raise RuntimeError(f"{call} failed ({result})")
 
     def pack(self, cubin: bytes, arch: str) -> bytes:
-        """``cubin``, built for ``arch`` (``sm_90``), as a compressed fat binary."""
+        """``cubin``, built for ``arch`` (``sm_90``), as a fat binary compressed in
+        ``mode``."""
+        # -compress-all: small entries too (by default they are stored as they are)
+        chosen = [b"-64", b"-host=linux", b"-compress-all", f"-compress-mode={self.mode}".encode()]
         handle = ctypes.c_void_p()
-        options = (ctypes.c_char_p * len(self.OPTIONS))(*self.OPTIONS)
-        self._check(self.lib.nvFatbinCreate(ctypes.byref(handle), options, len(self.OPTIONS)),
+        options = (ctypes.c_char_p * len(chosen))(*chosen)
+        self._check(self.lib.nvFatbinCreate(ctypes.byref(handle), options, len(chosen)),
                     "nvFatbinCreate")
         try:
             self._check(self.lib.nvFatbinAddCubin(handle, cubin, ctypes.c_size_t(len(cubin)),
@@ -275,28 +280,39 @@ class Builder:
 
     def image(self, key: str, cubin: bytes) -> bytes:
         """What a launch hands MLX for the cubin ``key`` (:meth:`cubin`'s): packed (see the
-        module) where the packer is, kept beside the cubin; else the cubin. The first packed
-        image this builder hands out is loaded by the driver first: where that fails, every
-        launch takes the cubins."""
+        module) where the packer is, kept beside the cubin; else the cubin. The driver loads
+        the first packed image first; where it does not, the packer's next mode is tried,
+        and after the last every launch takes the cubins."""
         if key in self.packed:
             return self.packed[key]
-        if self.packer is None:
-            return cubin
-        path = self.folder / f"{key}.fatbin"
-        try:
-            data = path.read_bytes()
-        except OSError:
-            try:
-                data = self.packer.pack(cubin, self.arch)
-            except RuntimeError as exc:
-                log.debug("kernel %s not packed: %s", key, exc)
+        while self.packer is not None:
+            data = self._packed(self.packer, key, cubin)
+            if data is None:
                 return cubin
-            self._store(path, data)
-        if not self.packed and not driver_loads(data):
-            log.debug("the driver does not load packed kernels: launching cubins")
-            self.packer = None
-            return cubin
-        self.packed[key] = data
+            if self.packed or driver_loads(data):
+                self.packed[key] = data
+                return data
+            log.debug("the driver does not load kernels packed for %s", self.packer.mode)
+            modes = self.packer.MODES
+            later = modes[modes.index(self.packer.mode) + 1:]
+            if later:
+                self.packer.mode = later[0]
+            else:
+                self.packer = None
+        return cubin
+
+    def _packed(self, packer: NvFatbin, key: str, cubin: bytes) -> bytes | None:
+        path = self.folder / f"{key}.{packer.mode}.fatbin"
+        try:
+            return path.read_bytes()
+        except OSError:
+            pass
+        try:
+            data = packer.pack(cubin, self.arch)
+        except RuntimeError as exc:
+            log.debug("kernel %s not packed: %s", key, exc)
+            return None
+        self._store(path, data)
         return data
 
     def _store(self, path: Path, data: bytes) -> None:
