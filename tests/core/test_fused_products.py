@@ -314,3 +314,47 @@ def test_packed_and_plain_images_launch_the_same_product():
     assert build.packer is not None and build.packed, "the driver loaded no packed image"
     assert all(image[:4] == bytes.fromhex("50ed55ba") for image in build.packed.values())
     np.testing.assert_array_equal(got[True], got[False])
+
+
+def test_a_post_norm_counter_is_a_constant_of_a_replayed_trace_and_lazy_elsewhere(
+        monkeypatch):
+    """The add-norm product's block counter: 16 bytes of zeros (past MLX's pool of managed
+    scalars, whose pages the host touches every step), evaluated where a forward is traced
+    to be replayed (a constant every replay reuses), left to the graph elsewhere (a fill
+    before the launch); and the core's compiled step traces in a frame marked replayed."""
+    from mlxrunner.cache import TraceFrame, active_frame, framing
+    from mlxrunner.decode import forward
+    from plain_mlx_model import PlainModel
+
+    evaluated = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: evaluated.extend(arrays) or
+                        real_eval(*arrays))
+    lazy = cuda_products._new_counter()
+    assert evaluated == []
+    with framing(TraceFrame(mx.array(0), 1)):  # an uncompiled forward on stand-ins
+        cuda_products._new_counter()
+    assert evaluated == []
+    with framing(TraceFrame(mx.array(0), 1, replayed=True)):
+        kept = cuda_products._new_counter()
+    assert len(evaluated) == 1 and evaluated[0] is kept
+    for counter in (lazy, kept):
+        assert counter.dtype == mx.int32 and counter.nbytes > 8 and counter.tolist() == [0] * 4
+    monkeypatch.undo()
+
+    frames = []
+
+    class Recording(PlainModel):
+        def __call__(self, *args, **kwargs):
+            frame = active_frame()
+            frames.append(None if frame is None else frame.replayed)
+            return super().__call__(*args, **kwargs)
+
+    mx.random.seed(0)
+    model = Recording(None)
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[3, 4, 5]]), cache))
+    frames.clear()
+    with settings.overridden(compile=True):
+        forward(model, mx.array([[6]]), cache)
+    assert True in frames, frames  # traced in a replayed frame (then checked eagerly)

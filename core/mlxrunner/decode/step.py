@@ -341,7 +341,8 @@ class CompiledSteps:
 
         def graph(ids: mx.array, offset: mx.array, arrays: list[mx.array]) -> list[mx.array]:
             caches, traced = _current.caches, _current.traced
-            frame = (RowFrame if _batched(caches) else TraceFrame)(offset, length)
+            frame = (RowFrame if _batched(caches) else TraceFrame)(offset, length,
+                                                                    traced.compiled)
             stand: list[Any] = []
             at = 0
             counts = iter(_current.in_counts)

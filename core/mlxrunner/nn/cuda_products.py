@@ -31,8 +31,8 @@ from collections import OrderedDict
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
+from ..cache.frame import active_frame
 from ..constants import constant
 from . import cuda_norms
 from .cuda_build import CudaKernel, TemplateArg, kernel_code
@@ -311,9 +311,18 @@ def _launch(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
 def _new_counter() -> mx.array:
     """A launch's block counter, at 0: each launch its own (two launches that share one
     and may run at once, as a traced step and the eager step checking it in one
-    evaluation, would count each other's blocks). A host array: no operation to evaluate,
-    also while a step is traced, whose replays then reuse it (one after another)."""
-    return mx.array(np.zeros(1, np.int32))
+    evaluation, would count each other's blocks). In the GPU's own memory: MLX serves
+    arrays of up to 8 bytes, and any array made from host values, from managed memory,
+    whose pages the host touches every step (a step's offset, its sampled token); the
+    blocks' atomics on such a page moved it back and forth (a Gemma 4 E2B step on an H100
+    waited 20 ms for its GPU, 0.1-1 ms before counters). While a forward is traced to be
+    replayed, evaluated now: a constant every replay reuses; else a fill before the
+    launch."""
+    counter = mx.zeros((4,), mx.int32)  # (16 bytes: past MLX's pool of managed scalars)
+    frame = active_frame()
+    if frame is not None and frame.replayed:
+        mx.eval(counter)
+    return counter
 
 
 def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
