@@ -11,9 +11,8 @@ with the source's length here. Also prints the sizes of the cubins the core buil
 ``mlxrunner`` folder in ``MLX_PTX_CACHE_DIR``), the lengths the core's launches hash.
 Confirmed on the H100 (bench/results/2026-12-05j-h100): 0.3-0.4 us a KiB. Then the same for
 the core's own layers: one-row bf16 products, MLX's ``nn.Linear`` against
-``mlxrunner.nn.Linear`` (the fused product kernel), alone and after an RMS norm (two MLX
-kernels against the core's one, and against the core's product with the norm apart: the
-``norms`` kernels off); a post-norm's residual add (``RMSNorm.add_normed``: MLX's norm and add
+``mlxrunner.nn.Linear`` (the fused product kernel), alone and after an RMS norm (MLX's norm
+before either product); a post-norm's residual add (``RMSNorm.add_normed``: MLX's norm and add
 against the core's one kernel) and attention's heads (``attention_heads`` of a query, a key and
 a value: MLX's three norms and two RoPEs against the core's one kernel), and the core's product
 launched as its cubin rather than its packed image (``MLXRUNNER_PACKED_KERNELS=0``). Each row
@@ -69,8 +68,8 @@ def chain_layers(layers: list, x: mx.array) -> mx.array:
 
 def product_rows(launches: int, repeats: int) -> dict[str, list[float]]:
     """One-row bf16 products (2048 x 2048, a decode step's shape) chained: MLX's nn.Linear
-    against the core's mlxrunner.nn.Linear (its fused product kernel on CUDA), and a norm
-    before each (MLX: two kernels; the core: the norm inside the product)."""
+    against the core's mlxrunner.nn.Linear (its fused product kernel on CUDA), and MLX's
+    norm before each (two kernels either way)."""
     import mlx.nn as nn
 
     import mlxrunner.nn as mnn
@@ -99,13 +98,6 @@ def product_rows(launches: int, repeats: int) -> dict[str, list[float]]:
     half = launches // 2
     from mlxrunner import settings
 
-    def norm_apart() -> list[float]:
-        # the core's product without the norm inside (MLXRUNNER_KERNELS without norms): the
-        # same chain as two launches, MLX's norm and the fused product
-        with settings.overridden(kernels=frozenset(settings.KERNELS) - {"norms"}):
-            return per_launch_us(lambda y: chain_layers(normed(our_norms, ours, half), y),
-                                 2 * half, repeats, x)
-
     def as_cubins() -> list[float]:
         # the same launches handing MLX the cubins, not the packed images
         # (MLXRUNNER_PACKED_KERNELS=0): what MLX hashes at every launch, 3x longer
@@ -121,9 +113,8 @@ def product_rows(launches: int, repeats: int) -> dict[str, list[float]]:
         "core Linear, launched as cubins": as_cubins(),
         "MLX RMSNorm + Linear (2 kernels)": per_launch_us(
             lambda y: chain_layers(normed(norms, theirs, half), y), 2 * half, repeats, x),
-        "core RMSNorm + Linear (1 kernel)": per_launch_us(
+        "MLX RMSNorm + core Linear (2)": per_launch_us(
             lambda y: chain_layers(normed(our_norms, ours, half), y), 2 * half, repeats, x),
-        "core RMSNorm + Linear, norms off (2)": norm_apart(),
     }
 
 

@@ -69,9 +69,8 @@ def _product_source() -> str:
     from mlxrunner.nn import cuda_products
 
     template = [("T", "bfloat16"), ("K", 1024), ("N", 3584), ("M", 1), ("NT", 256),
-                ("NORM", True), ("RES", False), ("GLU", 1), ("UPX", False), ("ADDN", False)]
-    inputs = [("x", "bfloat16"), ("w", "bfloat16"), ("nw", "bfloat16"), ("res", "bfloat16"),
-              ("up_x", "bfloat16"), ("eps", "float32")]
+                ("RES", False), ("GLU", 1), ("UPX", False), ("ADDN", False)]
+    inputs = [("x", "bfloat16"), ("w", "bfloat16"), ("res", "bfloat16"), ("up_x", "bfloat16")]
     return _wrap("mlxrunner_product", cuda_products.PRODUCT_SOURCE, inputs,
                  [("y", "bfloat16")], template)
 
@@ -212,25 +211,24 @@ def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int) -> No
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("norm,res,glu,upx", [(False, False, 0, False), (True, False, 0, False),
-                                              (False, True, 0, False), (True, False, 1, False),
-                                              (True, False, 2, False), (False, False, 2, True)])
-def test_fused_product_kernel_compiles(builder, dtype: str, norm: bool, res: bool,
-                                       glu: int, upx: bool) -> None:
+@pytest.mark.parametrize("res,glu,upx", [(False, 0, False), (True, 0, False), (False, 1, False),
+                                        (False, 2, False), (False, 2, True)])
+def test_fused_product_kernel_compiles(builder, dtype: str, res: bool, glu: int,
+                                       upx: bool) -> None:
     from mlxrunner.nn import cuda_products
 
     template = [("T", dtype), ("K", 2048), ("N", 2048), ("M", 2), ("NT", 256),
-                ("NORM", norm), ("RES", res), ("GLU", glu), ("UPX", upx), ("ADDN", False)]
-    inputs = [("x", dtype), ("w", dtype), ("nw", dtype), ("res", dtype), ("up_x", dtype),
-              ("eps", "float32")]
+                ("RES", res), ("GLU", glu), ("UPX", upx), ("ADDN", False)]
+    inputs = [("x", dtype), ("w", dtype), ("res", dtype), ("up_x", dtype)]
     _compile(builder, "mlxrunner_product", _wrap(
         "mlxrunner_product", cuda_products.PRODUCT_SOURCE, inputs, [("y", dtype)], template))
-    if not (res or glu):  # a post norm's residual add after it
-        _compile(builder, "mlxrunner_product_add_norm", _wrap(
-            "mlxrunner_product_add_norm", cuda_products.PRODUCT_ADD_NORM_SOURCE,
-            inputs + [("pw", dtype), ("pres", dtype), ("ps", dtype), ("peps", "float32"),
-                      ("cnt", "int32")], [("y", dtype), ("h", dtype)],
-            template[:-1] + [("ADDN", True), ("PSCALE", norm)]))
+    if not (res or glu):  # a post norm's residual add after it, with a scale and without
+        for scaled in (False, True):
+            _compile(builder, "mlxrunner_product_add_norm", _wrap(
+                "mlxrunner_product_add_norm", cuda_products.PRODUCT_ADD_NORM_SOURCE,
+                inputs + [("pw", dtype), ("pres", dtype), ("ps", dtype), ("peps", "float32"),
+                          ("cnt", "int32")], [("y", dtype), ("h", dtype)],
+                template[:-1] + [("ADDN", True), ("PSCALE", scaled)]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -24,10 +24,9 @@ def launches(monkeypatch) -> Counter:
     counts: Counter = Counter()
     counts["refused"] = ()  # kernel kinds a test turns off: ``launches["refused"] = ("norms",)``
 
-    def product(x, w, res, glu, norm, up=None, post=None):
+    def product(x, w, res, glu, up=None, post=None):
         counts["product with post norm" if post is not None else "product"] += 1
-        counts["product with its norm"] += norm is not None
-        return cuda_products._reference(x, w, res, glu, norm, up, post)
+        return cuda_products._reference(x, w, res, glu, up, post)
 
     def heads(parts, rot, offset, D, starts):
         counts["heads"] += 1
@@ -131,17 +130,3 @@ def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monk
     assert got["heads"] == 1 and got["head parts"] == 3, got
     assert got["attend with gate"] == 1 and "attend" not in got, got
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
-
-
-def test_a_norm_runs_inside_its_product_only_with_the_norms_kernels(launches, monkeypatch):
-    """``products`` alone: each product reads its norm's output (the norm runs as MLX's);
-    with ``norms`` too, the product normalises the norm's input itself."""
-    mx.set_default_device(mx.cpu)
-    model = _gemma4()
-    got, with_norms = _one_step(model, launches)
-    assert got["product with its norm"] >= 5, got  # at least each layer's q|k|v product
-    launches["refused"] = ("norms",)
-    got, without = _one_step(model, launches)
-    assert "product with its norm" not in got and "heads" not in got, got
-    assert got["product"] >= 5, got
-    np.testing.assert_allclose(np.array(without), np.array(with_norms), rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""mlxrunner.nn.cuda_products: a decode step's products with the RMS norm before them, the
-residual after them or a gated MLP's activation fused in, against MLX's operations (the
+"""mlxrunner.nn.cuda_products: a decode step's products with the residual after them, a gated
+MLP's activation or a post norm's residual add fused in, against MLX's operations (the
 kernel cases need MLX's CUDA backend; off it, the layers' results are MLX's own)."""
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ def test_off_cuda_nothing_is_fused_and_layers_compute_mlx_results():
     x = mx.random.normal((1, 1, 64))
     w = mx.random.normal((96, 64)) * 0.1
     assert cuda_products.fused_product(x, w) is None
-    norm = mnn.RMSNorm(64, 1e-5)
-    normed = norm(x)
-    assert cuda_products._norm_of(normed) is None  # nothing noted off CUDA
+    normed = mnn.RMSNorm(64, 1e-5)(x)
     mlp = mnn.GatedMLP(64, 48)
     got = mlp(normed, x)
     gate, up = normed @ mlp.gate_proj.weight.T, normed @ mlp.up_proj.weight.T
@@ -51,9 +49,9 @@ def test_a_post_norm_add_relaunches_the_product_that_made_its_input(monkeypatch)
     add-norm kernel's path."""
     launches = []
 
-    def stand_in(x, w, res, glu, norm, up=None, post=None):
+    def stand_in(x, w, res, glu, up=None, post=None):
         launches.append(post is not None)
-        return cuda_products._reference(x, w, res, glu, norm, up, post)
+        return cuda_products._reference(x, w, res, glu, up, post)
 
     probed = []
 
@@ -92,25 +90,23 @@ def test_products_match_mlx_operations_on_the_gpu(dtype, rows, K, N):
     x = mx.random.normal((rows, 1, K), key=keys[0]).astype(dtype)
     w = (mx.random.normal((N, K), key=keys[1]) * K ** -0.5).astype(dtype)
     res = mx.random.normal((rows, 1, N), key=keys[2]).astype(dtype)
-    nw = (1 + 0.1 * mx.random.normal((K,), key=keys[3])).astype(dtype)
     if rows * K * x.dtype.size > cuda_products.STAGED_BYTES:
         assert cuda_products.fused_product(x, w) is None  # too many rows to stage
         return
-    cases = {"plain": (None, 0, None), "residual": (res, 0, None),
-             "norm": (None, 0, (x, nw, 1e-5)), "silu": (None, 1, (x, nw, 1e-6)),
-             "gelu": (None, 2, None)}
-    for name, (r, glu, norm) in cases.items():
-        got = cuda_products._launch(x, w, r, glu, norm)
-        want = cuda_products._reference(x, w, r, glu, norm)
+    cases = {"plain": (None, 0), "residual": (res, 0), "silu": (None, 1), "gelu": (None, 2)}
+    for name, (r, glu) in cases.items():
+        got = cuda_products._launch(x, w, r, glu)
+        want = cuda_products._reference(x, w, r, glu)
         _close(got, want, dtype)
-        assert cuda_products._serves(x, w, r is not None, glu, norm is not None), name
+        assert cuda_products._serves(x, w, r is not None, glu), name
 
 
 @on_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_a_norm_fuses_into_the_products_that_read_it_on_the_gpu(dtype):
-    """RMSNorm, then linears (q/k/v) and a gated MLP with a residual: fused (the norm's
-    operation never runs, one kernel per product), equal to MLX's operations."""
+def test_a_norm_before_products_is_mlxs_and_the_products_fuse_on_the_gpu(dtype):
+    """RMSNorm, then linears (q/k/v) and a gated MLP with a residual: MLX's norm, then one
+    kernel per product (no separate product, activation or add), equal to MLX's
+    operations."""
     mx.set_default_device(mx.gpu)
     mx.random.seed(3)
     norm = mnn.RMSNorm(256, 1e-5)
@@ -132,7 +128,7 @@ def test_a_norm_fuses_into_the_products_that_read_it_on_the_gpu(dtype):
     for a, b in zip(got, want):
         _close(a, b, dtype)
     labels = _graph_labels(*got)
-    assert "RMSNorm" not in labels and "Matmul" not in labels and "Add" not in labels, labels
+    assert "RMSNorm" in labels and "Matmul" not in labels and "Add" not in labels, labels
 
 
 @on_cuda
@@ -184,9 +180,7 @@ def _graph_labels(*outputs: mx.array) -> list[str]:
         return re.findall(r'label ="([^"]+)"', dot.read())
 
 
-def _reference_np(x, w, nw, res, eps, norm, glu):
-    if norm:
-        x = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * nw
+def _reference_np(x, w, res, glu):
     y = x @ w.T
     if glu:
         gate, up = np.split(y, 2, axis=-1)
@@ -208,10 +202,7 @@ def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned):
     rng = np.random.default_rng(rows)
     K, N, threads = 96, 40, 256
     x = rng.normal(size=(rows, K)).astype(np.float32)
-    nw = (1 + 0.1 * rng.normal(size=K)).astype(np.float32)
-    eps = np.array([1e-5], np.float32)
-    for norm, res, glu in ((False, False, 0), (False, True, 0), (True, False, 0),
-                           (True, False, 1), (False, True, 2)):
+    for res, glu in ((False, 0), (True, 0), (False, 1), (True, 2)):
         n_rows = N * (2 if glu else 1)
         store = np.empty(n_rows * K + 1, np.float32)
         w = (store[:-1] if aligned else store[1:]).reshape(n_rows, K)
@@ -219,20 +210,20 @@ def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned):
         r = rng.normal(size=(rows, N)).astype(np.float32)
         got = emulate_kernel(
             cuda_products.PRODUCT_SOURCE,
-            {"x": x, "w": w, "nw": nw, "res": r if res else np.zeros(1, np.float32),
-             "up_x": np.zeros(1, np.float32), "eps": eps}, {"y": ((rows, N), np.float32)},
+            {"x": x, "w": w, "res": r if res else np.zeros(1, np.float32),
+             "up_x": np.zeros(1, np.float32)}, {"y": ((rows, N), np.float32)},
             [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
-             ("NORM", norm), ("RES", res), ("GLU", glu), ("UPX", False), ("ADDN", False)],
+             ("RES", res), ("GLU", glu), ("UPX", False), ("ADDN", False)],
             blocks=-(-N // (threads // 32)), threads=threads)["y"]
-        want = _reference_np(x, w, nw, r if res else None, 1e-5, norm, glu)
+        want = _reference_np(x, w, r if res else None, glu)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
-                                   err_msg=f"norm={norm} res={res} glu={glu}")
+                                   err_msg=f"res={res} glu={glu}")
 
 
 @pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
                     .emulation_available(), reason="needs g++ for the CUDA emulation")
-@pytest.mark.parametrize("rows,scaled,norm", [(1, False, False), (3, True, True)])
-def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, scaled, norm):
+@pytest.mark.parametrize("rows,scaled", [(1, False), (3, True)])
+def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, scaled):
     """``h = (pres + rms_norm(x @ W.T) * pw) * ps`` by the last block (its count reaching
     the grid), the block counter left at 0; N over several blocks, not a whole number of
     the block's threads."""
@@ -242,7 +233,6 @@ def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, 
     K, N, threads = 64, 300, 256
     x = rng.normal(size=(rows, K)).astype(np.float32)
     w = (rng.normal(size=(N, K)) * K ** -0.5).astype(np.float32)
-    nw = (1 + 0.1 * rng.normal(size=K)).astype(np.float32)
     pw = (1 + 0.1 * rng.normal(size=N)).astype(np.float32)
     pres = rng.normal(size=(rows, N)).astype(np.float32)
     ps = np.array([0.6], np.float32)
@@ -250,16 +240,15 @@ def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, 
     for _ in range(2):  # the counter is reset for the next launch
         got = emulate_kernel(
             cuda_products.PRODUCT_ADD_NORM_SOURCE,
-            {"x": x, "w": w, "nw": nw, "res": np.zeros(1, np.float32),
-             "up_x": np.zeros(1, np.float32), "eps": np.array([1e-5], np.float32),
-             "pw": pw, "pres": pres, "ps": ps, "peps": np.array([1e-6], np.float32),
-             "cnt": counter},
+            {"x": x, "w": w, "res": np.zeros(1, np.float32),
+             "up_x": np.zeros(1, np.float32), "pw": pw, "pres": pres, "ps": ps,
+             "peps": np.array([1e-6], np.float32), "cnt": counter},
             {"y": ((rows, N), np.float32), "h": ((rows, N), np.float32)},
             [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
-             ("NORM", norm), ("RES", False), ("GLU", 0), ("UPX", False), ("ADDN", True),
+             ("RES", False), ("GLU", 0), ("UPX", False), ("ADDN", True),
              ("PSCALE", scaled)],
             blocks=-(-N // (threads // 32)), threads=threads)
-        y = _reference_np(x, w, nw, None, 1e-5, norm, 0)
+        y = _reference_np(x, w, None, 0)
         np.testing.assert_allclose(got["y"], y, rtol=1e-5, atol=1e-5)
         h = pres + y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6) * pw
         np.testing.assert_allclose(got["h"], h * ps if scaled else h, rtol=1e-5, atol=1e-5)
@@ -270,7 +259,7 @@ def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, 
                     .emulation_available(), reason="needs g++ for the CUDA emulation")
 @pytest.mark.parametrize("glu", [1, 2])
 def test_a_gate_product_times_a_given_up_computes_its_math_in_emulation(glu):
-    """``act(rms_norm(x) @ Wg.T) * up`` with ``up`` an input (a per-layer input, not the
+    """``act(x @ Wg.T) * up`` with ``up`` an input (a per-layer input, not the
     weight's up rows): the weight has N rows."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
@@ -278,16 +267,15 @@ def test_a_gate_product_times_a_given_up_computes_its_math_in_emulation(glu):
     rows, K, N, threads = 2, 64, 24, 256
     x = rng.normal(size=(rows, K)).astype(np.float32)
     w = (rng.normal(size=(N, K)) * K ** -0.5).astype(np.float32)
-    nw = (1 + 0.1 * rng.normal(size=K)).astype(np.float32)
     up = rng.normal(size=(rows, N)).astype(np.float32)
     got = emulate_kernel(
         cuda_products.PRODUCT_SOURCE,
-        {"x": x, "w": w, "nw": nw, "res": np.zeros(1, np.float32), "up_x": up,
-         "eps": np.array([1e-6], np.float32)}, {"y": ((rows, N), np.float32)},
+        {"x": x, "w": w, "res": np.zeros(1, np.float32), "up_x": up},
+        {"y": ((rows, N), np.float32)},
         [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
-         ("NORM", True), ("RES", False), ("GLU", glu), ("UPX", True), ("ADDN", False)],
+         ("RES", False), ("GLU", glu), ("UPX", True), ("ADDN", False)],
         blocks=-(-N // (threads // 32)), threads=threads)["y"]
-    gate = _reference_np(x, w, nw, None, 1e-6, True, 0)
+    gate = _reference_np(x, w, None, 0)
     act = gate / (1 + np.exp(-gate)) if glu == 1 else 0.5 * gate * (
         1 + np.tanh(0.7978845608028654 * (gate + 0.044715 * gate ** 3)))
     np.testing.assert_allclose(got, act * up, rtol=1e-5, atol=1e-5)

@@ -1,21 +1,21 @@
-"""Decode-step products on CUDA with their neighbours fused in: one launch for ``rms_norm(x)
-@ W.T``, for ``x @ W.T + residual``, and for a gated MLP's ``act(x @ Wg.T) * (x @ Wu.T)``.
+"""Decode-step products on CUDA with their neighbours fused in: one launch for ``x @ W.T +
+residual``, for a gated MLP's ``act(x @ Wg.T) * (x @ Wu.T)``, and for a post norm's residual
+add after a product.
 
 A small model's decode step is bound by host time per launched kernel (MLX's CUDA backend
-records each as a graph node every step), not by arithmetic: a layer's RMS norm, its
-residual adds and the MLP's activation each cost a launch beside the products that read or
-write them. These kernels take a few rows (a decode step, a small batch, a short verify
-block) and read the weight once: a warp per output row (two for the gated MLP: its gate and
-up rows), 16-byte loads along the row, the rows of ``x`` staged in shared memory in the
-weight's dtype (normalised there first when a norm is fused). They round where MLX's
-operations round: the normalised row in the weight's dtype (as ``mx.fast.rms_norm``), the
-product before the residual or the activation, each activation step.
+records each as a graph node every step), not by arithmetic: a layer's residual adds and the
+MLP's activation each cost a launch beside the products that write them. These kernels take
+a few rows (a decode step, a small batch, a short verify block) and read the weight once: a
+warp per output row (two for the gated MLP: its gate and up rows), 16-byte loads along the
+row, the rows of ``x`` staged in shared memory. They round where MLX's operations round: the
+product before the residual or the activation, each activation step. Every case (sizes,
+rows, dtype, what is fused) serves only after its self-check against MLX's operations
+(``mlxrunner.nn.kernels.serves``).
 
-A norm fuses into the product that reads its output: :class:`mlxrunner.nn.RMSNorm` notes
-each output it hands out on CUDA (:func:`note_norm`, per thread, the last few), and a
-product whose input is such an output normalises the norm's own input instead; the norm's
-operation then has no reader and never runs. Every case (sizes, rows, dtype, what is fused)
-serves only after its self-check against MLX's operations (``mlxrunner.nn.kernels.serves``).
+The RMS norm before a product stays MLX's own kernel: a product that normalised its input
+itself (every block the whole row, before its main loop) cost the GPU two to three times
+MLX's norm and product together (``bench/launch_cost.py``, three H100 runs: 13.3, 14.3 and
+20.8 us for each of the two operations against 6.2-7.4).
 
 A post norm's residual add after a product (``RMSNorm.add_normed(residual, y)``, Gemma's
 layers) needs the product's whole row, which no one block has: the product is launched
@@ -47,19 +47,16 @@ STAGED_BYTES = 40 << 10
 THREADS = 256
 #: the gated activations a product may end in (``mlxrunner.nn.ACTIVATIONS``' names)
 GLU = {"silu": 1, "gelu_tanh": 2}
-#: norm outputs remembered per thread (a layer's norm is read by the next product or two)
-NOTED_NORMS = 8
 #: product outputs remembered per thread (a gate is read right after its product; each
 #: entry holds its weight alive)
 NOTED_PRODUCTS = 2
 
-# Template constants: T (x, weight, residual and norm weight dtype), K (inputs per row), N
-# (outputs per row), M (rows), NT (threads per block), NORM (normalise x with nw and eps
-# first), RES (add res to the rounded product), GLU (0: none; 1: silu, 2: gelu_tanh of rows
-# [0, N) times rows [N, 2N) of w, or times up where UPX), ADDN (then a post-norm's residual
-# add: h = (pres + rms_norm(y) * pw) * ps where PSCALE, by the block that finishes last,
-# counted in cnt, whose count by that block wraps it to 0 again). One warp per output n;
-# the block's warps take consecutive n.
+# Template constants: T (x, weight and residual dtype), K (inputs per row), N (outputs per
+# row), M (rows), NT (threads per block), RES (add res to the rounded product), GLU (0: none;
+# 1: silu, 2: gelu_tanh of rows [0, N) times rows [N, 2N) of w, or times up where UPX),
+# ADDN (then a post-norm's residual add: h = (pres + rms_norm(y) * pw) * ps where PSCALE, by
+# the block that finishes last, counted in cnt, whose count by that block wraps it to 0
+# again). One warp per output n; the block's warps take consecutive n.
 PRODUCT_SOURCE = r"""
     constexpr int kWarps = NT / 32;
     constexpr int kVec = 16 / sizeof(T);
@@ -67,40 +64,8 @@ PRODUCT_SOURCE = r"""
     const int lane = tid & 31;
     const int warp = tid >> 5;
     __shared__ __align__(16) T xs[M * K];
-    __shared__ float red[M * kWarps];
-    __shared__ float inv[M];
 
-    if (NORM) {
-        float ss[M];
-        #pragma unroll
-        for (int m = 0; m < M; ++m) ss[m] = 0.f;
-        for (int k = tid; k < K; k += NT) {
-            #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                float v = static_cast<float>(x[m * K + k]);
-                ss[m] += v * v;
-            }
-        }
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffff, ss[m], o);
-            if (lane == 0) red[m * kWarps + warp] = ss[m];
-        }
-        __syncthreads();
-        if (tid < M) {
-            float s = 0.f;
-            for (int w8 = 0; w8 < kWarps; ++w8) s += red[tid * kWarps + w8];
-            inv[tid] = rsqrtf(s / K + eps[0]);
-        }
-        __syncthreads();
-        for (int i = tid; i < M * K; i += NT) {
-            const int m = i / K;
-            const T xn = static_cast<T>(static_cast<float>(x[i]) * inv[m]);
-            xs[i] = static_cast<T>(static_cast<float>(nw[i - m * K]) * static_cast<float>(xn));
-        }
-    } else {
-        for (int i = tid; i < M * K; i += NT) xs[i] = x[i];
-    }
+    for (int i = tid; i < M * K; i += NT) xs[i] = x[i];
     __syncthreads();
 
     const int n = blockIdx.x * kWarps + warp;
@@ -183,6 +148,7 @@ PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + cuda_norms.ADD_NORMED + r"""
     // every block's rows of y are written once the count reaches the grid: the last
     // block norms them (add_normed: the add-norm kernel's own entry step)
     __shared__ bool last;
+    __shared__ float red[kWarps];
     __threadfence();  // this thread's rows of y, seen by every block before it counts out
     __syncthreads();
     if (tid == 0) {
@@ -218,11 +184,11 @@ PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + cuda_norms.ADD_NORMED + r"""
 """
 
 _kernel = CudaKernel(name="mlxrunner_product",
-                     input_names=["x", "w", "nw", "res", "up_x", "eps"],
+                     input_names=["x", "w", "res", "up_x"],
                      output_names=["y"], source=PRODUCT_SOURCE)
 _add_norm_kernel = CudaKernel(name="mlxrunner_product_add_norm",
-                              input_names=["x", "w", "nw", "res", "up_x", "eps", "pw", "pres",
-                                           "ps", "peps", "cnt"],
+                              input_names=["x", "w", "res", "up_x", "pw", "pres", "ps",
+                                           "peps", "cnt"],
                               output_names=["y", "h"], source=PRODUCT_ADD_NORM_SOURCE)
 #: a post norm after a product: (residual, norm weight, eps, scale or None)
 PostNorm = tuple[mx.array, mx.array, float, "mx.array | None"]
@@ -240,15 +206,6 @@ def _fits(x: mx.array, in_dims: int) -> bool:
             and x.shape[-1] == in_dims and (in_dims * x.dtype.size) % 16 == 0
             and rows * in_dims * x.dtype.size <= STAGED_BYTES
             and kernel_allowed("products"))
-
-
-def note_norm(out: mx.array, x: mx.array, weight: mx.array | None, eps: float) -> None:
-    """Remember that ``out`` is ``rms_norm(x, weight, eps)`` (this thread, the last
-    ``NOTED_NORMS``), so a fused product reading ``out`` may normalise ``x`` itself."""
-    if weight is None or weight.dtype != x.dtype or weight.shape != x.shape[-1:] or \
-            not _fits(x, x.shape[-1]):
-        return
-    _note(_noted, "norms", out, (out, x, weight, eps), NOTED_NORMS)
 
 
 def _note(where: threading.local, kind: str, out: mx.array, entry: tuple[Any, ...],
@@ -269,31 +226,19 @@ def _noted_entry(kind: str, out: mx.array) -> tuple[Any, ...] | None:
     return None if entry is None or entry[0] is not out else entry[1:]
 
 
-def _norm_of(x: mx.array) -> tuple[mx.array, mx.array, float] | None:
-    """The norm that made ``x`` (its input, weight and eps) where the product may run it:
-    a noted norm's output, with the ``norms`` kernels allowed (as every norm fusion)."""
-    if not kernel_allowed("norms"):
-        return None
-    entry = _noted_entry("norms", x)
-    return None if entry is None else (entry[0], entry[1], entry[2])
-
-
 def _launch(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-            norm: tuple[mx.array, mx.array, float] | None, up: mx.array | None = None,
-            post: PostNorm | None = None) -> mx.array:
+            up: mx.array | None = None, post: PostNorm | None = None) -> mx.array:
     """The product's output, or with ``post`` the post norm's residual add after it."""
     K = x.shape[-1]
     M = _rows(x)
     N = weight.shape[0] // (2 if glu and up is None else 1)
-    source = x if norm is None else norm[0]
     dummy = constant((0,), x.dtype)
-    inputs = [source, weight, dummy if norm is None else norm[1],
-              dummy if residual is None else residual, dummy if up is None else up,
-              constant((0.0 if norm is None else float(norm[2]),), mx.float32)]
+    inputs = [x, weight, dummy if residual is None else residual,
+              dummy if up is None else up]
     template: list[TemplateArg] = [
         ("T", x.dtype), ("K", K), ("N", N), ("M", M), ("NT", THREADS),
-        ("NORM", norm is not None), ("RES", residual is not None), ("GLU", glu),
-        ("UPX", up is not None), ("ADDN", post is not None)]
+        ("RES", residual is not None), ("GLU", glu), ("UPX", up is not None),
+        ("ADDN", post is not None)]
     grid = (THREADS * -(-N // (THREADS // 32)), 1, 1)
     shape = (*x.shape[:-1], N)
     if post is None:
@@ -326,15 +271,12 @@ def _new_counter() -> mx.array:
 
 
 def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-               norm: tuple[mx.array, mx.array, float] | None, up: mx.array | None = None,
-               post: PostNorm | None = None) -> mx.array:
+               up: mx.array | None = None, post: PostNorm | None = None) -> mx.array:
     """What MLX's operations compute for the same case (the check's reference)."""
     # (mlp imports linear, which imports this); the compiled chains themselves, which no
     # product output noted here can turn into a kernel
     from .mlp import _gelu_tanh_mul, _silu_mul
 
-    if norm is not None:
-        x = mx.fast.rms_norm(norm[0], norm[1], norm[2])
     y = x @ weight.T
     if glu:
         gate, up = mx.split(y, 2, axis=-1) if up is None else (y, up)
@@ -349,8 +291,7 @@ def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = Non
     """``x @ weight.T`` (``+ residual``) for float rows ``x [..., K]`` and a row-major
     ``weight [N, K]`` of the same dtype, as one fused kernel; ``activation`` (``silu``,
     ``gelu_tanh``): ``weight`` is gate rows then up rows and the result ``act(gate) * up``.
-    Where ``x`` is a noted norm's output (:func:`note_norm`), the norm runs inside. None
-    where no fused kernel serves this case: the caller runs MLX's operations."""
+    None where no fused kernel serves this case: the caller runs MLX's operations."""
     glu = GLU.get(activation or "", 0)
     if (activation is not None and not glu) or weight.ndim != 2 or weight.dtype != x.dtype \
             or not _fits(x, weight.shape[1]) or (glu and weight.shape[0] % 2):
@@ -359,12 +300,11 @@ def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = Non
     if residual is not None and (residual.dtype != x.dtype
                                  or residual.shape != (*x.shape[:-1], N)):
         return None
-    norm = _norm_of(x)
-    if not _serves(x, weight, residual is not None, glu, norm is not None):
+    if not _serves(x, weight, residual is not None, glu):
         return None
-    y = _launch(x, weight, residual, glu, norm)
+    y = _launch(x, weight, residual, glu)
     if residual is None and not glu:
-        _note(_noted, "products", y, (y, x, weight, norm), NOTED_PRODUCTS)
+        _note(_noted, "products", y, (y, x, weight), NOTED_PRODUCTS)
     return y
 
 
@@ -377,10 +317,10 @@ def fused_gated(gate: mx.array, up: mx.array, activation: str) -> mx.array | Non
     if entry is None or not glu or up.shape != gate.shape or up.dtype != gate.dtype \
             or not kernel_allowed("products"):
         return None
-    x, weight, norm = entry
-    if not _serves(x, weight, False, glu, norm is not None, upx=True):
+    x, weight = entry
+    if not _serves(x, weight, False, glu, upx=True):
         return None
-    return _launch(x, weight, None, glu, norm, up)
+    return _launch(x, weight, None, glu, up)
 
 
 def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
@@ -396,20 +336,19 @@ def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
             or (scale is not None and (scale.size != 1 or scale.dtype != x.dtype)) \
             or not (kernel_allowed("products") and kernel_allowed("norms")):
         return None
-    source, product_weight, norm = entry
-    if not _serves(source, product_weight, False, 0, norm is not None,
-                   post=1 if scale is None else 2):
+    source, product_weight = entry
+    if not _serves(source, product_weight, False, 0, post=1 if scale is None else 2):
         return None
-    return _launch(source, product_weight, None, 0, norm, post=(residual, weight, eps, scale))
+    return _launch(source, product_weight, None, 0, post=(residual, weight, eps, scale))
 
 
-def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, norm: bool,
-            upx: bool = False, post: int = 0) -> bool:
+def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, upx: bool = False,
+            post: int = 0) -> bool:
     """Whether the kernel serves this case (``post``: 0, or 1 / 2 for a post norm's
     residual add after it without / with a scale)."""
     K, M, dtype = x.shape[-1], _rows(x), x.dtype
     rows = weight.shape[0]
-    case = (K, rows, M, dtype, res, glu, norm) + ((True,) if upx else ()) + \
+    case = (K, rows, M, dtype, res, glu) + ((True,) if upx else ()) + \
         (("post", post) if post else ())
 
     def probe() -> tuple[Any, ...]:
@@ -418,17 +357,16 @@ def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, norm: bool,
         pw = (mx.random.normal((rows, K), key=keys[1]) * K ** -0.5).astype(dtype)
         n_out = rows // (2 if glu and not upx else 1)
         pr = mx.random.normal((M, n_out), key=keys[2]).astype(dtype) if res else None
-        pn = (1.0 + 0.1 * mx.random.normal((K,), key=keys[3])).astype(dtype)
         pu = mx.random.normal((M, n_out), key=keys[3]).astype(dtype) if upx else None
         pp = None if not post else (
             mx.random.normal((M, n_out), key=keys[4]).astype(dtype),
             (1.0 + 0.1 * mx.random.normal((n_out,), key=keys[5])).astype(dtype), 1e-6,
             (0.5 + mx.random.uniform(shape=(1,), key=keys[6])).astype(dtype)
             if post == 2 else None)
-        return px, pw, pr, (px, pn, 1e-5) if norm else None, pu, pp
+        return px, pw, pr, pu, pp
 
     return serves("products", case,
-                  lambda p: _launch(p[0], p[1], p[2], glu, p[3], p[4], p[5]),
-                  lambda p: _reference(p[0], p[1], p[2], glu, p[3], p[4], p[5]), probe,
+                  lambda p: _launch(p[0], p[1], p[2], glu, p[3], p[4]),
+                  lambda p: _reference(p[0], p[1], p[2], glu, p[3], p[4]), probe,
                   2e-3 if dtype == mx.float32 else 3e-2,
                   source=kernel_code(__file__, cuda_norms.__file__))  # (its add_normed)
