@@ -52,7 +52,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--full", action="store_true")
     args = parser.parse_args()
-    config = gemma4.composite(gemma4.E2B_TEXT_CONFIG if args.full else gemma4.QUICK_TEXT_CONFIG)
+    full = json.loads(gemma4.DEFAULT_CONFIG.read_text()) if gemma4.DEFAULT_CONFIG.is_file() \
+        else gemma4.E2B_TEXT_CONFIG
+    config = gemma4.composite(full if args.full else gemma4.QUICK_TEXT_CONFIG)
     rows = {}
     for name, maker in (("device counters", cuda_products._new_counter),
                         ("host counters", host_counter),
