@@ -154,6 +154,27 @@ def test_packed_images_are_kept_and_used_only_where_the_driver_loads_them(
     assert oldest.image(key, cubin) is cubin and oldest.packer is None
 
 
+def test_a_pack_that_fails_is_tried_once_a_kernel(builder: cuda_build.Builder,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An nvFatbin that refuses (too old for the options, say): the cubin, and no second
+    try at the next launch of the same kernel (every eager step launches it again)."""
+    packer = cuda_build.find_nvfatbin()
+    if packer is None:
+        pytest.skip("nvFatbin is not installed (pip install nvidia-nvfatbin)")
+    tries = []
+
+    class Failing(cuda_build.NvFatbin):
+        def pack(self, cubin: bytes, arch: str) -> bytes:
+            tries.append(arch)
+            raise RuntimeError("nvFatbinCreate failed (4)")
+
+    monkeypatch.setattr(cuda_build, "driver_loads", lambda image: True)
+    key, cubin = builder.cubin(_product_source())
+    failing = cuda_build.Builder(builder.nvrtc, builder.arch, builder.folder,
+                                 Failing(packer.lib._name))
+    assert [failing.image(key, cubin) for _ in range(3)] == [cubin] * 3 and len(tries) == 1
+
+
 def test_a_source_that_does_not_build_says_why(builder: cuda_build.Builder) -> None:
     source = _wrap("broken", "out[0] = undeclared_name;", [("x", "float32")],
                    [("out", "float32")], [])

@@ -8,9 +8,33 @@ on every launch.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import mlx.core as mx
+
+_compiling = threading.local()
+
+
+@contextmanager
+def compiling() -> Iterator[None]:
+    """This thread calls a function compiled with ``mx.compile`` (whose first call in a
+    thread traces it): an array made and evaluated meanwhile is a constant every call
+    reuses; one left lazy is an operation every call runs again, and MLX's compile merges
+    equal ones."""
+    depth = getattr(_compiling, "depth", 0)
+    _compiling.depth = depth + 1
+    try:
+        yield
+    finally:
+        _compiling.depth = depth
+
+
+def in_compiled() -> bool:
+    """Whether this thread is inside :func:`compiling`."""
+    return getattr(_compiling, "depth", 0) > 0
 
 
 @cache

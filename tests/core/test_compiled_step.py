@@ -72,6 +72,20 @@ def test_traces_are_reused_and_dropped_with_new_weights():
         assert generate(model, prompt, max_tokens=12, options=options).tokens == changed
 
 
+def test_a_trace_is_made_per_kernel_setting():
+    """A trace bakes in the kernels and how they launch: packed images or cubins
+    (``packed_kernels``) and the kernels allowed each get a trace of their own."""
+    model = plain_model()
+    options = SamplerOptions(temperature=0)
+    want = generate(model, [1, 2, 3], max_tokens=4, options=options).tokens
+    steps = compiled_steps(model)
+    assert steps.shapes == 1
+    for changes in ({"packed_kernels": False}, {"kernels": frozenset()}):
+        with settings.overridden(**changes):
+            assert generate(model, [1, 2, 3], max_tokens=4, options=options).tokens == want
+    assert steps.shapes == 3
+
+
 @pytest.mark.parametrize("failure", ["wrong", "raises"])
 def test_a_broken_trace_falls_back_to_eager(failure, monkeypatch, caplog):
     model = plain_model()

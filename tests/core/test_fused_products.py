@@ -304,13 +304,13 @@ def test_packed_and_plain_images_launch_the_same_product():
     np.testing.assert_array_equal(got[True], got[False])
 
 
-def test_a_post_norm_counter_is_a_constant_of_a_replayed_trace_and_lazy_elsewhere(
-        monkeypatch):
+def test_a_post_norm_counter_is_a_constant_of_the_cores_compiled_functions(monkeypatch):
     """The add-norm product's block counter: 16 bytes of zeros (past MLX's pool of managed
-    scalars, whose pages the host touches every step), evaluated where a forward is traced
-    to be replayed (a constant every replay reuses), left to the graph elsewhere (a fill
-    before the launch); and the core's compiled step traces in a frame marked replayed."""
-    from mlxrunner.cache import TraceFrame, active_frame, framing
+    scalars, whose pages the host touches every step), evaluated while the core traces a
+    function for ``mx.compile`` (a constant every call reuses, one per launch: lazy ones
+    MLX's compile would merge), left to the graph elsewhere (a fill before the launch); the
+    core's compiled decode step traces inside ``compiling``."""
+    from mlxrunner.constants import compiling, in_compiled
     from mlxrunner.decode import forward
     from plain_mlx_model import PlainModel
 
@@ -320,29 +320,31 @@ def test_a_post_norm_counter_is_a_constant_of_a_replayed_trace_and_lazy_elsewher
                         real_eval(*arrays))
     lazy = cuda_products._new_counter()
     assert evaluated == []
-    with framing(TraceFrame(mx.array(0), 1)):  # an uncompiled forward on stand-ins
-        cuda_products._new_counter()
-    assert evaluated == []
-    with framing(TraceFrame(mx.array(0), 1, replayed=True)):
-        kept = cuda_products._new_counter()
-    assert len(evaluated) == 1 and evaluated[0] is kept
-    for counter in (lazy, kept):
+    made = []
+
+    def two_launches(x: mx.array) -> mx.array:
+        made.extend([cuda_products._new_counter(), cuda_products._new_counter()])
+        return x + made[-1].sum() + made[-2].sum()
+
+    with compiling():
+        mx.compile(two_launches)(mx.array(1))
+    assert [id(a) for a in evaluated] == [id(a) for a in made] and len(made) == 2
+    for counter in (lazy, *made):
         assert counter.dtype == mx.int32 and counter.nbytes > 8 and counter.tolist() == [0] * 4
     monkeypatch.undo()
 
-    frames = []
+    seen = []
 
     class Recording(PlainModel):
         def __call__(self, *args, **kwargs):
-            frame = active_frame()
-            frames.append(None if frame is None else frame.replayed)
+            seen.append(in_compiled())
             return super().__call__(*args, **kwargs)
 
     mx.random.seed(0)
     model = Recording(None)
     cache = model.make_cache()
     mx.eval(model(mx.array([[3, 4, 5]]), cache))
-    frames.clear()
+    seen.clear()
     with settings.overridden(compile=True):
         forward(model, mx.array([[6]]), cache)
-    assert True in frames, frames  # traced in a replayed frame (then checked eagerly)
+    assert seen[0] is True and False in seen, seen  # traced, then checked eagerly

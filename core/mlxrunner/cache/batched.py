@@ -49,11 +49,10 @@ class RowFrame(TraceFrame):
     """One forward of ``length`` tokens per row over batched caches, the rows starting at
     ``offset`` ``[B]`` (traced or not): the masks its layers share."""
 
-    def __init__(self, offset: mx.array, length: int, replayed: bool = False) -> None:
+    def __init__(self, offset: mx.array, length: int) -> None:
         if offset.ndim != 1:
             raise ValueError(f"a batched forward takes one offset per row, got {offset.shape}")
-        # (start: unused by rows)
-        super().__init__(offset.reshape(1, -1)[0, :1], length, replayed)
+        super().__init__(offset.reshape(1, -1)[0, :1], length)  # (start: unused by rows)
         self.offset = offset
         self.made: dict[Hashable, Any] = {}
 

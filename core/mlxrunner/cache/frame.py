@@ -32,14 +32,11 @@ class Untraceable(Exception):
 
 
 class TraceFrame:
-    """One traced forward of ``length`` tokens starting at the traced ``offset``;
-    ``replayed``: traced by ``mx.compile`` (an array evaluated while it traces is a constant
-    every replay reuses; one left lazy is an operation every replay runs again)."""
+    """One traced forward of ``length`` tokens starting at the traced ``offset``."""
 
-    def __init__(self, offset: mx.array, length: int, replayed: bool = False) -> None:
+    def __init__(self, offset: mx.array, length: int) -> None:
         self.offset = offset
         self.length = length
-        self.replayed = replayed
         self._masks: dict[Any, mx.array] = {}
         self._mask_pairs: dict[Any, tuple[mx.array, mx.array]] = {}
         # id(keys) -> (keys, causal mask, all-valid mask): keys a stand-in handed out

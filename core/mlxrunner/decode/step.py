@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from copy import copy
 from typing import Any
 
@@ -39,6 +39,7 @@ import mlx.core as mx
 from .. import settings
 from ..cache import RowFrame, TraceFrame, framing
 from ..cache.frame import active_frame
+from ..constants import compiling
 from ..nn import attend
 from ..nn.attention import mlx_attention
 from ..nn.host_ops import hosting
@@ -246,7 +247,8 @@ class CompiledSteps:
         del inputs
         offset = mx.array(live[0].offset, dtype=mx.int32)
         try:
-            with _tracing(caches, counts, traced), _attention_routed():
+            with _tracing(caches, counts, traced), _attention_routed(), \
+                    (compiling() if traced.compiled else nullcontext()):
                 out = traced.function(ids, offset, flat)
         except Exception:
             for c, arrays in zip(live, held or ()):
@@ -341,8 +343,7 @@ class CompiledSteps:
 
         def graph(ids: mx.array, offset: mx.array, arrays: list[mx.array]) -> list[mx.array]:
             caches, traced = _current.caches, _current.traced
-            frame = (RowFrame if _batched(caches) else TraceFrame)(offset, length,
-                                                                    traced.compiled)
+            frame = (RowFrame if _batched(caches) else TraceFrame)(offset, length)
             stand: list[Any] = []
             at = 0
             counts = iter(_current.in_counts)

@@ -39,6 +39,7 @@ from .. import settings
 from ..cache.batched import grow_rows
 from ..cache.context import ContextCache, RowContext, TracedContext
 from ..cache.frame import bucket_capacity
+from ..constants import compiling
 from ..errors import DraftConfigError
 from ..nn.kernels import host_bound, host_declined
 from .draft import DraftModel, DraftProposal, DraftSession
@@ -199,7 +200,11 @@ class BlockDraft(DraftModel):
         every session of this draft."""
         graph = self._graphs.get(key)
         if graph is None:
-            compiled = mx.compile(build())
+            traced = mx.compile(build())
+
+            def compiled(*args: Any) -> Any:
+                with compiling():  # (a thread's first call traces it)
+                    return traced(*args)
 
             def first(*args: Any) -> Any:  # the tracing call
                 declined = host_declined()

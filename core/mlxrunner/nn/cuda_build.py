@@ -140,8 +140,8 @@ class NvFatbin:
         chosen = [b"-64", b"-host=linux", b"-compress-all", f"-compress-mode={self.mode}".encode()]
         handle = ctypes.c_void_p()
         options = (ctypes.c_char_p * len(chosen))(*chosen)
-        self._check(self.lib.nvFatbinCreate(ctypes.byref(handle), options, len(chosen)),
-                    "nvFatbinCreate")
+        self._check(self.lib.nvFatbinCreate(ctypes.byref(handle), options,
+                                            ctypes.c_size_t(len(chosen))), "nvFatbinCreate")
         try:
             self._check(self.lib.nvFatbinAddCubin(handle, cubin, ctypes.c_size_t(len(cubin)),
                                                   arch.removeprefix("sm_").encode(),
@@ -255,7 +255,11 @@ class Builder:
         #: packs cubins for launch (None: launches hand MLX the cubins)
         self.packer = packer
         self.built: dict[str, bytes] = {}
+        #: what launches hand MLX, by cubin key (the packed image, or the cubin where
+        #: packing failed)
         self.packed: dict[str, bytes] = {}
+        self._packing = threading.Lock()
+        self._driver_loaded = False  # a packed image in the packer's mode loaded
         self.compiled = 0  # builds this process ran (not read from the folder)
 
     def cubin(self, source: str) -> tuple[str, bytes]:
@@ -279,27 +283,35 @@ class Builder:
         return key, data
 
     def image(self, key: str, cubin: bytes) -> bytes:
-        """What a launch hands MLX for the cubin ``key`` (:meth:`cubin`'s): packed (see the
-        module) where the packer is, kept beside the cubin; else the cubin. The driver loads
-        the first packed image first; where it does not, the packer's next mode is tried,
-        and after the last every launch takes the cubins."""
-        if key in self.packed:
-            return self.packed[key]
-        while self.packer is not None:
-            data = self._packed(self.packer, key, cubin)
-            if data is None:
-                return cubin
-            if self.packed or driver_loads(data):
-                self.packed[key] = data
-                return data
-            log.debug("the driver does not load kernels packed for %s", self.packer.mode)
-            modes = self.packer.MODES
-            later = modes[modes.index(self.packer.mode) + 1:]
-            if later:
-                self.packer.mode = later[0]
-            else:
-                self.packer = None
-        return cubin
+        """What a launch hands MLX for the cubin ``key`` (:meth:`cubin`'s), settled once a
+        key: packed (see the module) where the packer is, kept beside the cubin; else (no
+        packer, a pack that failed) the cubin. The driver loads the first packed image
+        first; where it does not, the packer's next mode is tried, and after the last every
+        launch takes the cubins."""
+        found = self.packed.get(key)
+        if found is not None:
+            return found
+        with self._packing:  # (one mode at a time is tried and settled)
+            if key in self.packed:
+                return self.packed[key]
+            data = cubin
+            while self.packer is not None:
+                packer = self.packer
+                packed = self._packed(packer, key, cubin)
+                if packed is None:
+                    break
+                if self._driver_loaded or driver_loads(packed):
+                    self._driver_loaded = True
+                    data = packed
+                    break
+                log.debug("the driver does not load kernels packed for %s", packer.mode)
+                later = packer.MODES[packer.MODES.index(packer.mode) + 1:]
+                if later:
+                    packer.mode = later[0]
+                else:
+                    self.packer = None
+            self.packed[key] = data
+            return data
 
     def _packed(self, packer: NvFatbin, key: str, cubin: bytes) -> bytes | None:
         path = self.folder / f"{key}.{packer.mode}.fatbin"

@@ -32,8 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..cache.frame import active_frame
-from ..constants import constant
+from ..constants import constant, in_compiled
 from . import cuda_norms
 from .cuda_build import CudaKernel, TemplateArg, kernel_code
 from .kernels import kernel_allowed, serves
@@ -260,12 +259,12 @@ def _new_counter() -> mx.array:
     arrays of up to 8 bytes, and any array made from host values, from managed memory,
     whose pages the host touches every step (a step's offset, its sampled token); the
     blocks' atomics on such a page moved it back and forth (a Gemma 4 E2B step on an H100
-    waited 20 ms for its GPU, 0.1-1 ms before counters). While a forward is traced to be
-    replayed, evaluated now: a constant every replay reuses; else a fill before the
-    launch."""
+    waited 20 ms for its GPU, 0.1-1 ms before counters). While the core traces a function
+    for ``mx.compile`` (:func:`mlxrunner.constants.compiling`), evaluated now: a constant
+    every call reuses; else a fill before the launch (in a function compiled elsewhere,
+    which MLX's compile may merge with another launch's)."""
     counter = mx.zeros((4,), mx.int32)  # (16 bytes: past MLX's pool of managed scalars)
-    frame = active_frame()
-    if frame is not None and frame.replayed:
+    if in_compiled():
         mx.eval(counter)
     return counter
 

@@ -77,7 +77,7 @@ class GatedMLP(nn.Module):
         """``mlp(x)`` (``+ residual``, added in the down projection)."""
         joined = packed(self.gate_proj, self.up_proj)
         if joined is not None and "bias" not in joined and "scales" not in joined:
-            # on CUDA, gate, up and the activation (and a norm before) as one kernel
+            # on CUDA, gate, up and the activation as one kernel
             fused = fused_product(x, joined["weight"], activation=_FUSED_NAMES[self._act])
             if fused is not None:
                 return apply_linear(self.down_proj, fused, residual)
