@@ -158,15 +158,9 @@ class NvFatbin:
 def find_nvfatbin() -> NvFatbin | None:
     """nvFatbin where this machine has it (NVIDIA's wheel or a CUDA toolkit), the newest
     first; None if none loads."""
-    found: list[tuple[tuple[int, ...], str]] = []
-    for root in _roots():
-        for path in glob.glob(str(root / "*" / "lib" / "libnvfatbin.so.*")) + \
-                glob.glob(str(root / "lib64" / "libnvfatbin.so.*")):
-            suffix = path.rsplit(".so.", 1)[1]
-            found.append((tuple(int(p) for p in suffix.split(".") if p.isdigit()), path))
-    for _, path in sorted(found, reverse=True):
+    for path in _libraries("nvfatbin"):
         try:
-            return NvFatbin(path)
+            return NvFatbin(str(path))
         except (OSError, RuntimeError, AttributeError) as exc:
             log.debug("nvFatbin %s does not load: %s", path, exc)
     return None
@@ -204,21 +198,26 @@ def _roots() -> list[Path]:
     return roots + [Path(home)]
 
 
+def _libraries(name: str) -> list[Path]:
+    """``lib<name>.so.*`` in NVIDIA's wheels and a CUDA toolkit (:func:`_roots`), the
+    newest version first."""
+    found: list[tuple[tuple[int, ...], Path]] = []
+    for root in _roots():
+        for path in glob.glob(str(root / "*" / "lib" / f"lib{name}.so.*")) + \
+                glob.glob(str(root / "lib64" / f"lib{name}.so.*")):
+            suffix = path.rsplit(".so.", 1)[1]
+            found.append((tuple(int(p) for p in suffix.split(".") if p.isdigit()), Path(path)))
+    return [path for _, path in sorted(found, key=lambda v: v[0], reverse=True)]
+
+
 def find_nvrtc() -> NVRTC | None:
     """NVRTC and CUDA's headers where this machine has them (NVIDIA's wheels, as MLX's CUDA
     build installs them, or a CUDA toolkit), the newest NVRTC first; None if none loads."""
-    libraries: list[tuple[tuple[int, ...], Path]] = []
     headers: list[Path] = []
     for root in _roots():
-        for found in glob.glob(str(root / "*" / "lib" / "libnvrtc.so.*")) + \
-                glob.glob(str(root / "lib64" / "libnvrtc.so.*")):
-            if "builtins" not in found:
-                suffix = found.rsplit(".so.", 1)[1]
-                version = tuple(int(p) for p in suffix.split(".") if p.isdigit())
-                libraries.append((version, Path(found)))
         headers += [Path(h).parent for h in glob.glob(str(root / "*" / "include" / "cuda_bf16.h"))
                     + glob.glob(str(root / "include" / "cuda_bf16.h"))]
-    for _, path in sorted(libraries, key=lambda v: v[0], reverse=True):
+    for path in _libraries("nvrtc"):
         # the headers beside this NVRTC first (a toolkit's, or the wheel's own folder)
         near = [h for h in headers if h.parent == path.parent.parent]
         includes = [str(h) for h in near + [h for h in headers if h not in near]][:1]
