@@ -17,7 +17,8 @@ against the core's one kernel) and attention's heads (``attention_heads`` of a q
 a value: MLX's three norms and two RoPEs against the core's one kernel), and the core's product
 launched as its cubin rather than its packed image (``MLXRUNNER_PACKED_KERNELS=0``). Each row
 gives the host's share (until the chain is submitted) beside the whole time (until the GPU is
-done): a fused kernel that is cheap to submit may still run slower.
+done): a fused kernel that is cheap to submit may still run slower. Last, a kernel's scalar
+inputs: in MLX's managed scalar pool or their own allocation (``scalar_rows``).
 
     python bench/launch_cost.py [--launches 200] [--repeats 7] [--json out.json]
 """
@@ -119,23 +120,31 @@ def product_rows(launches: int, repeats: int) -> dict[str, list[float]]:
 
 
 def per_launch_us(function, launches: int, repeats: int,
-                  x: mx.array | None = None) -> list[float]:
+                  x: mx.array | None = None, per_step: bool = False) -> list[float]:
     """Time per launch of a compiled chain (build, submit and the wait, which for these
     tiny kernels is the GPU running them back to back); ``launches``: the operations the
     chain holds (for the core's fused rows: the operations it stands for). The host's share
-    alone (build and submit) is kept in ``HOST_US`` under the same list's id."""
+    alone (build and submit) is kept in ``HOST_US`` under the same list's id. ``per_step``:
+    the function also takes an int32 scalar made from a host value for every call, and the
+    host reads the result back (as a decode step does)."""
     x = mx.zeros((1024,), dtype=mx.float32) if x is None else x
-    mx.eval(function(x))  # eagerly first: the core's kernels settle their self-checks
+
+    def args(step: int) -> tuple[mx.array, ...]:
+        return (x, mx.array(step, dtype=mx.int32)) if per_step else (x,)
+
+    mx.eval(function(*args(0)))  # eagerly first: the core's kernels settle their self-checks
     compiled = mx.compile(function)
-    mx.eval(compiled(x))  # trace, build
+    mx.eval(compiled(*args(0)))  # trace, build
     times, host = [], []
-    for _ in range(repeats):
+    for step in range(repeats):
         mx.synchronize()
         started = time.perf_counter()
-        out = compiled(x)
+        out = compiled(*args(step))
         mx.async_eval(out)
         submitted = time.perf_counter()
         mx.eval(out)
+        if per_step:
+            out[:1].item()
         mx.synchronize()
         times.append(1e6 * (time.perf_counter() - started) / launches)
         host.append(1e6 * (submitted - started) / launches)
@@ -215,6 +224,47 @@ def norm_rows(launches: int, repeats: int) -> dict[str, list[float]]:
     }
 
 
+SCALED = """
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N) { out[i] = x[i] * s[0] + (float)o[0]; }
+"""
+
+
+def scalar_rows(launches: int, repeats: int) -> dict[str, list[float]]:
+    """A custom kernel over 256 blocks reading two scalars: a constant ``s`` and a per-step
+    value ``o`` the host makes for every call (a decode step's offset). MLX serves arrays of
+    at most 8 bytes from one pool of managed memory the host also writes (the step's
+    offset, the sampled token): a GPU read from a page the host last touched crosses the
+    bus. Rows: the constant in that pool (4 bytes), in its own allocation (the first of 4
+    floats: 16 bytes), and without the per-step value."""
+    kernel = mx.fast.cuda_kernel(name="launch_cost_scaled", input_names=["x", "s", "o"],
+                                 output_names=["out"], source=SCALED)
+    pooled = mx.array([1.0], dtype=mx.float32)
+    own = mx.array([1.0, 0.0, 0.0, 0.0], dtype=mx.float32)[:1]
+    mx.eval(pooled, own)
+
+    def chain(y: mx.array, s: mx.array, o: mx.array) -> mx.array:
+        for _ in range(launches):
+            (y,) = kernel(inputs=[y, s, o], template=[("N", y.size)], grid=(y.size, 1, 1),
+                          threadgroup=(256, 1, 1), output_shapes=[y.shape],
+                          output_dtypes=[y.dtype])
+        return y
+
+    x = mx.zeros((65536,), dtype=mx.float32)
+    steady = mx.zeros((4,), dtype=mx.int32)[:1]
+    mx.eval(steady)
+    return {
+        "scalar in MLX's pool + per-step": per_launch_us(
+            lambda y, o: chain(y, pooled, o), launches, repeats, x, per_step=True),
+        "scalar own 16 B + per-step": per_launch_us(
+            lambda y, o: chain(y, own, o), launches, repeats, x, per_step=True),
+        "scalar in MLX's pool, no per-step": per_launch_us(
+            lambda y: chain(y, pooled, steady), launches, repeats, x),
+        "scalar own 16 B, no per-step": per_launch_us(
+            lambda y: chain(y, own, steady), launches, repeats, x),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=200)
@@ -232,6 +282,7 @@ def main() -> None:
             lambda x, k=kernel: chain_custom(k, x, args.launches), args.launches, args.repeats)
     rows.update(product_rows(args.launches, args.repeats))
     rows.update(norm_rows(args.launches, args.repeats))
+    rows.update(scalar_rows(args.launches, args.repeats))
     print(f"time per launch, {args.launches} launches a graph, median of {args.repeats} "
           f"[min - max], and the host's share (until submitted), device "
           f"{mx.default_device()}, mlx {mx.__version__}")
