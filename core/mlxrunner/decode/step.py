@@ -32,14 +32,15 @@ import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from copy import copy
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import settings
 from ..cache import RowFrame, TraceFrame, framing
 from ..cache.frame import active_frame
-from ..constants import compiling
+from ..constants import compiling, off_scalar_pool
 from ..nn import attend
 from ..nn.attention import mlx_attention
 from ..nn.host_ops import hosting
@@ -138,6 +139,25 @@ class _Traced:
         self.counts: list[int] | None = None
 
 
+def _move_small_parameters(model: Any) -> None:
+    """The model's parameters of at most 8 bytes (a layer's scalar) moved out of MLX's
+    managed scalar pool on CUDA (see :func:`mlxrunner.constants.off_scalar_pool`): the
+    kernels of every step read them."""
+    parameters = getattr(model, "parameters", None)
+    if parameters is None or not hasattr(model, "update"):
+        return
+    moved: list[tuple[str, mx.array]] = []
+    flat = cast("list[tuple[str, Any]]", tree_flatten(parameters()))
+    for name, p in flat:
+        if isinstance(p, mx.array) and p.nbytes <= 8:
+            copied = off_scalar_pool(p)
+            if copied is not p:
+                moved.append((name, copied))
+    if moved:
+        mx.eval([p for _, p in moved])
+        model.update(tree_unflatten(moved))
+
+
 class CompiledSteps:
     """A model's traced forwards, by length, taps and cache layout."""
 
@@ -156,6 +176,7 @@ class CompiledSteps:
         self._host_bound_settings: set[Hashable] = set()
         #: forwards traced so far (each a compile of its own)
         self.traces_made = 0
+        self._small_parameters_moved = False
 
     def clear(self) -> None:
         self._traced.clear()
@@ -189,6 +210,9 @@ class CompiledSteps:
 
     def _forward(self, ids: mx.array, caches: Sequence[Any], taps: tuple[int, ...] | None
                  ) -> Result | None:
+        if not self._small_parameters_moved:
+            _move_small_parameters(self.model)
+            self._small_parameters_moved = True
         key = self._key(ids, caches, taps)
         switches = _switches()
         if key is None or (ids.shape, switches) in self._host_bound \
@@ -343,6 +367,8 @@ class CompiledSteps:
 
         def graph(ids: mx.array, offset: mx.array, arrays: list[mx.array]) -> list[mx.array]:
             caches, traced = _current.caches, _current.traced
+            # read by a kernel of every layer: out of MLX's managed scalar pool once a step
+            offset = off_scalar_pool(offset)
             frame = (RowFrame if _batched(caches) else TraceFrame)(offset, length)
             stand: list[Any] = []
             at = 0

@@ -230,7 +230,7 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
         inputs=[*(p[0] for p in padded), *(dummy if p[1] is None else p[1] for p in padded),
                 mx.array([0.0 if p[2] is None else p[2] for p in padded], dtype=mx.float32),
                 offsets, constant((1,), mx.float32) if freqs is None else freqs,
-                mx.array([log2_base or 0.0, scale], dtype=mx.float32)],
+                constant((log2_base or 0.0, scale), mx.float32)],
         template=template, grid=(HEAD_THREADS * B * L * sum(heads), 1, 1),
         threadgroup=(HEAD_THREADS, 1, 1),
         output_shapes=[(B, heads[i], L, D) if i < len(parts) else (1,) for i in range(3)],
@@ -310,7 +310,7 @@ def _launch_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
     return _add_norm(
         inputs=[x, weight, residual,
                 constant((1,), x.dtype) if scale is None else scale.reshape(1),
-                mx.array([eps], dtype=mx.float32)],
+                constant((eps,), mx.float32)],
         template=[("T", x.dtype), ("D", D), ("NT", ADD_THREADS), ("SCALE", scale is not None)],
         grid=(ADD_THREADS * (x.size // D), 1, 1), threadgroup=(ADD_THREADS, 1, 1),
         output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
