@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
+import mlxrunner
 from mlxrunner.constants import constant, off_scalar_pool
+from mlxrunner.decode import compiled_steps, forward
 
 
 def _on_cuda() -> bool:
@@ -42,4 +47,30 @@ def test_a_kernel_reads_moved_scalars() -> None:
     x = mx.arange(8, dtype=mx.float32)
     scale = off_scalar_pool(mx.array([3.0], mx.float32))
     offset = off_scalar_pool(mx.array(5, mx.int32))
-    assert ((x * scale + offset)).tolist() == [3.0 * i + 5 for i in range(8)]
+    assert (x * scale + offset).tolist() == [3.0 * i + 5 for i in range(8)]
+
+
+GEMMA4 = Path(__file__).resolve().parents[2] / "architectures" / "gemma4" / "tests" / \
+    "fixtures" / "e2b"
+
+
+@pytest.mark.skipif(not _on_cuda(), reason="MLX's managed scalar pool is on CUDA only")
+def test_small_parameters_move_once_and_the_step_stays_traced() -> None:
+    # Gemma 4's layer scalars (one element a layer) are moved out of the pool before the
+    # model's first traced step; moving them through the model's update must not drop the
+    # steps it keeps (a trace made again at every step)
+    if not (GEMMA4 / "config.json").exists():
+        pytest.skip(f"no tiny Gemma 4 checkpoint at {GEMMA4}")
+    model = mlxrunner.load_model(GEMMA4, dtype="bfloat16")
+    before = {name: p for name, p in tree_flatten(model.parameters()) if p.nbytes <= 8}
+    assert before, "the fixture has no small parameters"
+    caches = model.make_cache()
+    mx.eval(forward(model, mx.array([[1, 2, 3, 4]]), caches))
+    steps = compiled_steps(model)
+    for token in range(5, 10):
+        mx.eval(forward(model, mx.array([[token]]), caches))
+    assert compiled_steps(model) is steps and steps.enabled
+    assert steps.replays() >= 3
+    after = dict(tree_flatten(model.parameters()))
+    for name, p in before.items():
+        assert after[name] is not p and after[name].tolist() == p.tolist()

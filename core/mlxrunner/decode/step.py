@@ -117,6 +117,8 @@ def compiled_steps(model: Any) -> CompiledSteps:
     """The model's traced forwards (made on first use, dropped when its weights change)."""
     steps = model.__dict__.get(ATTRIBUTE)
     if steps is None:
+        # (before the steps are kept: a model's update drops its steps)
+        _move_small_parameters(model)
         steps = CompiledSteps(model)
         object.__setattr__(model, ATTRIBUTE, steps)
     return steps
@@ -176,7 +178,6 @@ class CompiledSteps:
         self._host_bound_settings: set[Hashable] = set()
         #: forwards traced so far (each a compile of its own)
         self.traces_made = 0
-        self._small_parameters_moved = False
 
     def clear(self) -> None:
         self._traced.clear()
@@ -210,9 +211,6 @@ class CompiledSteps:
 
     def _forward(self, ids: mx.array, caches: Sequence[Any], taps: tuple[int, ...] | None
                  ) -> Result | None:
-        if not self._small_parameters_moved:
-            _move_small_parameters(self.model)
-            self._small_parameters_moved = True
         key = self._key(ids, caches, taps)
         switches = _switches()
         if key is None or (ids.shape, switches) in self._host_bound \
