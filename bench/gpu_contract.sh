@@ -3,7 +3,7 @@
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
 #   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [solo]
-#     [pair] [soak] [vision] [launch] [prefill] [counters]    (SWITCHED="NAME=VALUE ...": a row of ours under each)
+#     [pair] [soak] [vision] [launch] [prefill]    (SWITCHED="NAME=VALUE ...": a row of ours under each)
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
@@ -20,8 +20,6 @@
 # wheel in .whl, mlx_vlm-0.7.10-py3-none-any.whl, installed without its dependencies).
 # launch: host time per kernel launch, built-in against custom kernels (bench/launch_cost.py).
 # prefill: a Gemma 4 prefill in parts, ours against mlx-lm's (bench/gemma4_prefill.py).
-# counters: Gemma 4 steps with the post-norm products' block counters in the GPU's memory
-# against made from host values (bench/counter_ab.py; FULL=1: E2B's layout).
 # Results in $OUT/results.tgz.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
@@ -69,9 +67,6 @@ for part in "${@:-tests qwen3 llama startup}"; do
       launch)
         (cd bench && timeout 120 python3 launch_cost.py --json "$out/launch-gpu.json") 2>&1 \
           | tee "$out/launch-gpu.txt" | tail -8 ;;
-      counters)  # Gemma 4 steps with the post-norm counters in GPU memory against host-made
-        (cd bench && timeout "${COUNTERS_TIMEOUT:-240}" python3 counter_ab.py ${FULL:+--full}) \
-          2>&1 | tee "$out/counters-gpu.txt" | tail -5 ;;
       prefill)  # where a Gemma 4 prefill's time goes, against mlx-lm's
         (cd bench && timeout "${PREFILL_TIMEOUT:-200}" python3 gemma4_prefill.py \
           --json "$out/gemma4-prefill-gpu.json") 2>&1 | tee "$out/gemma4-prefill-gpu.txt" \
