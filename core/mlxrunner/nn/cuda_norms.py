@@ -228,7 +228,7 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
                  ("L", L), ("PERB", bool(offsets.size > 1)), ("NT", HEAD_THREADS)]
     outputs = _heads(
         inputs=[*(p[0] for p in padded), *(dummy if p[1] is None else p[1] for p in padded),
-                mx.array([0.0 if p[2] is None else p[2] for p in padded], dtype=mx.float32),
+                constant(tuple(0.0 if p[2] is None else p[2] for p in padded), mx.float32),
                 offsets, constant((1,), mx.float32) if freqs is None else freqs,
                 constant((log2_base or 0.0, scale), mx.float32)],
         template=template, grid=(HEAD_THREADS * B * L * sum(heads), 1, 1),
