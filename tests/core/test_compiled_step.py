@@ -154,3 +154,40 @@ def test_a_mask_the_model_built_over_cached_keys_is_traced_exactly(monkeypatch):
     want = model(ids[:, 7:8], eager_caches)
     assert float(mx.abs(got - want).max()) < 1e-5
     assert compiled_steps(model).enabled and len(compiled_steps(model)._traced) == 1
+
+
+GEMMA4 = Path(__file__).resolve().parents[2] / "architectures" / "gemma4" / "tests" / \
+    "fixtures" / "e2b"
+
+
+def test_a_pipelined_prefill_evaluates_as_it_builds_and_gives_the_same_logits(monkeypatch):
+    # MLXRUNNER_PIPELINED_PREFILL: a prompt's untraced forward hands every fourth layer's
+    # attention inputs to mx.async_eval while it builds the rest; the logits are the same
+    if not (GEMMA4 / "config.json").exists():
+        pytest.skip(f"no tiny Gemma 4 checkpoint at {GEMMA4}")
+    model = mlxrunner.load_model(GEMMA4, dtype="float32")
+    prompt = random_prompt(model.vocab_size, 1, 80, seed=3)
+    started: list[int] = []
+    async_eval = mx.async_eval
+
+    def counted(*arrays):
+        started.append(len(arrays))
+        return async_eval(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", counted)
+    logits = {}
+    for pipelined in (False, True):
+        started.clear()
+        with settings.overridden(pipelined_prefill=pipelined):
+            out = forward(model, prompt, model.make_cache())
+            mx.eval(out)
+        logits[pipelined] = (out, len(started))
+    # 10 layers, every one attends (the last 4 over shared keys): every fourth starts
+    assert logits[False][1] == 0 and logits[True][1] == 10 // 4
+    assert mx.array_equal(logits[False][0], logits[True][0]).item()
+    # short blocks (decode steps, verify blocks) are not pipelined
+    started.clear()
+    with settings.overridden(pipelined_prefill=True):
+        cache = model.make_cache()
+        mx.eval(forward(model, prompt[:, :8], cache))
+    assert started == []
