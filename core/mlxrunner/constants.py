@@ -41,6 +41,11 @@ def in_compiled() -> bool:
 MIN_CONSTANT_BYTES = 16
 
 
+def padding_entries(count: int, dtype: mx.Dtype) -> int:
+    """How many entries of ``dtype`` past ``count`` fill :data:`MIN_CONSTANT_BYTES`."""
+    return max(0, -(-MIN_CONSTANT_BYTES // dtype.size) - count)
+
+
 @cache
 def constant(values: tuple[int | float | bool, ...], dtype: mx.Dtype) -> mx.array:
     """``mx.array(values, dtype)``, made and evaluated once per (values, dtype).
@@ -50,26 +55,12 @@ def constant(values: tuple[int | float | bool, ...], dtype: mx.Dtype) -> mx.arra
     whose pages the host writes every step (a step's offset), so a kernel reading a small
     constant there may read across the bus; a larger buffer is an allocation of its own,
     which moves to the GPU at its first use and stays."""
-    padding = max(0, -(-MIN_CONSTANT_BYTES // dtype.size) - len(values))
+    padding = padding_entries(len(values), dtype)
     array = mx.array(values + (0,) * padding, dtype=dtype)
     if padding:
         array = array[:len(values)]
     mx.eval(array)
     return array
-
-
-def off_scalar_pool(a: mx.array) -> mx.array:
-    """``a``, where it holds at most 8 bytes on MLX's CUDA backend, copied by one kernel
-    into a buffer of :data:`MIN_CONSTANT_BYTES` (a view of its first entries): one kernel
-    reads ``a`` where MLX keeps it, in its managed scalar pool (see :func:`constant`), the
-    kernels after it read the GPU's own memory. Elsewhere ``a`` itself."""
-    short = -(-MIN_CONSTANT_BYTES // a.dtype.size) - a.size
-    cuda = getattr(mx, "cuda", None)
-    if a.nbytes > 8 or short <= 0 or cuda is None or not cuda.is_available() \
-            or mx.default_device() != mx.gpu:
-        return a
-    flat = mx.concatenate([a.reshape(-1), constant((0,) * short, a.dtype)])
-    return flat[:a.size].reshape(a.shape)
 
 
 @cache

@@ -9,13 +9,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxrunner
-from mlxrunner.constants import constant, off_scalar_pool
+from mlxrunner.constants import constant
 from mlxrunner.decode import compiled_steps, forward
-
-
-def _on_cuda() -> bool:
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+from mlxrunner.nn.kernels import off_scalar_pool, on_cuda
 
 
 @pytest.mark.parametrize(("values", "dtype"), [
@@ -39,10 +35,10 @@ def test_off_scalar_pool_keeps_values(a: mx.array, small: bool) -> None:
     assert moved.shape == a.shape and moved.dtype == a.dtype
     assert moved.tolist() == a.tolist()
     # a copy only where MLX's CUDA backend pools the array (at most 8 bytes)
-    assert (moved is not a) == (small and _on_cuda())
+    assert (moved is not a) == (small and on_cuda())
 
 
-@pytest.mark.skipif(not _on_cuda(), reason="MLX's managed scalar pool is on CUDA only")
+@pytest.mark.skipif(not on_cuda(), reason="MLX's managed scalar pool is on CUDA only")
 def test_a_kernel_reads_moved_scalars() -> None:
     x = mx.arange(8, dtype=mx.float32)
     scale = off_scalar_pool(mx.array([3.0], mx.float32))
@@ -54,7 +50,7 @@ GEMMA4 = Path(__file__).resolve().parents[2] / "architectures" / "gemma4" / "tes
     "fixtures" / "e2b"
 
 
-@pytest.mark.skipif(not _on_cuda(), reason="MLX's managed scalar pool is on CUDA only")
+@pytest.mark.skipif(not on_cuda(), reason="MLX's managed scalar pool is on CUDA only")
 def test_small_parameters_move_once_and_the_step_stays_traced() -> None:
     # Gemma 4's layer scalars (one element a layer) are moved out of the pool before the
     # model's first traced step; moving them through the model's update must not drop the

@@ -40,11 +40,18 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .. import settings
 from ..cache import RowFrame, TraceFrame, framing
 from ..cache.frame import active_frame
-from ..constants import compiling, off_scalar_pool
+from ..constants import compiling
 from ..nn import attend
 from ..nn.attention import mlx_attention, pipelined
 from ..nn.host_ops import hosting
-from ..nn.kernels import HOST_TRACE_MIN_WORK, host_bound, host_declined, host_weights_run
+from ..nn.kernels import (
+    HOST_TRACE_MIN_WORK,
+    host_bound,
+    host_declined,
+    host_weights_run,
+    off_scalar_pool,
+    on_cuda,
+)
 
 log = logging.getLogger("mlxrunner.decode")
 
@@ -143,18 +150,12 @@ class _Traced:
 
 def _move_small_parameters(model: Any) -> None:
     """The model's parameters of at most 8 bytes (a layer's scalar) moved out of MLX's
-    managed scalar pool on CUDA (see :func:`mlxrunner.constants.off_scalar_pool`): the
+    managed scalar pool on CUDA (see :func:`mlxrunner.nn.kernels.off_scalar_pool`): the
     kernels of every step read them."""
-    parameters = getattr(model, "parameters", None)
-    if parameters is None or not hasattr(model, "update"):
+    if not (on_cuda() and hasattr(model, "parameters") and hasattr(model, "update")):
         return
-    moved: list[tuple[str, mx.array]] = []
-    flat = cast("list[tuple[str, Any]]", tree_flatten(parameters()))
-    for name, p in flat:
-        if isinstance(p, mx.array) and p.nbytes <= 8:
-            copied = off_scalar_pool(p)
-            if copied is not p:
-                moved.append((name, copied))
+    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    moved = [(name, off_scalar_pool(p)) for name, p in flat if p.nbytes <= 8]
     if moved:
         mx.eval([p for _, p in moved])
         model.update(tree_unflatten(moved))

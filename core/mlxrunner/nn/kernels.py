@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import settings
-from ..constants import constant
+from ..constants import constant, padding_entries
 from ..errors import MLXRunnerError
 
 log = logging.getLogger("mlxrunner.nn")
@@ -48,6 +48,18 @@ def on_cuda() -> bool:
     (custom CUDA kernels serve only then)."""
     cuda = getattr(mx, "cuda", None)
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+
+
+def off_scalar_pool(a: mx.array) -> mx.array:
+    """``a``, where it holds at most 8 bytes on MLX's CUDA backend, copied by one kernel
+    into a buffer of ``MIN_CONSTANT_BYTES`` (a view of its first entries): one kernel reads
+    ``a`` where MLX keeps it, in its managed scalar pool (see
+    :func:`mlxrunner.constants.constant`), the kernels after it read the GPU's own memory.
+    Elsewhere ``a`` itself."""
+    if a.nbytes > 8 or not on_cuda():
+        return a
+    zeros = constant((0,) * padding_entries(a.size, a.dtype), a.dtype)
+    return mx.concatenate([a.reshape(-1), zeros])[:a.size].reshape(a.shape)
 
 
 #: on CUDA, float32 products of 2..this many rows run as one-row products (see
