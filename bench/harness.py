@@ -288,7 +288,7 @@ def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None
 #: the settings a bench row may switch (``--switched NAME=VALUE``), each read from
 #: ``MLXRUNNER_<NAME>`` as the environment gives it
 SWITCHABLE = ("attention", "compile", "host_products", "kernels", "packed_kernels",
-              "pipelined_prefill", "row_products")
+              "row_products")
 
 
 def _setting(text: str) -> tuple[str, Any]:

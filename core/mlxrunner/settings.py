@@ -15,9 +15,6 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_PACKED_KERNELS`` (``1``/``0``, default 1): on CUDA, the core's built kernels
   launch as compressed fat binaries where nvFatbin is installed (MLX hashes a kernel's image
   at every launch: see ``mlxrunner.nn.cuda_build``); 0: as the cubins themselves.
-- ``MLXRUNNER_PIPELINED_PREFILL`` (``1``/``0``, default 0): a prompt's untraced forward
-  starts evaluating its layers while it builds the rest (``mlxrunner.nn.attention.pipelined``;
-  off until a GPU bench shows it pays).
 - ``MLXRUNNER_HOST_PRODUCTS`` (``1``/``0``): on MLX's CPU device off macOS, float32 products
   on the host (numpy's BLAS; quantized weights through the core's C loops, see
   ``mlxrunner.nn.host_quantized``), the decode steps that run enough of them eager, and the
@@ -65,7 +62,6 @@ class Settings:
     attention: str = "kernel"
     row_products: bool = True
     packed_kernels: bool = True
-    pipelined_prefill: bool = False
     host_products: bool = True
     load_plugins: tuple[str, ...] | None = None
     prefix_cache: bool = True
@@ -97,7 +93,6 @@ class Settings:
             attention=_choice(env, "MLXRUNNER_ATTENTION", "kernel", ATTENTION_MODES),
             row_products=_flag(env, "MLXRUNNER_ROW_PRODUCTS", True),
             packed_kernels=_flag(env, "MLXRUNNER_PACKED_KERNELS", True),
-            pipelined_prefill=_flag(env, "MLXRUNNER_PIPELINED_PREFILL", False),
             host_products=_flag(env, "MLXRUNNER_HOST_PRODUCTS", True),
             load_plugins=None if plugins is None else tuple(
                 p.strip() for p in plugins.split(",") if p.strip()),

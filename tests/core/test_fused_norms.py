@@ -128,7 +128,7 @@ def test_heads_match_mlx_operations_on_the_gpu(dtype, rope, B, L, D):
         alone, = mnn.attention_heads(offset, (q, None, r))
         _close(alone, r(q.transpose(0, 2, 1, 3), offset), dtype)
         # the halves of wider heads (a query ahead of its gate), read in place
-        q_gate = mx.concatenate([q, 3 * v[:, :, :1] - 1], axis=-1)
+        q_gate = mx.concatenate([q, 3 * q - 1], axis=-1)
         query, gate = mnn.attention_heads(offset, (q_gate, q_norm, r, D),
                                           (q_gate, None, None, slice(D, None)))
         _close(query, _by_hand(offset, q, k, v, q_norm, k_norm, r)[0], dtype)

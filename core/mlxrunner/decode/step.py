@@ -42,7 +42,7 @@ from ..cache import RowFrame, TraceFrame, framing
 from ..cache.frame import active_frame
 from ..constants import compiling
 from ..nn import attend
-from ..nn.attention import mlx_attention, pipelined
+from ..nn.attention import mlx_attention
 from ..nn.host_ops import hosting
 from ..nn.kernels import (
     HOST_TRACE_MIN_WORK,
@@ -100,7 +100,7 @@ def eager_forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
         kwargs["embeddings"] = embeddings
     if positions is not None:
         kwargs["positions"] = positions
-    with hosting(), (pipelined() if settings.current().pipelined_prefill else nullcontext()):
+    with hosting():
         out = model(ids, caches, **kwargs)
     if caches is not None:
         compiled_steps(model).saw_eager_forward(host_weights_run() - before)

@@ -23,9 +23,6 @@ its cache, whatever the cache kind, and inside a traced forward too.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol
 
 import mlx.core as mx
@@ -42,42 +39,6 @@ from .kernels import on_cuda, serves
 mlx_attention = mx.fast.scaled_dot_product_attention
 #: the longest query block :func:`attend` folds (longer ones are prompts)
 FOLD_MAX_QUERIES = 16
-#: inside :func:`pipelined`, a block of at least this many queries (a prompt's) starts its
-#: evaluation at every ``PIPELINE_EVERY``-th layer's :func:`attend`
-PIPELINE_MIN_QUERIES = 64
-PIPELINE_EVERY = 4
-
-_pipeline = threading.local()
-
-
-@contextmanager
-def pipelined() -> Iterator[None]:
-    """In this thread, an untraced forward of a prompt block evaluates as it is built: every
-    ``PIPELINE_EVERY``-th :func:`attend` of ``PIPELINE_MIN_QUERIES`` or more queries hands
-    its queries, keys and values to ``mx.async_eval``, so the device runs the layers below
-    while Python builds the ones above (a forward otherwise builds its whole graph before
-    any of it runs, and on a GPU the build's time adds to the compute's)."""
-    before = getattr(_pipeline, "layers", None)
-    _pipeline.layers = 0
-    try:
-        yield
-    finally:
-        _pipeline.layers = before
-
-
-def _pipeline_step(*arrays: mx.array) -> None:
-    """Start evaluating ``arrays`` at every ``PIPELINE_EVERY``-th call inside
-    :func:`pipelined` (see there)."""
-    layers = getattr(_pipeline, "layers", None)
-    if layers is None:
-        return
-    _pipeline.layers = layers + 1
-    if (layers + 1) % PIPELINE_EVERY:
-        return
-    try:
-        mx.async_eval(*arrays)
-    except ValueError:  # inside a function being compiled elsewhere: no pipelining there
-        _pipeline.layers = None
 
 
 def mode() -> str:
@@ -183,8 +144,6 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
     frame = active_frame()
     if frame is not None:
         mask = frame.mask_for(keys, mask)
-    elif q.ndim == 4 and q.shape[2] >= PIPELINE_MIN_QUERIES:
-        _pipeline_step(q, keys, values)
     chosen = mode()
     if chosen != "mlx" and not isinstance(mask, str) and _short_block_on_cuda(q, keys, mask):
         fused_gate = gate is not None and gate.shape == (*q.shape[:3], values.shape[3]) \
