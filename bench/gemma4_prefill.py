@@ -2,15 +2,19 @@
 whole prompt (caches evaluated, as ``bench/gemma4.py`` times it), the embeddings with the
 per-layer inputs, and each cache-writing layer on its own (from the same evaluated input,
 with a fresh cache; the first of each kind also in parts: attention, MLP, per-layer
-input), medians of ``--repeats`` synchronised runs in milliseconds.
+input), medians of ``--repeats`` synchronised runs in milliseconds; and the time Python
+takes to build the whole prompt's graph alone (``--profile``: ours, by function).
 
-    python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--json PATH]
+    python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--profile]
+        [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -45,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", action="store_true",
+                        help="print where Python's time goes building our prompt's graph")
     args = parser.parse_args(argv)
     config = gemma4.composite(gemma4.QUICK_TEXT_CONFIG if args.quick else
                               json.loads(gemma4.DEFAULT_CONFIG.read_text())
@@ -75,6 +81,30 @@ def main(argv: list[str] | None = None) -> int:
           f"mlx {mx.__version__}", flush=True)
     row("whole (caches)", whole(ours_row), whole(reference))
     row("whole, eager model", whole(model), whole(reference))
+
+    def built(fn: Any) -> Callable[[], float]:
+        """Milliseconds Python takes to build the whole prompt's graph (nothing evaluated:
+        the build's result is dropped unevaluated)."""
+        def run() -> float:
+            cache = fn.make_cache()
+            start = time.perf_counter()
+            fn(ids, cache=cache)
+            return 1e3 * (time.perf_counter() - start)
+        return run
+
+    build = {name: statistics.median(built(fn)() for _ in range(args.repeats))
+             for name, fn in (("mlxrunner", ours_row), ("mlx-lm", reference))}
+    rows["whole, building alone"] = build
+    print(f"  {'whole, building alone':<28} mlxrunner {build['mlxrunner']:8.3f} ms   mlx-lm "
+          f"{build['mlx-lm']:8.3f} ms   ratio {build['mlx-lm'] / build['mlxrunner']:5.2f}x",
+          flush=True)
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.repeats):
+            built(ours_row)()
+        profile.disable()
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(30)
 
     def ours_inputs() -> Any:
         h = model.model.embed_tokens(ids)

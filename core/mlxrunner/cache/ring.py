@@ -122,13 +122,13 @@ class RingCache(Cache):
             keys, values = keys[..., n - keep:, :], values[..., n - keep:, :]
         first = (start + n - keep) % self.window
         head = min(keep, self.window - first)  # slots before the buffer end
-        ring_keys = mx.slice_update(ring_keys, keys[..., :head, :], mx.array([first]), (2,))
-        ring_values = mx.slice_update(ring_values, values[..., :head, :], mx.array([first]),
-                                      (2,))
+        at = mx.array([first])
+        ring_keys = mx.slice_update(ring_keys, keys[..., :head, :], at, (2,))
+        ring_values = mx.slice_update(ring_values, values[..., :head, :], at, (2,))
         if head < keep:
-            ring_keys = mx.slice_update(ring_keys, keys[..., head:, :], mx.array([0]), (2,))
-            ring_values = mx.slice_update(ring_values, values[..., head:, :], mx.array([0]),
-                                          (2,))
+            at = mx.array([0])
+            ring_keys = mx.slice_update(ring_keys, keys[..., head:, :], at, (2,))
+            ring_values = mx.slice_update(ring_values, values[..., head:, :], at, (2,))
         return ring_keys, ring_values
 
     # -- writes done elsewhere (a traced step) -----------------------------

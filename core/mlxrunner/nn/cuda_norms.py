@@ -291,7 +291,8 @@ def fused_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: float
                    scale: mx.array | None) -> mx.array | None:
     """``(residual + rms_norm(x, weight, eps)) * scale`` in one launch; None where the
     kernel does not serve this case."""
-    if not kernel_allowed("norms") or x.dtype not in FLOATS or x.ndim == 0:
+    if x.ndim == 0 or x.size > MAX_ROWS * x.shape[-1] or not kernel_allowed("norms") \
+            or x.dtype not in FLOATS:
         return None
     D = x.shape[-1]
     rows = x.size // D if D else 0

@@ -198,6 +198,12 @@ def _rows(x: mx.array) -> int:
     return x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
 
 
+def short_rows(x: mx.array) -> bool:
+    """Whether ``x`` has few enough rows for a fused product (``MAX_ROWS``: a decode step's,
+    a verify block's; a prompt's have more)."""
+    return x.ndim > 0 and x.size <= MAX_ROWS * x.shape[-1]
+
+
 def _fits(x: mx.array, in_dims: int) -> bool:
     """Whether rows like ``x`` may reach a fused product at all (cheap: asked per call)."""
     rows = _rows(x)
@@ -291,6 +297,8 @@ def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = Non
     ``weight [N, K]`` of the same dtype, as one fused kernel; ``activation`` (``silu``,
     ``gelu_tanh``): ``weight`` is gate rows then up rows and the result ``act(gate) * up``.
     None where no fused kernel serves this case: the caller runs MLX's operations."""
+    if not short_rows(x):  # (a prompt's rows: asked first, it saves the other questions)
+        return None
     glu = GLU.get(activation or "", 0)
     if (activation is not None and not glu) or weight.ndim != 2 or weight.dtype != x.dtype \
             or not _fits(x, weight.shape[1]) or (glu and weight.shape[0] % 2):

@@ -10,6 +10,7 @@ cannot be evaluated or held: it is returned as the operations, so gradients flow
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,10 +24,13 @@ def derived(module: nn.Module, name: str, sources: Sequence[mx.array],
             make: Callable[..., Any]) -> Any:
     """``make(*sources)``, evaluated and held on ``module`` under ``name`` until one of
     ``sources`` is another array object (new weights were loaded)."""
-    held: dict[str, tuple[tuple[mx.array, ...], Any]] = module.__dict__.setdefault(_HELD, {})
+    held: dict[str, tuple[tuple[mx.array, ...], Any]] | None = module.__dict__.get(_HELD)
+    if held is None:
+        held = module.__dict__[_HELD] = {}
     entry = held.get(name)
+    # (asked by every layer of every forward: map over is_, not a generator)
     if entry is not None and len(entry[0]) == len(sources) and all(
-            a is b for a, b in zip(entry[0], sources)):
+            map(operator.is_, entry[0], sources)):
         return entry[1]
     value = make(*sources)
     try:

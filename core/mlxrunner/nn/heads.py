@@ -18,7 +18,7 @@ import math
 
 import mlx.core as mx
 
-from .cuda_norms import HeadPart, Rotation, fused_heads
+from .cuda_norms import MAX_HEAD_POSITIONS, HeadPart, Rotation, fused_heads
 from .kernels import on_cuda
 from .norm import RMSNorm, rms_norm
 from .rope import RoPE
@@ -40,7 +40,9 @@ def attention_heads(offset: int | mx.array, *parts: Part) -> list[mx.array]:
             raise ValueError(f"attention_heads: part {i}'s heads must be [B, L, H, D] with the "
                              f"other parts' B and L, got shape {list(x.shape)}")
         taken.append(_taken(parts[i], i))
-    if on_cuda() and len({size for _, size in taken}) == 1:
+    # (a prompt's block is past the kernel: asked first, it saves the rest a layer's host time)
+    if parts[0][0].shape[1] <= MAX_HEAD_POSITIONS and on_cuda() \
+            and len({size for _, size in taken}) == 1:
         fused = _fused(offset, parts, taken)
         if fused is not None:
             return fused

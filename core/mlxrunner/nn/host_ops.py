@@ -54,9 +54,16 @@ def _raised(counter: str) -> Iterator[None]:
         setattr(_state, counter, held)
 
 
-def hosting() -> AbstractContextManager[None]:
-    """Let the core's layers run on the host in this thread (see the module)."""
-    return _raised("depth")
+@contextmanager
+def hosting() -> Iterator[None]:
+    """Let the core's layers run on the host in this thread (see the module); whether
+    products run on the host is asked once, here, not by every layer's every call."""
+    held = getattr(_state, "depth", 0), getattr(_state, "products", False)
+    _state.depth, _state.products = held[0] + 1, host_products()
+    try:
+        yield
+    finally:
+        _state.depth, _state.products = held
 
 
 def unhosted() -> AbstractContextManager[None]:
@@ -69,7 +76,7 @@ def host_active() -> bool:
     """Whether this thread is inside :func:`hosting` (and not :func:`unhosted`) where
     products run on the host."""
     return (getattr(_state, "depth", 0) > 0 and not getattr(_state, "off", 0)
-            and host_products())
+            and _state.products)
 
 
 def host_array(x: mx.array) -> np.ndarray | None:

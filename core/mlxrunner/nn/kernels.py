@@ -46,8 +46,14 @@ Outputs = mx.array | Sequence[mx.array | None]
 def on_cuda() -> bool:
     """Whether operations run on MLX's CUDA backend: the default device is a CUDA GPU
     (custom CUDA kernels serve only then)."""
+    return _cuda_available() and mx.default_device() == mx.gpu
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    # (asked by every layer of a forward: the backend does not change in a process)
     cuda = getattr(mx, "cuda", None)
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+    return cuda is not None and bool(cuda.is_available())
 
 
 def off_scalar_pool(a: mx.array) -> mx.array:

@@ -254,9 +254,12 @@ class _Pack:
         self.sources = tuple(layer["weight"] for layer in layers)
 
     def current(self, layers: tuple[nn.Module, ...]) -> bool:
-        return len(layers) == len(self.layers) and all(
-            a is b for a, b in zip(layers, self.layers)) and all(
-            a is layer["weight"] for a, layer in zip(self.sources, layers))
+        if len(layers) != len(self.layers):
+            return False
+        for layer, mine, source in zip(layers, self.layers, self.sources):
+            if layer is not mine or layer["weight"] is not source:
+                return False
+        return True
 
     def __call__(self, x: mx.array) -> tuple[mx.array | None, list[mx.array]]:
         if self.joined is None:

@@ -8,7 +8,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cuda_products import fused_gated, fused_product
+from .cuda_products import fused_gated, fused_product, short_rows
 from .host_ops import host_silu_mul
 from .linear import Linear, apply_linear, linears, packed
 from .parallel import Column, Row
@@ -75,7 +75,7 @@ class GatedMLP(nn.Module):
 
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         """``mlp(x)`` (``+ residual``, added in the down projection)."""
-        joined = packed(self.gate_proj, self.up_proj)
+        joined = packed(self.gate_proj, self.up_proj) if short_rows(x) else None
         if joined is not None and "bias" not in joined and "scales" not in joined:
             # on CUDA, gate, up and the activation as one kernel
             fused = fused_product(x, joined["weight"], activation=_FUSED_NAMES[self._act])
