@@ -122,13 +122,16 @@ class RingCache(Cache):
             keys, values = keys[..., n - keep:, :], values[..., n - keep:, :]
         first = (start + n - keep) % self.window
         head = min(keep, self.window - first)  # slots before the buffer end
-        at = mx.array([first])
-        ring_keys = mx.slice_update(ring_keys, keys[..., :head, :], at, (2,))
-        ring_values = mx.slice_update(ring_values, values[..., :head, :], at, (2,))
+        # Static bounds on new arrays (the given ring's own are left as they were): a
+        # dynamic start is a 4-byte index array, which MLX on CUDA serves from its managed
+        # scalar pool, read across the bus by each launch (a sliding layer's 512-token
+        # write took 0.18 ms on an H100 against 0.06 for mlx-lm's whole store)
+        ring_keys, ring_values = ring_keys[...], ring_values[...]
+        ring_keys[..., first:first + head, :] = keys[..., :head, :]
+        ring_values[..., first:first + head, :] = values[..., :head, :]
         if head < keep:
-            at = mx.array([0])
-            ring_keys = mx.slice_update(ring_keys, keys[..., head:, :], at, (2,))
-            ring_values = mx.slice_update(ring_values, values[..., head:, :], at, (2,))
+            ring_keys[..., :keep - head, :] = keys[..., head:, :]
+            ring_values[..., :keep - head, :] = values[..., head:, :]
         return ring_keys, ring_values
 
     # -- writes done elsewhere (a traced step) -----------------------------

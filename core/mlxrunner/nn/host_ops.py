@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -44,39 +44,33 @@ _state = threading.local()
 
 
 @contextmanager
-def _raised(counter: str) -> Iterator[None]:
-    """This thread's ``counter`` one higher while the block runs (nested blocks nest)."""
-    held = getattr(_state, counter, 0)
-    setattr(_state, counter, held + 1)
-    try:
-        yield
-    finally:
-        setattr(_state, counter, held)
-
-
-@contextmanager
 def hosting() -> Iterator[None]:
     """Let the core's layers run on the host in this thread (see the module); whether
     products run on the host is asked once, here, not by every layer's every call."""
-    held = getattr(_state, "depth", 0), getattr(_state, "products", False)
-    _state.depth, _state.products = held[0] + 1, host_products()
+    held = getattr(_state, "active", False)
+    _state.active = not getattr(_state, "off", 0) and host_products()
     try:
         yield
     finally:
-        _state.depth, _state.products = held
+        _state.active = held
 
 
-def unhosted() -> AbstractContextManager[None]:
+@contextmanager
+def unhosted() -> Iterator[None]:
     """The core's layers as MLX's operations in this thread, even inside :func:`hosting`
     (a check comparing a traced forward with the eager one compares tracing alone)."""
-    return _raised("off")
+    held = getattr(_state, "active", False), getattr(_state, "off", 0)
+    _state.active, _state.off = False, held[1] + 1
+    try:
+        yield
+    finally:
+        _state.active, _state.off = held
 
 
 def host_active() -> bool:
     """Whether this thread is inside :func:`hosting` (and not :func:`unhosted`) where
-    products run on the host."""
-    return (getattr(_state, "depth", 0) > 0 and not getattr(_state, "off", 0)
-            and _state.products)
+    products run on the host (one flag: asked by every layer's every call)."""
+    return getattr(_state, "active", False)
 
 
 def host_array(x: mx.array) -> np.ndarray | None:
