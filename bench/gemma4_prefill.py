@@ -1,9 +1,10 @@
 """Where a Gemma 4 prefill's time goes, ours against mlx-lm's on the same weights: the
 whole prompt (caches evaluated, as ``bench/gemma4.py`` times it), the embeddings with the
 per-layer inputs, and each cache-writing layer on its own (from the same evaluated input,
-with a fresh cache; the first of each kind also in parts: attention, MLP, per-layer
-input), medians of ``--repeats`` synchronised runs in milliseconds; and the time Python
-takes to build the whole prompt's graph alone (``--profile``: ours, by function).
+with a fresh cache; the first of each kind also in parts: attention, and within it the
+heads, the cache write and the attention alone; MLP; per-layer input), medians of
+``--repeats`` synchronised runs in milliseconds; and the time Python takes to build the
+whole prompt's graph alone (``--profile``: ours, by function).
 
     python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--profile]
         [--json PATH]
@@ -26,6 +27,7 @@ import gemma4
 import harness
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention as sdpa
 
 import mlxrunner.nn as mnn
 
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             return [out, *cache[i].state]
 
         row(f"  attention ({kind})", attention_mine, attention_theirs)
+        attention_parts(i, layer.self_attn, theirs.self_attn, x, kind)
         row(f"  MLP ({kind})", lambda: layer.mlp(layer.pre_feedforward_layernorm(x)),
             lambda: theirs.mlp(theirs.pre_feedforward_layernorm(x)))
 
@@ -148,6 +151,47 @@ def main(argv: list[str] | None = None) -> int:
             return theirs.post_per_layer_input_norm(theirs.per_layer_projection(gate))
 
         row(f"  per-layer input ({kind})", per_layer_mine, per_layer_theirs)
+
+    def attention_parts(i: int, mine: Any, theirs: Any, x: mx.array, kind: str) -> None:
+        """The attention's heads (norms, RoPE, layout: ours from the same projections),
+        its cache write (with theirs, the mask) and the attention itself, each from the
+        same evaluated inputs."""
+        B, L, _ = x.shape
+        q, k, v = (y.reshape(B, L, -1, mine.head_dim) for y in
+                   mnn.linears(x, mine.q_proj, mine.k_proj, mine.v_proj))
+        mx.eval(q, k, v)
+
+        def heads_mine() -> Any:
+            return mnn.attention_heads(0, (q, mine.q_norm, mine.rope), (k, mine.k_norm, mine.rope),
+                                       (v, mine.eps, None))
+
+        def heads_theirs() -> Any:
+            qq, kk, vv = (norm(y).transpose(0, 2, 1, 3) for norm, y in
+                          ((theirs.q_norm, q), (theirs.k_norm, k), (theirs.v_norm, v)))
+            return [theirs.rope(qq, offset=0), theirs.rope(kk, offset=0), vv]
+
+        qh, kh, vh = heads_mine()
+        mx.eval(qh, kh, vh)
+
+        def store_mine() -> Any:
+            kv = mnn.store(model.make_cache()[i], kh, vh, mine.window)
+            return [kv.keys, kv.values, *([kv.mask] if isinstance(kv.mask, mx.array) else [])]
+
+        def store_theirs() -> Any:
+            cache = reference.make_cache()
+            mask = text._make_masks(x, cache)[i]
+            keys, values = cache[i].update_and_fetch(kh, vh)
+            return [keys, values, *([mask] if isinstance(mask, mx.array) else [])]
+
+        ours_kv, their_kv = store_mine(), store_theirs()
+        mx.eval(ours_kv, their_kv)
+        ours_mask = mnn.store(model.make_cache()[i], kh, vh, mine.window).mask
+        their_mask = text._make_masks(x, reference.make_cache())[i]
+        row(f"    heads ({kind})", heads_mine, heads_theirs)
+        row(f"    cache write ({kind})", store_mine, store_theirs)
+        row(f"    attend ({kind})",
+            lambda: mnn.attend(qh, *ours_kv[:2], ours_mask, scale=1.0),
+            lambda: sdpa(qh, *their_kv[:2], cache=None, scale=1.0, mask=their_mask))
 
     writers = [i for i in range(a.num_layers) if a.kv_source[i] == i]
     h = h0

@@ -19,7 +19,8 @@
 # Qwen3.5 with one 1024x1024 image against mlx-vlm (bench/vision_ttft.py; needs mlx-vlm's
 # wheel in .whl, mlx_vlm-0.7.10-py3-none-any.whl, installed without its dependencies).
 # launch: host time per kernel launch, built-in against custom kernels (bench/launch_cost.py).
-# prefill: a Gemma 4 prefill in parts, ours against mlx-lm's (bench/gemma4_prefill.py).
+# prefill: a Gemma 4 prefill in parts, ours against mlx-lm's (bench/gemma4_prefill.py;
+# PREFILL_ARGS=--profile: where our build's Python time goes).
 # Results in $OUT/results.tgz.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
@@ -68,7 +69,7 @@ for part in "${@:-tests qwen3 llama startup}"; do
         (cd bench && timeout 120 python3 launch_cost.py --json "$out/launch-gpu.json") 2>&1 \
           | tee "$out/launch-gpu.txt" | tail -8 ;;
       prefill)  # where a Gemma 4 prefill's time goes, against mlx-lm's
-        (cd bench && timeout "${PREFILL_TIMEOUT:-200}" python3 gemma4_prefill.py \
+        (cd bench && timeout "${PREFILL_TIMEOUT:-200}" python3 gemma4_prefill.py ${PREFILL_ARGS:-} \
           --json "$out/gemma4-prefill-gpu.json") 2>&1 | tee "$out/gemma4-prefill-gpu.txt" \
           | tail -24 ;;
       startup)

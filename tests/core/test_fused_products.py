@@ -155,7 +155,9 @@ def test_a_post_norm_add_runs_in_its_products_launch_on_the_gpu(dtype, rows):
             got = post.add_normed(r, o_proj(x), s)
             views = {"Reshape", "Broadcast", "Slice", "Transpose", "Squeeze", "ExpandDims"}
             kernels_run = [label for label in _graph_labels(got) if label not in views]
-            assert len(kernels_run) == 1, kernels_run  # the product's launch alone
+            # the product's launch, and the fill of its block counter (made lazily outside
+            # a trace: see cuda_products._new_counter)
+            assert sorted(kernels_run) == ["CustomKernel", "Full"], kernels_run
             _close(got, want, dtype)
     # two launches of one product with independent inputs, evaluated together (as a
     # traced step and the eager step that checks it): each counts its own blocks
