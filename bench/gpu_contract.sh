@@ -3,7 +3,7 @@
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
 #   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [solo]
-#     [pair] [soak] [vision] [launch] [prefill]    (SWITCHED="NAME=VALUE ...": a row of ours under each)
+#     [pair] [soak] [vision] [launch] [prefill] [products]    (SWITCHED="NAME=VALUE ...": a row of ours under each)
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
@@ -19,6 +19,8 @@
 # Qwen3.5 with one 1024x1024 image against mlx-vlm (bench/vision_ttft.py; needs mlx-vlm's
 # wheel in .whl, mlx_vlm-0.7.10-py3-none-any.whl, installed without its dependencies).
 # launch: host time per kernel launch, built-in against custom kernels (bench/launch_cost.py).
+# products: a Gemma 4 E2B decode step's products, ours against MLX's, per call and in GB/s
+# (bench/product_bandwidth.py).
 # prefill: a Gemma 4 prefill in parts, ours against mlx-lm's (bench/gemma4_prefill.py;
 # PREFILL_ARGS=--profile: where our build's Python time goes).
 # Results in $OUT/results.tgz.
@@ -65,6 +67,9 @@ for part in "${@:-tests qwen3 llama startup}"; do
         MLXRUNNER_MODELS=/tmp/store timeout "${SOAK_TIMEOUT:-540}" python3 bench/serve_soak.py \
           demo-qwen3.5 --bursts --requests "${SOAK_REQUESTS:-2000}" --minutes 8 \
           --json "$out/soak-gpu.json" 2>&1 | tee "$out/soak-gpu.txt" | tail -16 ;;
+      products)  # a Gemma 4 E2B step's products: ours against MLX's, time and GB/s
+        (cd bench && timeout "${PRODUCTS_TIMEOUT:-180}" python3 product_bandwidth.py \
+          --json "$out/products-gpu.json") 2>&1 | tee "$out/products-gpu.txt" | tail -10 ;;
       launch)
         (cd bench && timeout 120 python3 launch_cost.py --json "$out/launch-gpu.json") 2>&1 \
           | tee "$out/launch-gpu.txt" | tail -8 ;;

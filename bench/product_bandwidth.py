@@ -1,0 +1,143 @@
+"""A Gemma 4 E2B decode step's products, one row each, through ``mlxrunner.nn`` (on CUDA the
+core's fused product kernels) against MLX's own (``x @ w.T``; the gated MLP as mlx-lm writes
+it), on the default device: time per call and the weight bytes read per second.
+
+Each case is called ``--count`` times in one evaluation, on distinct inputs and on enough
+distinct copies of its weights that together they pass ``--cache-mb`` (so the device reads
+them from its memory, not from its L2 cache, as a decode step does). A figure is the larger
+of the host's submission and the device's work per call: a product of a few MB is bound by
+the host, a large one by the device, whose rate the GB/s column then gives (an H100 SXM's
+memory reads about 3,350 GB/s).
+
+    python bench/product_bandwidth.py [--count 64] [--cache-mb 160] [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import mlxrunner.nn as mnn
+
+HIDDEN, INTER, HEAD_DIM, FULL_HEAD_DIM, HEADS, PER_LAYER, VOCAB = \
+    1536, 6144, 256, 512, 8, 256, 262144
+
+
+def cases(scale: int) -> dict[str, tuple[int, list[int], str]]:
+    """name: (input width, output widths of the layers reading that input, kind); ``scale``
+    divides every width (the CPU-sized layout)."""
+    h, i, d, fd = HIDDEN // scale, INTER // scale, HEAD_DIM // scale, FULL_HEAD_DIM // scale
+    heads, p, v = HEADS, PER_LAYER // scale, VOCAB // scale
+    return {
+        "q/k/v, sliding layer": (h, [heads * d, d, d], "linears"),
+        "q/k/v, full layer": (h, [heads * fd, fd, fd], "linears"),
+        "o, sliding layer": (heads * d, [h], "linears"),
+        "MLP (gate/up, GELU, down)": (h, [i], "mlp"),
+        "MLP, KV-sharing layer (double)": (h, [2 * i], "mlp"),
+        "per-layer input gate": (h, [p], "linears"),
+        "per-layer projection": (p, [h], "linears"),
+        "output head": (h, [v], "linears"),
+    }
+
+
+def _weight(rows: int, cols: int, key: mx.array) -> mx.array:
+    return (mx.random.normal((rows, cols), key=key) * cols ** -0.5).astype(mx.bfloat16)
+
+
+def build(width: int, outs: list[int], kind: str, copies: int
+          ) -> tuple[list[Callable[[mx.array], Any]], list[Callable[[mx.array], Any]], int]:
+    """``copies`` callables of ours and of MLX's for one case, and the weight bytes one call
+    reads."""
+    ours: list[Callable[[mx.array], Any]] = []
+    theirs: list[Callable[[mx.array], Any]] = []
+    nbytes = 0
+    for c in range(copies):
+        keys = mx.random.split(mx.random.key(c), 3)
+        if kind == "mlp":
+            mlp = mnn.GatedMLP(width, outs[0], "gelu_pytorch_tanh")
+            mlp.gate_proj.weight = _weight(outs[0], width, keys[0])
+            mlp.up_proj.weight = _weight(outs[0], width, keys[1])
+            mlp.down_proj.weight = _weight(width, outs[0], keys[2])
+            mx.eval(mlp.parameters())
+            gate, up, down = (mlp.gate_proj.weight, mlp.up_proj.weight,
+                              mlp.down_proj.weight)
+            ours.append(mlp)
+            theirs.append(lambda x, g=gate, u=up, d=down:
+                          (nn.gelu_approx(x @ g.T) * (x @ u.T)) @ d.T)
+            nbytes = 3 * width * outs[0] * 2
+        else:
+            layers = []
+            for j, out in enumerate(outs):
+                layer = mnn.Linear(width, out, bias=False)
+                layer.weight = _weight(out, width, mx.random.split(keys[0], len(outs))[j])
+                layers.append(layer)
+            mx.eval([layer.parameters() for layer in layers])
+            weights = [layer.weight for layer in layers]
+            ours.append(lambda x, ls=tuple(layers): mnn.linears(x, *ls))
+            theirs.append(lambda x, ws=tuple(weights): [x @ w.T for w in ws])
+            nbytes = sum(outs) * width * 2
+    return ours, theirs, nbytes
+
+
+def per_call(fns: list[Callable[[mx.array], Any]], xs: list[mx.array]) -> float:
+    """Microseconds a call, ``len(xs)`` calls cycling through ``fns`` in one evaluation."""
+    start = time.perf_counter()
+    mx.eval([fns[n % len(fns)](x) for n, x in enumerate(xs)])
+    return 1e6 * (time.perf_counter() - start) / len(xs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--count", type=int, default=64)
+    parser.add_argument("--cache-mb", type=float, default=160.0,
+                        help="the weights' copies of a case pass this many MB together")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="every width / 8 (the CPU)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    scale = 8 if args.quick else 1
+    print(f"product bandwidth: {mx.default_device()}, mlx {mx.__version__}, {args.count} "
+          f"calls queued, weights past {args.cache_mb:g} MB, medians of {args.repeats}",
+          flush=True)
+    results: dict[str, dict[str, float]] = {}
+    for name, (width, outs, kind) in cases(scale).items():
+        one = (3 if kind == "mlp" else 1) * sum(outs) * width * 2
+        copies = max(1, math.ceil(args.cache_mb * 2 ** 20 / one))
+        ours, theirs, nbytes = build(width, outs, kind, copies)
+        xs = [mx.random.normal((1, 1, width), key=mx.random.key(1000 + n)).astype(mx.bfloat16)
+              for n in range(args.count)]
+        mx.eval(xs)
+        times: dict[str, list[float]] = {"mlxrunner": [], "mlx": []}
+        per_call(ours, xs[:2])  # warm-up: traces, kernel checks, JIT
+        per_call(theirs, xs[:2])
+        for _ in range(args.repeats):
+            times["mlxrunner"].append(per_call(ours, xs))
+            times["mlx"].append(per_call(theirs, xs))
+        row = {f"{who}_us": statistics.median(t) for who, t in times.items()}
+        row.update({f"{who}_gb_s": nbytes / 1e3 / row[f"{who}_us"] for who in times})
+        row.update(weight_mb=nbytes / 2 ** 20, copies=copies)
+        results[name] = row
+        print(f"  {name:32s} {row['weight_mb']:7.1f} MB   mlxrunner {row['mlxrunner_us']:8.2f} us "
+              f"({row['mlxrunner_gb_s']:6.0f} GB/s)   MLX {row['mlx_us']:8.2f} us "
+              f"({row['mlx_gb_s']:6.0f} GB/s)   ratio {row['mlx_us'] / row['mlxrunner_us']:5.2f}x",
+              flush=True)
+        del ours, theirs
+    if args.json:
+        args.json.write_text(json.dumps({"device": str(mx.default_device()),
+                                         "mlx": mx.__version__, "count": args.count,
+                                         "cases": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
