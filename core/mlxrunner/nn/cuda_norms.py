@@ -287,22 +287,17 @@ def _heads_serve(case: tuple[Any, ...]) -> bool:
 # a post-norm's residual add
 # ---------------------------------------------------------------------------------------
 
-def few_rows(x: mx.array) -> bool:
-    """Whether ``x`` has few enough rows (``MAX_ROWS``) for a norm kernel: a decode step's
-    or a verify block's; a prompt's have more."""
-    return x.ndim > 0 and x.size <= MAX_ROWS * x.shape[-1]
-
-
 def fused_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
                    scale: mx.array | None) -> mx.array | None:
     """``(residual + rms_norm(x, weight, eps)) * scale`` in one launch; None where the
     kernel does not serve this case."""
-    if not few_rows(x) or not kernel_allowed("norms") or x.dtype not in FLOATS:
+    if x.ndim == 0 or x.size > MAX_ROWS * x.shape[-1] or not kernel_allowed("norms") \
+            or x.dtype not in FLOATS:
         return None
     D = x.shape[-1]
     rows = x.size // D if D else 0
     if residual.shape != x.shape or residual.dtype != x.dtype or weight.shape != (D,) \
-            or weight.dtype != x.dtype or not 0 < rows <= MAX_ROWS \
+            or weight.dtype != x.dtype or rows == 0 \
             or (scale is not None and (scale.size != 1 or scale.dtype != x.dtype)):
         return None
     if not _add_norm_serves(x.dtype, D, scale is not None):

@@ -105,16 +105,14 @@ def project(x: mx.array, weight_t: mx.array, residual: mx.array | None = None) -
     CUDA AddMM costs 12-19 us of host time against 5-10 for a product and an add (H200,
     bench/op_costs.py), and a small model's decode step is bound by host time.
     """
-    # (each question costs a prompt's forward a function call in every layer: the host
-    # takes float32 weights alone, one-row products short blocks alone)
-    hosted = host_project(x, weight_t) if weight_t.dtype == mx.float32 else None
+    hosted = host_project(x, weight_t)
     if hosted is not None:
         return hosted if residual is None else hosted + residual
     cuda = on_cuda()
     if residual is not None:
         return project(x, weight_t) + residual if cuda else mx.addmm(residual, x, weight_t)
     rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
-    if not (cuda and rows <= ROW_PRODUCT_MAX_ROWS and row_products_serve(rows, x, weight_t)):
+    if not (cuda and row_products_serve(rows, x, weight_t)):
         return x @ weight_t
     lhs = constant(tuple(range(rows)), mx.uint32)
     rhs = constant((0,) * rows, mx.uint32)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cuda_norms import few_rows, fused_add_norm
+from .cuda_norms import fused_add_norm
 from .cuda_products import fused_add_normed
 from .derived import derived
-from .host_ops import host_active, host_rms_norm
+from .host_ops import host_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -31,11 +31,9 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self.applied_weight()
-        # (each question costs a prompt's forward a function call in every layer)
-        if host_active():
-            hosted = host_rms_norm(x, weight, self.eps)
-            if hosted is not None:
-                return hosted
+        hosted = host_rms_norm(x, weight, self.eps)
+        if hosted is not None:
+            return hosted
         return mx.fast.rms_norm(x, weight, self.eps)
 
     def add_normed(self, residual: mx.array, x: mx.array, scale: mx.array | None = None
@@ -44,19 +42,18 @@ class RMSNorm(nn.Module):
         one-element array, or None for none): one fused kernel for a decode step on CUDA,
         or none of its own where ``x`` is a fused product's output (its launch does it)."""
         weight = self.applied_weight()
-        if few_rows(x):  # (a prompt's rows are past both kernels)
-            fused = fused_add_normed(residual, x, weight, self.eps, scale)
-            if fused is None:
-                fused = fused_add_norm(residual, x, weight, self.eps, scale)
-            if fused is not None:
-                return fused
+        fused = fused_add_normed(residual, x, weight, self.eps, scale)
+        if fused is None:
+            fused = fused_add_norm(residual, x, weight, self.eps, scale)
+        if fused is not None:
+            return fused
         out = residual + self(x)
         return out if scale is None else out * scale
 
 
 def rms_norm(x: mx.array, eps: float = 1e-6) -> mx.array:
     """The weightless RMS norm ``x / rms(x)``."""
-    hosted = host_rms_norm(x, None, eps) if host_active() else None
+    hosted = host_rms_norm(x, None, eps)
     return mx.fast.rms_norm(x, None, eps) if hosted is None else hosted
 
 
