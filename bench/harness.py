@@ -277,6 +277,16 @@ class Ours:
         return forward(self.model, ids, cache, kwargs.get("taps"))
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``low`` (else one line from argparse)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
 def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None:
     parser.add_argument("--switched", metavar="NAME=VALUE", action="append", default=[],
                         help="also time a second instance of our model with setting NAME "

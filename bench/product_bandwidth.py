@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import harness
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -96,24 +97,12 @@ def per_call(fns: list[Callable[[mx.array], Any]], xs: list[mx.array]) -> float:
     return 1e6 * (time.perf_counter() - start) / len(xs)
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be above 0")
-        return value
-    return parse
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--count", type=_positive(int), default=64)
-    parser.add_argument("--cache-mb", type=_positive(float), default=160.0,
+    parser.add_argument("--count", type=harness.at_least(1), default=64)
+    parser.add_argument("--cache-mb", type=harness.at_least(1), default=160,
                         help="the weights' copies of a case pass this many MB together")
-    parser.add_argument("--repeats", type=_positive(int), default=5)
+    parser.add_argument("--repeats", type=harness.at_least(1), default=5)
     parser.add_argument("--quick", action="store_true", help="every width / 8 (the CPU)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -338,26 +338,19 @@ def fmt(s: dict[str, float], digits: int = 1) -> str:
     return f"{s['median']:9.{digits}f} [{s['min']:.{digits}f} - {s['max']:.{digits}f}]"
 
 
-def at_least(low: int) -> Any:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    return parse
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="the timed models' dtype (parity is always float32)")
-    parser.add_argument("--image", type=at_least(32), help="the image's side in pixels "
+    parser.add_argument("--image", type=harness.at_least(32), help="the image's side in pixels "
                         "(default 1024; quick 512)")
-    parser.add_argument("--text", type=at_least(0), default=24,
+    parser.add_argument("--text", type=harness.at_least(0), default=24,
                         help="text tokens around the image (a third before it)")
-    parser.add_argument("--repeats", type=at_least(1), default=5, help="timed runs per tool")
-    parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed runs per tool first")
+    parser.add_argument("--repeats", type=harness.at_least(1), default=5,
+                        help="timed runs per tool")
+    parser.add_argument("--warmup", type=harness.at_least(0), default=2,
+                        help="untimed runs per tool first")
     parser.add_argument("--quick", action="store_true",
                         help="CPU-sized run: 4 narrow text layers, vocabulary 4096, 2 narrow "
                              "vision blocks, a 512x512 image")
