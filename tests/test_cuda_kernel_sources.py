@@ -250,6 +250,14 @@ def test_fused_product_kernel_compiles(builder, dtype: str, res: bool, glu: int,
                 inputs + [("pw", dtype), ("pres", dtype), ("ps", dtype), ("peps", "float32"),
                           ("cnt", "int32")], [("y", dtype), ("h", dtype)],
                 template[:-1] + [("ADDN", True), ("PSCALE", scaled)]))
+    if not glu:  # the norm of its final rows after it: the residual sum, or a post norm's
+        for addn in ([False] if res else [False, True]):
+            _compile(builder, "mlxrunner_product_norm", _wrap(
+                "mlxrunner_product_norm", cuda_products.PRODUCT_NORM_SOURCE,
+                inputs + [("pw", dtype), ("pres", dtype), ("ps", dtype), ("peps", "float32"),
+                          ("cnt", "int32"), ("nw", dtype), ("neps", "float32")],
+                [("y", dtype), ("h", dtype), ("hn", dtype)],
+                template[:-1] + [("ADDN", addn), ("PSCALE", addn)]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -173,6 +173,53 @@ def test_a_post_norm_add_runs_in_its_products_launch_on_the_gpu(dtype, rows):
             _close(a, b, dtype)
 
 
+@on_cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_pre_norm_runs_in_the_launch_before_it_on_the_gpu(dtype, rows):
+    """Two pre-norm blocks (``h = x + o(a)``, ``mlp(norm(h), h)``, then ``norm(h)`` again)
+    and a post-norm block (``add_normed``, then a pre-norm, then ``add_normed`` on the
+    residual): every norm written by the launch before it, no norm kernel and no launch
+    that no one reads, equal to MLX's operations, again and again (the counters)."""
+    mx.set_default_device(mx.gpu)
+    mx.random.seed(7)
+    o_proj, q = mnn.Linear(512, 1536, bias=False), mnn.Linear(1536, 1024, bias=False)
+    k = mnn.Linear(1536, 512, bias=False)
+    mlp = mnn.GatedMLP(1536, 2048, "gelu_pytorch_tanh")
+    pre, pre2, post = (mnn.RMSNorm(1536, 1e-6, offset=1.0), mnn.RMSNorm(1536, 1e-5),
+                       mnn.RMSNorm(1536, 1e-6))
+    for layer in (o_proj, q, k, mlp, pre, pre2, post):
+        layer.set_dtype(dtype)
+    pre.weight = (0.1 * mx.random.normal((1536,))).astype(dtype)
+    pre2.weight = (1 + 0.1 * mx.random.normal((1536,))).astype(dtype)
+
+    def pre_norm_blocks(x: mx.array, a: mx.array) -> mx.array:
+        h = o_proj(a, x)
+        h = mlp(pre(h), h)
+        return q(pre2(h))
+
+    def post_norm_block(x: mx.array, a: mx.array) -> mx.array:
+        h = post.add_normed(x, o_proj(a))
+        return post.add_normed(h, o_proj(k(pre(h))), mx.array([0.5], dtype))
+
+    views = {"Reshape", "Broadcast", "Slice", "Transpose", "Squeeze", "ExpandDims"}
+    for block, launches in ((pre_norm_blocks, 4), (post_norm_block, 4)):
+        for _ in range(3):
+            x = mx.random.normal((rows, 1, 1536)).astype(dtype)
+            a = mx.random.normal((rows, 1, 512)).astype(dtype)
+            mx.eval(x, a)
+            with settings.overridden(kernels=frozenset({"attention", "deltanet", "topk"})):
+                want = block(x, a)
+                mx.eval(want)
+            got = block(x, a)
+            kernels_run = [label for label in _graph_labels(got) if label not in views]
+            # the launches (each a fill of its block counter beside it where a last block
+            # finishes its rows: made lazily outside a trace)
+            assert kernels_run.count("CustomKernel") == launches, kernels_run
+            assert set(kernels_run) <= {"CustomKernel", "Full"}, kernels_run
+            _close(got, want, dtype)
+
+
 def _graph_labels(*outputs: mx.array) -> list[str]:
     import re
     import tempfile
@@ -257,6 +304,115 @@ def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, 
         h = pres + y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6) * pw
         np.testing.assert_allclose(got["h"], h * ps if scaled else h, rtol=1e-5, atol=1e-5)
         assert counter[0] == 0
+
+
+@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
+                    .emulation_available(), reason="needs g++ for the CUDA emulation")
+@pytest.mark.parametrize("rows,addn", [(1, False), (3, False), (2, True)])
+def test_the_norm_after_a_launchs_final_rows_computes_its_math_in_emulation(rows, addn):
+    """``hn = rms_norm(f) * nw`` by the last block, ``f`` the residual sum ``x @ W.T + res``
+    (``h`` left unwritten) or the post norm's add ``h`` (written as the add-norm kernel
+    writes it); the counter back at 0; N over several blocks."""
+    from mlxrunner.testing.cuda_emulation import emulate_kernel
+
+    rng = np.random.default_rng(10 + rows)
+    K, N, threads = 64, 300, 256
+    x = rng.normal(size=(rows, K)).astype(np.float32)
+    w = (rng.normal(size=(N, K)) * K ** -0.5).astype(np.float32)
+    res = rng.normal(size=(rows, N)).astype(np.float32)
+    pw = (1 + 0.1 * rng.normal(size=N)).astype(np.float32)
+    pres = rng.normal(size=(rows, N)).astype(np.float32)
+    nw = (0.5 + rng.uniform(size=N)).astype(np.float32)
+    counter = np.zeros(1, np.int32)
+    one = np.zeros(1, np.float32)
+    for _ in range(2):  # the counter is reset for the next launch
+        got = emulate_kernel(
+            cuda_products.PRODUCT_NORM_SOURCE,
+            {"x": x, "w": w, "res": one if addn else res, "up_x": one,
+             "pw": pw if addn else one, "pres": pres if addn else one,
+             "ps": np.array([0.6], np.float32), "peps": np.array([1e-6], np.float32),
+             "cnt": counter, "nw": nw, "neps": np.array([1e-5], np.float32)},
+            {"y": ((rows, N), np.float32), "h": ((rows, N) if addn else (4,), np.float32),
+             "hn": ((rows, N), np.float32)},
+            [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
+             ("RES", not addn), ("GLU", 0), ("UPX", False), ("ADDN", addn),
+             ("PSCALE", addn)],
+            blocks=-(-N // (threads // 32)), threads=threads)
+        y = _reference_np(x, w, None if addn else res, 0)
+        np.testing.assert_allclose(got["y"], y, rtol=1e-5, atol=1e-5)
+        final = y
+        if addn:
+            final = (pres + y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6) * pw) * 0.6
+            np.testing.assert_allclose(got["h"], final, rtol=1e-5, atol=1e-5)
+        else:
+            assert np.isnan(got["h"]).all()  # not written
+        normed = final / np.sqrt((final * final).mean(-1, keepdims=True) + 1e-5) * nw
+        np.testing.assert_allclose(got["hn"], normed, rtol=1e-5, atol=1e-5)
+        assert counter[0] == 0
+
+
+def test_a_norm_of_a_residual_sum_relaunches_its_product_and_readers_take_the_new_rows(
+        monkeypatch):
+    """RMSNorm(h) where h is a fused residual product's (or a post norm add's) output: the
+    product launched again with the norm after it; the next residual reader (a linear's
+    residual, add_normed's residual, a tap) takes that launch's h, so the first launch is
+    read by no one (the kernels stood in for by MLX's operations here, the relaunch's rows
+    marked +1000 to show who reads them); any other input is MLX's norm."""
+    launches = []
+
+    def stand_in(x, w, res, glu, up=None, post=None):
+        launches.append("post" if post is not None else "res" if res is not None else "plain")
+        return cuda_products._reference(x, w, res, glu, up, post)
+
+    def stand_in_normed(x, w, res, post, then):
+        launches.append("then")
+        y = cuda_products._reference(x, w, res, 0, None, post)
+        return y + 1000, mx.fast.rms_norm(y, *then)
+
+    cases = []
+
+    def checked(name, case, kernel, reference, probe, tolerance, **kwargs):
+        probe()  # the check's inputs build
+        cases.append(case)
+        return True
+
+    monkeypatch.setattr(cuda_products, "kernel_allowed", lambda name: True)
+    monkeypatch.setattr(cuda_products, "serves", checked)
+    monkeypatch.setattr(cuda_products, "_launch", stand_in)
+    monkeypatch.setattr(cuda_products, "_launch_normed", stand_in_normed)
+    mx.random.seed(6)
+    o_proj, down = mnn.Linear(32, 64, bias=False), mnn.Linear(48, 64, bias=False)
+    norm = mnn.RMSNorm(64, 1e-5, offset=1.0)
+    norm.weight = 0.1 * mx.random.normal((64,))
+    x, r, z = mx.random.normal((1, 1, 32)), mx.random.normal((1, 1, 64)), \
+        mx.random.normal((1, 1, 48))
+    want_h = r + x @ o_proj.weight.T
+
+    def close(a: mx.array, b: mx.array) -> None:
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
+
+    h = o_proj(x, r)  # h = r + o_proj(x): a residual product
+    assert launches == ["res"]
+    taps = mnn.Taps([0], 1)
+    taps.after(0, h)
+    normed = norm(h)
+    assert launches == ["res", "then"] and cases[-1][-1] == "then"
+    close(normed, mx.fast.rms_norm(want_h, 1 + norm.weight, 1e-5))
+    close(cuda_products.current(h), want_h + 1000)
+    close(down(z, h), want_h + 1000 + z @ down.weight.T)  # the next residual add: renamed
+    close(taps.result(normed)[1], want_h + 1000)
+    # a post norm's add, then a norm of it: the add-norm product launched again with both
+    post = mnn.RMSNorm(64, 1e-6)
+    h2 = post.add_normed(want_h, o_proj(x), mx.array([0.5]))
+    assert launches[-1] == "post"
+    want_h2 = (want_h + mx.fast.rms_norm(x @ o_proj.weight.T, post.weight, 1e-6)) * 0.5
+    close(norm(h2), mx.fast.rms_norm(want_h2, 1 + norm.weight, 1e-5))
+    assert launches[-1] == "then" and cases[-1][-3:] == ("post", 2, "then")
+    y = o_proj(x)
+    close(post.add_normed(h2, y), want_h2 + 1000 + mx.fast.rms_norm(y, post.weight, 1e-6))
+    count = len(launches)
+    close(norm(want_h), mx.fast.rms_norm(want_h, 1 + norm.weight, 1e-5))
+    assert len(launches) == count  # no product made its input: MLX's norm
 
 
 @pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])

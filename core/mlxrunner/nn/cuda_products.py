@@ -22,6 +22,12 @@ layers) needs the product's whole row, which no one block has: the product is la
 again with the add after it, done by the block that finishes last (each block counts
 itself out on a counter of that launch's own, which the last one's count wraps to 0), and
 the first launch, with no reader left, never runs.
+
+The RMS norm that reads such a launch's row next (the next block's pre-norm, after a
+residual product or a post norm's add) is written by that launch's last block the same
+way: the launch runs again with the norm after it, and its readers of the row (the next
+residual add, taps) take the new launch's row through :func:`current`, so the first
+launch has no reader left. A layer's pre-norms then cost no launch of their own.
 """
 
 from __future__ import annotations
@@ -49,14 +55,19 @@ GLU = {"silu": 1, "gelu_tanh": 2}
 #: product outputs remembered per thread (a gate is read right after its product; each
 #: entry holds its weight alive)
 NOTED_PRODUCTS = 2
+#: rows renamed by a relaunch with a norm after it, remembered per thread until their
+#: residual reader comes (a layer's MLP or attention later)
+NOTED_RENAMED = 4
 
 # Template constants: T (x, weight and residual dtype), K (inputs per row), N (outputs per
 # row), M (rows), NT (threads per block), RES (add res to the rounded product), GLU (0: none;
 # 1: silu, 2: gelu_tanh of rows [0, N) times rows [N, 2N) of w, or times up where UPX),
 # ADDN (then a post-norm's residual add: h = (pres + rms_norm(y) * pw) * ps where PSCALE, by
 # the block that finishes last, counted in cnt, whose count by that block wraps it to 0
-# again). One warp per output n; the block's warps take consecutive n.
-PRODUCT_SOURCE = r"""
+# again). One warp per output n; the block's warps take consecutive n. kTail (the source's
+# own constant): a last block finishes the rows after every block's products, so no warp
+# leaves early.
+_PRODUCT_BODY = r"""
     constexpr int kWarps = NT / 32;
     constexpr int kVec = 16 / sizeof(T);
     const int tid = threadIdx.x;
@@ -68,7 +79,7 @@ PRODUCT_SOURCE = r"""
     __syncthreads();
 
     const int n = blockIdx.x * kWarps + warp;
-    if (!ADDN && n >= N) return;
+    if (!kTail && n >= N) return;
     if (n < N) {
         constexpr bool kUpRows = GLU && !UPX;
         float acc[M];
@@ -141,17 +152,17 @@ PRODUCT_SOURCE = r"""
     }
 """
 
-# The post-norm residual add after the product (ADDN, see above): the product kernel with
-# pw, pres, ps, peps and cnt more inputs and h another output.
-PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + cuda_norms.ADD_NORMED + r"""
-    // every block's rows of y are written once the count reaches the grid: the last
-    // block norms them (add_normed: the add-norm kernel's own entry step)
+PRODUCT_SOURCE = "constexpr bool kTail = false;" + _PRODUCT_BODY
+
+# The last block: every block counts itself out on cnt once its rows of y are written; the
+# block whose count reaches the grid (and wraps the counter to 0 again, ready for the
+# launch's next replay) finishes the rows; block_sum: the block's sum of one value a thread.
+_LAST_BLOCK = r"""
     __shared__ bool last;
     __shared__ float red[kWarps];
     __threadfence();  // this thread's rows of y, seen by every block before it counts out
     __syncthreads();
     if (tid == 0) {
-        // (the last count wraps the counter to 0: ready for the launch's next replay)
         const unsigned int grid = gridDim.x;
         last = atomicInc(reinterpret_cast<unsigned int*>(const_cast<int*>(cnt)), grid - 1)
                == grid - 1;
@@ -159,28 +170,68 @@ PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + cuda_norms.ADD_NORMED + r"""
     __syncthreads();
     if (!last) return;
     __threadfence();
-    #pragma unroll 1
-    for (int m = 0; m < M; ++m) {
-        float ss = 0.f;
-        #pragma unroll 1
-        for (int j = tid; j < N; j += NT) {
-            const float v = static_cast<float>(__ldcg(y + m * N + j));
-            ss += v * v;
-        }
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-        if (lane == 0) red[warp] = ss;
+    const auto block_sum = [&](float v) {
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+        if (lane == 0) red[warp] = v;
         __syncthreads();
         float total = 0.f;
         for (int w8 = 0; w8 < kWarps; ++w8) total += red[w8];
-        const float r = rsqrtf(total / N + peps[0]);
+        __syncthreads();  // (red is written again by the next call)
+        return total;
+    };
+"""
+
+# Row m of h = (pres + rms_norm(y) * pw) * ps where PSCALE (add_normed: the add-norm
+# kernel's own entry step).
+_ADD_NORM_ROW = r"""
+        {
+            float ss = 0.f;
+            #pragma unroll 1
+            for (int j = tid; j < N; j += NT) {
+                const float v = static_cast<float>(__ldcg(y + m * N + j));
+                ss += v * v;
+            }
+            const float r = rsqrtf(block_sum(ss) / N + peps[0]);
+            #pragma unroll 1
+            for (int j = tid; j < N; j += NT) {
+                h[m * N + j] = add_normed(static_cast<float>(__ldcg(y + m * N + j)), r, pw[j],
+                                          pres[m * N + j], PSCALE, ps[0]);
+            }
+        }
+"""
+
+# The post-norm residual add after the product (ADDN, see above): the product kernel with
+# pw, pres, ps, peps and cnt more inputs and h another output.
+PRODUCT_ADD_NORM_SOURCE = ("constexpr bool kTail = true;" + _PRODUCT_BODY
+                           + cuda_norms.ADD_NORMED + _LAST_BLOCK + r"""
+    #pragma unroll 1
+    for (int m = 0; m < M; ++m)""" + _ADD_NORM_ROW)
+
+# The norm of the launch's final rows after it: hn = rms_norm(f) * nw with eps neps, f the
+# post norm's h where ADDN, else y (a residual product's sum). The add-norm kernel's inputs
+# with nw and neps more, and hn another output (h unused without ADDN).
+PRODUCT_NORM_SOURCE = ("constexpr bool kTail = true;" + _PRODUCT_BODY
+                       + cuda_norms.ADD_NORMED + _LAST_BLOCK + r"""
+    #pragma unroll 1
+    for (int m = 0; m < M; ++m) {
+        const T* f = y + m * N;
+        if (ADDN) {""" + _ADD_NORM_ROW + r"""
+            f = h + m * N;  // (this thread's own writes, read back below)
+        }
+        float ss = 0.f;
         #pragma unroll 1
         for (int j = tid; j < N; j += NT) {
-            h[m * N + j] = add_normed(static_cast<float>(__ldcg(y + m * N + j)), r, pw[j],
-                                      pres[m * N + j], PSCALE, ps[0]);
+            const float v = static_cast<float>(__ldcg(f + j));
+            ss += v * v;
         }
-        __syncthreads();  // (red is read above before the next row writes it)
+        const float r = rsqrtf(block_sum(ss) / N + neps[0]);
+        #pragma unroll 1
+        for (int j = tid; j < N; j += NT) {  // rounded as MLX's rms_norm rounds
+            const T xn = static_cast<T>(static_cast<float>(__ldcg(f + j)) * r);
+            hn[m * N + j] = static_cast<T>(static_cast<float>(nw[j]) * static_cast<float>(xn));
+        }
     }
-"""
+""")
 
 _kernel = CudaKernel(name="mlxrunner_product",
                      input_names=["x", "w", "res", "up_x"],
@@ -189,8 +240,14 @@ _add_norm_kernel = CudaKernel(name="mlxrunner_product_add_norm",
                               input_names=["x", "w", "res", "up_x", "pw", "pres", "ps",
                                            "peps", "cnt"],
                               output_names=["y", "h"], source=PRODUCT_ADD_NORM_SOURCE)
+_norm_kernel = CudaKernel(name="mlxrunner_product_norm",
+                         input_names=["x", "w", "res", "up_x", "pw", "pres", "ps", "peps",
+                                      "cnt", "nw", "neps"],
+                         output_names=["y", "h", "hn"], source=PRODUCT_NORM_SOURCE)
 #: a post norm after a product: (residual, norm weight, eps, scale or None)
 PostNorm = tuple[mx.array, mx.array, float, "mx.array | None"]
+#: a norm after a launch's final rows: (norm weight, eps)
+NextNorm = tuple[mx.array, float]
 _noted = threading.local()
 
 
@@ -234,28 +291,57 @@ def _noted_entry(kind: str, out: mx.array) -> tuple[Any, ...] | None:
 def _launch(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
             up: mx.array | None = None, post: PostNorm | None = None) -> mx.array:
     """The product's output, or with ``post`` the post norm's residual add after it."""
+    inputs, template, shape = _arguments(x, weight, residual, glu, up, post)
+    if post is None:
+        return _kernel(inputs=inputs, template=template, grid=_grid(shape[-1]),
+                       threadgroup=(THREADS, 1, 1), output_shapes=[shape],
+                       output_dtypes=[x.dtype])[0]
+    return _add_norm_kernel(inputs=inputs, template=template, grid=_grid(shape[-1]),
+                            threadgroup=(THREADS, 1, 1), output_shapes=[shape, shape],
+                            output_dtypes=[x.dtype] * 2)[1]
+
+
+def _launch_normed(x: mx.array, weight: mx.array, residual: mx.array | None,
+                   post: PostNorm | None, then: NextNorm) -> tuple[mx.array, mx.array]:
+    """The launch's final rows (the product plus ``residual``, or ``post``'s add after it)
+    and ``then``'s norm of them, written by its last block."""
+    inputs, template, shape = _arguments(x, weight, residual, 0, None, post, tail=True)
+    then_weight, then_eps = then
+    inputs += [then_weight, constant((float(then_eps),), mx.float32)]
+    y, h, normed = _norm_kernel(
+        inputs=inputs, template=template, grid=_grid(shape[-1]),
+        threadgroup=(THREADS, 1, 1),
+        # (without a post norm h is not written: 16 bytes, past MLX's pool of scalars)
+        output_shapes=[shape, shape if post is not None else (16 // x.dtype.size,), shape],
+        output_dtypes=[x.dtype] * 3)
+    return (y if post is None else h), normed
+
+
+def _grid(N: int) -> tuple[int, int, int]:
+    return (THREADS * -(-N // (THREADS // 32)), 1, 1)
+
+
+def _arguments(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
+               up: mx.array | None, post: PostNorm | None, tail: bool = False
+               ) -> tuple[list[mx.array], list[TemplateArg], tuple[int, ...]]:
+    """A product launch's inputs, template and output shape; with ``post`` or ``tail`` (a
+    launch whose last block finishes its rows) also those of a post norm's add (stand-ins
+    without ``post``) and a block counter."""
     K = x.shape[-1]
-    M = _rows(x)
     N = weight.shape[0] // (2 if glu and up is None else 1)
     dummy = constant((0,), x.dtype)
     inputs = [x, weight, dummy if residual is None else residual,
               dummy if up is None else up]
     template: list[TemplateArg] = [
-        ("T", x.dtype), ("K", K), ("N", N), ("M", M), ("NT", THREADS),
+        ("T", x.dtype), ("K", K), ("N", N), ("M", _rows(x)), ("NT", THREADS),
         ("RES", residual is not None), ("GLU", glu), ("UPX", up is not None),
         ("ADDN", post is not None)]
-    grid = (THREADS * -(-N // (THREADS // 32)), 1, 1)
-    shape = (*x.shape[:-1], N)
-    if post is None:
-        return _kernel(inputs=inputs, template=template, grid=grid,
-                       threadgroup=(THREADS, 1, 1), output_shapes=[shape],
-                       output_dtypes=[x.dtype])[0]
-    post_residual, post_weight, post_eps, scale = post
-    inputs += [post_weight, post_residual, dummy if scale is None else scale.reshape(1),
-               constant((float(post_eps),), mx.float32), _new_counter()]
-    return _add_norm_kernel(inputs=inputs, template=template + [("PSCALE", scale is not None)],
-                            grid=grid, threadgroup=(THREADS, 1, 1),
-                            output_shapes=[shape, shape], output_dtypes=[x.dtype] * 2)[1]
+    if post is not None or tail:
+        post_residual, post_weight, post_eps, scale = post or (dummy, dummy, 0.0, None)
+        inputs += [post_weight, post_residual, dummy if scale is None else scale.reshape(1),
+                   constant((float(post_eps),), mx.float32), _new_counter()]
+        template.append(("PSCALE", scale is not None))
+    return inputs, template, (*x.shape[:-1], N)
 
 
 def _new_counter() -> mx.array:
@@ -312,6 +398,8 @@ def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = Non
     y = _launch(x, weight, residual, glu)
     if residual is None and not glu:
         _note(_noted, "products", y, (y, x, weight), NOTED_PRODUCTS)
+    elif not glu:
+        _note(_noted, "finals", y, (y, x, weight, residual, None), NOTED_PRODUCTS)
     return y
 
 
@@ -346,20 +434,52 @@ def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
     source, product_weight = entry
     if not _serves(source, product_weight, False, 0, post=1 if scale is None else 2):
         return None
-    return _launch(source, product_weight, None, 0, post=(residual, weight, eps, scale))
+    post = (residual, weight, eps, scale)
+    h = _launch(source, product_weight, None, 0, post=post)
+    _note(_noted, "finals", h, (h, source, product_weight, None, post), NOTED_PRODUCTS)
+    return h
+
+
+def fused_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
+    """``rms_norm(x, weight, eps)`` by the last block of the launch that made ``x`` (a fused
+    product's residual sum, or a post norm's add after one: noted as it ran). That launch
+    runs again with the norm after it, and :func:`current` gives its ``x`` to the readers
+    that come after (the next residual add), so the first launch has no reader left. None
+    where ``x`` is no such output or no kernel serves the case."""
+    entry = _noted_entry("finals", x)
+    if entry is None or weight.shape != x.shape[-1:] or weight.dtype != x.dtype \
+            or not (kernel_allowed("products") and kernel_allowed("norms")):
+        return None
+    source, product_weight, residual, post = entry
+    scaled = post is not None and post[3] is not None
+    if not _serves(source, product_weight, residual is not None, 0,
+                   post=0 if post is None else 1 + scaled, then=True):
+        return None
+    final, normed = _launch_normed(source, product_weight, residual, post, (weight, eps))
+    _note(_noted, "renamed", x, (x, final), NOTED_RENAMED)
+    return normed
+
+
+def current(x: mx.array) -> mx.array:
+    """What stands for ``x`` now: the same rows from the launch that also wrote their norm
+    (see :func:`fused_norm`), or ``x`` itself. A reader of a residual stream asks this, so
+    that the launch it replaced runs for no one."""
+    entry = _noted_entry("renamed", x)
+    return x if entry is None else entry[0]
 
 
 def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, upx: bool = False,
-            post: int = 0) -> bool:
+            post: int = 0, then: bool = False) -> bool:
     """Whether the kernel serves this case (``post``: 0, or 1 / 2 for a post norm's
-    residual add after it without / with a scale)."""
+    residual add after it without / with a scale; ``then``: a norm of the final rows after
+    it)."""
     K, M, dtype = x.shape[-1], _rows(x), x.dtype
     rows = weight.shape[0]
     case = (K, rows, M, dtype, res, glu) + ((True,) if upx else ()) + \
-        (("post", post) if post else ())
+        (("post", post) if post else ()) + (("then",) if then else ())
 
     def probe() -> tuple[Any, ...]:
-        keys = [mx.random.key(4711 + i) for i in range(7)]  # no gather (see deltanet's)
+        keys = [mx.random.key(4711 + i) for i in range(8)]  # no gather (see deltanet's)
         px = mx.random.normal((M, K), key=keys[0]).astype(dtype)
         pw = (mx.random.normal((rows, K), key=keys[1]) * K ** -0.5).astype(dtype)
         n_out = rows // (2 if glu and not upx else 1)
@@ -370,10 +490,18 @@ def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, upx: bool = Fals
             (1.0 + 0.1 * mx.random.normal((n_out,), key=keys[5])).astype(dtype), 1e-6,
             (0.5 + mx.random.uniform(shape=(1,), key=keys[6])).astype(dtype)
             if post == 2 else None)
-        return px, pw, pr, pu, pp
+        pn = ((0.5 + mx.random.uniform(shape=(n_out,), key=keys[7])).astype(dtype), 1e-5) \
+            if then else None
+        return px, pw, pr, pu, pp, pn
 
-    return serves("products", case,
-                  lambda p: _launch(p[0], p[1], p[2], glu, p[3], p[4]),
-                  lambda p: _reference(p[0], p[1], p[2], glu, p[3], p[4]), probe,
+    def kernel(p: tuple[Any, ...]) -> Any:
+        return _launch_normed(p[0], p[1], p[2], p[4], p[5]) if then else \
+            _launch(p[0], p[1], p[2], glu, p[3], p[4])
+
+    def reference(p: tuple[Any, ...]) -> Any:
+        y = _reference(p[0], p[1], p[2], glu, p[3], p[4])
+        return (y, mx.fast.rms_norm(y, *p[5])) if then else y
+
+    return serves("products", case, kernel, reference, probe,
                   2e-3 if dtype == mx.float32 else 3e-2,
                   source=kernel_code(__file__, cuda_norms.__file__))  # (its add_normed)

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cuda_products import fused_product
+from .cuda_products import current, fused_product
 from .derived import derived
 from .host_ops import host_active, host_add, host_split
 from .host_quantized import host_quantized_product
@@ -64,6 +64,8 @@ def apply_linear(layer: nn.Module, x: mx.array, residual: mx.array | None = None
     transposed view, quantized ones through MLX's quantized product, or on the host from
     their dequantized copy (see the module). A row-parallel layer the core sharded sums its
     product over its group before the bias and the residual (:mod:`mlxrunner.nn.parallel`)."""
+    if residual is not None:
+        residual = current(residual)
     group = layer.__dict__.get(REDUCE)
     if group is not None:
         return _reduced(layer, x, residual, group)

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cuda_norms import fused_add_norm
-from .cuda_products import fused_add_normed
+from .cuda_products import current, fused_add_normed, fused_norm
 from .derived import derived
 from .host_ops import host_rms_norm
 
@@ -30,7 +30,12 @@ class RMSNorm(nn.Module):
             w.astype(mx.float32) + self.offset).astype(w.dtype))
 
     def __call__(self, x: mx.array) -> mx.array:
+        """``rms_norm(x) * weight``; on CUDA, where ``x`` is a decode step's fused product
+        output (a residual sum or a post norm's add), written by that product's launch."""
         weight = self.applied_weight()
+        fused = fused_norm(x, weight, self.eps)
+        if fused is not None:
+            return fused
         hosted = host_rms_norm(x, weight, self.eps)
         if hosted is not None:
             return hosted
@@ -42,6 +47,7 @@ class RMSNorm(nn.Module):
         one-element array, or None for none): one fused kernel for a decode step on CUDA,
         or none of its own where ``x`` is a fused product's output (its launch does it)."""
         weight = self.applied_weight()
+        residual = current(residual)
         fused = fused_add_normed(residual, x, weight, self.eps, scale)
         if fused is None:
             fused = fused_add_norm(residual, x, weight, self.eps, scale)

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
+from .cuda_products import current
+
 _state = threading.local()
 
 
@@ -61,4 +63,6 @@ class Taps:
             return logits
         if not self.requested:
             return logits, mx.zeros((*logits.shape[:-1], 0), dtype=logits.dtype)
-        return logits, mx.concatenate([self._states[t] for t in self.requested], axis=-1)
+        # (a tapped stream may since be the output of a launch that also normed it)
+        return logits, mx.concatenate([current(self._states[t]) for t in self.requested],
+                                      axis=-1)
