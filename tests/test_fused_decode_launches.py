@@ -7,6 +7,7 @@ step makes). A launch a model stops making shows here before a GPU run counts it
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxrunner.nn import attention, cuda_norms, cuda_products
+from mlxrunner import settings
+from mlxrunner.nn import RMSNorm, attention, cuda_norms, cuda_products
 from mlxrunner.nn import heads as heads_module
 
 
@@ -22,32 +24,64 @@ from mlxrunner.nn import heads as heads_module
 def launches(monkeypatch) -> Counter:
     """The fused kernels' launches, by kind, while the fused paths are forced on."""
     counts: Counter = Counter()
+    inside = []  # a stand-in running: its own norms are not the model's
+    mlx_norm = mx.fast.rms_norm
+
+    def rms_norm(*args, **kwargs):
+        caller = sys._getframe(1).f_code
+        if not inside and caller is RMSNorm.__call__.__code__:  # a norm layer's own
+            counts["MLX norm"] += 1
+        return mlx_norm(*args, **kwargs)
 
     def product(x, w, res, glu, up=None, post=None):
         counts["product with post norm" if post is not None else "product"] += 1
-        return cuda_products._reference(x, w, res, glu, up, post)
+        inside.append(1)
+        try:  # (marked: a launch a step reads shows in its graph as a StopGradient)
+            return mx.stop_gradient(cuda_products._reference(x, w, res, glu, up, post))
+        finally:
+            inside.pop()
+
+    def normed(x, w, res, post, then):
+        counts["product with norm after"] += 1
+        inside.append(1)
+        try:
+            y = cuda_products._reference(x, w, res, 0, None, post)
+            return y, mx.stop_gradient(mlx_norm(y, *then))  # (one mark a launch)
+        finally:
+            inside.pop()
 
     def heads(parts, rot, offset, D, starts):
         counts["heads"] += 1
         counts["head parts"] += len(parts)
-        return cuda_norms._reference_heads(parts, rot, offset, D, starts)
+        inside.append(1)
+        try:
+            return cuda_norms._reference_heads(parts, rot, offset, D, starts)
+        finally:
+            inside.pop()
 
     def add_norm(residual, x, weight, eps, scale):
         counts["add norm"] += 1
-        return cuda_norms._reference_add_norm(residual, x, weight, eps, scale)
+        inside.append(1)
+        try:
+            return cuda_norms._reference_add_norm(residual, x, weight, eps, scale)
+        finally:
+            inside.pop()
 
     def attend(q, keys, values, scale, mask, splits=None, gate=None):
         counts["attend with gate" if gate is not None else "attend"] += 1
         out = attention.folded_attention(q, keys, values, scale=scale, mask=mask)
         return out if gate is None else out * mx.sigmoid(gate)
 
+    counts.allowed = set(settings.KERNELS)  # type: ignore[attr-defined]
     for module in (cuda_products, cuda_norms):
-        monkeypatch.setattr(module, "kernel_allowed", lambda name: True)
+        monkeypatch.setattr(module, "kernel_allowed", lambda name: name in counts.allowed)
         monkeypatch.setattr(module, "serves", lambda *args, **kwargs: True)
     monkeypatch.setattr(attention, "serves", lambda *args, **kwargs: True)
     monkeypatch.setattr(attention, "_cuda_default", lambda: True)
     monkeypatch.setattr(heads_module, "on_cuda", lambda: True)
     monkeypatch.setattr(cuda_products, "_launch", product)
+    monkeypatch.setattr(cuda_products, "_launch_normed", normed)
+    monkeypatch.setattr(mx.fast, "rms_norm", rms_norm)
     monkeypatch.setattr(cuda_norms, "_launch_heads", heads)
     monkeypatch.setattr(cuda_norms, "_launch_add_norm", add_norm)
     monkeypatch.setattr(attention, "_launch", attend)
@@ -62,9 +96,19 @@ def _one_step(model, launches: Counter) -> tuple[dict[str, int], mx.array, mx.ar
     mx.eval(model(ids[:, :12], cache))
     launches.clear()
     logits = model(ids[:, 12:], cache)
-    mx.eval(logits)
     got = {k: v for k, v in launches.items() if v}
+    got["launches read"] = _labels(logits).count("StopGradient")
+    mx.eval(logits)
     return got, logits
+
+
+def _labels(out: mx.array) -> list[str]:
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, out)
+        return re.findall(r'label ="([^"]+)"', dot.read())
 
 
 def _gemma4():
@@ -86,10 +130,14 @@ def _gemma4():
 def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monkeypatch):
     """Per layer one heads launch (q, k and v together where the layer writes keys) and one
     attention; each of the three post-norm residual adds in the launch of the product
-    before it, none as a kernel of its own. The logits are the unforced step's."""
+    before it, none as a kernel of its own; each pre-norm after a layer's first (whose
+    input is the embedding) and the final norm in the launch before it, which the step
+    reads instead of the launches it replaced. The logits are the unforced step's."""
     mx.set_default_device(mx.cpu)
     model = _gemma4()
     got, logits = _one_step(model, launches)
+    launches.allowed.discard("prenorms")
+    without, _ = _one_step(model, launches)
     monkeypatch.undo()
     _, want = _one_step(model, Counter())
     layers, writers = 5, 3
@@ -97,6 +145,13 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     assert "add norm" not in got, got
     assert got["heads"] == layers and got["head parts"] == 3 * writers + (layers - writers), got
     assert got["attend"] == layers, got
+    assert got["product with norm after"] == 2 * layers, got
+    # read per layer: q(/k/v), o's post norm with the next norm after it, gate/up, down's
+    # post norm, the per-layer gate times its input, the per-layer projection's post norm
+    # with the next norm after it; then the per-layer inputs' projection and the head
+    assert got["launches read"] == 6 * layers + 2, got
+    assert "product with norm after" not in without, without
+    assert without["MLX norm"] - got["MLX norm"] == 2 * layers, (without, got)
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
 
 
@@ -121,8 +176,14 @@ def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monk
     mx.random.seed(2)
     model = Qwen3_5(text)
     got, logits = _one_step(model, launches)
+    launches.allowed.discard("prenorms")
+    without, _ = _one_step(model, launches)
     monkeypatch.undo()
     _, want = _one_step(model, Counter())
     assert got["heads"] == 1 and got["head parts"] == 3, got
     assert got["attend with gate"] == 1 and "attend" not in got, got
+    # every pre-norm but the first (the embedding's) and the final norm in the residual
+    # product's launch before it
+    assert got["product with norm after"] == 2 * 4, got
+    assert without["MLX norm"] - got["MLX norm"] == 2 * 4, (without, got)
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)

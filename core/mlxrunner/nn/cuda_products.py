@@ -448,7 +448,8 @@ def fused_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
     where ``x`` is no such output or no kernel serves the case."""
     entry = _noted_entry("finals", x)
     if entry is None or weight.shape != x.shape[-1:] or weight.dtype != x.dtype \
-            or not (kernel_allowed("products") and kernel_allowed("norms")):
+            or not (kernel_allowed("prenorms") and kernel_allowed("products")
+                    and kernel_allowed("norms")):
         return None
     source, product_weight, residual, post = entry
     scaled = post is not None and post[3] is not None
