@@ -4,10 +4,11 @@ it), on the default device: time per call and the weight bytes read per second.
 
 Each case is called ``--count`` times in one evaluation, on distinct inputs and on enough
 distinct copies of its weights that together they pass ``--cache-mb`` (so the device reads
-them from its memory, not from its L2 cache, as a decode step does). A figure is the larger
-of the host's submission and the device's work per call: a product of a few MB is bound by
-the host, a large one by the device, whose rate the GB/s column then gives (an H100 SXM's
-memory reads about 3,350 GB/s).
+them from its memory, not from its L2 cache, as a decode step does). The calls' graph is
+built first (Python's time, shown apart: a traced decode step replays it without Python),
+then evaluated: a figure is the larger of the host's submission and the device's work per
+call: a product of a few MB is bound by the host, a large one by the device, whose rate the
+GB/s column then gives (an H100 SXM's memory reads about 3,350 GB/s).
 
     python bench/product_bandwidth.py [--count 64] [--cache-mb 160] [--quick] [--json PATH]
 """
@@ -90,11 +91,15 @@ def build(width: int, outs: list[int], kind: str, copies: int
     return ours, theirs, nbytes
 
 
-def per_call(fns: list[Callable[[mx.array], Any]], xs: list[mx.array]) -> float:
-    """Microseconds a call, ``len(xs)`` calls cycling through ``fns`` in one evaluation."""
+def per_call(fns: list[Callable[[mx.array], Any]], xs: list[mx.array]) -> tuple[float, float]:
+    """Microseconds a call, ``len(xs)`` calls cycling through ``fns``: building their graph
+    (Python), then evaluating it in one evaluation (the submission and the device)."""
     start = time.perf_counter()
-    mx.eval([fns[n % len(fns)](x) for n, x in enumerate(xs)])
-    return 1e6 * (time.perf_counter() - start) / len(xs)
+    outs = [fns[n % len(fns)](x) for n, x in enumerate(xs)]
+    built = time.perf_counter()
+    mx.eval(outs)
+    done = time.perf_counter()
+    return 1e6 * (built - start) / len(xs), 1e6 * (done - built) / len(xs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,20 +123,24 @@ def main(argv: list[str] | None = None) -> int:
         xs = [mx.random.normal((1, 1, width), key=mx.random.key(1000 + n)).astype(mx.bfloat16)
               for n in range(args.count)]
         mx.eval(xs)
-        times: dict[str, list[float]] = {"mlxrunner": [], "mlx": []}
-        per_call(ours, xs[:2])  # warm-up: traces, kernel checks, JIT
-        per_call(theirs, xs[:2])
+        times: dict[str, list[tuple[float, float]]] = {"mlxrunner": [], "mlx": []}
+        per_call(ours, xs)  # warm-up: traces, kernel checks, JIT, each copy's first use
+        per_call(theirs, xs)
         for _ in range(args.repeats):
             times["mlxrunner"].append(per_call(ours, xs))
             times["mlx"].append(per_call(theirs, xs))
-        row = {f"{who}_us": statistics.median(t) for who, t in times.items()}
-        row.update({f"{who}_gb_s": nbytes / 1e3 / row[f"{who}_us"] for who in times})
+        row = {}
+        for who, t in times.items():
+            row[f"{who}_build_us"] = statistics.median(b for b, _ in t)
+            row[f"{who}_us"] = statistics.median(e for _, e in t)
+            row[f"{who}_gb_s"] = nbytes / 1e3 / row[f"{who}_us"]
         row.update(weight_mb=nbytes / 2 ** 20, copies=copies)
         results[name] = row
         print(f"  {name:32s} {row['weight_mb']:7.1f} MB   mlxrunner {row['mlxrunner_us']:8.2f} us "
               f"({row['mlxrunner_gb_s']:6.0f} GB/s)   MLX {row['mlx_us']:8.2f} us "
-              f"({row['mlx_gb_s']:6.0f} GB/s)   ratio {row['mlx_us'] / row['mlxrunner_us']:5.2f}x",
-              flush=True)
+              f"({row['mlx_gb_s']:6.0f} GB/s)   ratio {row['mlx_us'] / row['mlxrunner_us']:5.2f}x"
+              f"   (building a call: {row['mlxrunner_build_us']:.1f} / "
+              f"{row['mlx_build_us']:.1f} us)", flush=True)
         del ours, theirs
     if args.json:
         args.json.write_text(json.dumps({"device": str(mx.default_device()),
