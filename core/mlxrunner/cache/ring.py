@@ -26,6 +26,7 @@ cache keeps a ring as a snapshot (the whole window at one offset).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from functools import lru_cache
 
 import mlx.core as mx
 
@@ -62,10 +63,7 @@ class RingCache(Cache):
         start = self.offset
         if start + n <= self.window:
             return "causal"
-        kept = min(start, self.window)
-        key_pos = mx.arange(start - kept, start + n)
-        query_pos = mx.arange(start, start + n)[:, None]
-        return (key_pos <= query_pos) & (key_pos > query_pos - self.window)
+        return _window_mask(min(start, self.window), n, self.window)
 
     # -- writing -----------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -74,6 +72,16 @@ class RingCache(Cache):
         n = keys.shape[2]
         start = self.offset
         self._captured = None  # a capture is only good for the write right after it
+        capture = self._needs_capture(start, n)
+        if n >= self.window and not capture:  # (a prompt's chunk: no slot kept)
+            out_keys, out_values = keys, values
+            if start:
+                old_keys, old_values = self._in_time_order(start)
+                out_keys = mx.concatenate([old_keys, keys], axis=2)
+                out_values = mx.concatenate([old_values, values], axis=2)
+            self.keys, self.values = self._filled(keys, start), self._filled(values, start)
+            self.offset = start + n
+            return out_keys, out_values
         if self.keys is None or self.values is None:
             B, H, _, Dk = keys.shape
             self.keys = mx.zeros((B, H, self.window, Dk), keys.dtype)
@@ -95,11 +103,25 @@ class RingCache(Cache):
             out_values = mx.concatenate([old_values, values], axis=2)
         else:  # a prompt's first chunk: nothing older to put before it
             out_keys, out_values = keys, values
-        if self._needs_capture(start, n):
+        if capture:
             self._captured = (self.keys, self.values, start, keys, values)
         self.keys, self.values = self._written(self.keys, self.values, start, keys, values)
         self.offset = start + n
         return out_keys, out_values
+
+    def _filled(self, block: mx.array, start: int) -> mx.array:
+        """The ring after a write of ``n >= window`` positions at ``start``: the block's last
+        ``window`` positions in their slots (``p % window``), as a new array (a slice of
+        the block would hold the whole block's buffer as long as the ring)."""
+        n, window = block.shape[2], self.window
+        first = (start + n) % window  # the slot of the oldest position kept
+        if first:  # slots 0 .. first - 1 hold the newest positions
+            parts = [block[..., n - first:, :], block[..., n - window:n - first, :]]
+        elif n == window:
+            return block
+        else:  # (in two parts: a new array)
+            parts = [block[..., n - window:n - window + 1, :], block[..., n - window + 1:, :]]
+        return mx.concatenate(parts, axis=2)
 
     def _in_time_order(self, start: int) -> tuple[mx.array, mx.array]:
         """The stored window, oldest position first."""
@@ -435,3 +457,15 @@ class _RowRingCache(Cache):
 
     def trace_outputs(self) -> list[mx.array]:
         return [self.keys, self.values, *self.block]
+
+
+@lru_cache(maxsize=4)  # (a prompt's first chunk, the chunks after, its last)
+def _window_mask(kept: int, n: int, window: int) -> mx.array:
+    """The mask of ``n`` new queries over ``kept`` older keys and their own ``[n, kept +
+    n]``: causal, each query's last ``window`` keys. It depends on these three alone, so a
+    prompt's sliding layers (and its chunks past the first) share one evaluated array."""
+    keys = mx.arange(-kept, n)
+    queries = mx.arange(n)[:, None]
+    mask = (keys <= queries) & (keys > queries - window)
+    mx.eval(mask)
+    return mask
