@@ -73,7 +73,7 @@ class RingCache(Cache):
         start = self.offset
         self._captured = None  # a capture is only good for the write right after it
         capture = self._needs_capture(start, n)
-        if n >= self.window and not capture:  # (a prompt's chunk: no slot kept)
+        if n > 1 and n >= self.window and not capture:  # (a prompt's chunk: no slot kept)
             out_keys, out_values = keys, values
             if start:
                 old_keys, old_values = self._in_time_order(start)
