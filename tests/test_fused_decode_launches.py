@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,39 +35,33 @@ def launches(monkeypatch) -> Counter:
             counts["MLX norm"] += 1
         return mlx_norm(*args, **kwargs)
 
-    def product(x, w, res, glu, up=None, post=None):
-        counts["product with post norm" if post is not None else "product"] += 1
-        inside.append(1)
-        try:  # (marked: a launch a step reads shows in its graph as a StopGradient)
-            return mx.stop_gradient(cuda_products._reference(x, w, res, glu, up, post))
+    @contextmanager
+    def standing_in(kind: str) -> Iterator[None]:
+        counts[kind] += 1
+        inside.append(kind)
+        try:
+            yield
         finally:
             inside.pop()
+
+    def product(x, w, res, glu, up=None, post=None):
+        # (marked: a launch a step reads shows in its graph as a StopGradient)
+        with standing_in("product with post norm" if post is not None else "product"):
+            return mx.stop_gradient(cuda_products._reference(x, w, res, glu, up, post))
 
     def normed(x, w, res, post, then):
-        counts["product with norm after"] += 1
-        inside.append(1)
-        try:
+        with standing_in("product with norm after"):
             y = cuda_products._reference(x, w, res, 0, None, post)
             return y, mx.stop_gradient(mlx_norm(y, *then))  # (one mark a launch)
-        finally:
-            inside.pop()
 
     def heads(parts, rot, offset, D, starts):
-        counts["heads"] += 1
         counts["head parts"] += len(parts)
-        inside.append(1)
-        try:
+        with standing_in("heads"):
             return cuda_norms._reference_heads(parts, rot, offset, D, starts)
-        finally:
-            inside.pop()
 
     def add_norm(residual, x, weight, eps, scale):
-        counts["add norm"] += 1
-        inside.append(1)
-        try:
+        with standing_in("add norm"):
             return cuda_norms._reference_add_norm(residual, x, weight, eps, scale)
-        finally:
-            inside.pop()
 
     def attend(q, keys, values, scale, mask, splits=None, gate=None):
         counts["attend with gate" if gate is not None else "attend"] += 1
