@@ -18,7 +18,8 @@ a value: MLX's three norms and two RoPEs against the core's one kernel), and the
 launched as its cubin rather than its packed image (``MLXRUNNER_PACKED_KERNELS=0``). Each row
 gives the host's share (until the chain is submitted) beside the whole time (until the GPU is
 done): a fused kernel that is cheap to submit may still run slower. Last, a kernel's scalar
-inputs: in MLX's managed scalar pool or their own allocation (``scalar_rows``).
+inputs: in MLX's managed scalar pool or their own allocation (``scalar_rows``), and what
+each input costs a launch (``input_rows``).
 
     python bench/launch_cost.py [--launches 200] [--repeats 7] [--json out.json]
 """
@@ -265,6 +266,34 @@ def scalar_rows(launches: int, repeats: int) -> dict[str, list[float]]:
     }
 
 
+def input_rows(launches: int, repeats: int) -> dict[str, list[float]]:
+    """The same custom kernel (one output, the sum of its first input and one entry of each
+    other) taking 1, 4, 8 and 12 inputs, the others 16-byte arrays of their own: what each
+    input costs a launch (a post norm's product takes 9, with the pre-norm after it 11)."""
+    rows = {}
+    x = mx.zeros((1024,), dtype=mx.float32)
+    for count in (1, 4, 8, 12):
+        names = ["x"] + [f"a{i}" for i in range(1, count)]
+        body = "    float extra = 0.f;\n" + "".join(
+            f"    extra += {name}[0];\n" for name in names[1:]) + \
+            "    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;\n" + \
+            "    if (i < N) { out[i] = x[i] + extra; }\n"
+        kernel = mx.fast.cuda_kernel(name=f"launch_cost_inputs_{count}", input_names=names,
+                                     output_names=["out"], source=body)
+        others = [mx.zeros((4,), dtype=mx.float32) for _ in names[1:]]
+        mx.eval(others)
+
+        def chain(y: mx.array, k=kernel, extra=tuple(others)) -> mx.array:
+            for _ in range(launches):
+                (y,) = k(inputs=[y, *extra], template=[("N", y.size)], grid=(y.size, 1, 1),
+                         threadgroup=(256, 1, 1), output_shapes=[y.shape],
+                         output_dtypes=[y.dtype])
+            return y
+
+        rows[f"custom kernel, {count} inputs"] = per_launch_us(chain, launches, repeats, x)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=200)
@@ -283,6 +312,7 @@ def main() -> None:
     rows.update(product_rows(args.launches, args.repeats))
     rows.update(norm_rows(args.launches, args.repeats))
     rows.update(scalar_rows(args.launches, args.repeats))
+    rows.update(input_rows(args.launches, args.repeats))
     print(f"time per launch, {args.launches} launches a graph, median of {args.repeats} "
           f"[min - max], and the host's share (until submitted), device "
           f"{mx.default_device()}, mlx {mx.__version__}")
