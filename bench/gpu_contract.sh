@@ -3,7 +3,8 @@
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
 #   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [solo]
-#     [pair] [soak] [vision] [launch] [prefill] [products]    (SWITCHED="NAME=VALUE ...": a row of ours under each)
+#     [pair] [soak] [vision] [launch] [prefill] [products] [sweep]
+#     (SWITCHED="NAME=VALUE ...": a row of ours under each)
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
@@ -23,6 +24,8 @@
 # (bench/product_bandwidth.py).
 # prefill: a Gemma 4 prefill in parts, ours against mlx-lm's (bench/gemma4_prefill.py;
 # PREFILL_ARGS=--profile: where our build's Python time goes).
+# sweep: our Gemma 4 decode step under MLX's graph settings, a process each
+# (bench/mlx_env_sweep.py; SWEEP_ARGS: its arguments, e.g. "--bench qwen3_5").
 # Results in $OUT/results.tgz.
 set -u
 source .mlx-cuda-b/env.sh >/dev/null && source bench/gpu_setup.sh >/dev/null 2>&1
@@ -77,6 +80,9 @@ for part in "${@:-tests qwen3 llama startup}"; do
         (cd bench && timeout "${PREFILL_TIMEOUT:-200}" python3 gemma4_prefill.py ${PREFILL_ARGS:-} \
           --json "$out/gemma4-prefill-gpu.json") 2>&1 | tee "$out/gemma4-prefill-gpu.txt" \
           | tail -24 ;;
+      sweep)  # our decode step under MLX's CUDA graph settings, a process each
+        (cd bench && timeout "${SWEEP_TIMEOUT:-400}" python3 mlx_env_sweep.py ${SWEEP_ARGS:-} \
+          --json "$out/sweep-gpu.json") 2>&1 | tee "$out/sweep-gpu.txt" | tail -10 ;;
       startup)
         timeout "${STARTUP_TIMEOUT:-300}" python3 bench/startup.py --runs 3 \
           --json "$out/startup-gpu.json" 2>&1 | tee "$out/startup-gpu.txt" | tail -24 ;;
