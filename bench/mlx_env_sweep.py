@@ -1,9 +1,11 @@
 """Our decode step under MLX's process-wide settings, one process per setting (MLX reads
 them once): how a step's time moves with the kernels per CUDA graph
 (``MLX_MAX_OPS_PER_BUFFER``, which mlxrunner sets to 200), the input elements per graph
-(``MLX_MAX_MB_PER_BUFFER``: MLX counts a graph's input arrays' elements against it, not
-their bytes, so a Gemma 4 E2B step's 2.3G weight entries split it into more graphs than its
-kernels do) and graphs off (``MLX_USE_CUDA_GRAPHS=0``: each kernel launched alone).
+(``MLX_MAX_MB_PER_BUFFER``, 1000 on an H100: MLX counts the elements of every input of a
+graph's kernels against it, in millions, not the bytes they read, so a Gemma 4 E2B step's
+weights (2.3G entries) and the per-layer table its gather takes whole (2.3G more) split the
+step into more graphs than its kernels do; 1000000 never splits) and graphs off
+(``MLX_USE_CUDA_GRAPHS=0``: each kernel launched alone).
 
 Runs a model bench (``gemma4``, ``qwen3_5``, ``llama``) once per variant, ours alone (no
 mlx-lm row, no eager row), and prints each variant's decode rate (median of its repeats,
@@ -30,8 +32,8 @@ import harness
 HERE = Path(__file__).resolve().parent
 BENCHES = ("gemma4", "qwen3_5", "llama")
 DEFAULT_VARIANTS = ("", "MLX_MAX_OPS_PER_BUFFER=100", "MLX_MAX_OPS_PER_BUFFER=250",
-                    "MLX_MAX_MB_PER_BUFFER=4000",
-                    "MLX_MAX_OPS_PER_BUFFER=250,MLX_MAX_MB_PER_BUFFER=4000",
+                    "MLX_MAX_MB_PER_BUFFER=1000000",
+                    "MLX_MAX_OPS_PER_BUFFER=250,MLX_MAX_MB_PER_BUFFER=1000000",
                     "MLX_USE_CUDA_GRAPHS=0")
 
 
