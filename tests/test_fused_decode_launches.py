@@ -84,18 +84,20 @@ def launches(monkeypatch) -> Counter:
     return counts
 
 
-def _one_step(model, launches: Counter) -> tuple[dict[str, int], mx.array, mx.array]:
-    """The launches of one eager decode step after a 12-token prompt, its logits, and the
-    same step's logits with nothing forced (the reference)."""
+def _one_step(model, launches: Counter, taps: list[int] | None = None
+              ) -> tuple[dict[str, int], mx.array]:
+    """The launches of one eager decode step after a 12-token prompt (those its outputs
+    read: ``launches read``) and its logits (with ``taps``: and the tapped streams)."""
     ids = mx.array(np.random.default_rng(0).integers(3, 200, (1, 13)).astype(np.int32))
     cache = model.make_cache()
     mx.eval(model(ids[:, :12], cache))
     launches.clear()
-    logits = model(ids[:, 12:], cache)
+    out = model(ids[:, 12:], cache) if taps is None else \
+        mx.concatenate(model(ids[:, 12:], cache, taps=taps), axis=-1)
     got = {k: v for k, v in launches.items() if v}
-    got["launches read"] = _labels(logits).count("StopGradient")
-    mx.eval(logits)
-    return got, logits
+    got["launches read"] = _labels(out).count("StopGradient")
+    mx.eval(out)
+    return got, out
 
 
 def _labels(out: mx.array) -> list[str]:
@@ -107,20 +109,40 @@ def _labels(out: mx.array) -> list[str]:
         return re.findall(r'label ="([^"]+)"', dot.read())
 
 
-def _gemma4():
+_GEMMA4_CONFIG = {
+    "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 5,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1,
+    "head_dim": 16, "global_head_dim": 32, "vocab_size": 256,
+    "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16,
+    "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "sliding_window": 8,
+    "layer_types": ["sliding_attention"] * 2 + ["full_attention"] +
+                   ["sliding_attention", "full_attention"],
+    "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
+#: a small Qwen3.5 (over the 0.8B's shared config): three DeltaNet layers, then attention
+_QWEN3_5_SMALL = {
+    "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "vocab_size": 256}
+
+
+def _gemma4(**changes):
     from mlxrunner_gemma4 import Gemma4Model
 
-    config = {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 5,
-              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1,
-              "head_dim": 16, "global_head_dim": 32, "vocab_size": 256,
-              "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16,
-              "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "sliding_window": 8,
-              "layer_types": ["sliding_attention"] * 2 + ["full_attention"] +
-                             ["sliding_attention", "full_attention"],
-              "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
-              "tie_word_embeddings": True}
     mx.random.seed(1)
-    return Gemma4Model(config)
+    return Gemma4Model({**_GEMMA4_CONFIG, **changes})
+
+
+def _qwen3_5_text(shared_data_dir: Path, **changes) -> dict:
+    path = shared_data_dir / "configs" / "Qwen3.5-0.8B-Base.config.json"
+    if not path.is_file():
+        pytest.skip(f"shared config {path} not present")
+    config = json.loads(path.read_text())
+    text = dict(config.get("text_config", config))
+    text.update(_QWEN3_5_SMALL, **changes)
+    text.pop("full_attention_interval", None)
+    return text
 
 
 def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monkeypatch):
@@ -132,6 +154,7 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     mx.set_default_device(mx.cpu)
     model = _gemma4()
     got, logits = _one_step(model, launches)
+    tapped, _ = _one_step(model, launches, taps=[0, 1, 2, 3, 4])
     launches.allowed.discard("prenorms")
     without, _ = _one_step(model, launches)
     monkeypatch.undo()
@@ -148,6 +171,9 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     assert got["launches read"] == 6 * layers + 2, got
     assert "product with norm after" not in without, without
     assert without["MLX norm"] - got["MLX norm"] == 2 * layers, (without, got)
+    # each relaunch stands for the launch it replaced, also for the streams tapped
+    assert got["launches read"] == without["launches read"], (got, without)
+    assert tapped["launches read"] == got["launches read"], tapped
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
 
 
@@ -157,17 +183,7 @@ def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monk
     gate applied by the attention launch."""
     from mlxrunner_qwen3_5 import Qwen3_5
 
-    path = shared_data_dir / "configs" / "Qwen3.5-0.8B-Base.config.json"
-    if not path.is_file():
-        pytest.skip(f"shared config {path} not present")
-    config = json.loads(path.read_text())
-    text = dict(config.get("text_config", config))
-    text.update(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-                hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                vocab_size=256)
-    text.pop("full_attention_interval", None)
+    text = _qwen3_5_text(shared_data_dir)
     mx.set_default_device(mx.cpu)
     mx.random.seed(2)
     model = Qwen3_5(text)
@@ -182,4 +198,32 @@ def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monk
     # product's launch before it
     assert got["product with norm after"] == 2 * 4, got
     assert without["MLX norm"] - got["MLX norm"] == 2 * 4, (without, got)
+    assert got["launches read"] == without["launches read"], (got, without)
+    np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "qwen3_5"])
+def test_a_mixture_of_experts_step_reads_each_relaunch_alone(launches, monkeypatch, arch,
+                                                             shared_data_dir: Path):
+    """A mixture-of-experts layer reads its stream beside the norms (Qwen3.5 adds the
+    experts to it itself; Gemma 4 norms it twice and routes on it): each relaunch still
+    stands for the launch it replaced, and a second norm of one stream relaunches nothing."""
+    if arch == "gemma4":
+        model = _gemma4(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=32)
+    else:
+        from mlxrunner_qwen3_5.moe import Qwen3_5Moe
+
+        mx.random.seed(3)
+        model = Qwen3_5Moe(_qwen3_5_text(
+            shared_data_dir, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32))
+    mx.set_default_device(mx.cpu)
+    got, logits = _one_step(model, launches)
+    launches.allowed.discard("prenorms")
+    without, _ = _one_step(model, launches)
+    monkeypatch.undo()
+    _, want = _one_step(model, Counter())
+    assert got["product with norm after"] > 0, got
+    assert got["launches read"] == without["launches read"], (got, without)
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)

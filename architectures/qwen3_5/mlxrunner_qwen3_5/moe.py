@@ -110,7 +110,7 @@ class SparseMoeBlock(nn.Module):
 
     def __call__(self, x: mx.array, residual: mx.array) -> mx.array:
         indices, weights = self.route(x)
-        out = residual + self.experts(x, indices, weights)
+        out = mnn.residual_stream(residual) + self.experts(x, indices, weights)
         if self.shared:
             out = out + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..constants import arange_constant, constant
 from ..lazy import lazy_exports
 from .attention import KV, attend, store
+from .cuda_products import current as residual_stream
 from .deltanet import GatedDeltaNet, chunked_gated_delta
 from .derived import derived
 from .embedding import Embedding, QuantizedEmbedding
@@ -59,6 +60,7 @@ __all__ = [
     "joined_linears",
     "last_logits_only",
     "linears",
+    "residual_stream",
     "rms_norm",
     "silu_mul",
     "softcap",

@@ -447,7 +447,10 @@ def fused_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
     that come after (the next residual add), so the first launch has no reader left. None
     where ``x`` is no such output or no kernel serves the case."""
     entry = _noted_entry("finals", x)
-    if entry is None or weight.shape != x.shape[-1:] or weight.dtype != x.dtype \
+    # (a final normed again, as a second norm of one stream, is MLX's norm of the rows
+    # the first relaunch wrote: a second relaunch would read the weight once more)
+    if entry is None or _noted_entry("renamed", x) is not None \
+            or weight.shape != x.shape[-1:] or weight.dtype != x.dtype \
             or not (kernel_allowed("prenorms") and kernel_allowed("products")
                     and kernel_allowed("norms")):
         return None
@@ -464,7 +467,8 @@ def fused_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
 def current(x: mx.array) -> mx.array:
     """What stands for ``x`` now: the same rows from the launch that also wrote their norm
     (see :func:`fused_norm`), or ``x`` itself. A reader of a residual stream asks this, so
-    that the launch it replaced runs for no one."""
+    that the launch it replaced runs for no one (public as ``mlxrunner.nn.residual_stream``:
+    an architecture that adds to its stream itself reads it through it)."""
     entry = _noted_entry("renamed", x)
     return x if entry is None else entry[0]
 

@@ -36,6 +36,7 @@ class RMSNorm(nn.Module):
         fused = fused_norm(x, weight, self.eps)
         if fused is not None:
             return fused
+        x = current(x)
         hosted = host_rms_norm(x, weight, self.eps)
         if hosted is not None:
             return hosted
@@ -59,6 +60,7 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: mx.array, eps: float = 1e-6) -> mx.array:
     """The weightless RMS norm ``x / rms(x)``."""
+    x = current(x)  # (a stream another norm's launch wrote again: read that launch's)
     hosted = host_rms_norm(x, None, eps)
     return mx.fast.rms_norm(x, None, eps) if hosted is None else hosted
 

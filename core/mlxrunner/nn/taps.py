@@ -54,6 +54,10 @@ class Taps:
 
     def after(self, layer: int, hidden: mx.array) -> mx.array:
         """Record ``hidden`` as the stream after ``layer`` if it is tapped; returns it."""
+        # (a stream tapped earlier may since be the output of a launch that also normed it:
+        # asked now, while the core still remembers, not at the end of the forward)
+        for tapped, state in self._states.items():
+            self._states[tapped] = current(state)
         if layer in self._wanted:
             self._states[layer] = hidden
         return hidden
