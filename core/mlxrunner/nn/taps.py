@@ -67,6 +67,6 @@ class Taps:
             return logits
         if not self.requested:
             return logits, mx.zeros((*logits.shape[:-1], 0), dtype=logits.dtype)
-        # (a tapped stream may since be the output of a launch that also normed it)
+        # (the last layer's stream: the final norm's launch may have written it again)
         return logits, mx.concatenate([current(self._states[t]) for t in self.requested],
                                       axis=-1)
