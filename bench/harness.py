@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +275,23 @@ class Ours:
         if cache is None:
             return self.model(ids, **kwargs)
         return forward(self.model, ids, cache, kwargs.get("taps"))
+
+
+def queued_us(fns: Callable[[mx.array], Any] | Sequence[Callable[[mx.array], Any]],
+              xs: Sequence[mx.array]) -> tuple[float, float]:
+    """Microseconds a call of ``len(xs)`` calls queued in one evaluation, cycling through
+    ``fns`` (one callable or several): building their graph (Python), then evaluating it
+    (the submission and the device), after one call evaluated alone (a trace, a build) and
+    the device idle."""
+    cycle = [fns] if callable(fns) else list(fns)
+    mx.eval(cycle[0](xs[0]))
+    mx.synchronize()
+    start = time.perf_counter()
+    outs = [cycle[n % len(cycle)](x) for n, x in enumerate(xs)]
+    built = time.perf_counter()
+    mx.eval(outs)
+    done = time.perf_counter()
+    return 1e6 * (built - start) / len(xs), 1e6 * (done - built) / len(xs)
 
 
 def at_least(low: int) -> Callable[[str], int]:

@@ -20,7 +20,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,17 +90,6 @@ def build(width: int, outs: list[int], kind: str, copies: int
     return ours, theirs, nbytes
 
 
-def per_call(fns: list[Callable[[mx.array], Any]], xs: list[mx.array]) -> tuple[float, float]:
-    """Microseconds a call, ``len(xs)`` calls cycling through ``fns``: building their graph
-    (Python), then evaluating it in one evaluation (the submission and the device)."""
-    start = time.perf_counter()
-    outs = [fns[n % len(fns)](x) for n, x in enumerate(xs)]
-    built = time.perf_counter()
-    mx.eval(outs)
-    done = time.perf_counter()
-    return 1e6 * (built - start) / len(xs), 1e6 * (done - built) / len(xs)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=harness.at_least(1), default=64)
@@ -124,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
               for n in range(args.count)]
         mx.eval(xs)
         times: dict[str, list[tuple[float, float]]] = {"mlxrunner": [], "mlx": []}
-        per_call(ours, xs)  # warm-up: traces, kernel checks, JIT, each copy's first use
-        per_call(theirs, xs)
+        harness.queued_us(ours, xs)  # warm-up: traces, kernel checks, JIT, each copy's first use
+        harness.queued_us(theirs, xs)
         for _ in range(args.repeats):
-            times["mlxrunner"].append(per_call(ours, xs))
-            times["mlx"].append(per_call(theirs, xs))
+            times["mlxrunner"].append(harness.queued_us(ours, xs))
+            times["mlx"].append(harness.queued_us(theirs, xs))
         row = {}
         for who, t in times.items():
             row[f"{who}_build_us"] = statistics.median(b for b, _ in t)

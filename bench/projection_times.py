@@ -12,19 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+import harness
 import mlx.core as mx
 import mlx.nn as nn
-
-
-def per_call(fn: Callable[[mx.array], list[mx.array]], xs: list[mx.array]) -> float:
-    mx.eval(fn(xs[0]))
-    start = time.perf_counter()
-    mx.eval([fn(x) for x in xs])
-    return 1e6 * (time.perf_counter() - start) / len(xs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"projection times: device {mx.default_device()}, mlx {mx.__version__}, "
           f"{args.count} calls queued", flush=True)
     for name, fn in cases.items():
-        results[name] = round(per_call(fn, xs), 2)
+        results[name] = round(sum(harness.queued_us(fn, xs)), 2)
         print(f"  {name:36s} {results[name]:8.2f} us/call", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"device": str(mx.default_device()),

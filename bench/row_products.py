@@ -16,7 +16,6 @@ implies.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,14 +28,6 @@ from mlxrunner.nn.kernels import project
 SHAPES = [("deltanet in (qkv|z|b|a)", 1024, 8224), ("deltanet out", 2048, 1024),
           ("attention q|k|v", 1024, 5120), ("attention out", 2048, 1024),
           ("mlp gate|up", 1024, 7168), ("mlp down", 3584, 1024), ("head", 1024, 248320)]
-
-
-def per_call(fn: Callable[[mx.array], mx.array], xs: list[mx.array]) -> float:
-    mx.eval(fn(xs[0]))
-    mx.synchronize()
-    start = time.perf_counter()
-    mx.eval([fn(x) for x in xs])
-    return 1e6 * (time.perf_counter() - start) / len(xs)
 
 
 def ways_for(wt_view: mx.array, wt_copy: mx.array, rows: int
@@ -71,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             xs = [mx.random.normal((rows, k)).astype(dt) for _ in range(args.count)]
             mx.eval(xs)
             ways = ways_for(wt_view, wt_copy, rows)
-            cells = {way: round(per_call(fn, xs), 2) for way, fn in ways.items()}
+            cells = {way: round(sum(harness.queued_us(fn, xs)), 2) for way, fn in ways.items()}
             results.append({"product": name, "in": k, "out": n, "rows": rows, "us": cells})
             print(f"  {name:24} {rows:3d} rows: " + "  ".join(
                 f"{way} {us:8.1f} ({2 * k * n / us / 1e3:5.0f})" for way, us in cells.items()),
