@@ -72,30 +72,17 @@ class RingCache(Cache):
         n = keys.shape[2]
         start = self.offset
         self._captured = None  # a capture is only good for the write right after it
-        capture = self._needs_capture(start, n)
-        if n > 1 and n >= self.window and not capture:  # (a prompt's chunk: no slot kept)
-            out_keys, out_values = keys, values
-            if start:
-                old_keys, old_values = self._in_time_order(start)
-                out_keys = mx.concatenate([old_keys, keys], axis=2)
-                out_values = mx.concatenate([old_values, values], axis=2)
-            self.keys, self.values = self._filled(keys, start), self._filled(values, start)
-            self.offset = start + n
-            return out_keys, out_values
-        if self.keys is None or self.values is None:
-            B, H, _, Dk = keys.shape
-            self.keys = mx.zeros((B, H, self.window, Dk), keys.dtype)
-            self.values = mx.zeros((B, values.shape[1], self.window, values.shape[3]),
-                                   values.dtype)
         if n == 1:
             # A one-token write never needs a capture: its only restorable
             # offset is the one it ends at.
+            ring_keys, ring_values = self._held(keys, values)
             slot = start % self.window
-            self.keys[..., slot:slot + 1, :] = keys
-            self.values[..., slot:slot + 1, :] = values
+            ring_keys[..., slot:slot + 1, :] = keys
+            ring_values[..., slot:slot + 1, :] = values
+            self.keys, self.values = ring_keys, ring_values
             self.offset = start + 1
             filled = min(self.offset, self.window)
-            return self.keys[..., :filled, :], self.values[..., :filled, :]
+            return ring_keys[..., :filled, :], ring_values[..., :filled, :]
 
         if start:
             old_keys, old_values = self._in_time_order(start)
@@ -103,11 +90,24 @@ class RingCache(Cache):
             out_values = mx.concatenate([old_values, values], axis=2)
         else:  # a prompt's first chunk: nothing older to put before it
             out_keys, out_values = keys, values
-        if capture:
-            self._captured = (self.keys, self.values, start, keys, values)
-        self.keys, self.values = self._written(self.keys, self.values, start, keys, values)
+        capture = self._needs_capture(start, n)
+        if n >= self.window and not capture:  # every slot rewritten: the block alone
+            self.keys, self.values = self._filled(keys, start), self._filled(values, start)
+        else:
+            ring_keys, ring_values = self._held(keys, values)
+            if capture:
+                self._captured = (ring_keys, ring_values, start, keys, values)
+            self.keys, self.values = self._written(ring_keys, ring_values, start, keys, values)
         self.offset = start + n
         return out_keys, out_values
+
+    def _held(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The ring's buffers, or empty ones for blocks like ``keys``/``values``."""
+        if self.keys is None or self.values is None:
+            B, H, _, Dk = keys.shape
+            return (mx.zeros((B, H, self.window, Dk), keys.dtype),
+                    mx.zeros((B, values.shape[1], self.window, values.shape[3]), values.dtype))
+        return self.keys, self.values
 
     def _filled(self, block: mx.array, start: int) -> mx.array:
         """The ring after a write of ``n >= window`` positions at ``start``: the block's last
