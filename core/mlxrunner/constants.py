@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import cache
+from functools import cache, lru_cache
 
 import mlx.core as mx
 
@@ -69,3 +69,15 @@ def arange_constant(n: int) -> mx.array:
     array = mx.arange(n, dtype=mx.int32)
     mx.eval(array)
     return array
+
+
+@lru_cache(maxsize=4)  # (a prompt's first chunk, the chunks after, its last)
+def window_mask(kept: int, n: int, window: int) -> mx.array:
+    """The mask of ``n`` new queries over ``kept`` older keys and their own, ``[n, kept +
+    n]``: causal, each query seeing its last ``window`` keys; made and evaluated once per
+    (kept, n, window), so a prompt's sliding layers share one array."""
+    keys = mx.arange(-kept, n)
+    queries = mx.arange(n)[:, None]
+    mask = (keys <= queries) & (keys > queries - window)
+    mx.eval(mask)
+    return mask

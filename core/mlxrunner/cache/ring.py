@@ -26,11 +26,10 @@ cache keeps a ring as a snapshot (the whole window at one offset).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from functools import lru_cache
 
 import mlx.core as mx
 
-from ..constants import arange_constant
+from ..constants import arange_constant, window_mask
 from .base import Cache
 from .batched import BatchedCache, RowFrame, _row_frame, grow_rows
 from .frame import TraceFrame
@@ -63,7 +62,7 @@ class RingCache(Cache):
         start = self.offset
         if start + n <= self.window:
             return "causal"
-        return _window_mask(min(start, self.window), n, self.window)
+        return window_mask(min(start, self.window), n, self.window)
 
     # -- writing -----------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -458,14 +457,3 @@ class _RowRingCache(Cache):
     def trace_outputs(self) -> list[mx.array]:
         return [self.keys, self.values, *self.block]
 
-
-@lru_cache(maxsize=4)  # (a prompt's first chunk, the chunks after, its last)
-def _window_mask(kept: int, n: int, window: int) -> mx.array:
-    """The mask of ``n`` new queries over ``kept`` older keys and their own ``[n, kept +
-    n]``: causal, each query's last ``window`` keys. It depends on these three alone, so a
-    prompt's sliding layers (and its chunks past the first) share one evaluated array."""
-    keys = mx.arange(-kept, n)
-    queries = mx.arange(n)[:, None]
-    mask = (keys <= queries) & (keys > queries - window)
-    mx.eval(mask)
-    return mask

@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from .. import settings
 from ..cache.frame import active_frame
-from ..constants import arange_constant, constant
+from ..constants import constant, window_mask
 from .cuda_build import CudaKernel, kernel_code
 from .host_ops import host_attention
 from .kernels import on_cuda, serves
@@ -86,8 +86,7 @@ def _causal(n: int, window: int | None) -> mx.array | str | None:
         return None
     if window is None or n <= window:
         return "causal"
-    rows = arange_constant(n)
-    return (rows[None] <= rows[:, None]) & (rows[None] > rows[:, None] - window)
+    return window_mask(0, n, window)
 
 
 _cuda_default = on_cuda  # (tests stand in for it here)
