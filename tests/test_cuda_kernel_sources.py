@@ -34,11 +34,15 @@ def builder(tmp_path: Path) -> cuda_build.Builder:
 
 
 def _wrap(name: str, source: str, inputs: list[tuple[str, str]],
-          outputs: list[tuple[str, str]], template: list[tuple[str, Any]]) -> str:
+          outputs: list[tuple[str, str]], template: list[tuple[str, Any]],
+          absent: tuple[str, ...] = ()) -> str:
+    """The unit the core builds; the inputs named in ``absent`` left out of the launch as
+    the core leaves an input the case does not read (a null pointer in the source)."""
     return cuda_build.kernel_source(
-        name, source, [(n, DTYPES[t]) for n, t in inputs],
+        name, source, [(n, DTYPES[t]) for n, t in inputs if n not in absent],
         [(n, DTYPES[t]) for n, t in outputs],
-        [(k, DTYPES[v] if isinstance(v, str) else v) for k, v in template])
+        [(k, DTYPES[v] if isinstance(v, str) else v) for k, v in template],
+        [(n, DTYPES[t]) for n, t in inputs if n in absent])
 
 
 def _compile(builder: cuda_build.Builder, name: str, source: str) -> None:
@@ -220,15 +224,18 @@ def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int) -> No
     template = [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D), ("DV", min(D, 512)),
                 ("NT", nn.ATTEND_THREADS), ("U", nn.keys_at_once(D, min(D, 512))),
                 ("MASK", mask), ("GATE", False)]
+    unmasked = ("mask",) if mask == 0 else ()
     _compile(builder, "attend_split", _wrap("attend_split", nn.ATTEND_SPLIT_SOURCE, inputs,
                                           [("part_o", "float32"), ("part_max", "float32"),
-                                           ("part_sum", "float32")], template))
+                                           ("part_sum", "float32")], template,
+                                          absent=unmasked + ("gate",)))
     _compile(builder, "attend", _wrap("attend", nn.ATTEND_SOURCE, inputs,
                                     [("out", dtype)],
                                     [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D),
                                      ("DV", min(D, 512)), ("NT", nn.ATTEND_THREADS),
                                      ("U", nn.keys_at_once(D, min(D, 512))),
-                                     ("MASK", mask), ("GATE", mask == 0)]))
+                                     ("MASK", mask), ("GATE", mask == 0)],
+                                    absent=unmasked + (() if mask == 0 else ("gate",))))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -241,15 +248,18 @@ def test_fused_product_kernel_compiles(builder, dtype: str, res: bool, glu: int,
     template = [("T", dtype), ("K", 2048), ("N", 2048), ("M", 2), ("NT", 256),
                 ("RES", res), ("GLU", glu), ("UPX", upx), ("ADDN", False)]
     inputs = [("x", dtype), ("w", dtype), ("res", dtype), ("up_x", dtype)]
+    unread = (() if res else ("res",)) + (() if upx else ("up_x",))
     _compile(builder, "mlxrunner_product", _wrap(
-        "mlxrunner_product", cuda_products.PRODUCT_SOURCE, inputs, [("y", dtype)], template))
+        "mlxrunner_product", cuda_products.PRODUCT_SOURCE, inputs, [("y", dtype)], template,
+        absent=unread))
     if not (res or glu):  # a post norm's residual add after it, with a scale and without
         for scaled in (False, True):
             _compile(builder, "mlxrunner_product_add_norm", _wrap(
                 "mlxrunner_product_add_norm", cuda_products.PRODUCT_ADD_NORM_SOURCE,
                 inputs + [("pw", dtype), ("pres", dtype), ("ps", dtype), ("peps", "float32"),
                           ("cnt", "int32")], [("y", dtype), ("h", dtype)],
-                template[:-1] + [("ADDN", True), ("PSCALE", scaled)]))
+                template[:-1] + [("ADDN", True), ("PSCALE", scaled)],
+                absent=unread + (() if scaled else ("ps",))))
     if not glu:  # the norm of its final rows after it: the residual sum, or a post norm's
         for addn in ([False] if res else [False, True]):
             _compile(builder, "mlxrunner_product_norm", _wrap(
@@ -257,7 +267,8 @@ def test_fused_product_kernel_compiles(builder, dtype: str, res: bool, glu: int,
                 inputs + [("pw", dtype), ("pres", dtype), ("ps", dtype), ("peps", "float32"),
                           ("cnt", "int32"), ("nw", dtype), ("neps", "float32")],
                 [("y", dtype), ("h", dtype), ("hn", dtype)],
-                template[:-1] + [("ADDN", addn), ("PSCALE", addn)]))
+                template[:-1] + [("ADDN", addn), ("PSCALE", addn)],
+                absent=unread + (() if addn else ("pw", "pres", "ps", "peps"))))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -276,7 +287,8 @@ def test_heads_kernel_compiles(builder, dtype: str, freqs: bool, trad: bool,
     inputs += [("eps", "float32"), ("offset", "int32"), ("freqs", "float32"), ("rf", "float32")]
     _compile(builder, "mlxrunner_heads", _wrap(
         "mlxrunner_heads", cuda_norms.HEADS_SOURCE, inputs,
-        [(n, dtype) for n in ("y0", "y1", "y2")], template))
+        [(n, dtype) for n in ("y0", "y1", "y2")], template,
+        absent=("w2",) + (() if freqs else ("freqs",))))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -288,4 +300,4 @@ def test_add_norm_kernel_compiles(builder, dtype: str, scale: bool) -> None:
         "mlxrunner_add_norm", cuda_norms.ADD_NORM_SOURCE,
         [("x", dtype), ("w", dtype), ("res", dtype), ("s", dtype), ("eps", "float32")],
         [("y", dtype)], [("T", dtype), ("D", 1536), ("NT", cuda_norms.ADD_THREADS),
-                         ("SCALE", scale)]))
+                         ("SCALE", scale)], absent=() if scale else ("s",)))

@@ -108,9 +108,9 @@ def _emulated(q, k, v, scale, mask, splits=1, gate=None):
         attention.ATTEND_SPLIT_SOURCE if splits > 1 else attention.ATTEND_SOURCE,
         {"q": np.array(q), "keys": np.array(k), "values": np.array(v),
          "scale": np.array([scale], np.float32),
-         "mask": np.array(mask if mask is not None else mx.array([True])),
+         "mask": None if mask is None else np.array(mask),  # (None: absent, as the core's)
          "dims": np.array([L, S, splits], np.int32),
-         "gate": np.array(gate if gate is not None else mx.array([0.0]))},
+         "gate": None if gate is None else np.array(gate)},
         outputs,
         [("T", mx.float32), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
          ("NT", attention.ATTEND_THREADS), ("U", attention.keys_at_once(D, Dv)),

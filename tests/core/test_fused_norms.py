@@ -218,7 +218,7 @@ def test_the_heads_kernel_computes_its_math_in_emulation(B, L, freqs, traditiona
     got = emulate_kernel(
         cuda_norms.HEADS_SOURCE,
         {"x0": xs[0], "x1": xs[1], "x2": xs[2], "w0": ws[0], "w1": ws[1],
-         "w2": np.zeros(1, np.float32), "eps": eps, "offset": offsets,
+         "w2": None, "eps": eps, "offset": offsets,
          "freqs": periods, "rf": np.array([math.log2(base), scale], np.float32)},
         {f"y{i}": ((B, h, L, D), np.float32) for i, h in enumerate(heads)}, template,
         blocks=B * L * sum(heads), threads=cuda_norms.HEAD_THREADS)
@@ -244,7 +244,7 @@ def test_the_add_norm_kernel_computes_its_math_in_emulation(scale):
     s = np.array([0.7], np.float32)
     got = emulate_kernel(
         cuda_norms.ADD_NORM_SOURCE,
-        {"x": x, "w": w, "res": r, "s": s, "eps": np.array([1e-6], np.float32)},
+        {"x": x, "w": w, "res": r, "s": s if scale else None, "eps": np.array([1e-6], np.float32)},
         {"y": ((rows, D), np.float32)},
         [("T", mx.float32), ("D", D), ("NT", cuda_norms.ADD_THREADS), ("SCALE", scale)],
         blocks=rows, threads=cuda_norms.ADD_THREADS)["y"]

@@ -264,8 +264,8 @@ def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned):
         r = rng.normal(size=(rows, N)).astype(np.float32)
         got = emulate_kernel(
             cuda_products.PRODUCT_SOURCE,
-            {"x": x, "w": w, "res": r if res else np.zeros(1, np.float32),
-             "up_x": np.zeros(1, np.float32)}, {"y": ((rows, N), np.float32)},
+            {"x": x, "w": w, "res": r if res else None, "up_x": None},
+            {"y": ((rows, N), np.float32)},
             [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
              ("RES", res), ("GLU", glu), ("UPX", False), ("ADDN", False)],
             blocks=-(-N // (threads // 32)), threads=threads)["y"]
@@ -294,8 +294,8 @@ def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, 
     for _ in range(2):  # the counter is reset for the next launch
         got = emulate_kernel(
             cuda_products.PRODUCT_ADD_NORM_SOURCE,
-            {"x": x, "w": w, "res": np.zeros(1, np.float32),
-             "up_x": np.zeros(1, np.float32), "pw": pw, "pres": pres, "ps": ps,
+            {"x": x, "w": w, "res": None, "up_x": None, "pw": pw, "pres": pres,
+             "ps": ps if scaled else None,
              "peps": np.array([1e-6], np.float32), "cnt": counter},
             {"y": ((rows, N), np.float32), "h": ((rows, N), np.float32)},
             [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
@@ -327,14 +327,13 @@ def test_the_norm_after_a_launchs_final_rows_computes_its_math_in_emulation(rows
     pres = rng.normal(size=(rows, N)).astype(np.float32)
     nw = (0.5 + rng.uniform(size=N)).astype(np.float32)
     counter = np.zeros(1, np.int32)
-    one = np.zeros(1, np.float32)
     for _ in range(2):  # the counter is reset for the next launch
-        got = emulate_kernel(
+        got = emulate_kernel(  # (None: an input the core leaves absent)
             cuda_products.PRODUCT_NORM_SOURCE,
-            {"x": x, "w": w, "res": one if addn else res, "up_x": one,
-             "pw": pw if addn else one, "pres": pres if addn else one,
-             "ps": np.array([0.6], np.float32), "peps": np.array([1e-6], np.float32),
-             "cnt": counter, "nw": nw, "neps": np.array([1e-5], np.float32)},
+            {"x": x, "w": w, "res": None if addn else res, "up_x": None,
+             "pw": pw if addn else None, "pres": pres if addn else None,
+             "ps": np.array([0.6], np.float32) if addn else None,
+             "peps": np.array([1e-6], np.float32) if addn else None, "cnt": counter, "nw": nw, "neps": np.array([1e-5], np.float32)},
             {"y": ((rows, N), np.float32), "h": ((rows, N) if addn else (4,), np.float32),
              "hn": ((rows, N), np.float32)},
             [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
@@ -433,7 +432,7 @@ def test_a_gate_product_times_a_given_up_computes_its_math_in_emulation(glu):
     up = rng.normal(size=(rows, N)).astype(np.float32)
     got = emulate_kernel(
         cuda_products.PRODUCT_SOURCE,
-        {"x": x, "w": w, "res": np.zeros(1, np.float32), "up_x": up},
+        {"x": x, "w": w, "res": None, "up_x": up},
         {"y": ((rows, N), np.float32)},
         [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads),
          ("RES", False), ("GLU", glu), ("UPX", True), ("ADDN", False)],

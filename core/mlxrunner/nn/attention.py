@@ -395,9 +395,9 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         mask = mx.broadcast_to(mask, (L, S))
     outputs = _kernels[split](
         inputs=[q, keys, values, constant((float(scale),), mx.float32),
-                mask if mask is not None else constant((True,), mx.bool_),
+                mask if mask is not None else mx.bool_,  # (a dtype: absent, see CudaKernel)
                 constant((L, S, P), mx.int32),
-                gate if gate is not None and not split else constant((0.0,), q.dtype)],
+                gate if gate is not None and not split else q.dtype],
         template=[("T", q.dtype), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
                   ("NT", ATTEND_THREADS), ("U", keys_at_once(D, Dv)),
                   ("MASK", _mask_kind(mask)), ("GATE", gate is not None and not split)],

@@ -51,14 +51,16 @@ TemplateArg = tuple[str, "int | bool | mx.Dtype"]
 
 
 def kernel_source(symbol: str, source: str, inputs: Sequence[tuple[str, mx.Dtype]],
-                  outputs: Sequence[tuple[str, mx.Dtype]],
-                  template: Sequence[TemplateArg]) -> str:
+                  outputs: Sequence[tuple[str, mx.Dtype]], template: Sequence[TemplateArg],
+                  absent: Sequence[tuple[str, mx.Dtype]] = ()) -> str:
     """A whole translation unit for ``source``, a kernel body as ``mx.fast.cuda_kernel``
     takes it: inputs as ``const T*``, outputs as ``T*``, template arguments as ``constexpr``
-    and ``using`` lines, under the C name ``symbol``."""
+    and ``using`` lines, under the C name ``symbol``; each ``absent`` input a null pointer of
+    its own (no argument)."""
     args = [f"    const {CUDA_TYPES[dtype]}* {name}" for name, dtype in inputs]
     args += [f"    {CUDA_TYPES[dtype]}* {name}" for name, dtype in outputs]
     lines = [HEADER, f'extern "C" __global__ void {symbol}(', ",\n".join(args) + ") {"]
+    lines += [f"  const {CUDA_TYPES[dtype]}* const {name} = nullptr;" for name, dtype in absent]
     for key, value in template:
         if isinstance(value, bool):
             lines.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
@@ -358,7 +360,10 @@ def builder() -> Builder | None:
 
 class CudaKernel:
     """``mx.fast.cuda_kernel(name, input_names, output_names, source)``, built once per
-    machine where it can be (see the module's text); called the same way."""
+    machine where it can be (see the module's text); called the same way, except that an
+    input may be given as a dtype: absent, a null pointer of that type in the source that
+    the launch does not pass (each input costs a launch host time: MLX checks, records and
+    links it)."""
 
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str) -> None:
@@ -375,9 +380,9 @@ class CudaKernel:
                                             output_names=self.output_names, source=self.source)
         return self._mlx
 
-    def __call__(self, *, inputs: Sequence[mx.array], template: Sequence[TemplateArg],
-                 grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
-                 output_shapes: Sequence[Sequence[int]],
+    def __call__(self, *, inputs: Sequence[mx.array | mx.Dtype],
+                 template: Sequence[TemplateArg], grid: tuple[int, int, int],
+                 threadgroup: tuple[int, int, int], output_shapes: Sequence[Sequence[int]],
                  output_dtypes: Sequence[mx.Dtype]) -> list[mx.array]:
         build = builder()
         built = None if build is None else self._cubin(build, inputs, template, output_dtypes)
@@ -385,27 +390,35 @@ class CudaKernel:
             key, cubin = built
             image = build.image(key, cubin) if settings.current().packed_kernels else cubin
             return list(mx.fast.precompiled_cuda_kernel(
-                name=self.name, compiled_source=image, inputs=list(inputs),
+                name=self.name, compiled_source=image,
+                inputs=[x for x in inputs if isinstance(x, mx.array)],
                 output_shapes=[tuple(s) for s in output_shapes],
                 output_dtypes=list(output_dtypes), scalars=[], grid=grid,
                 threadgroup=threadgroup, ensure_row_contiguous=True))
+        # (MLX's own build declares every input: an absent one is an unread entry)
+        given = [x if isinstance(x, mx.array) else mx.zeros((1,), x) for x in inputs]
         return list(self._in_mlx()(
-            inputs=list(inputs), template=list(template), grid=grid, threadgroup=threadgroup,
+            inputs=given, template=list(template), grid=grid, threadgroup=threadgroup,
             output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes)))
 
-    def _cubin(self, build: Builder, inputs: Sequence[mx.array],
+    def _cubin(self, build: Builder, inputs: Sequence[mx.array | mx.Dtype],
                template: Sequence[TemplateArg], output_dtypes: Sequence[mx.Dtype]
                ) -> tuple[str, bytes] | None:
         """This case's cubin from ``build`` with its key, or None where NVRTC refuses its
         source."""
-        # (a template value's type too: True and 1 are equal keys but spell another source)
-        key = (build, tuple(x.dtype for x in inputs), tuple(output_dtypes),
+        # (a template value's type too: True and 1 are equal keys but spell another source;
+        # an absent input's dtype against a given one's (dtype, True))
+        key = (build, tuple(x if isinstance(x, mx.Dtype) else (x.dtype, True) for x in inputs),
+               tuple(output_dtypes),
                tuple((name, type(value), value) for name, value in template))
         if key in self._cubins:
             return self._cubins[key]
-        unit = kernel_source(self.name, self.source,
-                             list(zip(self.input_names, key[1])),
-                             list(zip(self.output_names, output_dtypes)), template)
+        given = [(name, x.dtype) for name, x in zip(self.input_names, inputs)
+                 if isinstance(x, mx.array)]
+        absent = [(name, x) for name, x in zip(self.input_names, inputs)
+                  if isinstance(x, mx.Dtype)]
+        unit = kernel_source(self.name, self.source, given,
+                             list(zip(self.output_names, output_dtypes)), template, absent)
         built: tuple[str, bytes] | None
         try:
             built = build.cubin(unit)

@@ -140,7 +140,7 @@ ADD_NORM_SOURCE = INVERSE_RMS + ADD_NORMED + r"""
     #pragma unroll 1
     for (int j = tid; j < D; j += NT) {
         y[base + j] = add_normed(static_cast<float>(x[base + j]), inv, w[j], res[base + j],
-                                 SCALE, s[0]);
+                                 SCALE, SCALE ? s[0] : T{});
     }
 """
 
@@ -211,25 +211,29 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
     x = parts[0][0]
     B, L = x.shape[:2]
     dims, traditional, log2_base, scale, freqs = rot
-    dummy = constant((1,), x.dtype)
-    padded = list(parts) + [(dummy, None, None, False)] * (3 - len(parts))
-    heads = [p[0].shape[2] if i < len(parts) else 0 for i, p in enumerate(padded)]
+    absent = x.dtype  # (an input the case does not read: not passed, see CudaKernel)
+    missing = 3 - len(parts)
+    heads = [p[0].shape[2] for p in parts] + [0] * missing
     offsets = offset.reshape(-1) if isinstance(offset, mx.array) else \
         mx.array([offset], dtype=mx.int32)
     template: list[tuple[str, Any]] = [("T", x.dtype), ("D", D)]
     template += [(f"H{i}", heads[i]) for i in range(3)]
-    template += [(f"W{i}", p[0].shape[3] if i < len(parts) else D)
-                 for i, p in enumerate(padded)]
-    template += [(f"C{i}", starts[i] if i < len(parts) else 0) for i in range(3)]
-    template += [(f"NORM{i}", 0 if p[2] is None else (2 if p[1] is not None else 1))
-                 for i, p in enumerate(padded)]
-    template += [(f"ROT{i}", bool(p[3])) for i, p in enumerate(padded)]
+    template += [(f"W{i}", w) for i, w in enumerate([p[0].shape[3] for p in parts]
+                                                     + [D] * missing)]
+    template += [(f"C{i}", c) for i, c in enumerate(list(starts[:len(parts)]) + [0] * missing)]
+    template += [(f"NORM{i}", n) for i, n in enumerate(
+        [0 if p[2] is None else (2 if p[1] is not None else 1) for p in parts] + [0] * missing)]
+    template += [(f"ROT{i}", r) for i, r in enumerate([bool(p[3]) for p in parts]
+                                                       + [False] * missing)]
     template += [("RD", dims), ("TRAD", bool(traditional)), ("FREQS", log2_base is None),
                  ("L", L), ("PERB", bool(offsets.size > 1)), ("NT", HEAD_THREADS)]
+    weights: list[mx.array | mx.Dtype] = [
+        absent if p[1] is None or p[2] is None else p[1] for p in parts]
     outputs = _heads(
-        inputs=[*(p[0] for p in padded), *(dummy if p[1] is None else p[1] for p in padded),
-                constant(tuple(0.0 if p[2] is None else p[2] for p in padded), mx.float32),
-                offsets, constant((1,), mx.float32) if freqs is None else freqs,
+        inputs=[*(p[0] for p in parts), *[absent] * missing, *weights, *[absent] * missing,
+                constant(tuple(0.0 if p[2] is None else p[2] for p in parts)
+                         + (0.0,) * missing, mx.float32),
+                offsets, mx.float32 if freqs is None else freqs,
                 constant((log2_base or 0.0, scale), mx.float32)],
         template=template, grid=(HEAD_THREADS * B * L * sum(heads), 1, 1),
         threadgroup=(HEAD_THREADS, 1, 1),
@@ -310,7 +314,7 @@ def _launch_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
     D = x.shape[-1]
     return _add_norm(
         inputs=[x, weight, residual,
-                constant((1,), x.dtype) if scale is None else scale.reshape(1),
+                x.dtype if scale is None else scale.reshape(1),  # (absent: CudaKernel)
                 constant((eps,), mx.float32)],
         template=[("T", x.dtype), ("D", D), ("NT", ADD_THREADS), ("SCALE", scale is not None)],
         grid=(ADD_THREADS * (x.size // D), 1, 1), threadgroup=(ADD_THREADS, 1, 1),

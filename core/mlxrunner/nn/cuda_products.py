@@ -195,7 +195,8 @@ _ADD_NORM_ROW = r"""
             #pragma unroll 1
             for (int j = tid; j < N; j += NT) {
                 h[m * N + j] = add_normed(static_cast<float>(__ldcg(y + m * N + j)), r, pw[j],
-                                          pres[m * N + j], PSCALE, ps[0]);
+                                          pres[m * N + j], PSCALE,
+                                          PSCALE ? ps[0] : T{});
             }
         }
 """
@@ -323,23 +324,24 @@ def _grid(N: int) -> tuple[int, int, int]:
 
 def _arguments(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
                up: mx.array | None, post: PostNorm | None, tail: bool = False
-               ) -> tuple[list[mx.array], list[TemplateArg], tuple[int, ...]]:
+               ) -> tuple[list[mx.array | mx.Dtype], list[TemplateArg], tuple[int, ...]]:
     """A product launch's inputs, template and output shape; with ``post`` or ``tail`` (a
-    launch whose last block finishes its rows) also those of a post norm's add (stand-ins
+    launch whose last block finishes its rows) also those of a post norm's add (absent
     without ``post``) and a block counter."""
     K = x.shape[-1]
     N = weight.shape[0] // (2 if glu and up is None else 1)
-    dummy = constant((0,), x.dtype)
-    inputs = [x, weight, dummy if residual is None else residual,
-              dummy if up is None else up]
+    absent = x.dtype  # (an input the case does not read: not passed, see CudaKernel)
+    inputs: list[mx.array | mx.Dtype] = [x, weight, absent if residual is None else residual,
+                                         absent if up is None else up]
     template: list[TemplateArg] = [
         ("T", x.dtype), ("K", K), ("N", N), ("M", _rows(x)), ("NT", THREADS),
         ("RES", residual is not None), ("GLU", glu), ("UPX", up is not None),
         ("ADDN", post is not None)]
     if post is not None or tail:
-        post_residual, post_weight, post_eps, scale = post or (dummy, dummy, 0.0, None)
-        inputs += [post_weight, post_residual, dummy if scale is None else scale.reshape(1),
-                   constant((float(post_eps),), mx.float32), _new_counter()]
+        post_residual, post_weight, post_eps, scale = post or (absent, absent, 0.0, None)
+        inputs += [post_weight, post_residual, absent if scale is None else scale.reshape(1),
+                   mx.float32 if post is None else constant((float(post_eps),), mx.float32),
+                   _new_counter()]
         template.append(("PSCALE", scale is not None))
     return inputs, template, (*x.shape[:-1], N)
 

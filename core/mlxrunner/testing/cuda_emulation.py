@@ -119,25 +119,27 @@ def _constant(name: str, value: Any) -> str:
     return f"using {name} = float;"  # a dtype: activations are float32 here
 
 
-def emulate_kernel(source: str, inputs: Mapping[str, np.ndarray],
+def emulate_kernel(source: str, inputs: Mapping[str, np.ndarray | None],
                    outputs: Mapping[str, tuple[tuple[int, ...], Any]],
                    template: list[tuple[str, Any]], blocks: int | tuple[int, int],
                    threads: int) -> dict[str, np.ndarray]:
     """Run kernel body ``source`` for ``blocks`` blocks (x, or (x, y)) of ``threads``
     threads.
 
-    ``inputs``: name -> array (float32, int32 or uint64), in the kernel's input order;
-    ``outputs``: name -> (shape, numpy dtype), in its output order; ``template``: the
+    ``inputs``: name -> array (float32, int32 or uint64), in the kernel's input order, or
+    None: absent, as :class:`mlxrunner.nn.cuda_build.CudaKernel` leaves an input given as a
+    dtype (a null pointer: a kernel that reads it crashes); ``outputs``: name -> (shape, numpy dtype), in its output order; ``template``: the
     ``(name, value)`` list given to MLX (ints, bools; dtypes become ``float``). Outputs
     start as NaN (float) or 0 (integers) so that unwritten elements show. Returns the
     outputs by name.
     """
     if threads % 32 or threads > 1024:
         raise ValueError("threads must be a multiple of 32, at most 1024")
-    arrays = {n: np.ascontiguousarray(a) for n, a in inputs.items()}
+    arrays = {n: None if a is None else np.ascontiguousarray(a) for n, a in inputs.items()}
     results = {n: np.full(shape, np.nan if np.dtype(dt).kind == "f" else 0, dtype=dt)
                for n, (shape, dt) in outputs.items()}
-    params = [f"const {_C_TYPES[a.dtype][0]}* {n}" for n, a in arrays.items()]
+    params = [f"const {'float' if a is None else _C_TYPES[a.dtype][0]}* {n}"
+              for n, a in arrays.items()]
     params += [f"{_C_TYPES[a.dtype][0]}* {n}" for n, a in results.items()]
     names = list(arrays) + list(results)
     call = ", ".join(f"static_cast<{p.rsplit(' ', 1)[0]}>(args[{i}])"
@@ -159,8 +161,9 @@ def emulate_kernel(source: str, inputs: Mapping[str, np.ndarray],
                 raise AssertionError(f"the kernel source does not compile as C++:\n"
                                      f"{result.stderr[-3000:]}")
             lib = _built[digest] = ctypes.CDLL(str(folder / "kernel.so"))
+    given = {**{n: a for n, a in arrays.items() if a is not None}, **results}
     pointers = (ctypes.c_void_p * len(names))(
-        *[(arrays[n] if n in arrays else results[n]).ctypes.data for n in names])
+        *[given[n].ctypes.data if n in given else None for n in names])
     bx, by = (blocks, 1) if isinstance(blocks, int) else blocks
     lib.run(bx, by, threads, pointers)
     return results
