@@ -36,13 +36,14 @@ def builder(tmp_path: Path) -> cuda_build.Builder:
 def _wrap(name: str, source: str, inputs: list[tuple[str, str]],
           outputs: list[tuple[str, str]], template: list[tuple[str, Any]],
           absent: tuple[str, ...] = ()) -> str:
-    """The unit the core builds; the inputs named in ``absent`` left out of the launch as
-    the core leaves an input the case does not read (a null pointer in the source)."""
+    """The unit the core builds; the inputs and outputs named in ``absent`` left out of the
+    launch as the core leaves those the case does not use (a null pointer in the source)."""
     return cuda_build.kernel_source(
         name, source, [(n, DTYPES[t]) for n, t in inputs if n not in absent],
-        [(n, DTYPES[t]) for n, t in outputs],
+        [(n, DTYPES[t]) for n, t in outputs if n not in absent],
         [(k, DTYPES[v] if isinstance(v, str) else v) for k, v in template],
-        [(n, DTYPES[t]) for n, t in inputs if n in absent])
+        [(n, DTYPES[t]) for n, t in inputs if n in absent],
+        [(n, DTYPES[t]) for n, t in outputs if n in absent])
 
 
 def _compile(builder: cuda_build.Builder, name: str, source: str) -> None:
@@ -268,7 +269,7 @@ def test_fused_product_kernel_compiles(builder, dtype: str, res: bool, glu: int,
                           ("cnt", "int32"), ("nw", dtype), ("neps", "float32")],
                 [("y", dtype), ("h", dtype), ("hn", dtype)],
                 template[:-1] + [("ADDN", addn), ("PSCALE", addn)],
-                absent=unread + (() if addn else ("pw", "pres", "ps", "peps"))))
+                absent=unread + (() if addn else ("pw", "pres", "ps", "peps", "h"))))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -289,6 +290,11 @@ def test_heads_kernel_compiles(builder, dtype: str, freqs: bool, trad: bool,
         "mlxrunner_heads", cuda_norms.HEADS_SOURCE, inputs,
         [(n, dtype) for n in ("y0", "y1", "y2")], template,
         absent=("w2",) + (() if freqs else ("freqs",))))
+    one_part = [(k, 0 if k in ("H1", "H2") else v) for k, v in template]  # (a layer's q alone)
+    _compile(builder, "mlxrunner_heads", _wrap(
+        "mlxrunner_heads", cuda_norms.HEADS_SOURCE, inputs,
+        [(n, dtype) for n in ("y0", "y1", "y2")], one_part,
+        absent=("x1", "x2", "w1", "w2", "y1", "y2") + (() if freqs else ("freqs",))))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -52,15 +52,17 @@ TemplateArg = tuple[str, "int | bool | mx.Dtype"]
 
 def kernel_source(symbol: str, source: str, inputs: Sequence[tuple[str, mx.Dtype]],
                   outputs: Sequence[tuple[str, mx.Dtype]], template: Sequence[TemplateArg],
-                  absent: Sequence[tuple[str, mx.Dtype]] = ()) -> str:
+                  absent: Sequence[tuple[str, mx.Dtype]] = (),
+                  absent_outputs: Sequence[tuple[str, mx.Dtype]] = ()) -> str:
     """A whole translation unit for ``source``, a kernel body as ``mx.fast.cuda_kernel``
     takes it: inputs as ``const T*``, outputs as ``T*``, template arguments as ``constexpr``
-    and ``using`` lines, under the C name ``symbol``; each ``absent`` input a null pointer of
-    its own (no argument)."""
+    and ``using`` lines, under the C name ``symbol``; each ``absent`` input and
+    ``absent_outputs`` output a null pointer of its own (no argument)."""
     args = [f"    const {CUDA_TYPES[dtype]}* {name}" for name, dtype in inputs]
     args += [f"    {CUDA_TYPES[dtype]}* {name}" for name, dtype in outputs]
     lines = [HEADER, f'extern "C" __global__ void {symbol}(', ",\n".join(args) + ") {"]
     lines += [f"  const {CUDA_TYPES[dtype]}* const {name} = nullptr;" for name, dtype in absent]
+    lines += [f"  {CUDA_TYPES[dtype]}* const {name} = nullptr;" for name, dtype in absent_outputs]
     for key, value in template:
         if isinstance(value, bool):
             lines.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
@@ -361,9 +363,10 @@ def builder() -> Builder | None:
 class CudaKernel:
     """``mx.fast.cuda_kernel(name, input_names, output_names, source)``, built once per
     machine where it can be (see the module's text); called the same way, except that an
-    input may be given as a dtype: absent, a null pointer of that type in the source that
-    the launch does not pass (each input costs a launch host time: MLX checks, records and
-    links it)."""
+    input may be given as a dtype and an output's shape as None: absent, a null pointer in
+    the source that the launch neither passes nor allocates, and the results hold only the
+    outputs given (each input and output costs a launch host time: MLX checks, records and
+    links it, or allocates it)."""
 
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str) -> None:
@@ -382,34 +385,39 @@ class CudaKernel:
 
     def __call__(self, *, inputs: Sequence[mx.array | mx.Dtype],
                  template: Sequence[TemplateArg], grid: tuple[int, int, int],
-                 threadgroup: tuple[int, int, int], output_shapes: Sequence[Sequence[int]],
+                 threadgroup: tuple[int, int, int],
+                 output_shapes: Sequence[Sequence[int] | None],
                  output_dtypes: Sequence[mx.Dtype]) -> list[mx.array]:
         build = builder()
-        built = None if build is None else self._cubin(build, inputs, template, output_dtypes)
+        built = None if build is None else \
+            self._cubin(build, inputs, template, output_shapes, output_dtypes)
         if build is not None and built is not None:
             key, cubin = built
             image = build.image(key, cubin) if settings.current().packed_kernels else cubin
             return list(mx.fast.precompiled_cuda_kernel(
                 name=self.name, compiled_source=image,
                 inputs=[x for x in inputs if isinstance(x, mx.array)],
-                output_shapes=[tuple(s) for s in output_shapes],
-                output_dtypes=list(output_dtypes), scalars=[], grid=grid,
-                threadgroup=threadgroup, ensure_row_contiguous=True))
-        # (MLX's own build declares every input: an absent one is an unread entry)
-        given = [x if isinstance(x, mx.array) else mx.zeros((1,), x) for x in inputs]
-        return list(self._in_mlx()(
-            inputs=given, template=list(template), grid=grid, threadgroup=threadgroup,
-            output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes)))
+                output_shapes=[tuple(s) for s in output_shapes if s is not None],
+                output_dtypes=[t for s, t in zip(output_shapes, output_dtypes)
+                               if s is not None],
+                scalars=[], grid=grid, threadgroup=threadgroup, ensure_row_contiguous=True))
+        # (MLX's own build declares every input and output: an absent one is an unread entry)
+        outputs = self._in_mlx()(
+            inputs=[x if isinstance(x, mx.array) else mx.zeros((1,), x) for x in inputs],
+            template=list(template), grid=grid, threadgroup=threadgroup,
+            output_shapes=[(1,) if s is None else tuple(s) for s in output_shapes],
+            output_dtypes=list(output_dtypes))
+        return [y for y, s in zip(outputs, output_shapes) if s is not None]
 
     def _cubin(self, build: Builder, inputs: Sequence[mx.array | mx.Dtype],
-               template: Sequence[TemplateArg], output_dtypes: Sequence[mx.Dtype]
-               ) -> tuple[str, bytes] | None:
+               template: Sequence[TemplateArg], output_shapes: Sequence[Sequence[int] | None],
+               output_dtypes: Sequence[mx.Dtype]) -> tuple[str, bytes] | None:
         """This case's cubin from ``build`` with its key, or None where NVRTC refuses its
         source."""
         # (a template value's type too: True and 1 are equal keys but spell another source;
-        # an absent input's dtype against a given one's (dtype, True))
+        # an absent input's dtype against a given one's (dtype, True); outputs the same)
         key = (build, tuple(x if isinstance(x, mx.Dtype) else (x.dtype, True) for x in inputs),
-               tuple(output_dtypes),
+               tuple((t, s is not None) for s, t in zip(output_shapes, output_dtypes)),
                tuple((name, type(value), value) for name, value in template))
         if key in self._cubins:
             return self._cubins[key]
@@ -417,8 +425,10 @@ class CudaKernel:
                  if isinstance(x, mx.array)]
         absent = [(name, x) for name, x in zip(self.input_names, inputs)
                   if isinstance(x, mx.Dtype)]
+        outputs = list(zip(self.output_names, output_dtypes, output_shapes))
         unit = kernel_source(self.name, self.source, given,
-                             list(zip(self.output_names, output_dtypes)), template, absent)
+                             [(n, t) for n, t, s in outputs if s is not None], template, absent,
+                             [(n, t) for n, t, s in outputs if s is None])
         built: tuple[str, bytes] | None
         try:
             built = build.cubin(unit)

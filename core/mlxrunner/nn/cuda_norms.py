@@ -237,9 +237,9 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
                 constant((log2_base or 0.0, scale), mx.float32)],
         template=template, grid=(HEAD_THREADS * B * L * sum(heads), 1, 1),
         threadgroup=(HEAD_THREADS, 1, 1),
-        output_shapes=[(B, heads[i], L, D) if i < len(parts) else (1,) for i in range(3)],
+        output_shapes=[(B, heads[i], L, D) if i < len(parts) else None for i in range(3)],
         output_dtypes=[x.dtype] * 3)
-    return outputs[:len(parts)]
+    return outputs
 
 
 def _reference_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array,

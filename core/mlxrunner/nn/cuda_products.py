@@ -309,13 +309,12 @@ def _launch_normed(x: mx.array, weight: mx.array, residual: mx.array | None,
     inputs, template, shape = _arguments(x, weight, residual, 0, None, post, tail=True)
     then_weight, then_eps = then
     inputs += [then_weight, constant((float(then_eps),), mx.float32)]
-    y, h, normed = _norm_kernel(
+    outputs = _norm_kernel(
         inputs=inputs, template=template, grid=_grid(shape[-1]),
         threadgroup=(THREADS, 1, 1),
-        # (without a post norm h is not written: 16 bytes, past MLX's pool of scalars)
-        output_shapes=[shape, shape if post is not None else (16 // x.dtype.size,), shape],
+        output_shapes=[shape, shape if post is not None else None, shape],  # (h: post's)
         output_dtypes=[x.dtype] * 3)
-    return (y if post is None else h), normed
+    return outputs[-2], outputs[-1]  # (h where post, else y; the norm)
 
 
 def _grid(N: int) -> tuple[int, int, int]:

@@ -120,28 +120,30 @@ def _constant(name: str, value: Any) -> str:
 
 
 def emulate_kernel(source: str, inputs: Mapping[str, np.ndarray | None],
-                   outputs: Mapping[str, tuple[tuple[int, ...], Any]],
+                   outputs: Mapping[str, tuple[tuple[int, ...], Any] | None],
                    template: list[tuple[str, Any]], blocks: int | tuple[int, int],
                    threads: int) -> dict[str, np.ndarray]:
     """Run kernel body ``source`` for ``blocks`` blocks (x, or (x, y)) of ``threads``
     threads.
 
-    ``inputs``: name -> array (float32, int32 or uint64), in the kernel's input order, or
-    None: absent, as :class:`mlxrunner.nn.cuda_build.CudaKernel` leaves an input given as a
-    dtype (a null pointer: a kernel that reads it crashes); ``outputs``: name -> (shape, numpy dtype), in its output order; ``template``: the
-    ``(name, value)`` list given to MLX (ints, bools; dtypes become ``float``). Outputs
-    start as NaN (float) or 0 (integers) so that unwritten elements show. Returns the
-    outputs by name.
+    ``inputs``: name -> array (float32, int32 or uint64), in the kernel's input order;
+    ``outputs``: name -> (shape, numpy dtype), in its output order; ``template``: the
+    ``(name, value)`` list given to MLX (ints, bools; dtypes become ``float``). An input or
+    output given as None is absent, as :class:`mlxrunner.nn.cuda_build.CudaKernel` leaves
+    one out (a null pointer: a kernel that touches it crashes). Outputs start as NaN
+    (float) or 0 (integers) so that unwritten elements show. Returns the outputs given, by
+    name.
     """
     if threads % 32 or threads > 1024:
         raise ValueError("threads must be a multiple of 32, at most 1024")
     arrays = {n: None if a is None else np.ascontiguousarray(a) for n, a in inputs.items()}
-    results = {n: np.full(shape, np.nan if np.dtype(dt).kind == "f" else 0, dtype=dt)
-               for n, (shape, dt) in outputs.items()}
+    results = {n: np.full(o[0], np.nan if np.dtype(o[1]).kind == "f" else 0, dtype=o[1])
+               for n, o in outputs.items() if o is not None}
     params = [f"const {'float' if a is None else _C_TYPES[a.dtype][0]}* {n}"
               for n, a in arrays.items()]
-    params += [f"{_C_TYPES[a.dtype][0]}* {n}" for n, a in results.items()]
-    names = list(arrays) + list(results)
+    params += [f"{'float' if o is None else _C_TYPES[np.dtype(o[1])][0]}* {n}"
+               for n, o in outputs.items()]
+    names = list(arrays) + list(outputs)
     call = ", ".join(f"static_cast<{p.rsplit(' ', 1)[0]}>(args[{i}])"
                      for i, p in enumerate(params))
     constants = "\n    ".join(_constant(k, v) for k, v in template)
