@@ -268,8 +268,11 @@ def scalar_rows(launches: int, repeats: int) -> dict[str, list[float]]:
 
 def input_rows(launches: int, repeats: int) -> dict[str, list[float]]:
     """The same custom kernel (one output, the sum of its first input and one entry of each
-    other) taking 1, 4, 8 and 12 inputs, the others 16-byte arrays of their own: what each
-    input costs a launch (a post norm's product takes 9, with the pre-norm after it 11)."""
+    other) taking 1, 4, 8 and 12 inputs: the others 16-byte arrays of their own (what each
+    input costs a launch; a post norm's product takes 9), or ("made in the graph") the
+    outputs of the launches before it, each a dependency MLX records as an edge of the
+    step's CUDA graph (a decode layer's kernels read the residual stream and the outputs
+    of several kernels before them)."""
     rows = {}
     x = mx.zeros((1024,), dtype=mx.float32)
     for count in (1, 4, 8, 12):
@@ -290,7 +293,21 @@ def input_rows(launches: int, repeats: int) -> dict[str, list[float]]:
                          output_dtypes=[y.dtype])
             return y
 
+        def chain_made(y: mx.array, k=kernel, others=count - 1) -> mx.array:
+            recent = [y] * others  # the last launches' outputs (the input itself at first)
+            for _ in range(launches):
+                (out,) = k(inputs=[y, *recent[-others:]] if others else [y],
+                           template=[("N", y.size)], grid=(y.size, 1, 1),
+                           threadgroup=(256, 1, 1), output_shapes=[y.shape],
+                           output_dtypes=[y.dtype])
+                recent.append(y)
+                y = out
+            return y
+
         rows[f"custom kernel, {count} inputs"] = per_launch_us(chain, launches, repeats, x)
+        if count > 1:
+            rows[f"custom kernel, {count} made in the graph"] = per_launch_us(
+                chain_made, launches, repeats, x)
     return rows
 
 
