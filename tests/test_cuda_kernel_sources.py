@@ -262,14 +262,16 @@ def test_fused_product_kernel_compiles(builder, dtype: str, res: bool, glu: int,
                 template[:-1] + [("ADDN", True), ("PSCALE", scaled)],
                 absent=unread + (() if scaled else ("ps",))))
     if not glu:  # the norm of its final rows after it: the residual sum, or a post norm's
-        for addn in ([False] if res else [False, True]):
+        for addn, scaled in ([(False, False)] if res else
+                             [(False, False), (True, False), (True, True)]):
             _compile(builder, "mlxrunner_product_norm", _wrap(
                 "mlxrunner_product_norm", cuda_products.PRODUCT_NORM_SOURCE,
                 inputs + [("pw", dtype), ("pres", dtype), ("ps", dtype), ("peps", "float32"),
                           ("cnt", "int32"), ("nw", dtype), ("neps", "float32")],
                 [("y", dtype), ("h", dtype), ("hn", dtype)],
-                template[:-1] + [("ADDN", addn), ("PSCALE", addn)],
-                absent=unread + (() if addn else ("pw", "pres", "ps", "peps", "h"))))
+                template[:-1] + [("ADDN", addn), ("PSCALE", scaled)],
+                absent=unread + (() if scaled else ("ps",))
+                + (() if addn else ("pw", "pres", "peps", "h"))))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -290,7 +292,9 @@ def test_heads_kernel_compiles(builder, dtype: str, freqs: bool, trad: bool,
         "mlxrunner_heads", cuda_norms.HEADS_SOURCE, inputs,
         [(n, dtype) for n in ("y0", "y1", "y2")], template,
         absent=("w2",) + (() if freqs else ("freqs",))))
-    one_part = [(k, 0 if k in ("H1", "H2") else v) for k, v in template]  # (a layer's q alone)
+    alone = {"H1": 0, "H2": 0, "W1": 256, "W2": 256, "NORM1": 0, "NORM2": 0, "ROT1": False,
+             "ROT2": False}  # (a layer's queries alone, the others as the core fills them)
+    one_part = [(k, alone.get(k, v)) for k, v in template]
     _compile(builder, "mlxrunner_heads", _wrap(
         "mlxrunner_heads", cuda_norms.HEADS_SOURCE, inputs,
         [(n, dtype) for n in ("y0", "y1", "y2")], one_part,

@@ -190,13 +190,16 @@ def _rope_np(x, positions, dims, traditional, inv_freq):
 
 
 @emulated
-@pytest.mark.parametrize("B,L,freqs,traditional,dims,wide", [(1, 1, False, False, 32, 0),
-                                                             (2, 2, True, False, 16, 32),
-                                                             (3, 1, False, True, 32, 6)])
-def test_the_heads_kernel_computes_its_math_in_emulation(B, L, freqs, traditional, dims, wide):
+@pytest.mark.parametrize("B,L,freqs,traditional,dims,wide,parts", [
+    (1, 1, False, False, 32, 0, 3), (2, 2, True, False, 16, 32, 3), (3, 1, False, True, 32, 6, 3),
+    (2, 1, False, False, 32, 6, 1), (1, 2, True, True, 16, 0, 1)])
+def test_the_heads_kernel_computes_its_math_in_emulation(B, L, freqs, traditional, dims, wide,
+                                                         parts):
     """Three parts (weighted norm, rotated; weighted, rotated; weightless, not rotated),
     positions per sequence, a partial rotation, periods given or from the base; the first
-    part's heads ``wide`` entries wider than the D taken, from entry ``wide // 2`` on."""
+    part's heads ``wide`` entries wider than the D taken, from entry ``wide // 2`` on. One
+    part (a layer's queries alone): the others' inputs and outputs absent, as the core
+    launches it, and the periods absent where they come from the base."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
     rng = np.random.default_rng(B * 10 + L)
@@ -209,21 +212,26 @@ def test_the_heads_kernel_computes_its_math_in_emulation(B, L, freqs, traditiona
     half = np.arange(dims // 2, dtype=np.float32)
     periods = (base ** (2 * half / dims) * 3).astype(np.float32)
     inv_freq = 1 / periods if freqs else 2.0 ** (-(half / (dims // 2)) * math.log2(base))
-    template = [("T", mx.float32), ("D", D), ("H0", 3), ("H1", 1), ("H2", 1),
-                ("W0", D + wide), ("W1", D), ("W2", D), ("C0", wide // 2), ("C1", 0),
-                ("C2", 0), ("NORM0", 2),
-                ("NORM1", 2), ("NORM2", 1), ("ROT0", True), ("ROT1", True), ("ROT2", False),
+    whole = parts == 3
+    template = [("T", mx.float32), ("D", D), ("H0", 3), ("H1", 1 if whole else 0),
+                ("H2", 1 if whole else 0), ("W0", D + wide), ("W1", D), ("W2", D),
+                ("C0", wide // 2), ("C1", 0), ("C2", 0), ("NORM0", 2),
+                ("NORM1", 2 if whole else 0), ("NORM2", 1 if whole else 0), ("ROT0", True),
+                ("ROT1", whole), ("ROT2", False),
                 ("RD", dims), ("TRAD", traditional), ("FREQS", freqs), ("L", L),
                 ("PERB", B > 1), ("NT", cuda_norms.HEAD_THREADS)]
-    got = emulate_kernel(
+    got = emulate_kernel(  # (None: absent, as the core launches it)
         cuda_norms.HEADS_SOURCE,
-        {"x0": xs[0], "x1": xs[1], "x2": xs[2], "w0": ws[0], "w1": ws[1],
-         "w2": None, "eps": eps, "offset": offsets,
-         "freqs": periods, "rf": np.array([math.log2(base), scale], np.float32)},
-        {f"y{i}": ((B, h, L, D), np.float32) for i, h in enumerate(heads)}, template,
-        blocks=B * L * sum(heads), threads=cuda_norms.HEAD_THREADS)
+        {"x0": xs[0], "x1": xs[1] if whole else None, "x2": xs[2] if whole else None,
+         "w0": ws[0], "w1": ws[1] if whole else None, "w2": None, "eps": eps,
+         "offset": offsets, "freqs": periods if freqs else None,
+         "rf": np.array([math.log2(base), scale], np.float32)},
+        {f"y{i}": ((B, h, L, D), np.float32) if whole or i == 0 else None
+         for i, h in enumerate(heads)}, template,
+        blocks=B * L * sum(heads[:parts]), threads=cuda_norms.HEAD_THREADS)
+    assert sorted(got) == [f"y{i}" for i in range(parts)]
     positions = scale * (offsets[:, None] + np.arange(L))[:, None, :]  # [B, 1, L]
-    for i, x in enumerate(xs):
+    for i, x in enumerate(xs[:parts]):
         x = x[..., wide // 2:wide // 2 + D] if i == 0 else x
         n = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps[i])
         n = (n * ws[i] if i < 2 else n).transpose(0, 2, 1, 3)

@@ -37,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import settings
+from ..constants import constant
 from .kernels import code_of, kernel_cache_folder
 
 log = logging.getLogger("mlxrunner.nn")
@@ -403,7 +404,7 @@ class CudaKernel:
                 scalars=[], grid=grid, threadgroup=threadgroup, ensure_row_contiguous=True))
         # (MLX's own build declares every input and output: an absent one is an unread entry)
         outputs = self._in_mlx()(
-            inputs=[x if isinstance(x, mx.array) else mx.zeros((1,), x) for x in inputs],
+            inputs=[x if isinstance(x, mx.array) else constant((0,), x) for x in inputs],
             template=list(template), grid=grid, threadgroup=threadgroup,
             output_shapes=[(1,) if s is None else tuple(s) for s in output_shapes],
             output_dtypes=list(output_dtypes))
