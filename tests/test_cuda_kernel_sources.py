@@ -21,7 +21,7 @@ import pytest
 from mlxrunner.nn import cuda_build
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16,
-          "int32": mx.int32, "uint64": mx.uint64, "bool": mx.bool_}
+          "int32": mx.int32, "uint32": mx.uint32, "uint64": mx.uint64, "bool": mx.bool_}
 
 
 @pytest.fixture
@@ -311,3 +311,14 @@ def test_add_norm_kernel_compiles(builder, dtype: str, scale: bool) -> None:
         [("x", dtype), ("w", dtype), ("res", dtype), ("s", dtype), ("eps", "float32")],
         [("y", dtype)], [("T", dtype), ("D", 1536), ("NT", cuda_norms.ADD_THREADS),
                          ("SCALE", scale)], absent=() if scale else ("s",)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("index,D", [("int32", 1536), ("uint32", 8960), ("int32", 6)])
+def test_rows_kernel_compiles(builder, dtype: str, index: str, D: int) -> None:
+    from mlxrunner.nn import cuda_rows
+
+    _compile(builder, "mlxrunner_rows", _wrap(
+        "mlxrunner_rows", cuda_rows.ROWS_SOURCE,
+        [("table", dtype), ("ids", index), ("count", "int32")], [("out", dtype)],
+        [("T", dtype), ("D", D), ("NT", cuda_rows.THREADS)]))

@@ -9,7 +9,7 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_KERNELS`` (``1``, ``0`` or a comma-separated list of ``KERNELS``): which of
   the core's fused CUDA kernels may serve (each still only after its self-check;
   ``prenorms``: a pre-norm written by the product launch before it, with ``norms`` and
-  ``products``).
+  ``products``; ``embeddings``: an embedding's lookup).
 - ``MLXRUNNER_ATTENTION`` (``kernel``, ``folded`` or ``mlx``): short-block attention on
   CUDA through the fused kernel, folded batched products, or MLX's own function.
 - ``MLXRUNNER_ROW_PRODUCTS`` (``1``/``0``): on CUDA, short products (a few rows) as one-row
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, fields, replace
 from .errors import MLXRunnerError
 
 #: the fused kernels ``MLXRUNNER_KERNELS`` names
-KERNELS = ("attention", "deltanet", "norms", "prenorms", "products", "topk")
+KERNELS = ("attention", "deltanet", "embeddings", "norms", "prenorms", "products", "topk")
 ATTENTION_MODES = ("kernel", "folded", "mlx")
 PIPELINE_MODES = ("auto", "1", "0")
 
