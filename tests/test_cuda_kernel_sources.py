@@ -322,3 +322,13 @@ def test_rows_kernel_compiles(builder, dtype: str, index: str, D: int) -> None:
         "mlxrunner_rows", cuda_rows.ROWS_SOURCE,
         [("table", dtype), ("ids", index), ("count", "int32")], [("out", dtype)],
         [("T", dtype), ("D", D), ("NT", cuda_rows.THREADS)]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("N,glu", [(6144, 1), (6144, 2), (6, 1)])
+def test_gated_kernel_compiles(builder, dtype: str, N: int, glu: int) -> None:
+    from mlxrunner.nn import cuda_gated
+
+    _compile(builder, "mlxrunner_gated", _wrap(
+        "mlxrunner_gated", cuda_gated.GATED_SOURCE, [("y", dtype)], [("out", dtype)],
+        [("T", dtype), ("N", N), ("GLU", glu), ("NT", cuda_gated.THREADS)]))

@@ -8,9 +8,10 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cuda_gated import gated_rows
 from .cuda_products import fused_gated, fused_product, short_rows
 from .host_ops import host_silu_mul
-from .linear import Linear, apply_linear, linears, packed
+from .linear import Linear, apply_linear, joined_linears, packed
 from .parallel import Column, Row
 
 
@@ -81,7 +82,9 @@ class GatedMLP(nn.Module):
             fused = fused_product(x, joined["weight"], activation=_FUSED_NAMES[self._act])
             if fused is not None:
                 return apply_linear(self.down_proj, fused, residual)
-        gate, up = linears(x, self.gate_proj, self.up_proj)
-        hosted = host_silu_mul(gate, up) if self._act is silu_mul else None
-        return apply_linear(self.down_proj, self._act(gate, up) if hosted is None else hosted,
-                            residual)
+        joined_out, (gate, up) = joined_linears(x, self.gate_proj, self.up_proj)
+        # (on CUDA, a prompt's activation as the core's kernel on the one product's output)
+        h = None if joined_out is None else gated_rows(joined_out, _FUSED_NAMES[self._act])
+        if h is None and self._act is silu_mul:
+            h = host_silu_mul(gate, up)
+        return apply_linear(self.down_proj, self._act(gate, up) if h is None else h, residual)
