@@ -44,6 +44,7 @@ def test_the_gated_kernel_computes_its_math_in_emulation(N, glu):
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 def test_a_prompts_gated_mlp_on_the_gpu_is_mlxs(dtype, activation):
+    mx.set_default_device(mx.gpu)
     mx.random.seed(0)
     mlp = mnn.GatedMLP(64, 136, activation)
     mlp.set_dtype(dtype)
@@ -55,5 +56,42 @@ def test_a_prompts_gated_mlp_on_the_gpu_is_mlxs(dtype, activation):
     act = mnn.silu_mul if activation == "silu" else mnn.gelu_tanh_mul
     want = act(gate, up) @ mlp.down_proj.weight.T
     tolerance = 1e-4 if dtype == mx.float32 else 3e-2
-    assert mx.allclose(mlp(x).astype(mx.float32), want.astype(mx.float32),
+    got = mlp(x)
+    assert "CustomKernel" in _labels(got)  # the core's kernel ran (MLX's is a Compiled)
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32),
                        rtol=tolerance, atol=tolerance)
+
+
+def _labels(out: mx.array) -> list[str]:
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, out)
+        return re.findall(r'label ="([^"]+)"', dot.read())
+
+
+def test_gradients_flow_through_the_kernel_as_through_mlxs_operations(monkeypatch):
+    """A custom kernel has no derivative: the activation's is MLX's operations' (the launch
+    stood in for by them here, the kernel path forced on)."""
+    monkeypatch.setattr(cuda_gated, "kernel_allowed", lambda name: True)
+    monkeypatch.setattr(cuda_gated, "serves", lambda *args, **kwargs: True)
+    launched = []
+
+    def launch(y, N, glu):
+        launched.append(glu)
+        return mnn.silu_mul(y[..., :N], y[..., N:]).reshape(-1, N)
+
+    monkeypatch.setattr(cuda_gated, "_launch", launch)
+    mx.random.seed(1)
+    mlp = mnn.GatedMLP(16, 24)
+    x = mx.random.normal((1, 9, 16))
+
+    def loss(x):
+        return (mlp(x) ** 2).sum()
+
+    got = mx.grad(loss)(x)
+    assert launched == [1]  # the kernel's path ran
+    monkeypatch.setattr(cuda_gated, "kernel_allowed", lambda name: False)
+    want = mx.grad(loss)(x)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5) and float(mx.abs(got).sum()) > 0

@@ -14,7 +14,14 @@ from mlxrunner.decode import forward
 from mlxrunner.testing import random_prompt
 from mlxrunner_test_support import EXAMPLE_CONFIG, write_model_folder
 
-mx.set_default_device(mx.cpu)
+
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    """MLX's CPU device (other tests in the process may have left the GPU as the default)."""
+    saved = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(saved)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,9 @@ build with CUDA's headers alone and are kept on disk (:mod:`mlxrunner.nn.cuda_bu
 one's self-check compares with MLX's operations one at a time (kernels MLX ships built).
 Rounded where MLX's operations round (each step of the silu; the GELU in float32, rounded
 once), as the fused products' activations are (:mod:`mlxrunner.nn.cuda_products`). A decode
-step's activation runs in its product's launch instead.
+step's activation runs in its product's launch where that product is fused (plain weights);
+other MLPs' (biases, quantized weights) come here. Gradients flow as through MLX's
+operations (a custom kernel has no derivative of its own).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from .cuda_build import CudaKernel, kernel_code
-from .kernels import kernel_allowed, on_cuda, serves
+from .kernels import kernel_allowed, serves
 
 THREADS = 256
 #: the most rows one launch takes (the grid's second dimension)
@@ -61,14 +63,41 @@ def gated_rows(joined: mx.array, activation: str) -> mx.array | None:
     output), ``activation`` ``silu`` or ``gelu_tanh``, as the core's kernel on CUDA; None
     where it does not serve (the caller takes MLX's)."""
     glu = GLU.get(activation, 0)
-    if not (glu and on_cuda() and kernel_allowed("products")) or joined.dtype not in FLOATS \
+    if not (glu and kernel_allowed("products")) or joined.dtype not in FLOATS \
             or joined.ndim == 0 or joined.shape[-1] % 2 or joined.shape[-1] == 0:
         return None
     N = joined.shape[-1] // 2
     rows = joined.size // (2 * N)
     if not 0 < rows <= MAX_ROWS or not _serves(joined.dtype, N, glu):
         return None
-    return _launch(joined, N, glu).reshape(*joined.shape[:-1], N)
+    return _GATED[glu](joined).reshape(*joined.shape[:-1], N)
+
+
+def _reference(y: mx.array, glu: int) -> mx.array:
+    """What MLX's operations compute (the check's reference, and the derivative's)."""
+    from .mlp import _gelu_tanh_mul, _silu_mul  # (mlp imports this module)
+
+    N = y.shape[-1] // 2
+    return (_silu_mul if glu == 1 else _gelu_tanh_mul)(y[..., :N], y[..., N:])
+
+
+def _differentiable(glu: int) -> Any:
+    @mx.custom_function
+    def gated(y: mx.array) -> mx.array:
+        return _launch(y, y.shape[-1] // 2, glu)
+
+    @gated.vjp
+    def gated_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array]:
+        # (MLX hands a one-argument function's primal as the array itself)
+        y = primals[0] if isinstance(primals, (list, tuple)) else primals
+        _, (grad,) = mx.vjp(lambda v: _reference(v.reshape(-1, v.shape[-1]), glu), [y],
+                            [cotangent])
+        return (grad,)
+
+    return gated
+
+
+_GATED = {glu: _differentiable(glu) for glu in GLU.values()}
 
 
 def _launch(joined: mx.array, N: int, glu: int) -> mx.array:
@@ -89,9 +118,7 @@ def _serves(dtype: mx.Dtype, N: int, glu: int) -> bool:
         return _launch(y, N, glu)
 
     def reference(y: mx.array) -> Any:
-        from .mlp import _gelu_tanh_mul, _silu_mul  # (mlp imports this module)
-
-        return (_silu_mul if glu == 1 else _gelu_tanh_mul)(y[:, :N], y[:, N:])
+        return _reference(y, glu)
 
     return serves("products", ("gated", dtype, N, glu), kernel, reference, probe,
                   2e-3 if dtype == mx.float32 else 3e-2, source=kernel_code(__file__))

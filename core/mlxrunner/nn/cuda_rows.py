@@ -8,20 +8,22 @@ are kept on disk (:mod:`mlxrunner.nn.cuda_build`), and their self-check's refere
 slices and a concatenation (MLX kernels that come built), not MLX's gather.
 
 A block per (row, span of the row): 16-byte copies where the table and the row width allow,
-else one entry a thread. An index outside the table gives a row of zeros (MLX's gather reads
-outside the table's memory).
+else one entry a thread. A negative index counts from the table's end, as MLX's ``take``
+does; one outside the table gives a row of zeros (MLX's gather reads outside the table's
+memory). Gradients flow as through MLX's ``take`` (a custom kernel has no derivative of its
+own).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 
 from ..constants import constant
 from .cuda_build import CudaKernel, kernel_code
-from .kernels import kernel_allowed, on_cuda, serves
+from .kernels import kernel_allowed, serves
 
 THREADS = 256
 #: the most rows one launch takes (the grid's second dimension)
@@ -34,8 +36,10 @@ INDICES = (mx.int32, mx.uint32)
 ROWS_SOURCE = r"""
     constexpr int kVec = (D * sizeof(T)) % 16 == 0 ? 16 / sizeof(T) : 1;
     const size_t row = blockIdx.y;
-    const long long id = static_cast<long long>(ids[row]);
-    const bool inside = id >= 0 && id < static_cast<long long>(count[0]);
+    const long long rows = static_cast<long long>(count[0]);
+    long long id = static_cast<long long>(ids[row]);
+    if (id < 0) id += rows;  // (from the end, as MLX's take counts it)
+    const bool inside = id >= 0 && id < rows;
     const int j = (blockIdx.x * NT + threadIdx.x) * kVec;
     if (j >= D) return;
     T* to = out + row * D + j;
@@ -57,14 +61,26 @@ def table_rows(table: mx.array, ids: mx.array) -> mx.array | None:
     """``table[ids]`` (``[*ids.shape, D]``) for a float table ``[V, D]`` and int32 or
     uint32 ``ids``, as the core's kernel on CUDA; None where it does not serve (the caller
     takes MLX's)."""
-    if not (on_cuda() and kernel_allowed("embeddings")) or table.ndim != 2 \
+    if not kernel_allowed("embeddings") or table.ndim != 2 \
             or table.dtype not in FLOATS or ids.dtype not in INDICES \
             or not 0 < ids.size <= MAX_ROWS:
         return None
     D = table.shape[1]
     if not _serves(table.dtype, ids.dtype, D):
         return None
-    return _launch(table, ids).reshape(*ids.shape, D)
+    return cast(mx.array, _rows(table, ids)).reshape(*ids.shape, D)
+
+
+@mx.custom_function
+def _rows(table: mx.array, ids: mx.array) -> mx.array:
+    return _launch(table, ids)
+
+
+@_rows.vjp
+def _rows_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
+    table, ids = primals
+    _, (grad,) = mx.vjp(lambda t: mx.take(t, ids.reshape(-1), axis=0), [table], [cotangent])
+    return grad, mx.zeros_like(ids)
 
 
 def _launch(table: mx.array, ids: mx.array) -> mx.array:
