@@ -85,8 +85,9 @@ def compile_times(cache: Path, started: float) -> dict[str, Any]:
     """The kernels a run wrote to MLX's kernel cache, in order, each with the time since
     the one before (the first: since the run started): an upper bound of its compile
     time."""
-    # MLX splits a long kernel name into folders
-    files = sorted((f.stat().st_mtime, f.stem) for f in cache.rglob("*.ptx"))
+    # MLX splits a long kernel name into folders: the name is the path's parts joined
+    files = sorted((f.stat().st_mtime, "".join(f.relative_to(cache).with_suffix("").parts))
+                   for f in cache.rglob("*.ptx"))
     gaps, before = [], started
     for written, name in files:
         gaps.append((name, round(written - before, 3)))
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{compiled['core_kernels']} of the core's; the longest gaps before "
           "one was written (its compile time, or other work):")
     for name, gap in compiled["longest"][:12]:
-        print(f"    {gap:6.2f} s  {name[:90]}")
+        print(f"    {gap:6.2f} s  {name if len(name) <= 150 else name[:120] + '...' + name[-27:]}")
     print(f"  first token: fresh {results['fresh_s']:.2f} s, warm (median of "
           f"{len(warm)}) {results['warm_median_s']:.2f} s", flush=True)
     for variant, median in results["variant_warm_median_s"].items():
