@@ -17,6 +17,32 @@ def logged(caplog) -> str:
     return text
 
 
+def graph_labels(*outputs) -> list[str]:
+    """The operation names of the (unevaluated) graph behind ``outputs``, one a node (MLX's
+    DOT export): which kernels a call would launch."""
+    import re
+    import tempfile
+
+    import mlx.core as mx
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, *outputs)
+        return re.findall(r'label ="([^"]+)"', dot.read())
+
+
+def on_cuda_and_emulated():
+    """pytest marks: ``(needs MLX's CUDA backend, needs g++ for the CUDA emulation)``."""
+    import mlx.core as mx
+    import pytest
+
+    from mlxrunner.testing.cuda_emulation import emulation_available
+
+    return (pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
+                               reason="needs MLX's CUDA backend"),
+            pytest.mark.skipif(not emulation_available(),
+                               reason="needs g++ for the CUDA emulation"))
+
+
 def shared_data() -> Path | None:
     path = Path(os.environ.get("MLXRUNNER_SHARED_DATA", REPO.parent / "shared" / "data"))
     return path if path.is_dir() else None

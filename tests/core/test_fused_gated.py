@@ -13,12 +13,9 @@ import pytest
 
 import mlxrunner.nn as mnn
 from mlxrunner.nn import cuda_gated
+from mlxrunner_test_support import graph_labels, on_cuda_and_emulated
 
-on_cuda = pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
-                             reason="needs MLX's CUDA backend")
-emulated = pytest.mark.skipif(
-    not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"]).emulation_available(),
-    reason="needs g++ for the CUDA emulation")
+on_cuda, emulated = on_cuda_and_emulated()
 
 
 @emulated
@@ -57,18 +54,9 @@ def test_a_prompts_gated_mlp_on_the_gpu_is_mlxs(dtype, activation):
     want = act(gate, up) @ mlp.down_proj.weight.T
     tolerance = 1e-4 if dtype == mx.float32 else 3e-2
     got = mlp(x)
-    assert "CustomKernel" in _labels(got)  # the core's kernel ran (MLX's is a Compiled)
+    assert "CustomKernel" in graph_labels(got)  # the core's kernel ran (MLX's is a Compiled)
     assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32),
                        rtol=tolerance, atol=tolerance)
-
-
-def _labels(out: mx.array) -> list[str]:
-    import re
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
-        mx.export_to_dot(dot.name, out)
-        return re.findall(r'label ="([^"]+)"', dot.read())
 
 
 def test_gradients_flow_through_the_kernel_as_through_mlxs_operations(monkeypatch):

@@ -12,12 +12,9 @@ import pytest
 
 import mlxrunner.nn as mnn
 from mlxrunner.nn import cuda_rows
+from mlxrunner_test_support import graph_labels, on_cuda_and_emulated
 
-on_cuda = pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
-                             reason="needs MLX's CUDA backend")
-emulated = pytest.mark.skipif(
-    not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"]).emulation_available(),
-    reason="needs g++ for the CUDA emulation")
+on_cuda, emulated = on_cuda_and_emulated()
 
 
 @emulated
@@ -43,15 +40,6 @@ def test_the_rows_kernel_computes_its_math_in_emulation(D, aligned):
     np.testing.assert_array_equal(got, want)
 
 
-def _labels(out: mx.array) -> list[str]:
-    import re
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
-        mx.export_to_dot(dot.name, out)
-        return re.findall(r'label ="([^"]+)"', dot.read())
-
-
 @on_cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 def test_an_embedding_on_the_gpu_is_mlxs_lookup(dtype):
@@ -62,7 +50,7 @@ def test_an_embedding_on_the_gpu_is_mlxs_lookup(dtype):
     ids = mx.array(np.random.default_rng(1).integers(0, 1000, (2, 37)).astype(np.int32))
     for index in (ids, ids.astype(mx.uint32), ids[:, -1:]):
         got = layer(index)
-        labels = _labels(got)
+        labels = graph_labels(got)
         assert "CustomKernel" in labels and "Gather" not in labels  # the core's kernel ran
         assert got.shape == (*index.shape, 136) and got.dtype == dtype
         assert mx.array_equal(got, mx.take(layer.weight, index, axis=0))
