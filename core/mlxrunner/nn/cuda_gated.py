@@ -27,11 +27,29 @@ THREADS = 256
 #: the most rows one launch takes (the grid's second dimension)
 MAX_ROWS = 65535
 FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+#: the gated activations (``mlxrunner.nn.ACTIVATIONS``' names), as the kernels number them
 GLU = {"silu": 1, "gelu_tanh": 2}
+
+# act(g) * u for GLU 1 (silu, each step rounded as MLX's sigmoid and multiply round) or 2
+# (gelu_tanh in float32, rounded once), g the gate's value as a float; the fused products'
+# activation too (mlxrunner.nn.cuda_products).
+GATED_ACTIVATION = r"""
+    const auto gated = [](float g, T u) {
+        T act;
+        if (GLU == 1) {
+            const T sig = static_cast<T>(1.f / (1.f + expf(-g)));
+            act = static_cast<T>(g * static_cast<float>(sig));
+        } else {
+            act = static_cast<T>(0.5f * g * (1.f + tanhf(0.7978845608028654f *
+                                                          (g + 0.044715f * g * g * g))));
+        }
+        return static_cast<T>(static_cast<float>(act) * static_cast<float>(u));
+    };
+"""
 
 # Template constants: T, N (outputs a row: y's rows hold 2N, gate then up), GLU (1: silu,
 # 2: gelu_tanh), NT. Block (x, y): entries [x * NT * kVec, ...) of output row y.
-GATED_SOURCE = r"""
+GATED_SOURCE = GATED_ACTIVATION + r"""
     constexpr int kVec = (N * sizeof(T)) % 16 == 0 ? 16 / sizeof(T) : 1;
     const int j = (blockIdx.x * NT + threadIdx.x) * kVec;
     if (j >= N) return;
@@ -40,18 +58,7 @@ GATED_SOURCE = r"""
     const T* u = g + N;
     T* to = out + row * N + j;
     #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-        const float gf = static_cast<float>(g[k]);
-        T act;
-        if (GLU == 1) {  // silu(g), rounding each step as MLX's sigmoid and multiply do
-            const T sig = static_cast<T>(1.f / (1.f + expf(-gf)));
-            act = static_cast<T>(gf * static_cast<float>(sig));
-        } else {  // gelu_tanh(g) in float32, rounded once
-            act = static_cast<T>(0.5f * gf * (1.f + tanhf(0.7978845608028654f *
-                                                           (gf + 0.044715f * gf * gf * gf))));
-        }
-        to[k] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u[k]));
-    }
+    for (int k = 0; k < kVec; ++k) to[k] = gated(static_cast<float>(g[k]), u[k]);
 """
 
 _kernel = CudaKernel(name="mlxrunner_gated", input_names=["y"], output_names=["out"],

@@ -39,8 +39,9 @@ from typing import Any
 import mlx.core as mx
 
 from ..constants import constant, in_compiled
-from . import cuda_norms
+from . import cuda_gated, cuda_norms
 from .cuda_build import CudaKernel, TemplateArg, kernel_code
+from .cuda_gated import GATED_ACTIVATION, GLU
 from .kernels import kernel_allowed, serves
 
 #: rows of ``x`` a fused product takes (a decode step of up to this many sequences, or a
@@ -50,8 +51,6 @@ MAX_ROWS = 4
 #: without asking)
 STAGED_BYTES = 40 << 10
 THREADS = 256
-#: the gated activations a product may end in (``mlxrunner.nn.ACTIVATIONS``' names)
-GLU = {"silu": 1, "gelu_tanh": 2}
 #: product outputs remembered per thread (a gate is read right after its product; each
 #: entry holds its weight alive)
 NOTED_PRODUCTS = 2
@@ -67,7 +66,7 @@ NOTED_RENAMED = 4
 # again). One warp per output n; the block's warps take consecutive n. kTail (the source's
 # own constant): a last block finishes the rows after every block's products, so no warp
 # leaves early.
-_PRODUCT_BODY = r"""
+_PRODUCT_BODY = GATED_ACTIVATION + r"""
     constexpr int kWarps = NT / 32;
     constexpr int kVec = 16 / sizeof(T);
     const int tid = threadIdx.x;
@@ -130,20 +129,9 @@ _PRODUCT_BODY = r"""
         if (lane == 0) {
             #pragma unroll
             for (int m = 0; m < M; ++m) {
-                T out = static_cast<T>(acc[m]);
+                T out = static_cast<T>(acc[m]);  // (the product rounded, then its activation)
                 const T u = UPX ? up_x[m * N + n] : static_cast<T>(acc_up[m]);
-                if (GLU == 1) {  // silu(g) * u, rounding each step as MLX's fused silu_mul does
-                    const float g = static_cast<float>(out);
-                    const T sig = static_cast<T>(1.f / (1.f + expf(-g)));
-                    const T act = static_cast<T>(g * static_cast<float>(sig));
-                    out = static_cast<T>(static_cast<float>(act) * static_cast<float>(u));
-                } else if (GLU == 2) {  // gelu_tanh(g) in float32, rounded once, times u
-                    const float g = static_cast<float>(out);
-                    const float act = 0.5f * g * (1.f + tanhf(0.7978845608028654f *
-                                                              (g + 0.044715f * g * g * g)));
-                    out = static_cast<T>(static_cast<float>(static_cast<T>(act)) *
-                                         static_cast<float>(u));
-                }
+                if (GLU) out = gated(static_cast<float>(out), u);
                 if (RES) out = static_cast<T>(static_cast<float>(out) +
                                               static_cast<float>(res[m * N + n]));
                 y[m * N + n] = out;
@@ -510,4 +498,5 @@ def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, upx: bool = Fals
 
     return serves("products", case, kernel, reference, probe,
                   2e-3 if dtype == mx.float32 else 3e-2,
-                  source=kernel_code(__file__, cuda_norms.__file__))  # (its add_normed)
+                  # (cuda_norms' add_normed and cuda_gated's activation are in its source)
+                  source=kernel_code(__file__, cuda_norms.__file__, cuda_gated.__file__))
