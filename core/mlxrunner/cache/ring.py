@@ -456,4 +456,3 @@ class _RowRingCache(Cache):
 
     def trace_outputs(self) -> list[mx.array]:
         return [self.keys, self.values, *self.block]
-
