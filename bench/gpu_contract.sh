@@ -43,10 +43,10 @@ for part in "${@:-tests qwen3 llama startup}"; do
     case $one in
       tests)
         timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider \
+          tests/core/test_fused_rows.py tests/core/test_fused_gated.py \
           tests/core/test_attention.py tests/core/test_kernels.py tests/core/test_nn_deltanet.py \
           tests/core/test_topk.py tests/core/test_compiled_step.py \
-          tests/core/test_attention_styles.py tests/core/test_fused_products.py tests/core/test_fused_norms.py tests/core/test_constants.py \
-          tests/core/test_fused_rows.py tests/core/test_fused_gated.py 2>&1 | tee "$out/cuda-tests.txt" | tail -4 ;;
+          tests/core/test_attention_styles.py tests/core/test_fused_products.py tests/core/test_fused_norms.py tests/core/test_constants.py 2>&1 | tee "$out/cuda-tests.txt" | tail -4 ;;
       qwen3|llama|gemma4|qwen3_5)
         (cd bench && timeout "${BENCH_TIMEOUT:-240}" python3 "$one.py" --repeats "${REPEATS:-5}" \
           "${switched[@]}" --json "$out/$one-gpu.json") 2>&1 \
