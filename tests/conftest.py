@@ -4,9 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from mlxrunner_test_support import shared_data, write_model_folder
+
+
+@pytest.fixture(autouse=True)
+def _default_device_kept():
+    """A test that sets MLX's default device (the GPU tests do) leaves the next one the device
+    its module chose: the CPU-only assertions after it would otherwise see the GPU."""
+    device = mx.default_device()
+    yield
+    mx.set_default_device(device)
 
 
 @pytest.fixture
