@@ -309,13 +309,13 @@ def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None
                         help="also time a second instance of our model with setting NAME "
                              f"(mlxrunner.settings) at VALUE, e.g. {example}, compile=0, "
                              "attention=folded or mlx, kernels=0 or attention,deltanet, "
-                             "row_products=0, pipeline=0; repeatable, one row each")
+                             "row_products=0; repeatable, one row each")
 
 
 #: the settings a bench row may switch (``--switched NAME=VALUE``), each read from
 #: ``MLXRUNNER_<NAME>`` as the environment gives it
 SWITCHABLE = ("attention", "compile", "host_products", "kernels", "packed_kernels",
-              "pipeline", "row_products")
+              "row_products")
 
 
 def _setting(text: str) -> tuple[str, Any]:

@@ -21,9 +21,6 @@ is not noticed halfway through a generation, and a bad value is one clear error 
   on the host (numpy's BLAS; quantized weights through the core's C loops, see
   ``mlxrunner.nn.host_quantized``), the decode steps that run enough of them eager, and the
   core's layers on the host in the forwards run to generate (``mlxrunner.nn.host_ops``).
-- ``MLXRUNNER_PIPELINE`` (``auto``, ``1`` or ``0``; default ``auto``: on a GPU): a prompt's
-  eager forward hands the layers built so far to the device every few attentions
-  (``mlxrunner.nn.pipeline``); ``1`` on any device.
 - ``MLXRUNNER_LOAD_PLUGINS``: the plugins that load (comma-separated distribution or entry
   point names, as ``mlxrunner plugins`` lists them, compared as PEP 503 normalises them;
   empty: none; unset: all; a name no installed plugin has is one warning). The core's
@@ -54,7 +51,6 @@ from .errors import MLXRunnerError
 #: the fused kernels ``MLXRUNNER_KERNELS`` names
 KERNELS = ("attention", "deltanet", "embeddings", "norms", "prenorms", "products", "topk")
 ATTENTION_MODES = ("kernel", "folded", "mlx")
-PIPELINE_MODES = ("auto", "1", "0")
 
 
 class SettingsError(MLXRunnerError):
@@ -69,7 +65,6 @@ class Settings:
     row_products: bool = True
     packed_kernels: bool = True
     host_products: bool = True
-    pipeline: str = "auto"
     load_plugins: tuple[str, ...] | None = None
     prefix_cache: bool = True
     #: None: scaled to the model and the machine (mlxrunner.cache.prefix_cache_for)
@@ -101,7 +96,6 @@ class Settings:
             row_products=_flag(env, "MLXRUNNER_ROW_PRODUCTS", True),
             packed_kernels=_flag(env, "MLXRUNNER_PACKED_KERNELS", True),
             host_products=_flag(env, "MLXRUNNER_HOST_PRODUCTS", True),
-            pipeline=_choice(env, "MLXRUNNER_PIPELINE", "auto", PIPELINE_MODES),
             load_plugins=None if plugins is None else tuple(
                 p.strip() for p in plugins.split(",") if p.strip()),
             prefix_cache=_flag(env, "MLXRUNNER_PREFIX_CACHE", True),

@@ -52,7 +52,6 @@ from ..nn.kernels import (
     off_scalar_pool,
     on_cuda,
 )
-from ..nn.pipeline import pipelined
 
 log = logging.getLogger("mlxrunner.decode")
 
@@ -101,7 +100,7 @@ def eager_forward(model: Any, ids: mx.array, caches: Sequence[Any] | None,
         kwargs["embeddings"] = embeddings
     if positions is not None:
         kwargs["positions"] = positions
-    with hosting(), pipelined(ids.shape[1] if caches is not None and ids.ndim == 2 else 0):
+    with hosting():
         out = model(ids, caches, **kwargs)
     if caches is not None:
         compiled_steps(model).saw_eager_forward(host_weights_run() - before)

@@ -33,7 +33,6 @@ from ..constants import constant, window_mask
 from .cuda_build import CudaKernel, kernel_code
 from .host_ops import host_attention
 from .kernels import on_cuda, serves
-from .pipeline import submit_built
 
 #: MLX's function, as imported (while a thread traces a forward, the core routes calls of
 #: ``mx.fast.scaled_dot_product_attention`` from that thread through :func:`attend`)
@@ -144,8 +143,6 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
     frame = active_frame()
     if frame is not None:
         mask = frame.mask_for(keys, mask)
-    else:
-        submit_built(q, keys, values)  # (a prompt's layers so far to the GPU: see pipeline)
     chosen = mode()
     if chosen != "mlx" and not isinstance(mask, str) and _short_block_on_cuda(q, keys, mask):
         fused_gate = gate is not None and gate.shape == (*q.shape[:3], values.shape[3]) \
