@@ -1,0 +1,120 @@
+"""The device's own time for a model's prompt and decode steps, with the host out of the way.
+
+A bench's rates are the larger of the host's work (Python building a graph, MLX submitting
+its kernels) and the device's; a row whose host is faster than its device shows a wait
+but not how long the device takes. Here one kernel holds the device first (spinning on the
+GPU's clock, ``%globaltimer``) while the host builds and submits the measured work behind
+it; that kernel notes the clock as it lets go, and a second notes it after the work's last
+output: the difference is the device's time alone. A figure counts only when the host had
+submitted everything before the hold ended (else it is None): the device never waited.
+
+CUDA only (MLX's CPU device runs a graph on the host).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+# One thread: hold the device hold[0] nanoseconds, note the clock, pass ids on (the
+# measured work reads the copy, so it runs after the hold).
+_MARK_SOURCE = r"""
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    now = start;
+    while (now - start < hold[0]) {
+        __nanosleep(20000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    }
+    clock[0] = now;
+    for (int i = 0; i < N; ++i) out[i] = ids[i];
+"""
+_mark_kernel: Any = None
+# The clock once every input exists (reading none of them).
+_STAMP_SOURCE = "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(clock[0]));"
+_stamp_kernels: dict[int, Any] = {}
+
+
+def available() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
+
+
+def _mark(ids: mx.array, hold_ns: int) -> tuple[mx.array, mx.array]:
+    """The device's clock after holding it ``hold_ns`` (once ``ids`` exist), and a copy of
+    ``ids`` made after it."""
+    global _mark_kernel
+    if _mark_kernel is None:
+        _mark_kernel = mx.fast.cuda_kernel(name="bench_clock_mark", input_names=["ids", "hold"],
+                                           output_names=["clock", "out"], source=_MARK_SOURCE)
+    clock, out = _mark_kernel(inputs=[ids, mx.array([hold_ns], mx.uint64)],
+                              output_shapes=[(1,), ids.shape],
+                              output_dtypes=[mx.uint64, ids.dtype], grid=(1, 1, 1),
+                              threadgroup=(1, 1, 1), template=[("N", ids.size)])
+    return clock, out
+
+
+def _stamp(after: list[mx.array]) -> mx.array:
+    """The device's clock once every array of ``after`` is written."""
+    kernel = _stamp_kernels.get(len(after))
+    if kernel is None:
+        kernel = _stamp_kernels[len(after)] = mx.fast.cuda_kernel(
+            name=f"bench_clock_stamp_{len(after)}",
+            input_names=[f"a{i}" for i in range(len(after))], output_names=["clock"],
+            source=_STAMP_SOURCE, ensure_row_contiguous=False)
+    return kernel(inputs=after, output_shapes=[(1,)], output_dtypes=[mx.uint64],
+                  grid=(1, 1, 1), threadgroup=(1, 1, 1))[0]
+
+
+def device_ms(work: Callable[[mx.array], list[mx.array]], ids: mx.array, hold_s: float
+              ) -> float | None:
+    """Milliseconds the device takes for ``work(ids)`` up to the arrays it returns (it may
+    submit parts of itself with ``mx.async_eval``, as a decode loop does), queued behind a
+    hold of ``hold_s``; None when the host took longer than the hold to submit it."""
+    mx.synchronize()
+    start = time.perf_counter()
+    before, ids = _mark(ids, int(hold_s * 1e9))
+    mx.async_eval(before, ids)
+    after = _stamp(work(ids))
+    mx.async_eval(after)
+    submitted = time.perf_counter() - start
+    mx.eval(before, after)
+    if submitted >= hold_s:
+        return None
+    return (after.item() - before.item()) / 1e6
+
+
+def decode_and_prompt_ms(model: Any, prompt: mx.array, steps: int = 8, repeats: int = 3,
+                         hold_s: float = 0.5) -> dict[str, float | None]:
+    """Medians over ``repeats`` of the device's milliseconds for ``model``'s prefill of
+    ``prompt`` (a fresh cache) and for one of ``steps`` greedy decode steps after it."""
+    prefill: list[float | None] = []
+    decode: list[float | None] = []
+    for _ in range(repeats):
+        cache = model.make_cache()
+
+        def prompt_into_cache(ids: mx.array, cache: list[Any] = cache) -> list[mx.array]:
+            model(ids[None], cache=cache)  # (the caches, as a bench's prefill evaluates them)
+            return [a for c in cache if c is not None for _, a in tree_flatten(c.state)]
+
+        def steps_from(y: mx.array, cache: list[Any] = cache) -> list[mx.array]:
+            for _ in range(steps):
+                y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+                mx.async_eval(y)  # (submitted as the decode loop submits it)
+            return [y]
+
+        prefill.append(device_ms(prompt_into_cache, prompt[:-1], hold_s))
+
+        decode.append(device_ms(steps_from, prompt[None, -1:], hold_s))
+    return {"prefill_device_ms": _median(prefill),
+            "decode_device_ms": None if (d := _median(decode)) is None else d / steps}
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if len(known) == len(values) else None
