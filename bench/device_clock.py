@@ -7,6 +7,10 @@ GPU's clock, ``%globaltimer``) while the host builds and submits the measured wo
 it; that kernel notes the clock as it lets go, and a second notes it after the work's last
 output: the difference is the device's time alone. A figure counts only when the host had
 submitted everything before the hold ended (else it is None): the device never waited.
+MLX lets at most 10 submissions (each a CUDA graph of up to ``MLX_MAX_OPS_PER_BUFFER``
+kernels) wait on the device before the host waits too, so the work measured is one decode
+step (a Gemma 4 E2B step is 4 graphs for us, 7 for mlx-lm) and a prompt only where its
+graphs stay under that (run o: our eager Gemma prompt did, the others did not).
 
 CUDA only (MLX's CPU device runs a graph on the host).
 """
@@ -89,7 +93,7 @@ def device_ms(work: Callable[[mx.array], list[mx.array]], ids: mx.array, hold_s:
     return (after.item() - before.item()) / 1e6
 
 
-def decode_and_prompt_ms(model: Any, prompt: mx.array, steps: int = 8, repeats: int = 3,
+def decode_and_prompt_ms(model: Any, prompt: mx.array, steps: int = 1, repeats: int = 5,
                          hold_s: float = 0.5) -> dict[str, float | None]:
     """Medians over ``repeats`` of the device's milliseconds for ``model``'s prefill of
     ``prompt`` (a fresh cache) and for one of ``steps`` greedy decode steps after it."""
