@@ -90,6 +90,24 @@ def test_zero_centred_norm_computes_one_plus_w_in_float32():
     assert mx.array_equal(norm.applied_weight(), norm.weight + 1.0)
 
 
+@pytest.mark.parametrize("rows", [3, 65, 300])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_norms_of_any_rows_are_mlxs_norm(rows, offset):
+    """A prompt's rows (past every kernel's) and a step's give MLX's norm, and a post norm's
+    add ``(residual + norm(x)) * scale`` its operations, bit for bit."""
+    keys = mx.random.split(mx.random.key(rows), 4)
+    x = mx.random.normal((1, rows, 96), key=keys[0]).astype(mx.bfloat16)
+    residual = mx.random.normal((1, rows, 96), key=keys[1]).astype(mx.bfloat16)
+    scale = mx.array([0.5], mx.bfloat16)
+    norm = mnn.RMSNorm(96, 1e-5, offset=offset)
+    norm.weight = mx.random.normal((96,), key=keys[2]).astype(mx.bfloat16)
+    weight = (norm.weight.astype(mx.float32) + offset).astype(mx.bfloat16)
+    want = mx.fast.rms_norm(x, weight, 1e-5)
+    assert mx.array_equal(norm(x), want)
+    assert mx.array_equal(norm.add_normed(residual, x), residual + want)
+    assert mx.array_equal(norm.add_normed(residual, x, scale), (residual + want) * scale)
+
+
 def test_gated_mlp_is_its_math():
     mx.random.seed(4)
     mlp = mnn.GatedMLP(16, 24, "gelu_pytorch_tanh")

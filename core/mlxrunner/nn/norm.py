@@ -6,10 +6,19 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import cuda_norms, cuda_products
 from .cuda_norms import fused_add_norm
 from .cuda_products import current, fused_add_normed, fused_norm
 from .derived import derived
-from .host_ops import host_rms_norm
+from .host_ops import host_active, host_rms_norm
+
+#: rows past which no kernel of the core takes a norm (a prompt's): MLX's norm at once,
+#: without the questions a decode step's rows need (a prompt's build is Python's time)
+_KERNEL_ROWS = max(cuda_norms.MAX_ROWS, cuda_products.MAX_ROWS)
+
+
+def _prompt_rows(x: mx.array) -> bool:
+    return x.ndim > 0 and x.size > _KERNEL_ROWS * x.shape[-1] and not host_active()
 
 
 class RMSNorm(nn.Module):
@@ -33,6 +42,8 @@ class RMSNorm(nn.Module):
         """``rms_norm(x) * weight``; on CUDA, where ``x`` is a decode step's fused product
         output (a residual sum or a post norm's add), written by that product's launch."""
         weight = self.applied_weight()
+        if _prompt_rows(x):
+            return mx.fast.rms_norm(x, weight, self.eps)
         fused = fused_norm(x, weight, self.eps)
         if fused is not None:
             return fused
@@ -48,6 +59,9 @@ class RMSNorm(nn.Module):
         one-element array, or None for none): one fused kernel for a decode step on CUDA,
         or none of its own where ``x`` is a fused product's output (its launch does it)."""
         weight = self.applied_weight()
+        if _prompt_rows(x):
+            out = residual + mx.fast.rms_norm(x, weight, self.eps)
+            return out if scale is None else out * scale
         residual = current(residual)
         fused = fused_add_normed(residual, x, weight, self.eps, scale)
         if fused is None:
