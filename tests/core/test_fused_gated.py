@@ -27,6 +27,8 @@ def test_the_gated_kernel_computes_its_math_in_emulation(N, glu):
     y = (2 * np.random.default_rng(N + glu).normal(size=(rows, 2 * N))).astype(np.float32)
     vec = 4 if N % 4 == 0 else 1
     spans = -(-N // (cuda_gated.THREADS * vec))
+    assert cuda_gated.row_span_grid(N, mx.float32, rows, cuda_gated.THREADS) \
+        == (cuda_gated.THREADS * spans, rows, 1)  # (the launch's grid)
     got = emulate_kernel(
         cuda_gated.GATED_SOURCE, {"y": y}, {"out": ((rows, N), np.float32)},
         [("T", mx.float32), ("N", N), ("GLU", glu), ("NT", cuda_gated.THREADS)],

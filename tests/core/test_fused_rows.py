@@ -31,6 +31,8 @@ def test_the_rows_kernel_computes_its_math_in_emulation(D, aligned):
     ids = np.array([3, 0, 10, 3, -1, 11, 7, -12], np.int32)  # -1: the last; 11, -12: outside
     vec = 4 if D % 4 == 0 else 1  # (float32: 16-byte copies where the width allows)
     spans = -(-D // (cuda_rows.THREADS * vec))
+    assert cuda_rows.row_span_grid(D, mx.float32, ids.size, cuda_rows.THREADS) \
+        == (cuda_rows.THREADS * spans, ids.size, 1)  # (the launch's grid)
     got = emulate_kernel(
         cuda_rows.ROWS_SOURCE, {"table": table, "ids": ids, "count": np.array([V], np.int32)},
         {"out": ((ids.size, D), np.float32)},

@@ -442,6 +442,15 @@ class CudaKernel:
 
 
 @functools.cache  # (asked at every attend on CUDA: worked out once)
+def row_span_grid(width: int, dtype: mx.Dtype, rows: int, threads: int
+                  ) -> tuple[int, int, int]:
+    """The grid (in threads) of a kernel whose block (x, y) writes span x of output row y,
+    ``width`` entries a row of ``dtype``: each thread 16 bytes where a row's bytes are a
+    multiple of 16, else one entry (the kernels' ``kVec``)."""
+    vec = 16 // dtype.size if (width * dtype.size) % 16 == 0 else 1
+    return threads * -(-width // (threads * vec)), rows, 1
+
+
 def kernel_code(*module_files: str) -> str | None:
     """What a kept verdict of a kernel depends on (:func:`mlxrunner.nn.kernels.serves`'s
     ``source``): the texts of the modules that define the kernel and its reference, and how

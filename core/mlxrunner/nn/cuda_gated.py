@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cuda_build import CudaKernel, kernel_code
+from .cuda_build import CudaKernel, kernel_code, row_span_grid
 from .kernels import kernel_allowed, serves
 
 THREADS = 256
@@ -109,11 +109,10 @@ _GATED = {glu: _differentiable(glu) for glu in GLU.values()}
 
 def _launch(joined: mx.array, N: int, glu: int) -> mx.array:
     rows = joined.size // (2 * N)
-    vec = 16 // joined.dtype.size if (N * joined.dtype.size) % 16 == 0 else 1
-    spans = -(-N // (THREADS * vec))
     return _kernel(inputs=[joined], template=[("T", joined.dtype), ("N", N), ("GLU", glu),
                                               ("NT", THREADS)],
-                   grid=(THREADS * spans, rows, 1), threadgroup=(THREADS, 1, 1),
+                   grid=row_span_grid(N, joined.dtype, rows, THREADS),
+                   threadgroup=(THREADS, 1, 1),
                    output_shapes=[(rows, N)], output_dtypes=[joined.dtype])[0]
 
 

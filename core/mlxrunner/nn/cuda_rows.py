@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..constants import constant
-from .cuda_build import CudaKernel, kernel_code
+from .cuda_build import CudaKernel, kernel_code, row_span_grid
 from .kernels import kernel_allowed, serves
 
 THREADS = 256
@@ -85,11 +85,10 @@ def _rows_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.a
 
 def _launch(table: mx.array, ids: mx.array) -> mx.array:
     V, D = table.shape
-    vec = 16 // table.dtype.size if (D * table.dtype.size) % 16 == 0 else 1
-    spans = -(-D // (THREADS * vec))
     return _kernel(inputs=[table, ids.reshape(-1), constant((V,), mx.int32)],
                    template=[("T", table.dtype), ("D", D), ("NT", THREADS)],
-                   grid=(THREADS * spans, ids.size, 1), threadgroup=(THREADS, 1, 1),
+                   grid=row_span_grid(D, table.dtype, ids.size, THREADS),
+                   threadgroup=(THREADS, 1, 1),
                    output_shapes=[(ids.size, D)], output_dtypes=[table.dtype])[0]
 
 
