@@ -250,12 +250,15 @@ def _reference_np(x, w, res, glu):
 @pytest.mark.parametrize("aligned", [True, False])
 def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned):
     """The kernel's body on the CPU (float32; mlxrunner.testing.cuda_emulation): every
-    fused form, rows not a whole number of warps' outputs, a weight view off 16 bytes."""
+    fused form, rows not a whole number of warps' outputs, a weight view and rows of x off
+    16 bytes (x staged one entry a load, not 16 bytes)."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
     rng = np.random.default_rng(rows)
     K, N, threads = 96, 40, 256
-    x = rng.normal(size=(rows, K)).astype(np.float32)
+    x_store = np.empty(rows * K + 1, np.float32)
+    x = (x_store[:-1] if aligned else x_store[1:]).reshape(rows, K)
+    x[:] = rng.normal(size=(rows, K))
     for res, glu in ((False, 0), (True, 0), (False, 1), (True, 2)):
         n_rows = N * (2 if glu else 1)
         store = np.empty(n_rows * K + 1, np.float32)

@@ -74,7 +74,12 @@ _PRODUCT_BODY = GATED_ACTIVATION + r"""
     const int warp = tid >> 5;
     __shared__ __align__(16) T xs[M * K];
 
-    for (int i = tid; i < M * K; i += NT) xs[i] = x[i];
+    if (!(reinterpret_cast<size_t>(x) & 15) && (M * K) % kVec == 0) {  // 16 bytes a load
+        for (int i = tid * kVec; i < M * K; i += NT * kVec)
+            *reinterpret_cast<uint4*>(xs + i) = *reinterpret_cast<const uint4*>(x + i);
+    } else {
+        for (int i = tid; i < M * K; i += NT) xs[i] = x[i];
+    }
     __syncthreads();
 
     const int n = blockIdx.x * kWarps + warp;
