@@ -93,6 +93,26 @@ def device_ms(work: Callable[[mx.array], list[mx.array]], ids: mx.array, hold_s:
     return (after.item() - before.item()) / 1e6
 
 
+def call_us(fns: list[Callable[[mx.array], Any]], x: mx.array, calls: int = 15,
+            hold_s: float = 0.02) -> float | None:
+    """Median microseconds the device takes for one call ``fn(x)`` alone (its kernels and
+    their launches on the device, as in a chain of dependent calls), cycling through
+    ``fns`` (copies of one case whose weights together pass the device's cache); None where
+    the host fell behind."""
+    times = []
+    for n in range(calls):
+        fn = fns[n % len(fns)]
+        ms = device_ms(lambda v, fn=fn: _leaves(fn(v)), x, hold_s)
+        if ms is None:
+            return None
+        times.append(1e3 * ms)
+    return statistics.median(times)
+
+
+def _leaves(tree: Any) -> list[mx.array]:
+    return [a for _, a in tree_flatten(tree)] if not isinstance(tree, mx.array) else [tree]
+
+
 def decode_and_prompt_ms(model: Any, prompt: mx.array, steps: int = 1, repeats: int = 5,
                          hold_s: float = 0.5) -> dict[str, float | None]:
     """Medians over ``repeats`` of the device's milliseconds for ``model``'s prefill of

@@ -8,7 +8,10 @@ them from its memory, not from its L2 cache, as a decode step does). The calls' 
 built first (Python's time, shown apart: a traced decode step replays it without Python),
 then evaluated: a figure is the larger of the host's submission and the device's work per
 call: a product of a few MB is bound by the host, a large one by the device, whose rate the
-GB/s column then gives (an H100 SXM's memory reads about 3,350 GB/s).
+GB/s column then gives (an H100 SXM's memory reads about 3,350 GB/s). On CUDA also the
+device's own time for one call alone (``bench/device_clock.py``: its kernels and their
+launches, as a decode step's chain of dependent calls pays them), median of 15, each on the
+next copy of the weights.
 
     python bench/product_bandwidth.py [--count 64] [--cache-mb 160] [--quick] [--json PATH]
 """
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import device_clock
 import harness
 import mlx.core as mx
 import mlx.nn as nn
@@ -90,6 +94,15 @@ def build(width: int, outs: list[int], kind: str, copies: int
     return ours, theirs, nbytes
 
 
+def _device_part(row: dict[str, Any]) -> str:
+    if "mlx_device_us" not in row:
+        return ""
+    ours, theirs = row["mlxrunner_device_us"], row["mlx_device_us"]
+    if ours is None or theirs is None:
+        return "   (device: host behind)"
+    return f"   device a call alone: {ours:.1f} / {theirs:.1f} us"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=harness.at_least(1), default=64)
@@ -123,12 +136,15 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{who}_us"] = statistics.median(e for _, e in t)
             row[f"{who}_gb_s"] = nbytes / 1e3 / row[f"{who}_us"]
         row.update(weight_mb=nbytes / 2 ** 20, copies=copies)
+        if device_clock.available():  # one call alone on the device: a decode step's chain
+            row["mlxrunner_device_us"] = device_clock.call_us(ours, xs[0])
+            row["mlx_device_us"] = device_clock.call_us(theirs, xs[0])
         results[name] = row
         print(f"  {name:32s} {row['weight_mb']:7.1f} MB   mlxrunner {row['mlxrunner_us']:8.2f} us "
               f"({row['mlxrunner_gb_s']:6.0f} GB/s)   MLX {row['mlx_us']:8.2f} us "
               f"({row['mlx_gb_s']:6.0f} GB/s)   ratio {row['mlx_us'] / row['mlxrunner_us']:5.2f}x"
               f"   (building a call: {row['mlxrunner_build_us']:.1f} / "
-              f"{row['mlx_build_us']:.1f} us)", flush=True)
+              f"{row['mlx_build_us']:.1f} us)" + _device_part(row), flush=True)
         del ours, theirs
     if args.json:
         args.json.write_text(json.dumps({"device": str(mx.default_device()),
