@@ -20,8 +20,9 @@
 # Qwen3.5 with one 1024x1024 image against mlx-vlm (bench/vision_ttft.py; needs mlx-vlm's
 # wheel in .whl, mlx_vlm-0.7.10-py3-none-any.whl, installed without its dependencies).
 # launch: host time per kernel launch, built-in against custom kernels (bench/launch_cost.py).
-# products: a Gemma 4 E2B decode step's products, ours against MLX's, per call and in GB/s
-# (bench/product_bandwidth.py).
+# products: a Gemma 4 E2B decode step's products, ours against MLX's, per call and in GB/s,
+# and one call's time on the device alone (bench/product_bandwidth.py). The model benches
+# print each row's device time a step beside build, submit and wait (bench/device_clock.py).
 # prefill: a Gemma 4 prefill in parts, ours against mlx-lm's (bench/gemma4_prefill.py;
 # PREFILL_ARGS=--profile: where our build's Python time goes).
 # sweep: our Gemma 4 decode step under MLX's graph settings, a process each
