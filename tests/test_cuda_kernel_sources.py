@@ -55,6 +55,15 @@ def _compile(builder: cuda_build.Builder, name: str, source: str) -> None:
     assert name.encode() in cubin  # the kernel under its C name, as the launch asks for it
 
 
+def test_a_kernels_code_is_worked_out_once_a_process() -> None:
+    """Every fused-kernel call of an eager forward asks its kernel's code (the key of its
+    kept verdicts): the modules' texts are read and joined once, then the same answer."""
+    from mlxrunner.nn import cuda_products
+
+    first = cuda_build.kernel_code(cuda_products.__file__)
+    assert first is not None and first is cuda_build.kernel_code(cuda_products.__file__)
+
+
 def test_a_built_kernel_is_read_back_not_built_again(builder: cuda_build.Builder) -> None:
     from mlxrunner.decode import topk
 

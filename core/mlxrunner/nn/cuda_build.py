@@ -441,7 +441,6 @@ class CudaKernel:
         return built
 
 
-@functools.cache  # (asked at every attend on CUDA: worked out once)
 def row_span_grid(width: int, dtype: mx.Dtype, rows: int, threads: int
                   ) -> tuple[int, int, int]:
     """The grid (in threads) of a kernel whose block (x, y) writes span x of output row y,
@@ -451,6 +450,7 @@ def row_span_grid(width: int, dtype: mx.Dtype, rows: int, threads: int
     return threads * -(-width // (threads * vec)), rows, 1
 
 
+@functools.cache  # (asked at every attend on CUDA: worked out once)
 def kernel_code(*module_files: str) -> str | None:
     """What a kept verdict of a kernel depends on (:func:`mlxrunner.nn.kernels.serves`'s
     ``source``): the texts of the modules that define the kernel and its reference, and how
