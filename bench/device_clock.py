@@ -25,9 +25,11 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-# One thread: hold the device hold[0] nanoseconds, note the clock, pass ids on (the
-# measured work reads the copy, so it runs after the hold).
+# One thread: pass ids on (the measured work reads the copy, so it runs after this kernel;
+# copied first, so the copy is inside the hold), hold the device hold[0] nanoseconds, note
+# the clock.
 _MARK_SOURCE = r"""
+    for (int i = 0; i < N; ++i) out[i] = ids[i];
     unsigned long long start, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
     now = start;
@@ -36,7 +38,6 @@ _MARK_SOURCE = r"""
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     }
     clock[0] = now;
-    for (int i = 0; i < N; ++i) out[i] = ids[i];
 """
 _mark_kernel: Any = None
 # The clock once every input exists (reading none of them).
@@ -51,7 +52,7 @@ def available() -> bool:
 
 def _mark(ids: mx.array, hold_ns: int) -> tuple[mx.array, mx.array]:
     """The device's clock after holding it ``hold_ns`` (once ``ids`` exist), and a copy of
-    ``ids`` made after it."""
+    ``ids`` for the measured work to read (so that it runs after the hold)."""
     global _mark_kernel
     if _mark_kernel is None:
         _mark_kernel = mx.fast.cuda_kernel(name="bench_clock_mark", input_names=["ids", "hold"],
@@ -59,7 +60,8 @@ def _mark(ids: mx.array, hold_ns: int) -> tuple[mx.array, mx.array]:
     clock, out = _mark_kernel(inputs=[ids, mx.array([hold_ns], mx.uint64)],
                               output_shapes=[(1,), ids.shape],
                               output_dtypes=[mx.uint64, ids.dtype], grid=(1, 1, 1),
-                              threadgroup=(1, 1, 1), template=[("N", ids.size)])
+                              threadgroup=(1, 1, 1),
+                              template=[("T", ids.dtype), ("N", ids.size)])
     return clock, out
 
 
@@ -99,6 +101,7 @@ def call_us(fns: list[Callable[[mx.array], Any]], x: mx.array, calls: int = 15,
     their launches on the device, as in a chain of dependent calls), cycling through
     ``fns`` (copies of one case whose weights together pass the device's cache); None where
     the host fell behind."""
+    device_ms(lambda v: _leaves(fns[0](v)), x, hold_s)  # (the clock's kernels built: untimed)
     times = []
     for n in range(calls):
         fn = fns[n % len(fns)]
@@ -114,12 +117,15 @@ def _leaves(tree: Any) -> list[mx.array]:
 
 
 def decode_and_prompt_ms(model: Any, prompt: mx.array, steps: int = 1, repeats: int = 5,
-                         hold_s: float = 0.5) -> dict[str, float | None]:
+                         hold_s: float = 0.5, chunk: int | None = None
+                         ) -> dict[str, float | None]:
     """Medians over ``repeats`` of the device's milliseconds for ``model``'s prefill of
-    ``prompt`` (a fresh cache) and for one of ``steps`` greedy decode steps after it."""
+    ``prompt`` (a fresh cache; with ``chunk``, prefilled that many tokens at a time as the
+    bench does, and not measured: None) and for one of ``steps`` greedy decode steps after
+    it."""
     prefill: list[float | None] = []
     decode: list[float | None] = []
-    for _ in range(repeats):
+    for repeat in range(repeats + 1):  # (the first builds the clock's kernels: untimed)
         cache = model.make_cache()
 
         def prompt_into_cache(ids: mx.array, cache: list[Any] = cache) -> list[mx.array]:
@@ -132,9 +138,16 @@ def decode_and_prompt_ms(model: Any, prompt: mx.array, steps: int = 1, repeats: 
                 mx.async_eval(y)  # (submitted as the decode loop submits it)
             return [y]
 
-        prefill.append(device_ms(prompt_into_cache, prompt[:-1], hold_s))
-
-        decode.append(device_ms(steps_from, prompt[None, -1:], hold_s))
+        prompt_ms = None
+        if chunk is None:
+            prompt_ms = device_ms(prompt_into_cache, prompt[:-1], hold_s)
+        else:
+            for at in range(0, prompt.size - 1, chunk):
+                mx.eval(prompt_into_cache(prompt[at:min(at + chunk, prompt.size - 1)]))
+        step_ms = device_ms(steps_from, prompt[None, -1:], hold_s)
+        if repeat:
+            prefill.append(prompt_ms)
+            decode.append(step_ms)
     return {"prefill_device_ms": _median(prefill),
             "decode_device_ms": None if (d := _median(decode)) is None else d / steps}
 

@@ -129,7 +129,8 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
     if device_clock.available():  # the device's own time, the host out of the way
         for name in names:
             try:
-                best[name].update(device_clock.decode_and_prompt_ms(rows[name], prompt))
+                best[name].update(device_clock.decode_and_prompt_ms(
+                    rows[name], prompt, chunk=PREFILL_CHUNK))
             except Exception as exc:  # (a diagnostic: the rates above stand without it)
                 print(f"  {name}: the device clock failed: {exc}", flush=True)
     for name in names:

@@ -13,7 +13,8 @@ from mlxrunner_test_support import shared_data, write_model_folder
 @pytest.fixture(autouse=True)
 def _default_device_kept():
     """A test that sets MLX's default device (the GPU tests do) leaves the next one the device
-    its module chose: the CPU-only assertions after it would otherwise see the GPU."""
+    it started on (the test modules set theirs at import): the CPU-only assertions after it
+    would otherwise see the GPU."""
     device = mx.default_device()
     yield
     mx.set_default_device(device)
