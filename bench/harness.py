@@ -323,6 +323,7 @@ def at_least(low: int) -> Callable[[str], int]:
 
 def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None:
     parser.add_argument("--switched", metavar="NAME=VALUE", action="append", default=[],
+                        type=_switch,
                         help="also time a second instance of our model with setting NAME "
                              f"(mlxrunner.settings) at VALUE, e.g. {example}, compile=0, "
                              "attention=folded or mlx, kernels=0 or attention,deltanet, "
@@ -333,6 +334,15 @@ def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None
 #: ``MLXRUNNER_<NAME>`` as the environment gives it
 SWITCHABLE = ("attention", "compile", "host_products", "kernels", "packed_kernels",
               "row_products")
+
+
+def _switch(text: str) -> str:
+    """``--switched``'s argument, refused as it is parsed (before any model is built)."""
+    try:
+        _setting(text)
+    except SystemExit as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--switched").lstrip(": ")) from None
+    return text
 
 
 def _setting(text: str) -> tuple[str, Any]:

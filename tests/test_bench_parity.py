@@ -4,6 +4,7 @@ further from the reference than the reference's own GPU result from its CPU one.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -56,10 +57,20 @@ def test_a_wrong_mapping_or_kernels_past_the_spread_withhold(mapping: float,
     ("attention=fast", "use one of"),
     ("lockstep=1", "NAME one of"),
 ])
-def test_a_switched_row_refuses_what_the_environment_would(text: str, why: str) -> None:
+def test_a_switched_row_refuses_what_the_environment_would(text: str, why: str,
+                                                            capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
     """``--switched NAME=VALUE`` parses as ``MLXRUNNER_<NAME>``: a misspelt kernel is one
-    clear line, not a row that quietly turns every kernel off."""
+    clear line, not a row that quietly turns every kernel off; refused as the bench's
+    arguments are parsed, before a model is built."""
     with pytest.raises(SystemExit, match=why):
         harness._setting(text)
+    parser = argparse.ArgumentParser(prog="bench")
+    harness.add_switched_argument(parser, "compile=0")
+    with pytest.raises(SystemExit) as refused:
+        parser.parse_args(["--switched", text])
+    assert refused.value.code == 2
+    assert why in capsys.readouterr().err
+    assert parser.parse_args(["--switched", "compile=0"]).switched == ["compile=0"]
     assert harness._setting("kernels=attention,products") == (
         "kernels", frozenset({"attention", "products"}))
