@@ -27,7 +27,9 @@ def graph_labels(*outputs) -> list[str]:
 
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
         mx.export_to_dot(dot.name, *outputs)
-        return re.findall(r'label ="([^"]+)"', dot.read())
+        labels = re.findall(r'label ="([^"]+)"', dot.read())
+    assert labels, "no operations: the outputs were evaluated before their graph was read"
+    return labels
 
 
 def on_cuda_and_emulated():

@@ -9,7 +9,9 @@ import pytest
 import mlxrunner
 from mlxrunner import settings
 from mlxrunner.nn import attend, attention, kernels
-from mlxrunner_test_support import logged
+from mlxrunner_test_support import logged, on_cuda_and_emulated
+
+on_cuda, emulated = on_cuda_and_emulated()
 
 
 def _case(B, Hq, Hk, L, S, D, Dv, dtype, seed=0):
@@ -122,8 +124,7 @@ def _emulated(q, k, v, scale, mask, splits=1, gate=None):
     return np.array(merged).reshape(B, Hq, L, Dv)
 
 
-@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
-                    .emulation_available(), reason="needs a host C++ compiler (g++)")
+@emulated
 @pytest.mark.parametrize("Hq,Hk,L,mask", [(2, 1, 1, "none"), (4, 2, 3, "block"),
                                           (2, 2, 2, "vector"), (4, 1, 2, "ring")])
 def test_kernel_source_on_the_cpu(Hq, Hk, L, mask):
@@ -140,8 +141,7 @@ def test_kernel_source_on_the_cpu(Hq, Hk, L, mask):
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
-                    .emulation_available(), reason="needs a host C++ compiler (g++)")
+@emulated
 @pytest.mark.parametrize("L,mask", [(1, "none"), (3, "block")])
 def test_gated_kernel_source_on_the_cpu(L, mask):
     """With an output gate the kernel's output is the attention times sigmoid(gate)."""
@@ -187,8 +187,7 @@ def test_attend_gates_its_output_on_every_path(monkeypatch):
         rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
-                    .emulation_available(), reason="needs a host C++ compiler (g++)")
+@emulated
 @pytest.mark.parametrize("mask", ["none", "vector", "block"])
 def test_split_kernel_source_on_the_cpu(mask):
     """The split form (each block one run of the keys, the partials merged by MLX
@@ -250,8 +249,7 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
     attention.attend(q8, k, v, scale=0.3, mask=mask)  # folded, no error
 
 
-@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
-                    reason="needs MLX's CUDA backend")
+@on_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("Hq,Hk,D,L,S", [(8, 2, 256, 1, 1024), (8, 1, 512, 1, 1024),
                                          (8, 1, 256, 8, 1024), (4, 2, 128, 16, 1024),

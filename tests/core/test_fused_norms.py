@@ -12,9 +12,9 @@ import pytest
 
 import mlxrunner.nn as mnn
 from mlxrunner.nn import cuda_norms, kernels
+from mlxrunner_test_support import on_cuda_and_emulated
 
-on_cuda = pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
-                             reason="needs MLX's CUDA backend")
+on_cuda, emulated = on_cuda_and_emulated()
 
 
 def _close(got: mx.array, want: mx.array, dtype: mx.Dtype) -> None:
@@ -170,9 +170,6 @@ def test_add_normed_matches_mlx_operations_on_the_gpu(dtype, rows, D):
            prompt_r + mx.fast.rms_norm(prompt_x, norm.weight, 1e-6), dtype)
 
 
-emulated = pytest.mark.skipif(
-    not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"]).emulation_available(),
-    reason="needs g++ for the CUDA emulation")
 
 
 def _rope_np(x, positions, dims, traditional, inv_freq):

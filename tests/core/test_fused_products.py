@@ -11,9 +11,9 @@ import pytest
 import mlxrunner.nn as mnn
 from mlxrunner import settings
 from mlxrunner.nn import cuda_products, kernels
+from mlxrunner_test_support import graph_labels, on_cuda_and_emulated
 
-on_cuda = pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
-                             reason="needs MLX's CUDA backend")
+on_cuda, emulated = on_cuda_and_emulated()
 
 
 def _tolerance(dtype: mx.Dtype) -> float:
@@ -125,7 +125,7 @@ def test_a_norm_before_products_is_mlxs_and_the_products_fuse_on_the_gpu(dtype):
         want = fused(x)
         mx.eval(want)
     got = fused(x)
-    labels = _graph_labels(*got)  # before an evaluation detaches the graph
+    labels = graph_labels(*got)  # before an evaluation detaches the graph
     for a, b in zip(got, want):
         _close(a, b, dtype)
     assert "RMSNorm" in labels and "Matmul" not in labels and "Add" not in labels, labels
@@ -154,7 +154,7 @@ def test_a_post_norm_add_runs_in_its_products_launch_on_the_gpu(dtype, rows):
                 mx.eval(want)
             got = post.add_normed(r, o_proj(x), s)
             views = {"Reshape", "Broadcast", "Slice", "Transpose", "Squeeze", "ExpandDims"}
-            kernels_run = [label for label in _graph_labels(got) if label not in views]
+            kernels_run = [label for label in graph_labels(got) if label not in views]
             # the product's launch, and the fill of its block counter (made lazily outside
             # a trace: see cuda_products._new_counter)
             assert sorted(kernels_run) == ["CustomKernel", "Full"], kernels_run
@@ -215,23 +215,12 @@ def test_a_pre_norm_runs_in_the_launch_before_it_on_the_gpu(dtype, rows):
                 want = block(x, a)
                 mx.eval(want)
             got = block(x, a)
-            kernels_run = [label for label in _graph_labels(got) if label not in views]
+            kernels_run = [label for label in graph_labels(got) if label not in views]
             # the launches (each a fill of its block counter beside it where a last block
             # finishes its rows: made lazily outside a trace)
             assert kernels_run.count("CustomKernel") == launches, kernels_run
             assert set(kernels_run) <= {"CustomKernel", "Full"}, kernels_run
             _close(got, want, dtype)
-
-
-def _graph_labels(*outputs: mx.array) -> list[str]:
-    import re
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
-        mx.export_to_dot(dot.name, *outputs)
-        labels = re.findall(r'label ="([^"]+)"', dot.read())
-    assert labels, "no operations: the outputs were evaluated before their graph was read"
-    return labels
 
 
 def _reference_np(x, w, res, glu):
@@ -244,8 +233,7 @@ def _reference_np(x, w, res, glu):
     return y if res is None else y + res
 
 
-@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
-                    .emulation_available(), reason="needs g++ for the CUDA emulation")
+@emulated
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned):
@@ -277,8 +265,7 @@ def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned):
                                    err_msg=f"res={res} glu={glu}")
 
 
-@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
-                    .emulation_available(), reason="needs g++ for the CUDA emulation")
+@emulated
 @pytest.mark.parametrize("rows,scaled", [(1, False), (3, True)])
 def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, scaled):
     """``h = (pres + rms_norm(x @ W.T) * pw) * ps`` by the last block (its count reaching
@@ -312,8 +299,7 @@ def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, 
         assert counter[0] == 0
 
 
-@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
-                    .emulation_available(), reason="needs g++ for the CUDA emulation")
+@emulated
 @pytest.mark.parametrize("rows,addn", [(1, False), (3, False), (2, True)])
 def test_the_norm_after_a_launchs_final_rows_computes_its_math_in_emulation(rows, addn):
     """``hn = rms_norm(f) * nw`` by the last block, ``f`` the residual sum ``x @ W.T + res``
@@ -421,8 +407,7 @@ def test_a_norm_of_a_residual_sum_relaunches_its_product_and_readers_take_the_ne
     assert len(launches) == count  # no product made its input: MLX's norm
 
 
-@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
-                    .emulation_available(), reason="needs g++ for the CUDA emulation")
+@emulated
 @pytest.mark.parametrize("glu", [1, 2])
 def test_a_gate_product_times_a_given_up_computes_its_math_in_emulation(glu):
     """``act(x @ Wg.T) * up`` with ``up`` an input (a per-layer input, not the

@@ -8,7 +8,7 @@ import pytest
 import mlxrunner
 from mlxrunner import settings
 from mlxrunner.nn import arange_constant, constant, kernels
-from mlxrunner_test_support import logged
+from mlxrunner_test_support import graph_labels, logged
 
 
 def test_outputs_agree_within_the_tolerance():
@@ -50,15 +50,6 @@ def test_switch_allows(monkeypatch):
         kernels.switch_allows(variable, "a", known)
 
 
-def _graph_labels(*outputs: mx.array) -> list[str]:
-    import re
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
-        mx.export_to_dot(dot.name, *outputs)
-        return re.findall(r'label ="([^"]+)"', dot.read())
-
-
 def test_constants_are_made_once_and_are_no_operation_in_a_trace():
     a = constant((3, 1, 2), mx.int32)
     assert a is constant((3, 1, 2), mx.int32)  # made once
@@ -75,7 +66,7 @@ def test_constants_are_made_once_and_are_no_operation_in_a_trace():
         traced = mx.compile(lambda o, m=made_once: positions(o, m))
         out = traced(mx.array(4, mx.int32))
         assert out.tolist() == [4, 5, 6, 7, 8, 9]
-        assert ("Arange" in _graph_labels(traced(mx.array(1, mx.int32)))) != made_once
+        assert ("Arange" in graph_labels(traced(mx.array(1, mx.int32)))) != made_once
 
 
 CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
@@ -101,7 +92,7 @@ def test_project_equals_the_product_on_every_path(monkeypatch, shape):
     row_products = 1 < rows <= kernels.ROW_PRODUCT_MAX_ROWS and shape[-1] % 32 == 0
     assert kernels.row_products_serve(rows, x, weight.T) == row_products
     traced = mx.compile(lambda a: kernels.project(a, weight.T))
-    assert ("GatherMM" in _graph_labels(traced(x))) == row_products
+    assert ("GatherMM" in graph_labels(traced(x))) == row_products
 
 
 def test_row_products_stop_at_their_row_and_weight_bounds():
