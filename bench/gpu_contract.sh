@@ -6,7 +6,7 @@
 #     [pair] [soak] [vision] [launch] [prefill] [products] [sweep]
 #     (SWITCHED="NAME=VALUE ...": a row of ours under each)
 #   (default: the first four)
-# tests: the compiled-step and kernel tests on the GPU; qwen3: a Qwen3 written as the docs
+# tests: the compiled-step and kernel tests on the GPU (TESTS: other test files); qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
 # Llama against mlx-lm (bench/llama.py); gemma4, qwen3_5: those benches; startup:
 # bench/startup.py (a fresh kernel cache, then 3 warm processes); solo: the demo pair through
@@ -43,11 +43,14 @@ for part in "${@:-tests qwen3 llama startup}"; do
     echo "== $one"
     case $one in
       tests)
+        # shellcheck disable=SC2086  # (TESTS: test files, space-separated)
         timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider \
-          tests/core/test_fused_rows.py tests/core/test_fused_gated.py \
+          ${TESTS:-tests/core/test_fused_rows.py tests/core/test_fused_gated.py \
           tests/core/test_attention.py tests/core/test_kernels.py tests/core/test_nn_deltanet.py \
           tests/core/test_topk.py tests/core/test_compiled_step.py \
-          tests/core/test_attention_styles.py tests/core/test_fused_products.py tests/core/test_fused_norms.py tests/core/test_constants.py 2>&1 | tee "$out/cuda-tests.txt" | tail -4 ;;
+          tests/core/test_attention_styles.py tests/core/test_fused_products.py \
+          tests/core/test_fused_norms.py tests/core/test_constants.py} 2>&1 \
+          | tee "$out/cuda-tests.txt" | tail -4 ;;
       qwen3|llama|gemma4|qwen3_5)
         (cd bench && timeout "${BENCH_TIMEOUT:-240}" python3 "$one.py" --repeats "${REPEATS:-5}" \
           "${switched[@]}" --json "$out/$one-gpu.json") 2>&1 \

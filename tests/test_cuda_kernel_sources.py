@@ -226,26 +226,22 @@ def test_deltanet_kernels_compile(builder, dtype: str) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("D,mask", [(256, 0), (512, 1), (128, 2)])
-def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int, split: bool) -> None:
     from mlxrunner.nn import attention as nn
 
     inputs = [("q", dtype), ("keys", dtype), ("values", dtype), ("scale", "float32"),
-              ("mask", "bool"), ("dims", "int32"), ("gate", dtype)]
+              ("mask", "bool"), ("dims", "int32"), ("gate", dtype), ("cnt", "int32")]
+    outputs = [("out", dtype), ("part_o", "float32"), ("part_max", "float32"),
+               ("part_sum", "float32")]
     template = [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D), ("DV", min(D, 512)),
-                ("NT", nn.ATTEND_THREADS), ("U", nn.keys_at_once(D, min(D, 512))),
-                ("MASK", mask), ("GATE", False)]
-    unmasked = ("mask",) if mask == 0 else ()
-    _compile(builder, "attend_split", _wrap("attend_split", nn.ATTEND_SPLIT_SOURCE, inputs,
-                                          [("part_o", "float32"), ("part_max", "float32"),
-                                           ("part_sum", "float32")], template,
-                                          absent=unmasked + ("gate",)))
-    _compile(builder, "attend", _wrap("attend", nn.ATTEND_SOURCE, inputs,
-                                    [("out", dtype)],
-                                    [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D),
-                                     ("DV", min(D, 512)), ("NT", nn.ATTEND_THREADS),
-                                     ("U", nn.keys_at_once(D, min(D, 512))),
-                                     ("MASK", mask), ("GATE", mask == 0)],
-                                    absent=unmasked + (() if mask == 0 else ("gate",))))
+                ("NT", nn.SPLIT_THREADS if split else nn.ATTEND_THREADS),
+                ("U", nn.keys_at_once(D, min(D, 512))), ("MASK", mask),
+                ("GATE", mask == 0), ("SPLIT", split)]
+    absent = (("mask",) if mask == 0 else ("gate",)) + \
+        (() if split else ("cnt", "part_o", "part_max", "part_sum"))
+    _compile(builder, "attend", _wrap("attend", nn.ATTEND_SOURCE, inputs, outputs, template,
+                                    absent=absent))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -95,33 +95,34 @@ def test_attend_folds_only_short_blocks_on_cuda(monkeypatch):
 
 def _emulated(q, k, v, scale, mask, splits=1, gate=None):
     """The kernel's body under the host emulation (float32): its output (times
-    ``sigmoid(gate)``), or with ``splits`` > 1 the split form's partials merged by the MLX
-    operations that merge them."""
+    ``sigmoid(gate)``), with ``splits`` > 1 merged by the blocks that finish each row."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
     B, Hq, L, D = q.shape
     Hk, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     rows = B * Hq * L
     kind = 0 if mask is None else mask.ndim
-    outputs = ({"part_o": ((rows, splits, Dv), np.float32), "part_max": ((rows, splits),
-                np.float32), "part_sum": ((rows, splits), np.float32)} if splits > 1 else
-               {"out": ((B, Hq, L, Dv), np.float32)})
+    split = splits > 1
+    threads = attention.SPLIT_THREADS if split else attention.ATTEND_THREADS
+    counters = np.zeros(rows, np.int32)
     got = emulate_kernel(
-        attention.ATTEND_SPLIT_SOURCE if splits > 1 else attention.ATTEND_SOURCE,
+        attention.ATTEND_SOURCE,
         {"q": np.array(q), "keys": np.array(k), "values": np.array(v),
          "scale": np.array([scale], np.float32),
          "mask": None if mask is None else np.array(mask),  # (None: absent, as the core's)
          "dims": np.array([L, S, splits], np.int32),
-         "gate": None if gate is None else np.array(gate)},
-        outputs,
+         "gate": None if gate is None else np.array(gate),
+         "cnt": counters if split else None},
+        {"out": ((B, Hq, L, Dv), np.float32),
+         "part_o": ((rows, splits, Dv), np.float32) if split else None,
+         "part_max": ((rows, splits), np.float32) if split else None,
+         "part_sum": ((rows, splits), np.float32) if split else None},
         [("T", mx.float32), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
-         ("NT", attention.ATTEND_THREADS), ("U", attention.keys_at_once(D, Dv)),
-         ("MASK", kind), ("GATE", gate is not None)],
-        blocks=(rows, splits) if splits > 1 else rows, threads=attention.ATTEND_THREADS)
-    if splits == 1:
-        return got["out"]
-    merged = attention._merge(*(mx.array(got[n]) for n in ("part_o", "part_max", "part_sum")))
-    return np.array(merged).reshape(B, Hq, L, Dv)
+         ("NT", threads), ("U", attention.keys_at_once(D, Dv)),
+         ("MASK", kind), ("GATE", gate is not None), ("SPLIT", split)],
+        blocks=(rows, splits) if split else rows, threads=threads)
+    assert not counters.any()  # every row's counter back at 0, ready for the next launch
+    return got["out"]
 
 
 @emulated
@@ -189,26 +190,32 @@ def test_attend_gates_its_output_on_every_path(monkeypatch):
 
 @emulated
 @pytest.mark.parametrize("mask", ["none", "vector", "block"])
-def test_split_kernel_source_on_the_cpu(mask):
-    """The split form (each block one run of the keys, the partials merged by MLX
-    operations) equals the folded attention, with a run that holds no live key."""
+@pytest.mark.parametrize("gated", [False, True])
+def test_split_kernel_source_on_the_cpu(mask, gated):
+    """The split form (each block one run of the keys, the row's last block merging the
+    runs' partials) equals the folded attention, with runs that hold no live key."""
     L = 1 if mask != "block" else 3
     q, k, v = _case(1, 2, 1, L, 70, 64, 32, mx.float32, seed=11)
     m = _masks(L, 70)[mask]
     if m is not None:
         m = m & (mx.arange(70) >= 25) if m.ndim == 1 else m & (mx.arange(70)[None] >= 25)
+    gate = 3 * mx.random.normal((1, 2, L, 32), key=mx.random.key(9)) if gated else None
     want = attention.folded_attention(q, k, v, scale=0.2, mask=m)
+    want = want if gate is None else want * mx.sigmoid(gate)
     for splits in (2, 3, 7):  # 7: runs of 10 keys, the first two fully masked
-        np.testing.assert_allclose(_emulated(q, k, v, 0.2, m, splits), np.array(want),
+        np.testing.assert_allclose(_emulated(q, k, v, 0.2, m, splits, gate), np.array(want),
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_long_buffers_split_their_keys():
-    assert attention.key_splits(8, 1024) == 1
-    assert attention.key_splits(8, attention.SPLIT_FROM) > 1
+def test_a_decode_steps_keys_split_over_the_gpu():
+    """A decode step's few query rows split their keys into runs of at least
+    MIN_SPLIT_KEYS, up to about SPLIT_BLOCKS blocks in all; a short buffer or many rows
+    do not split."""
+    assert attention.key_splits(8, 2 * attention.MIN_SPLIT_KEYS - 1) == 1
+    assert attention.key_splits(8, 640) == 640 // attention.MIN_SPLIT_KEYS
     assert attention.key_splits(8, 32768) == attention.SPLIT_BLOCKS // 8
     assert attention.key_splits(8, 8192) * attention.MIN_SPLIT_KEYS <= 8192
-    assert attention.key_splits(512, 32768) == 1  # enough rows already
+    assert attention.key_splits(attention.SPLIT_BLOCKS, 32768) == 1  # enough rows already
 
 
 def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
@@ -231,12 +238,12 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
     assert mx.array_equal(attention.attend(q, k, v, scale=0.3, mask=mask), want)
     assert len(launches) == 2  # the case's check, then the launch itself
     attention.prepare_attend(4, 2, 16, 16, 1, mx.float32)
-    assert len(launches) == 4  # the two other mask kinds' checks
+    assert len(launches) == 7  # the other mask kinds' checks, and each split over keys
     assert mx.array_equal(attention.attend(q, k, v, scale=0.3, mask=mask), want)
-    assert len(launches) == 5
+    assert len(launches) == 8
     with settings.overridden(attention="folded"):
         attention.attend(q, k, v, scale=0.3, mask=mask)
-    assert len(launches) == 5
+    assert len(launches) == 8
 
     def broken(*args):
         raise ValueError("refused")
@@ -244,7 +251,7 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
     monkeypatch.setattr(attention, "_launch", broken)
     attention.prepare_attend(8, 2, 16, 16, 1, mx.float32)
     attention.prepare_attend(8, 2, 16, 16, 1, mx.float32)
-    assert logged(caplog).count("fused attention kernel unavailable") == 3
+    assert logged(caplog).count("fused attention kernel unavailable") == 6  # once a case
     q8 = mx.zeros((1, 8, 1, 16))
     attention.attend(q8, k, v, scale=0.3, mask=mask)  # folded, no error
 
@@ -253,7 +260,8 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("Hq,Hk,D,L,S", [(8, 2, 256, 1, 1024), (8, 1, 512, 1, 1024),
                                          (8, 1, 256, 8, 1024), (4, 2, 128, 16, 1024),
-                                         (8, 2, 256, 1, 8192), (8, 2, 256, 8, 32768)])
+                                         (8, 2, 256, 1, 8192), (8, 2, 256, 8, 32768),
+                                         (8, 1, 256, 1, 50), (8, 1, 512, 1, 640)])
 def test_kernel_matches_mlx_operations_on_the_gpu(dtype, Hq, Hk, D, L, S):
     previous = mx.default_device()
     mx.set_default_device(mx.gpu)

@@ -10,7 +10,7 @@ import pytest
 
 import mlxrunner.nn as mnn
 from mlxrunner import settings
-from mlxrunner.nn import cuda_products, kernels
+from mlxrunner.nn import cuda_build, cuda_products, kernels
 from mlxrunner_test_support import graph_labels, on_cuda_and_emulated
 
 on_cuda, emulated = on_cuda_and_emulated()
@@ -156,7 +156,7 @@ def test_a_post_norm_add_runs_in_its_products_launch_on_the_gpu(dtype, rows):
             views = {"Reshape", "Broadcast", "Slice", "Transpose", "Squeeze", "ExpandDims"}
             kernels_run = [label for label in graph_labels(got) if label not in views]
             # the product's launch, and the fill of its block counter (made lazily outside
-            # a trace: see cuda_products._new_counter)
+            # a trace: see cuda_build.block_counters)
             assert sorted(kernels_run) == ["CustomKernel", "Full"], kernels_run
             _close(got, want, dtype)
     # two launches of one product with independent inputs, evaluated together (as a
@@ -455,9 +455,10 @@ def test_packed_and_plain_images_launch_the_same_product():
     np.testing.assert_array_equal(got[True], got[False])
 
 
-def test_a_post_norm_counter_is_a_constant_of_the_cores_compiled_functions(monkeypatch):
-    """The add-norm product's block counter: 16 bytes of zeros (past MLX's pool of managed
-    scalars, whose pages the host touches every step), evaluated while the core traces a
+def test_a_block_counter_is_a_constant_of_the_cores_compiled_functions(monkeypatch):
+    """A launch's block counters (the add-norm product's, split attention's): at least 16
+    bytes of zeros (past MLX's pool of managed scalars, whose pages the host touches every
+    step), evaluated while the core traces a
     function for ``mx.compile`` (a constant every call reuses, one per launch: lazy ones
     MLX's compile would merge), left to the graph elsewhere (a fill before the launch); the
     core's compiled decode step traces inside ``compiling``."""
@@ -469,12 +470,12 @@ def test_a_post_norm_counter_is_a_constant_of_the_cores_compiled_functions(monke
     real_eval = mx.eval
     monkeypatch.setattr(mx, "eval", lambda *arrays: evaluated.extend(arrays) or
                         real_eval(*arrays))
-    lazy = cuda_products._new_counter()
+    lazy = cuda_build.block_counters(1)
     assert evaluated == []
     made = []
 
     def two_launches(x: mx.array) -> mx.array:
-        made.extend([cuda_products._new_counter(), cuda_products._new_counter()])
+        made.extend([cuda_build.block_counters(1), cuda_build.block_counters(1)])
         return x + made[-1].sum() + made[-2].sum()
 
     with compiling():
@@ -482,6 +483,7 @@ def test_a_post_norm_counter_is_a_constant_of_the_cores_compiled_functions(monke
     assert [id(a) for a in evaluated] == [id(a) for a in made] and len(made) == 2
     for counter in (lazy, *made):
         assert counter.dtype == mx.int32 and counter.nbytes > 8 and counter.tolist() == [0] * 4
+    assert cuda_build.block_counters(9).tolist() == [0] * 9  # one a query row, say
     monkeypatch.undo()
 
     seen = []

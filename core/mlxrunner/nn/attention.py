@@ -10,11 +10,12 @@ to operations that broadcast the keys over each group's query heads in a batched
 matmul (``[B, Hk, rep * L, D]`` against ``[B, Hk, S, D]``): the same arithmetic (the
 query scaled first, a float32 softmax, the products in the inputs' type) with no
 broadcast batch; or, where it passed its self-check (:func:`prepare_attend`, called
-before tracing), as one fused kernel: a thread block per query row, its warps taking keys
-in turn with an online softmax, merged at the end. Elsewhere, and for longer blocks
-(prompts), it is MLX's function. ``MLXRUNNER_ATTENTION`` (:mod:`mlxrunner.settings`):
-``kernel`` (the default), ``folded`` (never the kernel) or ``mlx`` (always MLX's
-function), to compare.
+before tracing), as one fused kernel: a thread block per query row and run of its keys
+(split so that a decode step's few rows fill the GPU), its warps taking keys in turn with
+an online softmax, the runs merged by the block that finishes a row last. Elsewhere, and
+for longer blocks (prompts), it is MLX's function. ``MLXRUNNER_ATTENTION``
+(:mod:`mlxrunner.settings`): ``kernel`` (the default), ``folded`` (never the kernel) or
+``mlx`` (always MLX's function), to compare.
 
 :func:`store` files a layer's new keys and values in its cache and returns what the layer's
 queries attend over, with the mask that goes with it: the one way an architecture reaches
@@ -30,7 +31,7 @@ import mlx.core as mx
 from .. import settings
 from ..cache.frame import active_frame
 from ..constants import constant, window_mask
-from .cuda_build import CudaKernel, kernel_code
+from .cuda_build import CudaKernel, block_counters, kernel_code
 from .host_ops import host_attention
 from .kernels import on_cuda, serves
 
@@ -162,7 +163,8 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
 
 # -- the fused kernel ---------------------------------------------------------------------
 
-# One thread block per query row (b, h, l) of q [B, HQ, L, D]; its warps take the keys of
+# One thread block per query row (b, h, l) of q [B, HQ, L, D] and run of its keys (all of
+# them, or where SPLIT the p-th of P, see ATTEND_SOURCE); its warps take the run's keys of
 # the row's key/value head in runs of U (warp w: keys w*U .. w*U+U-1, then kWarps*U further
 # on), loading a run's key and value rows together so that U rows are in flight at once
 # (a warp per key, one key at a time, left the loads' latency exposed: few blocks run a
@@ -173,8 +175,8 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
 # Template constants: HQ, HK, D, DV, NT (threads), U (keys a warp loads at once), MASK (0:
 # none, 1: one row [S] for every query, 2: [L, S]), GATE (the output, rounded to T, times
 # sigmoid(gate) computed in float32 and rounded to T, the product rounded: within a unit in
-# the last place of MLX's sigmoid and multiply; the unsplit form); type T. ``dims`` = [L, S, P]
-# (P: key splits, 1 for this form).
+# the last place of MLX's sigmoid and multiply), SPLIT (P > 1); type T. ``dims`` = [L, S, P]
+# (P: key splits).
 _ATTEND_BODY = r"""
     constexpr int kWarps = NT / 32;
     constexpr int QPL = (D + 31) / 32;
@@ -183,7 +185,6 @@ _ATTEND_BODY = r"""
     const int S = dims[1];
     const int P = dims[2];
     const int row = blockIdx.x;  // (b * HQ + h) * L + l
-    // this block's keys: all of them, or split P's share of them (see ATTEND_SPLIT_SOURCE)
     const int chunk = (S + P - 1) / P;
     const int j_begin = P == 1 ? 0 : blockIdx.y * chunk;
     const int j_end = P == 1 ? S : min(S, j_begin + chunk);
@@ -274,7 +275,9 @@ _ATTEND_BODY = r"""
     }
 """
 
-ATTEND_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
+# The warps' partial results merged: the block's maximum ``big``, sum ``total`` and, per
+# value column d, weighted sum ``o`` (normalised by ``total``).
+_BLOCK_MERGE = r"""    __syncthreads();
     float big = -3.0e38f;
     #pragma unroll 1
     for (int w = 0; w < kWarps; ++w) {
@@ -285,14 +288,18 @@ ATTEND_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
     for (int w = 0; w < kWarps; ++w) {
         total += part_l[w] * expf(part_m[w] - big);
     }
-    #pragma unroll 1
-    for (int d = t; d < DV; d += NT) {
+    const auto block_output = [&](int d) {
         float o = 0.f;
         #pragma unroll 1
         for (int w = 0; w < kWarps; ++w) {
             o += part_acc[w * DV + d] * expf(part_m[w] - big);
         }
-        const T a = static_cast<T>(o / total);
+        return o;
+    };
+    // the row's output column d from its weighted sum (divided by the softmax's sum),
+    // times sigmoid(gate) where GATE
+    const auto write_out = [&](int d, float o) {
+        const T a = static_cast<T>(o);
         if (GATE) {
             const float g = static_cast<float>(gate[(size_t)row * DV + d]);
             const T sig = static_cast<T>(1.f / (1.f + expf(-g)));
@@ -301,40 +308,71 @@ ATTEND_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
         } else {
             out[(size_t)row * DV + d] = a;
         }
-    }
+    };
 """
 
-# The split form, for long buffers: block (row, p) takes the p-th of P runs of keys and
-# writes its normalised partial output, maximum and sum (float32); MLX operations merge
-# the P partials (:func:`_merge`). A split without a live key writes a zero sum.
-ATTEND_SPLIT_SOURCE = _ATTEND_BODY + r"""    __syncthreads();
-    float big = -3.0e38f;
-    #pragma unroll 1
-    for (int w = 0; w < kWarps; ++w) {
-        big = fmaxf(big, part_m[w]);
-    }
-    float total = 0.f;
-    #pragma unroll 1
-    for (int w = 0; w < kWarps; ++w) {
-        total += part_l[w] * expf(part_m[w] - big);
+# SPLIT (P > 1 runs of keys, block (row, p) the p-th): each block writes its normalised
+# partial output, maximum and sum (float32, a run without a live key a zero sum), then
+# counts itself out on the row's counter cnt[row]; the row's last block (whose count wraps
+# the counter to 0 again, ready for the launch's next replay) merges the P partials,
+# weighted by their share of the softmax's sum, into the row's output. A decode step has
+# only B * heads rows: unsplit, a few blocks each walk the whole buffer, their loads'
+# latency the step's time.
+ATTEND_SOURCE = _ATTEND_BODY + _BLOCK_MERGE + r"""
+    if (!SPLIT) {
+        #pragma unroll 1
+        for (int d = t; d < DV; d += NT) {
+            write_out(d, block_output(d) / total);
+        }
+        return;
     }
     const size_t at = (size_t)row * P + blockIdx.y;
     #pragma unroll 1
     for (int d = t; d < DV; d += NT) {
-        float o = 0.f;
-        #pragma unroll 1
-        for (int w = 0; w < kWarps; ++w) {
-            o += part_acc[w * DV + d] * expf(part_m[w] - big);
-        }
-        part_o[at * DV + d] = total > 0.f ? o / total : 0.f;
+        part_o[at * DV + d] = total > 0.f ? block_output(d) / total : 0.f;
     }
     if (t == 0) {
         part_max[at] = big;
         part_sum[at] = total;
     }
+    __shared__ bool last;
+    __threadfence();  // this block's partials, seen by the row's last block
+    __syncthreads();
+    if (t == 0) {
+        unsigned int* count = (unsigned int*)cnt + row;  // (int32 counters)
+        last = atomicInc(count, P - 1) == P - 1;
+    }
+    __syncthreads();
+    if (!last) {
+        return;
+    }
+    __threadfence();
+    const size_t first = (size_t)row * P;
+    float top = -3.0e38f;
+    #pragma unroll 1
+    for (int p = 0; p < P; ++p) {
+        top = fmaxf(top, __ldcg(part_max + first + p));
+    }
+    float weights = 0.f;
+    #pragma unroll 1
+    for (int p = 0; p < P; ++p) {
+        weights += __ldcg(part_sum + first + p) * expf(__ldcg(part_max + first + p) - top);
+    }
+    #pragma unroll 1
+    for (int d = t; d < DV; d += NT) {
+        float o = 0.f;
+        #pragma unroll 1
+        for (int p = 0; p < P; ++p) {
+            o += __ldcg(part_o + (first + p) * DV + d) * __ldcg(part_sum + first + p)
+                 * expf(__ldcg(part_max + first + p) - top);
+        }
+        write_out(d, o / weights);
+    }
 """
 
+#: threads a block: one query row's whole buffer, or (split) one run of its keys
 ATTEND_THREADS = 512
+SPLIT_THREADS = 256
 
 
 def keys_at_once(head_dim: int, value_dim: int) -> int:
@@ -344,21 +382,17 @@ def keys_at_once(head_dim: int, value_dim: int) -> int:
     return max(1, min(8, 64 // per_key))
 
 
-_kernels: dict[bool, Any] = {}
+_kernel: Any = None
 
-#: buffers shorter than this attend in one block per query row; longer ones split their
-#: keys over more blocks (a decode step has only B * heads * L rows: a handful of blocks on
-#: a GPU with 132 multiprocessors, each walking the whole buffer)
-SPLIT_FROM = 4096
-#: splits aim at about this many blocks in all, each at least MIN_SPLIT_KEYS keys long
-SPLIT_BLOCKS = 256
-MIN_SPLIT_KEYS = 256
+#: splits aim at no more than this many blocks in all, each run at least MIN_SPLIT_KEYS
+#: keys long (a run of that many takes a split block's warps one or two loads each)
+SPLIT_BLOCKS = 512
+MIN_SPLIT_KEYS = 32
 
 
 def key_splits(rows: int, keys: int) -> int:
-    """How many runs of keys each query row's attention splits into (1: no split)."""
-    if keys < SPLIT_FROM:
-        return 1
+    """How many runs of keys each query row's attention splits into (1: no split): as many
+    as fill the GPU with blocks, none shorter than ``MIN_SPLIT_KEYS``."""
     return max(1, min(SPLIT_BLOCKS // max(rows, 1), keys // MIN_SPLIT_KEYS))
 
 
@@ -374,48 +408,38 @@ def _case(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None,
     rows = q.shape[0] * q.shape[1] * q.shape[2]
     split = key_splits(rows, keys.shape[2]) > 1
     return (q.shape[1], keys.shape[1], q.shape[3], values.shape[3], q.dtype,
-            _mask_kind(mask), q.shape[2], split, gated and not split)
+            _mask_kind(mask), q.shape[2], split, gated)
 
 
 def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
             mask: mx.array | None, splits: int | None = None,
             gate: mx.array | None = None) -> mx.array:
+    global _kernel
     B, Hq, L, D = q.shape
     Hk, S, Dv = keys.shape[1], keys.shape[2], values.shape[3]
     rows = B * Hq * L
     P = key_splits(rows, S) if splits is None else splits
     split = P > 1
-    if split not in _kernels:
-        _kernels[split] = CudaKernel(
-            name="mlxrunner_attend_split" if split else "mlxrunner_attend",
-            input_names=["q", "keys", "values", "scale", "mask", "dims", "gate"],
-            output_names=["part_o", "part_max", "part_sum"] if split else ["out"],
-            source=ATTEND_SPLIT_SOURCE if split else ATTEND_SOURCE)
+    if _kernel is None:
+        _kernel = CudaKernel(
+            name="mlxrunner_attend",
+            input_names=["q", "keys", "values", "scale", "mask", "dims", "gate", "cnt"],
+            output_names=["out", "part_o", "part_max", "part_sum"], source=ATTEND_SOURCE)
     if mask is not None and mask.ndim == 2 and mask.shape != (L, S):
         mask = mx.broadcast_to(mask, (L, S))
-    outputs = _kernels[split](
+    threads = SPLIT_THREADS if split else ATTEND_THREADS
+    return _kernel(  # (absent: a dtype for an input, None for an output's shape)
         inputs=[q, keys, values, constant((float(scale),), mx.float32),
-                mask if mask is not None else mx.bool_,  # (a dtype: absent, see CudaKernel)
-                constant((L, S, P), mx.int32),
-                gate if gate is not None and not split else q.dtype],
+                mask if mask is not None else mx.bool_, constant((L, S, P), mx.int32),
+                gate if gate is not None else q.dtype,
+                block_counters(rows) if split else mx.int32],
         template=[("T", q.dtype), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
-                  ("NT", ATTEND_THREADS), ("U", keys_at_once(D, Dv)),
-                  ("MASK", _mask_kind(mask)), ("GATE", gate is not None and not split)],
-        grid=(ATTEND_THREADS * rows, P, 1), threadgroup=(ATTEND_THREADS, 1, 1),
-        output_shapes=[(rows, P, Dv), (rows, P), (rows, P)] if split else [(B, Hq, L, Dv)],
-        output_dtypes=[mx.float32] * 3 if split else [q.dtype])
-    if not split:
-        return outputs[0]
-    out = _merge(*outputs).astype(q.dtype).reshape(B, Hq, L, Dv)
-    return out if gate is None else out * mx.sigmoid(gate)
-
-
-@mx.compile
-def _merge(part_o: mx.array, part_max: mx.array, part_sum: mx.array) -> mx.array:
-    """One output per row from its splits' normalised partials (float32): the splits'
-    outputs weighted by their share of the softmax's sum."""
-    weight = mx.exp(part_max - part_max.max(axis=-1, keepdims=True)) * part_sum
-    return (weight[..., None] * part_o).sum(axis=1) / weight.sum(axis=-1, keepdims=True)
+                  ("NT", threads), ("U", keys_at_once(D, Dv)),
+                  ("MASK", _mask_kind(mask)), ("GATE", gate is not None), ("SPLIT", split)],
+        grid=(threads * rows, P, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(B, Hq, L, Dv)] + ([(rows, P, Dv), (rows, P), (rows, P)] if split
+                                          else [None] * 3),
+        output_dtypes=[q.dtype] + [mx.float32] * 3)[0]
 
 
 def _kernel_applies(q: mx.array, keys: mx.array, values: mx.array,
@@ -466,10 +490,12 @@ def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
 def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, length: int,
                    dtype: mx.Dtype) -> None:
     """Settle now whether :func:`attend` uses its fused kernel for query blocks of
-    ``length`` rows with these heads and dtype, for every mask kind (the check otherwise
-    runs at first use, which may be inside a trace: that is fine too)."""
+    ``length`` rows with these heads and dtype, for every mask kind, over buffers short
+    enough to attend unsplit and long enough to split (the check otherwise runs at first
+    use, which may be inside a trace: that is fine too)."""
     q = mx.zeros((1, heads, length, head_dim), dtype)
-    k = mx.zeros((1, kv_heads, 67, head_dim), dtype)
-    v = mx.zeros((1, kv_heads, 67, value_dim), dtype)
-    for mask in (None, mx.zeros((67,), mx.bool_), mx.zeros((length, 67), mx.bool_)):
-        _kernel_serves(q, k, v, mask)
+    for S in (MIN_SPLIT_KEYS - 1, 67):
+        k = mx.zeros((1, kv_heads, S, head_dim), dtype)
+        v = mx.zeros((1, kv_heads, S, value_dim), dtype)
+        for mask in (None, mx.zeros((S,), mx.bool_), mx.zeros((length, S), mx.bool_)):
+            _kernel_serves(q, k, v, mask)

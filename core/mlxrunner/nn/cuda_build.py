@@ -37,7 +37,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import settings
-from ..constants import constant
+from ..constants import constant, in_compiled
 from .kernels import code_of, kernel_cache_folder
 
 log = logging.getLogger("mlxrunner.nn")
@@ -73,6 +73,24 @@ def kernel_source(symbol: str, source: str, inputs: Sequence[tuple[str, mx.Dtype
             lines.append(f"  using {key} = {CUDA_TYPES[value]};")
     lines += [source, "}", ""]
     return "\n".join(lines)
+
+
+def block_counters(count: int) -> mx.array:
+    """``count`` block counters at 0 for one launch (int32; a launch's blocks count
+    themselves out on one, and the block whose count wraps it back to 0 finishes the work):
+    each launch its own (two launches that share one and may run at once, as a traced step
+    and the eager step checking it in one evaluation, would count each other's blocks). In
+    the GPU's own memory: MLX serves arrays of up to 8 bytes, and any array made from host
+    values, from managed memory, whose pages the host touches every step (a step's offset,
+    its sampled token); the blocks' atomics on such a page moved it back and forth (a Gemma
+    4 E2B step on an H100 waited 20 ms for its GPU, 0.1-1 ms before counters). While the
+    core traces a function for ``mx.compile`` (:func:`mlxrunner.constants.compiling`),
+    evaluated now: a constant every call reuses; else a fill before the launch (in a
+    function compiled elsewhere, which MLX's compile may merge with another launch's)."""
+    counter = mx.zeros((max(count, 4),), mx.int32)  # (16 bytes at least: past MLX's pool
+    if in_compiled():                                # of managed scalars)
+        mx.eval(counter)
+    return counter
 
 
 class NVRTC:

@@ -38,9 +38,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..constants import constant, in_compiled
+from ..constants import constant
 from . import cuda_gated, cuda_norms
-from .cuda_build import CudaKernel, TemplateArg, kernel_code
+from .cuda_build import CudaKernel, TemplateArg, block_counters, kernel_code
 from .cuda_gated import GATED_ACTIVATION, GLU
 from .kernels import kernel_allowed, serves
 
@@ -333,26 +333,9 @@ def _arguments(x: mx.array, weight: mx.array, residual: mx.array | None, glu: in
         post_residual, post_weight, post_eps, scale = post or (absent, absent, 0.0, None)
         inputs += [post_weight, post_residual, absent if scale is None else scale.reshape(1),
                    mx.float32 if post is None else constant((float(post_eps),), mx.float32),
-                   _new_counter()]
+                   block_counters(1)]
         template.append(("PSCALE", scale is not None))
     return inputs, template, (*x.shape[:-1], N)
-
-
-def _new_counter() -> mx.array:
-    """A launch's block counter, at 0: each launch its own (two launches that share one
-    and may run at once, as a traced step and the eager step checking it in one
-    evaluation, would count each other's blocks). In the GPU's own memory: MLX serves
-    arrays of up to 8 bytes, and any array made from host values, from managed memory,
-    whose pages the host touches every step (a step's offset, its sampled token); the
-    blocks' atomics on such a page moved it back and forth (a Gemma 4 E2B step on an H100
-    waited 20 ms for its GPU, 0.1-1 ms before counters). While the core traces a function
-    for ``mx.compile`` (:func:`mlxrunner.constants.compiling`), evaluated now: a constant
-    every call reuses; else a fill before the launch (in a function compiled elsewhere,
-    which MLX's compile may merge with another launch's)."""
-    counter = mx.zeros((4,), mx.int32)  # (16 bytes: past MLX's pool of managed scalars)
-    if in_compiled():
-        mx.eval(counter)
-    return counter
 
 
 def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
