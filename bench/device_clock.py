@@ -113,7 +113,8 @@ def call_us(fns: list[Callable[[mx.array], Any]], x: mx.array, calls: int = 15,
 
 
 def _leaves(tree: Any) -> list[mx.array]:
-    return [a for _, a in tree_flatten(tree)] if not isinstance(tree, mx.array) else [tree]
+    return [a for _, a in tree_flatten(tree) if isinstance(a, mx.array)] \
+        if not isinstance(tree, mx.array) else [tree]
 
 
 def decode_and_prompt_ms(model: Any, prompt: mx.array, steps: int = 1, repeats: int = 5,
@@ -130,7 +131,9 @@ def decode_and_prompt_ms(model: Any, prompt: mx.array, steps: int = 1, repeats: 
 
         def prompt_into_cache(ids: mx.array, cache: list[Any] = cache) -> list[mx.array]:
             model(ids[None], cache=cache)  # (the caches, as a bench's prefill evaluates them)
-            return [a for c in cache if c is not None for _, a in tree_flatten(c.state)]
+            # (only arrays: mlx-lm's recurrent caches hold None before they are written)
+            return [a for c in cache if c is not None for _, a in tree_flatten(c.state)
+                    if isinstance(a, mx.array)]
 
         def steps_from(y: mx.array, cache: list[Any] = cache) -> list[mx.array]:
             for _ in range(steps):

@@ -12,6 +12,10 @@ import mlxrunner
 from mlxrunner.constants import constant
 from mlxrunner.decode import compiled_steps, forward
 from mlxrunner.nn.kernels import off_scalar_pool, on_cuda
+from mlxrunner_test_support import on_cuda_and_emulated
+
+# (the tests below set the GPU themselves: a module imported earlier may have set the CPU)
+on_gpu, _ = on_cuda_and_emulated()
 
 
 @pytest.mark.parametrize(("values", "dtype"), [
@@ -38,8 +42,9 @@ def test_off_scalar_pool_keeps_values(a: mx.array, small: bool) -> None:
     assert (moved is not a) == (small and on_cuda())
 
 
-@pytest.mark.skipif(not on_cuda(), reason="MLX's managed scalar pool is on CUDA only")
+@on_gpu
 def test_a_kernel_reads_moved_scalars() -> None:
+    mx.set_default_device(mx.gpu)  # (MLX's managed scalar pool is on CUDA only)
     x = mx.arange(8, dtype=mx.float32)
     scale = off_scalar_pool(mx.array([3.0], mx.float32))
     offset = off_scalar_pool(mx.array(5, mx.int32))
@@ -50,8 +55,9 @@ GEMMA4 = Path(__file__).resolve().parents[2] / "architectures" / "gemma4" / "tes
     "fixtures" / "e2b"
 
 
-@pytest.mark.skipif(not on_cuda(), reason="MLX's managed scalar pool is on CUDA only")
+@on_gpu
 def test_small_parameters_move_once_and_the_step_stays_traced() -> None:
+    mx.set_default_device(mx.gpu)  # (MLX's managed scalar pool is on CUDA only)
     # Gemma 4's layer scalars (one element a layer) are moved out of the pool before the
     # model's first traced step; moving them through the model's update must not drop the
     # steps it keeps (a trace made again at every step)

@@ -438,6 +438,7 @@ def test_packed_and_plain_images_launch_the_same_product():
     product launches as a packed image the driver loaded, and gives what its cubin gives."""
     from mlxrunner.nn import cuda_build
 
+    mx.set_default_device(mx.gpu)
     build = cuda_build.builder()
     if build is None or cuda_build.find_nvfatbin() is None:
         pytest.skip("no NVRTC or no nvFatbin on this GPU machine")
