@@ -90,9 +90,6 @@ def test_products_match_mlx_operations_on_the_gpu(dtype, rows, K, N):
     x = mx.random.normal((rows, 1, K), key=keys[0]).astype(dtype)
     w = (mx.random.normal((N, K), key=keys[1]) * K ** -0.5).astype(dtype)
     res = mx.random.normal((rows, 1, N), key=keys[2]).astype(dtype)
-    if rows * K * x.dtype.size > cuda_products.STAGED_BYTES:
-        assert cuda_products.fused_product(x, w) is None  # too many rows to stage
-        return
     cases = {"plain": (None, 0), "residual": (res, 0), "silu": (None, 1), "gelu": (None, 2)}
     for name, (r, glu) in cases.items():
         got = cuda_products._launch(x, w, r, glu)
@@ -236,14 +233,16 @@ def _reference_np(x, w, res, glu):
 @emulated
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("aligned", [True, False])
-def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned):
+@pytest.mark.parametrize("K", [96, 2176])
+def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned, K):
     """The kernel's body on the CPU (float32; mlxrunner.testing.cuda_emulation): every
     fused form, rows not a whole number of warps' outputs, a weight view and rows of x off
-    16 bytes (x staged one entry a load, not 16 bytes)."""
+    16 bytes (read one entry a load, not 16 bytes); K under one warp's run of inputs, and
+    over a run for each of the block's warps (2176: 17 runs of 128, the first warp three)."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
     rng = np.random.default_rng(rows)
-    K, N, threads = 96, 40, 256
+    N, threads = 40, 256
     x_store = np.empty(rows * K + 1, np.float32)
     x = (x_store[:-1] if aligned else x_store[1:]).reshape(rows, K)
     x[:] = rng.normal(size=(rows, K))

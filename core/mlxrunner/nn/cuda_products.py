@@ -6,11 +6,12 @@ A small model's decode step is bound by host time per launched kernel (MLX's CUD
 records each as a graph node every step), not by arithmetic: a layer's residual adds and the
 MLP's activation each cost a launch beside the products that write them. These kernels take
 a few rows (a decode step, a small batch, a short verify block) and read the weight once: a
-warp per output row (two for the gated MLP: its gate and up rows), 16-byte loads along the
-row, the rows of ``x`` staged in shared memory. They round where MLX's operations round: the
-product before the residual or the activation, each activation step. Every case (sizes,
-rows, dtype, what is fused) serves only after its self-check against MLX's operations
-(``mlxrunner.nn.kernels.serves``).
+block per eight output rows (and their up rows for the gated MLP), each warp a run of 16
+bytes a lane of all eight and of ``x``, the eight loads in flight at once (a product of a
+few MB is bound by its loads' latency, not by bandwidth). They round where MLX's
+operations round: the product before the residual or the activation, each activation step.
+Every case (sizes, rows, dtype, what is fused) serves only after its self-check against MLX's
+operations (``mlxrunner.nn.kernels.serves``).
 
 The RMS norm before a product stays MLX's own kernel: a product that normalised its input
 itself (every block the whole row, before its main loop) cost the GPU two to three times
@@ -47,9 +48,6 @@ from .kernels import kernel_allowed, serves
 #: rows of ``x`` a fused product takes (a decode step of up to this many sequences, or a
 #: verify block this long); more rows are a prompt's and run as MLX's products
 MAX_ROWS = 4
-#: the rows of ``x`` staged in shared memory, in bytes (under the 48 KiB a block may take
-#: without asking)
-STAGED_BYTES = 40 << 10
 THREADS = 256
 #: product outputs remembered per thread (a gate is read right after its product; each
 #: entry holds its weight alive)
@@ -63,89 +61,128 @@ NOTED_RENAMED = 4
 # 1: silu, 2: gelu_tanh of rows [0, N) times rows [N, 2N) of w, or times up where UPX),
 # ADDN (then a post-norm's residual add: h = (pres + rms_norm(y) * pw) * ps where PSCALE, by
 # the block that finishes last, counted in cnt, whose count by that block wraps it to 0
-# again). One warp per output n; the block's warps take consecutive n. kTail (the source's
-# own constant): a last block finishes the rows after every block's products, so no warp
-# leaves early.
+# again). A block takes NT / 32 consecutive outputs n; its warp w reads runs w, w + NT / 32,
+# ... of 32 * kVec inputs of each of them (and of the up rows where GLU reads them) and the
+# same run of x, 16 bytes a lane: the block's rows loaded at once, so that a product waits
+# on its loads' latency once or twice, not once for every 512 bytes of a row. The warps'
+# sums meet in shared memory.
 _PRODUCT_BODY = GATED_ACTIVATION + r"""
     constexpr int kWarps = NT / 32;
     constexpr int kVec = 16 / sizeof(T);
+    constexpr int kRun = 32 * kVec;
+    constexpr int kRuns = (K + kRun - 1) / kRun;
+    constexpr bool kUpRows = GLU && !UPX;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    __shared__ __align__(16) T xs[M * K];
-
-    if (!(reinterpret_cast<size_t>(x) & 15) && (M * K) % kVec == 0) {  // 16 bytes a load
-        for (int i = tid * kVec; i < M * K; i += NT * kVec)
-            *reinterpret_cast<uint4*>(xs + i) = *reinterpret_cast<const uint4*>(x + i);
-    } else {
-        for (int i = tid; i < M * K; i += NT) xs[i] = x[i];
-    }
-    __syncthreads();
-
-    const int n = blockIdx.x * kWarps + warp;
-    if (!kTail && n >= N) return;
-    if (n < N) {
-        constexpr bool kUpRows = GLU && !UPX;
-        float acc[M];
-        float acc_up[M];
+    const int n0 = blockIdx.x * kWarps;
+    __shared__ float sums[(kUpRows ? 2 : 1) * kWarps * kWarps * M];
+    float acc[kWarps][M];
+    float acc_up[kWarps][M];
+    #pragma unroll
+    for (int r = 0; r < kWarps; ++r) {
         #pragma unroll
-        for (int m = 0; m < M; ++m) { acc[m] = 0.f; acc_up[m] = 0.f; }
-        const T* row = w + (size_t)n * K;
-        const T* row_up = w + (size_t)(n + N) * K;
-        if (reinterpret_cast<size_t>(w) & 15) {  // a weight view off 16-byte alignment
-            #pragma unroll 1
-            for (int k = lane; k < K; k += 32) {
-                const float wf = static_cast<float>(row[k]);
-                const float uf = kUpRows ? static_cast<float>(row_up[k]) : 0.f;
+        for (int m = 0; m < M; ++m) { acc[r][m] = 0.f; acc_up[r][m] = 0.f; }
+    }
+    if (!((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(w)) & 15)) {
+        #pragma unroll 1
+        for (int c = warp; c < kRuns; c += kWarps) {
+            const int k = c * kRun + lane * kVec;  // (K is a whole number of kVec)
+            if (k < K) {
+                uint4 wr[kWarps];
+                uint4 ur[kWarps];
+                uint4 xr[M];
+                #pragma unroll
+                for (int r = 0; r < kWarps; ++r) {  // (past N: row N - 1 again, unused; no
+                    const T* row = w + (size_t)min(n0 + r, N - 1) * K + k;  // branch between
+                    wr[r] = *reinterpret_cast<const uint4*>(row);            // the loads)
+                    if (kUpRows) ur[r] = *reinterpret_cast<const uint4*>(row + (size_t)N * K);
+                }
                 #pragma unroll
                 for (int m = 0; m < M; ++m) {
-                    const float xf = static_cast<float>(xs[m * K + k]);
-                    acc[m] += wf * xf;
-                    if (kUpRows) acc_up[m] += uf * xf;
+                    xr[m] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
                 }
-            }
-        } else
-        #pragma unroll 2  // (a larger cubin costs every launch: MLX hashes it each time)
-        for (int k = lane * kVec; k < K; k += 32 * kVec) {
-            const uint4 wp = *reinterpret_cast<const uint4*>(row + k);
-            const T* wv = reinterpret_cast<const T*>(&wp);
-            uint4 up;
-            const T* uv = reinterpret_cast<const T*>(&up);
-            if (kUpRows) up = *reinterpret_cast<const uint4*>(row_up + k);
-            #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const uint4 xp = *reinterpret_cast<const uint4*>(xs + m * K + k);
-                const T* xv = reinterpret_cast<const T*>(&xp);
                 #pragma unroll
-                for (int j = 0; j < kVec; ++j) {
-                    const float xf = static_cast<float>(xv[j]);
-                    acc[m] += static_cast<float>(wv[j]) * xf;
-                    if (kUpRows) acc_up[m] += static_cast<float>(uv[j]) * xf;
+                for (int m = 0; m < M; ++m) {
+                    const T* xv = reinterpret_cast<const T*>(&xr[m]);
+                    #pragma unroll
+                    for (int r = 0; r < kWarps; ++r) {
+                        const T* wv = reinterpret_cast<const T*>(&wr[r]);
+                        const T* uv = reinterpret_cast<const T*>(&ur[r]);
+                        #pragma unroll
+                        for (int j = 0; j < kVec; ++j) {
+                            const float xf = static_cast<float>(xv[j]);
+                            acc[r][m] += static_cast<float>(wv[j]) * xf;
+                            if (kUpRows) acc_up[r][m] += static_cast<float>(uv[j]) * xf;
+                        }
+                    }
                 }
             }
         }
+    } else {  // x or a weight view off 16-byte alignment: one entry a load
+        #pragma unroll 1
+        for (int c = warp; c < kRuns; c += kWarps) {
+            #pragma unroll 1
+            for (int k = c * kRun + lane * kVec; k < min(K, c * kRun + (lane + 1) * kVec);
+                 ++k) {
+                #pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    const float xf = static_cast<float>(x[(size_t)m * K + k]);
+                    #pragma unroll
+                    for (int r = 0; r < kWarps; ++r) {
+                        if (n0 + r < N) {
+                            const T* row = w + (size_t)(n0 + r) * K + k;
+                            acc[r][m] += static_cast<float>(row[0]) * xf;
+                            if (kUpRows)
+                                acc_up[r][m] += static_cast<float>(row[(size_t)N * K]) * xf;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < kWarps; ++r) {
         #pragma unroll
         for (int m = 0; m < M; ++m) {
             for (int o = 16; o > 0; o >>= 1) {
-                acc[m] += __shfl_xor_sync(0xffffffff, acc[m], o);
-                if (kUpRows) acc_up[m] += __shfl_xor_sync(0xffffffff, acc_up[m], o);
-            }
-        }
-        if (lane == 0) {
-            #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                T out = static_cast<T>(acc[m]);  // (the product rounded, then its activation)
-                const T u = UPX ? up_x[m * N + n] : static_cast<T>(acc_up[m]);
-                if (GLU) out = gated(static_cast<float>(out), u);
-                if (RES) out = static_cast<T>(static_cast<float>(out) +
-                                              static_cast<float>(res[m * N + n]));
-                y[m * N + n] = out;
+                acc[r][m] += __shfl_xor_sync(0xffffffff, acc[r][m], o);
+                if (kUpRows) acc_up[r][m] += __shfl_xor_sync(0xffffffff, acc_up[r][m], o);
             }
         }
     }
+    if (lane == 0) {
+        #pragma unroll
+        for (int r = 0; r < kWarps; ++r) {
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                sums[(warp * kWarps + r) * M + m] = acc[r][m];
+                if (kUpRows) sums[((kWarps + warp) * kWarps + r) * M + m] = acc_up[r][m];
+            }
+        }
+    }
+    __syncthreads();
+    if (tid < kWarps * M && n0 + tid / M < N) {
+        const int r = tid / M;
+        const int m = tid % M;
+        const int n = n0 + r;
+        float total = 0.f;
+        float total_up = 0.f;
+        #pragma unroll 1
+        for (int v = 0; v < kWarps; ++v) {
+            total += sums[(v * kWarps + r) * M + m];
+            if (kUpRows) total_up += sums[((kWarps + v) * kWarps + r) * M + m];
+        }
+        T out = static_cast<T>(total);  // (the product rounded, then its activation)
+        const T u = UPX ? up_x[m * N + n] : static_cast<T>(total_up);
+        if (GLU) out = gated(static_cast<float>(out), u);
+        if (RES) out = static_cast<T>(static_cast<float>(out) +
+                                      static_cast<float>(res[m * N + n]));
+        y[m * N + n] = out;
+    }
 """
 
-PRODUCT_SOURCE = "constexpr bool kTail = false;" + _PRODUCT_BODY
+PRODUCT_SOURCE = _PRODUCT_BODY
 
 # The last block: every block counts itself out on cnt once its rows of y are written; the
 # block whose count reaches the grid (and wraps the counter to 0 again, ready for the
@@ -196,7 +233,7 @@ _ADD_NORM_ROW = r"""
 
 # The post-norm residual add after the product (ADDN, see above): the product kernel with
 # pw, pres, ps, peps and cnt more inputs and h another output.
-PRODUCT_ADD_NORM_SOURCE = ("constexpr bool kTail = true;" + _PRODUCT_BODY
+PRODUCT_ADD_NORM_SOURCE = (_PRODUCT_BODY
                            + cuda_norms.ADD_NORMED + _LAST_BLOCK + r"""
     #pragma unroll 1
     for (int m = 0; m < M; ++m)""" + _ADD_NORM_ROW)
@@ -204,7 +241,7 @@ PRODUCT_ADD_NORM_SOURCE = ("constexpr bool kTail = true;" + _PRODUCT_BODY
 # The norm of the launch's final rows after it: hn = rms_norm(f) * nw with eps neps, f the
 # post norm's h where ADDN, else y (a residual product's sum). The add-norm kernel's inputs
 # with nw and neps more, and hn another output (h unused without ADDN).
-PRODUCT_NORM_SOURCE = ("constexpr bool kTail = true;" + _PRODUCT_BODY
+PRODUCT_NORM_SOURCE = (_PRODUCT_BODY
                        + cuda_norms.ADD_NORMED + _LAST_BLOCK + r"""
     #pragma unroll 1
     for (int m = 0; m < M; ++m) {
@@ -260,7 +297,6 @@ def _fits(x: mx.array, in_dims: int) -> bool:
     rows = _rows(x)
     return (0 < rows <= MAX_ROWS and x.dtype in (mx.bfloat16, mx.float16, mx.float32)
             and x.shape[-1] == in_dims and (in_dims * x.dtype.size) % 16 == 0
-            and rows * in_dims * x.dtype.size <= STAGED_BYTES
             and kernel_allowed("products"))
 
 
