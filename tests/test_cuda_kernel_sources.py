@@ -237,7 +237,7 @@ def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int, split
     template = [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D), ("DV", min(D, 512)),
                 ("NT", nn.SPLIT_THREADS if split else nn.ATTEND_THREADS),
                 ("U", nn.keys_at_once(D, min(D, 512))), ("MASK", mask),
-                ("GATE", mask == 0), ("SPLIT", split)]
+                ("GATE", mask == 0), ("SPLIT", split), ("PMAX", nn.SPLIT_BLOCKS)]
     absent = (("mask",) if mask == 0 else ("gate",)) + \
         (() if split else ("cnt", "part_o", "part_max", "part_sum"))
     _compile(builder, "attend", _wrap("attend", nn.ATTEND_SOURCE, inputs, outputs, template,

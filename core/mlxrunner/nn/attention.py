@@ -175,8 +175,8 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
 # Template constants: HQ, HK, D, DV, NT (threads), U (keys a warp loads at once), MASK (0:
 # none, 1: one row [S] for every query, 2: [L, S]), GATE (the output, rounded to T, times
 # sigmoid(gate) computed in float32 and rounded to T, the product rounded: within a unit in
-# the last place of MLX's sigmoid and multiply), SPLIT (P > 1); type T. ``dims`` = [L, S, P]
-# (P: key splits).
+# the last place of MLX's sigmoid and multiply), SPLIT (P > 1), PMAX (the most splits); type
+# T. ``dims`` = [L, S, P] (P: key splits).
 _ATTEND_BODY = r"""
     constexpr int kWarps = NT / 32;
     constexpr int QPL = (D + 31) / 32;
@@ -218,20 +218,29 @@ _ATTEND_BODY = r"""
         bool live[U];
         float kx[U][QPL];
         float vx[U][VPL];
+        // every key of the run loaded, masked or not, with its mask entry: a load that
+        // waited on the mask's would cost the run a second round trip; a masked key's
+        // values are selected away (its buffer rows may hold anything)
         for (int u = 0; u < U; ++u) {
             const int j = j0 + u;
+            const int jr = min(j, j_end - 1);  // (a row of the buffer: past the run, unused)
             // the same for every lane of the warp
-            live[u] = j < j_end && (MASK != 1 || mask[j]) &&
-                      (MASK != 2 || mask[(size_t)l * S + j]);
-            const T* kr = kb + (size_t)j * D;
-            const T* vr = vb + (size_t)j * DV;
+            live[u] = j < j_end && (MASK != 1 || mask[jr]) &&
+                      (MASK != 2 || mask[(size_t)l * S + jr]);
+            const T* kr = kb + (size_t)jr * D;
+            const T* vr = vb + (size_t)jr * DV;
             for (int i = 0; i < QPL; ++i) {
                 const int d = lane + 32 * i;
-                kx[u][i] = live[u] && d < D ? static_cast<float>(kr[d]) : 0.f;
+                kx[u][i] = d < D ? static_cast<float>(kr[d]) : 0.f;
             }
             for (int i = 0; i < VPL; ++i) {
                 const int d = lane + 32 * i;
-                vx[u][i] = live[u] && d < DV ? static_cast<float>(vr[d]) : 0.f;
+                vx[u][i] = d < DV ? static_cast<float>(vr[d]) : 0.f;
+            }
+        }
+        for (int u = 0; u < U; ++u) {
+            for (int i = 0; i < VPL; ++i) {
+                vx[u][i] = live[u] ? vx[u][i] : 0.f;
             }
         }
         float s[U];
@@ -347,24 +356,45 @@ ATTEND_SOURCE = _ATTEND_BODY + _BLOCK_MERGE + r"""
         return;
     }
     __threadfence();
+    // the row's P partials, each weighted by its share of the softmax's sum: the weights
+    // in shared memory (loaded a partial a thread, at once), then each output column's
+    // weighted partials, eight loads at a time
     const size_t first = (size_t)row * P;
+    const auto block_reduce = [&](float v, bool take_max) {
+        for (int o = 16; o > 0; o >>= 1) {
+            const float other = __shfl_xor_sync(0xffffffff, v, o);
+            v = take_max ? fmaxf(v, other) : v + other;
+        }
+        if (lane == 0) {
+            part_m[warp] = v;
+        }
+        __syncthreads();
+        float r = take_max ? -3.0e38f : 0.f;
+        for (int w = 0; w < kWarps; ++w) {
+            r = take_max ? fmaxf(r, part_m[w]) : r + part_m[w];
+        }
+        __syncthreads();  // (part_m is written again by the next call)
+        return r;
+    };
+    __shared__ float weight[PMAX];
     float top = -3.0e38f;
-    #pragma unroll 1
-    for (int p = 0; p < P; ++p) {
-        top = fmaxf(top, __ldcg(part_max + first + p));
+    for (int p = t; p < P; p += NT) {
+        weight[p] = __ldcg(part_max + first + p);
+        top = fmaxf(top, weight[p]);
     }
+    top = block_reduce(top, true);
     float weights = 0.f;
-    #pragma unroll 1
-    for (int p = 0; p < P; ++p) {
-        weights += __ldcg(part_sum + first + p) * expf(__ldcg(part_max + first + p) - top);
+    for (int p = t; p < P; p += NT) {
+        weight[p] = __ldcg(part_sum + first + p) * expf(weight[p] - top);
+        weights += weight[p];
     }
+    weights = block_reduce(weights, false);  // (its barriers: every weight written)
     #pragma unroll 1
     for (int d = t; d < DV; d += NT) {
         float o = 0.f;
-        #pragma unroll 1
+        #pragma unroll 8
         for (int p = 0; p < P; ++p) {
-            o += __ldcg(part_o + (first + p) * DV + d) * __ldcg(part_sum + first + p)
-                 * expf(__ldcg(part_max + first + p) - top);
+            o += weight[p] * __ldcg(part_o + (first + p) * DV + d);
         }
         write_out(d, o / weights);
     }
@@ -419,6 +449,8 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     Hk, S, Dv = keys.shape[1], keys.shape[2], values.shape[3]
     rows = B * Hq * L
     P = key_splits(rows, S) if splits is None else splits
+    if not 0 < P <= SPLIT_BLOCKS:
+        raise ValueError(f"attention kernel: {P} key splits (1 to {SPLIT_BLOCKS})")
     split = P > 1
     if _kernel is None:
         _kernel = CudaKernel(
@@ -435,7 +467,8 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                 block_counters(rows) if split else mx.int32],
         template=[("T", q.dtype), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
                   ("NT", threads), ("U", keys_at_once(D, Dv)),
-                  ("MASK", _mask_kind(mask)), ("GATE", gate is not None), ("SPLIT", split)],
+                  ("MASK", _mask_kind(mask)), ("GATE", gate is not None), ("SPLIT", split),
+                  ("PMAX", SPLIT_BLOCKS)],
         grid=(threads * rows, P, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B, Hq, L, Dv)] + ([(rows, P, Dv), (rows, P), (rows, P)] if split
                                           else [None] * 3),
