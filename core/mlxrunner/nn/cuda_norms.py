@@ -33,12 +33,14 @@ HEAD_THREADS = 128
 ADD_THREADS = 256
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 3e-2, mx.bfloat16: 3e-2}
 
-# 1 / rms(row[0, D)) with eps over the block's NT threads (every thread calls it)
+# 1 / rms(row[0, D)) with eps over the block's NT threads (every thread calls it). The
+# loops over a row are unrolled (D and NT are constants): their loads in flight together,
+# where a loop that waited on each in turn cost a round trip to memory an entry.
 INVERSE_RMS = r"""
     __shared__ float red[NT / 32];
     const auto inverse_rms = [&](const T* row, float eps_value) {
         float ss = 0.f;
-        #pragma unroll 1
+        #pragma unroll
         for (int j = threadIdx.x; j < D; j += NT) {
             const float v = static_cast<float>(row[j]);
             ss += v * v;
@@ -81,25 +83,25 @@ HEADS_SOURCE = INVERSE_RMS + r"""
 
     if (norm) {
         const float inv = inverse_rms(x, eps[part]);
-        #pragma unroll 1
+        #pragma unroll
         for (int j = tid; j < D; j += NT) {
             const T xn = static_cast<T>(static_cast<float>(x[j]) * inv);
             xs[j] = norm == 2 ? static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(xn))
                               : xn;
         }
     } else {
-        #pragma unroll 1
+        #pragma unroll
         for (int j = tid; j < D; j += NT) xs[j] = x[j];
     }
     __syncthreads();
     if (!rot) {
-        #pragma unroll 1
+        #pragma unroll
         for (int j = tid; j < D; j += NT) y[j] = xs[j];
         return;
     }
     const float pos = rf[1] * static_cast<float>(offset[PERB ? b : 0] + l);
     constexpr int half = RD / 2;
-    #pragma unroll 1
+    #pragma unroll
     for (int i = tid; i < half; i += NT) {
         float inv_freq;
         if (FREQS) inv_freq = static_cast<float>(1.0 / static_cast<double>(freqs[i]));
@@ -113,7 +115,7 @@ HEADS_SOURCE = INVERSE_RMS + r"""
         y[i1] = static_cast<T>(a * c - e * s);
         y[i2] = static_cast<T>(a * s + e * c);
     }
-    #pragma unroll 1
+    #pragma unroll
     for (int j = RD + tid; j < D; j += NT) y[j] = xs[j];
 """
 
@@ -137,7 +139,7 @@ ADD_NORM_SOURCE = INVERSE_RMS + ADD_NORMED + r"""
     const int tid = threadIdx.x;
     const size_t base = (size_t)blockIdx.x * D;
     const float inv = inverse_rms(x + base, eps[0]);
-    #pragma unroll 1
+    #pragma unroll
     for (int j = tid; j < D; j += NT) {
         y[base + j] = add_normed(static_cast<float>(x[base + j]), inv, w[j], res[base + j],
                                  SCALE, SCALE ? s[0] : T{});

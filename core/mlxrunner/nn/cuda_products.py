@@ -211,22 +211,35 @@ _LAST_BLOCK = r"""
     };
 """
 
-# Row m of h = (pres + rms_norm(y) * pw) * ps where PSCALE (add_normed: the add-norm
-# kernel's own entry step).
+# The last block's rows: each thread holds its kPer entries of row m in fv (loaded once,
+# the loads of an unrolled loop in flight together: a loop that waited on each load in turn
+# cost the tail one round trip to L2 an entry, the launch's own time several times over).
+# _ROW_ENTRIES: fv = row m of y. _ADD_NORM_ROW: h = (pres + rms_norm(y) * pw) * ps where
+# PSCALE (add_normed: the add-norm kernel's own entry step), fv its rounded entries after.
+_ROW_ENTRIES = r"""
+        constexpr int kPer = (N + NT - 1) / NT;
+        float fv[kPer];
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+            const int j = tid + i * NT;
+            fv[i] = j < N ? static_cast<float>(__ldcg(y + m * N + j)) : 0.f;
+        }
+"""
 _ADD_NORM_ROW = r"""
         {
             float ss = 0.f;
-            #pragma unroll 1
-            for (int j = tid; j < N; j += NT) {
-                const float v = static_cast<float>(__ldcg(y + m * N + j));
-                ss += v * v;
-            }
+            #pragma unroll
+            for (int i = 0; i < kPer; ++i) ss += fv[i] * fv[i];
             const float r = rsqrtf(block_sum(ss) / N + peps[0]);
-            #pragma unroll 1
-            for (int j = tid; j < N; j += NT) {
-                h[m * N + j] = add_normed(static_cast<float>(__ldcg(y + m * N + j)), r, pw[j],
-                                          pres[m * N + j], PSCALE,
-                                          PSCALE ? ps[0] : T{});
+            #pragma unroll
+            for (int i = 0; i < kPer; ++i) {
+                const int j = tid + i * NT;
+                if (j < N) {
+                    const T hv = add_normed(fv[i], r, pw[j], pres[m * N + j], PSCALE,
+                                            PSCALE ? ps[0] : T{});
+                    h[m * N + j] = hv;
+                    fv[i] = static_cast<float>(hv);
+                }
             }
         }
 """
@@ -236,7 +249,7 @@ _ADD_NORM_ROW = r"""
 PRODUCT_ADD_NORM_SOURCE = (_PRODUCT_BODY
                            + cuda_norms.ADD_NORMED + _LAST_BLOCK + r"""
     #pragma unroll 1
-    for (int m = 0; m < M; ++m)""" + _ADD_NORM_ROW)
+    for (int m = 0; m < M; ++m) {""" + _ROW_ENTRIES + _ADD_NORM_ROW + "    }\n")
 
 # The norm of the launch's final rows after it: hn = rms_norm(f) * nw with eps neps, f the
 # post norm's h where ADDN, else y (a residual product's sum). The add-norm kernel's inputs
@@ -244,22 +257,21 @@ PRODUCT_ADD_NORM_SOURCE = (_PRODUCT_BODY
 PRODUCT_NORM_SOURCE = (_PRODUCT_BODY
                        + cuda_norms.ADD_NORMED + _LAST_BLOCK + r"""
     #pragma unroll 1
-    for (int m = 0; m < M; ++m) {
-        const T* f = y + m * N;
+    for (int m = 0; m < M; ++m) {""" + _ROW_ENTRIES + r"""
         if (ADDN) {""" + _ADD_NORM_ROW + r"""
-            f = h + m * N;  // (this thread's own writes, read back below)
         }
         float ss = 0.f;
-        #pragma unroll 1
-        for (int j = tid; j < N; j += NT) {
-            const float v = static_cast<float>(__ldcg(f + j));
-            ss += v * v;
-        }
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) ss += fv[i] * fv[i];
         const float r = rsqrtf(block_sum(ss) / N + neps[0]);
-        #pragma unroll 1
-        for (int j = tid; j < N; j += NT) {  // rounded as MLX's rms_norm rounds
-            const T xn = static_cast<T>(static_cast<float>(__ldcg(f + j)) * r);
-            hn[m * N + j] = static_cast<T>(static_cast<float>(nw[j]) * static_cast<float>(xn));
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) {  // rounded as MLX's rms_norm rounds
+            const int j = tid + i * NT;
+            if (j < N) {
+                const T xn = static_cast<T>(fv[i] * r);
+                hn[m * N + j] = static_cast<T>(static_cast<float>(nw[j]) *
+                                               static_cast<float>(xn));
+            }
         }
     }
 """)
