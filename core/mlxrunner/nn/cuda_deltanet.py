@@ -75,6 +75,21 @@ DELTANET_STEP_SOURCE = r"""
     const T* tail = conv_tail + (size_t)b * (K - 1) * C;
     T* tail_out = new_tail + (size_t)b * (K - 1) * C;
 
+    // the warp's rows of the state, loaded first: their latency under the convolution and
+    // the norms (a row loaded as the update reached it waited once a row)
+    constexpr int kRows = (Dv + kWarps - 1) / kWarps;
+    const float* S = state + (size_t)bh * Dv * Dk;
+    float* S_out = new_state + (size_t)bh * Dv * Dk;
+    float s_reg[kRows][kPerLane];
+    #pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+        const int r = warp + kWarps * m;
+        #pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+            s_reg[m][i] = r < Dv ? S[r * Dk + lane + 32 * i] : 0.f;
+        }
+    }
+
     // causal depthwise conv at channel c: float32 sum, rounded to T, SiLU in T
     auto conv_silu = [&](int c) -> float {
         float acc = 0.f;
@@ -126,16 +141,17 @@ DELTANET_STEP_SOURCE = r"""
     const float decay = expf(-expf(static_cast<float>(A_log[hv])) * softplus);
     const float beta = 1.f / (1.f + expf(-static_cast<float>(x[OB + hv])));
 
-    const float* S = state + (size_t)bh * Dv * Dk;
-    float* S_out = new_state + (size_t)bh * Dv * Dk;
-    for (int r = warp; r < Dv; r += kWarps) {
-        float s_reg[kPerLane];
+    #pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+        const int r = warp + kWarps * m;
+        if (r >= Dv) {
+            break;  // (the same for every lane of the warp)
+        }
         float s_k = 0.f, s_q = 0.f;
         for (int i = 0; i < kPerLane; ++i) {
             const int j = lane + 32 * i;
-            s_reg[i] = S[r * Dk + j];
-            s_k += s_reg[i] * k_s[j];
-            s_q += s_reg[i] * q_s[j];
+            s_k += s_reg[m][i] * k_s[j];
+            s_q += s_reg[m][i] * q_s[j];
         }
         for (int o = 16; o > 0; o >>= 1) {
             s_k += __shfl_xor_sync(0xffffffff, s_k, o);
@@ -145,7 +161,7 @@ DELTANET_STEP_SOURCE = r"""
         const float delta = beta * (v_s[r] - decay * s_k * k_scale);
         for (int i = 0; i < kPerLane; ++i) {
             const int j = lane + 32 * i;
-            S_out[r * Dk + j] = decay * s_reg[i] + delta * k_s[j] * k_scale;
+            S_out[r * Dk + j] = decay * s_reg[m][i] + delta * k_s[j] * k_scale;
         }
         if (lane == 0) {
             o_s[r] = decay * s_q * q_scale + delta * kq;
