@@ -212,6 +212,18 @@ def test_split_kernel_source_on_the_cpu(mask, gated):
                                    rtol=1e-5, atol=1e-5)
 
 
+@emulated
+def test_more_splits_than_a_blocks_threads_merge_in_emulation():
+    """One query row (a batch of one, one head) splits its keys over more runs than the
+    merging block has threads: each thread weighs several partials."""
+    q, k, v = _case(1, 1, 1, 1, 600, 32, 32, mx.float32, seed=4)
+    m = mx.arange(600) % 5 != 2
+    splits = attention.SPLIT_THREADS + 44
+    want = attention.folded_attention(q, k, v, scale=0.2, mask=m)
+    np.testing.assert_allclose(_emulated(q, k, v, 0.2, m, splits), np.array(want),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_decode_steps_keys_split_over_the_gpu():
     """A decode step's few query rows split their keys into runs of at least
     MIN_SPLIT_KEYS, up to about SPLIT_BLOCKS blocks in all; a short buffer or many rows
@@ -221,6 +233,9 @@ def test_a_decode_steps_keys_split_over_the_gpu():
     assert attention.key_splits(8, 32768) == attention.SPLIT_BLOCKS // 8
     assert attention.key_splits(8, 8192) * attention.MIN_SPLIT_KEYS <= 8192
     assert attention.key_splits(attention.SPLIT_BLOCKS, 32768) == 1  # enough rows already
+    for rows, keys in ((8, 100), (1, 600), (3, 1000)):  # no run left empty
+        splits = attention.key_splits(rows, keys)
+        assert (splits - 1) * -(-keys // splits) < keys
 
 
 def test_kernel_serves_only_after_its_check(monkeypatch, caplog):

@@ -265,6 +265,28 @@ def test_the_product_kernel_computes_its_math_in_emulation(rows, aligned, K):
 
 
 @emulated
+@pytest.mark.parametrize("glu,res", [(1, False), (2, True), (0, True)])
+def test_four_rows_and_a_last_block_past_n_compute_their_math_in_emulation(glu, res):
+    """Four rows of x (a verify block) and N = 37 outputs: the last block's rows past N read
+    row N - 1 (and its up row) again, unused; nothing past N is written."""
+    from mlxrunner.testing.cuda_emulation import emulate_kernel
+
+    rng = np.random.default_rng(glu)
+    rows, K, N, threads = 4, 2176, 37, 256
+    x = rng.normal(size=(rows, K)).astype(np.float32)
+    w = (rng.normal(size=(N * (2 if glu else 1), K)) * K ** -0.5).astype(np.float32)
+    r = rng.normal(size=(rows, N)).astype(np.float32)
+    got = emulate_kernel(
+        cuda_products.PRODUCT_SOURCE, {"x": x, "w": w, "res": r if res else None, "up_x": None},
+        {"y": ((rows, N), np.float32)},
+        [("T", mx.float32), ("K", K), ("N", N), ("M", rows), ("NT", threads), ("RES", res),
+         ("GLU", glu), ("UPX", False), ("ADDN", False)],
+        blocks=-(-N // (threads // 32)), threads=threads)["y"]
+    np.testing.assert_allclose(got, _reference_np(x, w, r if res else None, glu),
+                               rtol=1e-5, atol=1e-5)
+
+
+@emulated
 @pytest.mark.parametrize("rows,scaled", [(1, False), (3, True)])
 def test_a_post_norm_add_after_the_product_computes_its_math_in_emulation(rows, scaled):
     """``h = (pres + rms_norm(x @ W.T) * pw) * ps`` by the last block (its count reaching

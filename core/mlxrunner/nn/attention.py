@@ -285,7 +285,7 @@ _ATTEND_BODY = r"""
 """
 
 # The warps' partial results merged: the block's maximum ``big``, sum ``total`` and, per
-# value column d, weighted sum ``o`` (normalised by ``total``).
+# value column d, weighted sum ``block_output(d)`` (its caller divides it by ``total``).
 _BLOCK_MERGE = r"""    __syncthreads();
     float big = -3.0e38f;
     #pragma unroll 1
@@ -423,7 +423,9 @@ MIN_SPLIT_KEYS = 32
 def key_splits(rows: int, keys: int) -> int:
     """How many runs of keys each query row's attention splits into (1: no split): as many
     as fill the GPU with blocks, none shorter than ``MIN_SPLIT_KEYS``."""
-    return max(1, min(SPLIT_BLOCKS // max(rows, 1), keys // MIN_SPLIT_KEYS))
+    splits = max(1, min(SPLIT_BLOCKS // max(rows, 1), keys // MIN_SPLIT_KEYS))
+    run = -(-keys // splits)  # the kernel's run length: as few runs as cover the keys
+    return -(-keys // run) if keys else 1
 
 
 def _mask_kind(mask: mx.array | None) -> int:

@@ -75,18 +75,22 @@ DELTANET_STEP_SOURCE = r"""
     const T* tail = conv_tail + (size_t)b * (K - 1) * C;
     T* tail_out = new_tail + (size_t)b * (K - 1) * C;
 
-    // the warp's rows of the state, loaded first: their latency under the convolution and
-    // the norms (a row loaded as the update reached it waited once a row)
+    // the warp's rows of the state, loaded first where they fit in 32 registers a thread
+    // (Qwen3.5's 128 x 128 heads): their latency under the convolution and the norms (a row
+    // loaded as the update reaches it waits once a row); larger heads load them so
     constexpr int kRows = (Dv + kWarps - 1) / kWarps;
+    constexpr bool kPreload = kRows * kPerLane <= 32;
     const float* S = state + (size_t)bh * Dv * Dk;
     float* S_out = new_state + (size_t)bh * Dv * Dk;
-    float s_reg[kRows][kPerLane];
-    #pragma unroll
-    for (int m = 0; m < kRows; ++m) {
-        const int r = warp + kWarps * m;
+    float s_reg[kPreload ? kRows : 1][kPerLane];
+    if (kPreload) {
         #pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-            s_reg[m][i] = r < Dv ? S[r * Dk + lane + 32 * i] : 0.f;
+        for (int m = 0; m < kRows; ++m) {
+            const int r = warp + kWarps * m;
+            #pragma unroll
+            for (int i = 0; i < kPerLane; ++i) {
+                s_reg[m][i] = r < Dv ? S[r * Dk + lane + 32 * i] : 0.f;
+            }
         }
     }
 
@@ -147,11 +151,17 @@ DELTANET_STEP_SOURCE = r"""
         if (r >= Dv) {
             break;  // (the same for every lane of the warp)
         }
+        float* row = s_reg[kPreload ? m : 0];
+        if (!kPreload) {
+            for (int i = 0; i < kPerLane; ++i) {
+                row[i] = S[r * Dk + lane + 32 * i];
+            }
+        }
         float s_k = 0.f, s_q = 0.f;
         for (int i = 0; i < kPerLane; ++i) {
             const int j = lane + 32 * i;
-            s_k += s_reg[m][i] * k_s[j];
-            s_q += s_reg[m][i] * q_s[j];
+            s_k += row[i] * k_s[j];
+            s_q += row[i] * q_s[j];
         }
         for (int o = 16; o > 0; o >>= 1) {
             s_k += __shfl_xor_sync(0xffffffff, s_k, o);
@@ -161,7 +171,7 @@ DELTANET_STEP_SOURCE = r"""
         const float delta = beta * (v_s[r] - decay * s_k * k_scale);
         for (int i = 0; i < kPerLane; ++i) {
             const int j = lane + 32 * i;
-            S_out[r * Dk + j] = decay * s_reg[m][i] + delta * k_s[j] * k_scale;
+            S_out[r * Dk + j] = decay * row[i] + delta * k_s[j] * k_scale;
         }
         if (lane == 0) {
             o_s[r] = decay * s_q * q_scale + delta * kq;

@@ -34,8 +34,9 @@ ADD_THREADS = 256
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 3e-2, mx.bfloat16: 3e-2}
 
 # 1 / rms(row[0, D)) with eps over the block's NT threads (every thread calls it). The
-# loops over a row are unrolled (D and NT are constants): their loads in flight together,
-# where a loop that waited on each in turn cost a round trip to memory an entry.
+# loops over a row are unrolled (their bounds D and NT are constants; the first entry, the
+# thread's index, is not): their loads in flight together, where a loop that waited on each
+# in turn cost a round trip to memory an entry.
 INVERSE_RMS = r"""
     __shared__ float red[NT / 32];
     const auto inverse_rms = [&](const T* row, float eps_value) {
