@@ -247,11 +247,13 @@ def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int, split
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("res,glu,upx", [(False, 0, False), (True, 0, False), (False, 1, False),
                                         (False, 2, False), (False, 2, True)])
+@pytest.mark.parametrize("rows", [1, 4])  # a decode step; the most rows a product takes
 def test_fused_product_kernel_compiles(builder, dtype: str, res: bool, glu: int,
-                                       upx: bool) -> None:
+                                       upx: bool, rows: int) -> None:
     from mlxrunner.nn import cuda_products
 
-    template = [("T", dtype), ("K", 2048), ("N", 2048), ("M", 2), ("NT", 256),
+    assert rows <= cuda_products.MAX_ROWS
+    template = [("T", dtype), ("K", 2048), ("N", 2048), ("M", rows), ("NT", 256),
                 ("RES", res), ("GLU", glu), ("UPX", upx), ("ADDN", False)]
     inputs = [("x", dtype), ("w", dtype), ("res", dtype), ("up_x", dtype)]
     unread = (() if res else ("res",)) + (() if upx else ("up_x",))
