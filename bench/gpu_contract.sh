@@ -3,7 +3,7 @@
 # (see ../shared/gpu/prepare-mlx-cuda; carry .mlx-cuda-b .whl .gpu, the shared configs copied
 # to .gpu/shared-data/configs):
 #   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [solo]
-#     [pair] [soak] [vision] [launch] [prefill] [products] [sweep]
+#     [pair] [soak] [vision] [launch] [prefill] [products] [attention] [sweep]
 #     (SWITCHED="NAME=VALUE ...": a row of ours under each)
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU (TESTS: other test files); qwen3: a Qwen3 written as the docs
@@ -21,7 +21,9 @@
 # wheel in .whl, mlx_vlm-0.7.10-py3-none-any.whl, installed without its dependencies).
 # launch: host time per kernel launch, built-in against custom kernels (bench/launch_cost.py).
 # products: a Gemma 4 E2B decode step's products, ours against MLX's, per call and in GB/s,
-# and one call's time on the device alone (bench/product_bandwidth.py). The model benches
+# and one call's time on the device alone (bench/product_bandwidth.py); attention: a Gemma 4
+# E2B decode step's attention, ours against the folded form and MLX's function, the same
+# (bench/attention_device.py). The model benches
 # print each row's device time a step beside build, submit and wait (bench/device_clock.py).
 # prefill: a Gemma 4 prefill in parts, ours against mlx-lm's (bench/gemma4_prefill.py;
 # PREFILL_ARGS=--profile: where our build's Python time goes).
@@ -75,6 +77,9 @@ for part in "${@:-tests qwen3 llama startup}"; do
         MLXRUNNER_MODELS=/tmp/store timeout "${SOAK_TIMEOUT:-540}" python3 bench/serve_soak.py \
           demo-qwen3.5 --bursts --requests "${SOAK_REQUESTS:-2000}" --minutes 8 \
           --json "$out/soak-gpu.json" 2>&1 | tee "$out/soak-gpu.txt" | tail -16 ;;
+      attention)  # a Gemma 4 E2B step's attention: ours against MLX's, time a call
+        (cd bench && timeout "${ATTENTION_TIMEOUT:-120}" python3 attention_device.py \
+          --json "$out/attention-gpu.json") 2>&1 | tee "$out/attention-gpu.txt" | tail -6 ;;
       products)  # a Gemma 4 E2B step's products: ours against MLX's, time and GB/s
         (cd bench && timeout "${PRODUCTS_TIMEOUT:-180}" python3 product_bandwidth.py \
           --json "$out/products-gpu.json") 2>&1 | tee "$out/products-gpu.txt" | tail -10 ;;
