@@ -211,32 +211,53 @@ _LAST_BLOCK = r"""
     };
 """
 
-# The last block's rows: each thread holds its kPer entries of row m in fv (loaded once,
-# the loads of an unrolled loop in flight together: a loop that waited on each load in turn
-# cost the tail one round trip to L2 an entry, the launch's own time several times over).
-# _ROW_ENTRIES: fv = row m of y. _ADD_NORM_ROW: h = (pres + rms_norm(y) * pw) * ps where
-# PSCALE (add_normed: the add-norm kernel's own entry step), fv its rounded entries after.
-_ROW_ENTRIES = r"""
+# The last block's rows: each thread holds its kPer entries of row m in fv, and the weights
+# and residual entries the row's passes read, all loaded at once before the first sum (a
+# loop that waited on each load in turn cost the tail one round trip to L2 an entry, the
+# launch's own time several times over; a load after a block-wide sum, one more). With
+# next_norm (the launch's next norm), nw's entries too. _ADD_NORM_ROW: h = (pres +
+# rms_norm(y) * pw) * ps where PSCALE (add_normed: the add-norm kernel's own entry step),
+# fv its rounded entries after.
+def _row_entries(next_norm: bool) -> str:
+    return r"""
         constexpr int kPer = (N + NT - 1) / NT;
         float fv[kPer];
+        T pwv[kPer];
+        T presv[kPer];""" + (r"""
+        T nwv[kPer];""" if next_norm else "") + r"""
         #pragma unroll
         for (int i = 0; i < kPer; ++i) {
             const int j = tid + i * NT;
-            fv[i] = j < N ? static_cast<float>(__ldcg(y + m * N + j)) : 0.f;
+            const bool in_row = j < N;
+            fv[i] = in_row ? static_cast<float>(__ldcg(y + m * N + j)) : 0.f;
+            if (ADDN) {
+                pwv[i] = in_row ? pw[j] : T{};
+                presv[i] = in_row ? pres[m * N + j] : T{};
+            }""" + (r"""
+            nwv[i] = in_row ? nw[j] : T{};""" if next_norm else "") + r"""
         }
 """
+
+
+# The tail's scalars, loaded as it starts (before the block counts out).
+def _tail_scalars(next_norm: bool) -> str:
+    return r"""
+    const float post_eps = ADDN ? peps[0] : 0.f;
+    const T post_scale = PSCALE ? ps[0] : T{};""" + (r"""
+    const float next_eps = neps[0];""" if next_norm else "") + "\n"
+
+
 _ADD_NORM_ROW = r"""
         {
             float ss = 0.f;
             #pragma unroll
             for (int i = 0; i < kPer; ++i) ss += fv[i] * fv[i];
-            const float r = rsqrtf(block_sum(ss) / N + peps[0]);
+            const float r = rsqrtf(block_sum(ss) / N + post_eps);
             #pragma unroll
             for (int i = 0; i < kPer; ++i) {
                 const int j = tid + i * NT;
                 if (j < N) {
-                    const T hv = add_normed(fv[i], r, pw[j], pres[m * N + j], PSCALE,
-                                            PSCALE ? ps[0] : T{});
+                    const T hv = add_normed(fv[i], r, pwv[i], presv[i], PSCALE, post_scale);
                     h[m * N + j] = hv;
                     fv[i] = static_cast<float>(hv);
                 }
@@ -246,30 +267,30 @@ _ADD_NORM_ROW = r"""
 
 # The post-norm residual add after the product (ADDN, see above): the product kernel with
 # pw, pres, ps, peps and cnt more inputs and h another output.
-PRODUCT_ADD_NORM_SOURCE = (_PRODUCT_BODY
-                           + cuda_norms.ADD_NORMED + _LAST_BLOCK + r"""
+PRODUCT_ADD_NORM_SOURCE = (_PRODUCT_BODY + cuda_norms.ADD_NORMED + _tail_scalars(False)
+                           + _LAST_BLOCK + r"""
     #pragma unroll 1
-    for (int m = 0; m < M; ++m) {""" + _ROW_ENTRIES + _ADD_NORM_ROW + "    }\n")
+    for (int m = 0; m < M; ++m) {""" + _row_entries(False) + _ADD_NORM_ROW + "    }\n")
 
 # The norm of the launch's final rows after it: hn = rms_norm(f) * nw with eps neps, f the
 # post norm's h where ADDN, else y (a residual product's sum). The add-norm kernel's inputs
 # with nw and neps more, and hn another output (h unused without ADDN).
-PRODUCT_NORM_SOURCE = (_PRODUCT_BODY
-                       + cuda_norms.ADD_NORMED + _LAST_BLOCK + r"""
+PRODUCT_NORM_SOURCE = (_PRODUCT_BODY + cuda_norms.ADD_NORMED + _tail_scalars(True)
+                       + _LAST_BLOCK + r"""
     #pragma unroll 1
-    for (int m = 0; m < M; ++m) {""" + _ROW_ENTRIES + r"""
+    for (int m = 0; m < M; ++m) {""" + _row_entries(True) + r"""
         if (ADDN) {""" + _ADD_NORM_ROW + r"""
         }
         float ss = 0.f;
         #pragma unroll
         for (int i = 0; i < kPer; ++i) ss += fv[i] * fv[i];
-        const float r = rsqrtf(block_sum(ss) / N + neps[0]);
+        const float r = rsqrtf(block_sum(ss) / N + next_eps);
         #pragma unroll
         for (int i = 0; i < kPer; ++i) {  // rounded as MLX's rms_norm rounds
             const int j = tid + i * NT;
             if (j < N) {
                 const T xn = static_cast<T>(fv[i] * r);
-                hn[m * N + j] = static_cast<T>(static_cast<float>(nw[j]) *
+                hn[m * N + j] = static_cast<T>(static_cast<float>(nwv[i]) *
                                                static_cast<float>(xn));
             }
         }
