@@ -82,13 +82,44 @@ HEADS_SOURCE = INVERSE_RMS + r"""
     x += (size_t)blk * W + C;
     y += ((size_t)(b * H + h) * L + l) * D;
 
+    // what the block reads after its barriers, loaded first (a load after a block-wide sum
+    // waits a round trip to memory that nothing hides): the norm's weights, the position,
+    // the rotation's periods
+    constexpr int kPer = (D + NT - 1) / NT;
+    constexpr int half = RD / 2;
+    constexpr int kHalfPer = (half + NT - 1) / NT;
+    T wv[kPer];
+    if (norm == 2) {
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+            const int j = tid + i * NT;
+            wv[i] = j < D ? w[j] : T{};
+        }
+    }
+    const float pos = rot ? rf[1] * static_cast<float>(offset[PERB ? b : 0] + l) : 0.f;
+    float inv_freqs[kHalfPer];
+    if (rot) {
+        #pragma unroll
+        for (int k = 0; k < kHalfPer; ++k) {
+            const int i = tid + k * NT;
+            if (FREQS) inv_freqs[k] = i < half ? static_cast<float>(
+                1.0 / static_cast<double>(freqs[i])) : 0.f;
+            else inv_freqs[k] = exp2f(-(static_cast<float>(i) / static_cast<float>(half))
+                                      * rf[0]);
+        }
+    }
+
     if (norm) {
         const float inv = inverse_rms(x, eps[part]);
         #pragma unroll
-        for (int j = tid; j < D; j += NT) {
-            const T xn = static_cast<T>(static_cast<float>(x[j]) * inv);
-            xs[j] = norm == 2 ? static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(xn))
-                              : xn;
+        for (int i = 0; i < kPer; ++i) {
+            const int j = tid + i * NT;
+            if (j < D) {
+                const T xn = static_cast<T>(static_cast<float>(x[j]) * inv);
+                xs[j] = norm == 2 ? static_cast<T>(static_cast<float>(wv[i]) *
+                                                   static_cast<float>(xn))
+                                  : xn;
+            }
         }
     } else {
         #pragma unroll
@@ -100,14 +131,11 @@ HEADS_SOURCE = INVERSE_RMS + r"""
         for (int j = tid; j < D; j += NT) y[j] = xs[j];
         return;
     }
-    const float pos = rf[1] * static_cast<float>(offset[PERB ? b : 0] + l);
-    constexpr int half = RD / 2;
     #pragma unroll
-    for (int i = tid; i < half; i += NT) {
-        float inv_freq;
-        if (FREQS) inv_freq = static_cast<float>(1.0 / static_cast<double>(freqs[i]));
-        else inv_freq = exp2f(-(static_cast<float>(i) / static_cast<float>(half)) * rf[0]);
-        const float theta = pos * inv_freq;
+    for (int k = 0; k < kHalfPer; ++k) {
+        const int i = tid + k * NT;
+        if (i >= half) break;
+        const float theta = pos * inv_freqs[k];
         float s, c;
         sincosf(theta, &s, &c);
         const int i1 = TRAD ? 2 * i : i;
