@@ -207,6 +207,16 @@ def test_topk_chunk_kernel_compiles(builder, rows: int, n: int, k: int, dtype: s
                                   [("out", "uint64")], launch["template"]))
 
 
+@pytest.mark.parametrize("n", [151936, 4099])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_greedy_kernel_compiles(builder, n: int, dtype: str) -> None:
+    from mlxrunner.decode import topk
+
+    _compile(builder, "greedy", _wrap("greedy", topk._CUDA_GREEDY, [("x", dtype)],
+                                      [("out", "int32")],
+                                      [("T", dtype), ("N", n), ("NT", topk.GREEDY_THREADS)]))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_deltanet_kernels_compile(builder, dtype: str) -> None:
     from mlxrunner.nn import cuda_deltanet as ck

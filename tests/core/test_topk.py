@@ -498,3 +498,41 @@ def test_cuda_kernel_source_runs_on_the_cpu(n: int, k: int, m: int) -> None:
                          {"out": (launch["output_shape"], np.uint64)},
                          launch["template"], blocks=(launch["chunks"], 2), threads=256)["out"]
     assert (got == emulate_cuda_kernel(x, k, subchunks=m)).all()
+
+
+@pytest.mark.skipif(not __import__("mlxrunner.testing.cuda_emulation", fromlist=["_"])
+                    .emulation_available(), reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("n", [4096, 4099, 70])
+def test_greedy_kernel_source_runs_on_the_cpu(n: int) -> None:
+    """The greedy pick's kernel source under the host emulation: each row's first index of
+    its largest value (NaN last, ties to the lower index, every row kind of mixed_rows),
+    16 bytes a load (n a whole number of them) and one entry a load."""
+    from mlxrunner.decode import topk
+    from mlxrunner.testing.cuda_emulation import emulate_kernel
+
+    x = mixed_rows(8, n, seed=n)
+    x[0, [3, n - 1]] = np.float32(7.0)  # two maxima: the first wins
+    x[2, :] = np.nan  # all NaN: index 0, as the sort has it
+    x[4, [1, 5]] = [np.float32(-0.0), np.float32(0.0)]
+    x[4, x[4] > 0] = -1.0  # then -0.0 and 0.0 are the row's largest: the first
+    got = emulate_kernel(topk._CUDA_GREEDY, {"x": x},
+                         {"out": ((8, 1), np.int32)},
+                         [("T", mx.float32), ("N", n), ("NT", topk.GREEDY_THREADS)],
+                         blocks=8, threads=topk.GREEDY_THREADS)["out"]
+    assert (got == reference(x, 1)).all()
+    assert got[4, 0] == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", [151936, 262144, 4099])
+def test_greedy_kernel_on_the_gpu(n: int) -> None:
+    from mlxrunner.decode import topk
+
+    x = mixed_rows(8, n, seed=n + 1)
+    for dtype in (mx.float32, mx.bfloat16):
+        xd = np.array(mx.array(x).astype(dtype).astype(mx.float32))
+        rows = mx.array(xd).astype(dtype)
+        assert topk._greedy_serves(rows)  # its self-check passed
+        got = np.array(topk._greedy(rows.reshape(2, 4, n)))
+        assert got.shape == (2, 4, 1)
+        assert (got.reshape(8, 1) == reference(xd, 1)).all(), dtype

@@ -35,8 +35,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..nn.cuda_build import CudaKernel
-from ..nn.kernels import on_cuda
+from ..nn.cuda_build import CudaKernel, kernel_code
+from ..nn.kernels import kernel_allowed, on_cuda, serves
 
 CHUNK = 2048
 """Keys per chunk sorted inside one GPU block (MLX's CUDA block sort holds 2048 int64)."""
@@ -392,9 +392,92 @@ def _topk_gpu(x: mx.array, k: int, select: str | None = None) -> mx.array:
     return _topk_from_chunk_keys(keys, lead, k, mx.array(_PAD_KEY, dtype=mx.int64), select)
 
 
-def _greedy(x: mx.array) -> mx.array:
+# One block per row of x [rows, N]: the index of the row's largest entry as the order keys
+# rank it (NaN below every number, -0.0 equal to 0.0, the first index among equals): each
+# thread's least (key, index), packed into 64 bits, then the block's least of them in shared
+# memory. 16 bytes a load where the row allows. On CUDA in place of MLX's fused order keys
+# and argmin: that fused kernel was the one MLX build left before a fresh process's first
+# token (5.1 s on an H100, bench/startup.py); this one the core builds once per machine.
+_CUDA_GREEDY = r"""
+    const int row = blockIdx.x;
+    const int tid = threadIdx.x;
+    const T* xr = x + (size_t)row * N;
+    __shared__ unsigned long long best[NT];
+    const auto entry = [](float v, int index) {
+        int bits = __float_as_int(v);
+        if (bits == (int)0x80000000) bits = 0;  // -0.0 is 0.0
+        const bool is_nan = (bits & 0x7FFFFFFF) > 0x7F800000;
+        const int key = is_nan ? 0x7FFFFFFF : ~(bits ^ ((bits >> 31) & 0x7FFFFFFF));
+        return ((unsigned long long)((unsigned int)key ^ 0x80000000u) << 32) |
+               (unsigned long long)(unsigned int)index;
+    };
+    unsigned long long mine = ~0ull;
+    constexpr int kVec = 16 / sizeof(T);
+    if (N % kVec == 0 && !(reinterpret_cast<size_t>(xr) & 15)) {
+        #pragma unroll 4
+        for (int j = tid * kVec; j < N; j += NT * kVec) {
+            const uint4 p = *reinterpret_cast<const uint4*>(xr + j);
+            const T* v = reinterpret_cast<const T*>(&p);
+            #pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                const unsigned long long c = entry(static_cast<float>(v[e]), j + e);
+                mine = c < mine ? c : mine;
+            }
+        }
+    } else {
+        #pragma unroll 4
+        for (int j = tid; j < N; j += NT) {
+            const unsigned long long c = entry(static_cast<float>(xr[j]), j);
+            mine = c < mine ? c : mine;
+        }
+    }
+    best[tid] = mine;
+    __syncthreads();
+    for (int s = NT / 2; s > 0; s >>= 1) {
+        if (tid < s && best[tid + s] < best[tid]) best[tid] = best[tid + s];
+        __syncthreads();
+    }
+    if (tid == 0) out[row] = (int)(best[0] & 0xFFFFFFFFull);
+"""
+GREEDY_THREADS = 1024
+_greedy_kernel: Any = None
+
+
+def _greedy_mlx(x: mx.array) -> mx.array:
     # argmin returns the first minimum: ties to the lower index, like the sort.
     return mx.argmin(_order_keys_compiled(x), axis=-1, keepdims=True).astype(mx.int32)
+
+
+def _greedy_launch(x: mx.array) -> mx.array:
+    global _greedy_kernel
+    if _greedy_kernel is None:
+        _greedy_kernel = CudaKernel(name="mlxrunner_greedy", input_names=["x"],
+                                    output_names=["out"], source=_CUDA_GREEDY)
+    n = x.shape[-1]
+    rows = x.size // n
+    (out,) = _greedy_kernel(
+        inputs=[x], template=[("T", x.dtype), ("N", n), ("NT", GREEDY_THREADS)],
+        grid=(GREEDY_THREADS * rows, 1, 1), threadgroup=(GREEDY_THREADS, 1, 1),
+        output_shapes=[(*x.shape[:-1], 1)], output_dtypes=[mx.int32])
+    return out
+
+
+def _greedy_serves(x: mx.array) -> bool:
+    """Whether the greedy kernel serves rows like ``x``: on CUDA, not turned off
+    (``MLXRUNNER_KERNELS``), and its (N, dtype) case agreed with MLX's order keys and argmin
+    on rows of every ordering rule (ties, NaN, infinities, -0.0) once."""
+    n = x.shape[-1]
+    if x.dtype not in _KERNEL_DTYPES or not 0 < n < 2 ** 31 or x.size // n > _MAX_GRID_ROWS \
+            or not kernel_allowed("topk"):
+        return False
+    return serves("topk", ("greedy", n, x.dtype),
+                  lambda probe: _greedy_launch(probe), _greedy_mlx,
+                  lambda: check_rows(3, n).astype(x.dtype), 0.0,
+                  source=kernel_code(__file__))
+
+
+def _greedy(x: mx.array) -> mx.array:
+    return _greedy_launch(x) if _greedy_serves(x) else _greedy_mlx(x)
 
 
 def prepare_topk_indices(rows: int, n: int, k: int, dtype: mx.Dtype = mx.float32) -> None:
