@@ -396,8 +396,8 @@ def _topk_gpu(x: mx.array, k: int, select: str | None = None) -> mx.array:
 # rank it (NaN below every number, -0.0 equal to 0.0, the first index among equals): each
 # thread's least (key, index), packed into 64 bits, then the block's least of them in shared
 # memory. 16 bytes a load where the row allows. On CUDA in place of MLX's fused order keys
-# and argmin: MLX builds that fused kernel in every fresh process before its first token
-# (5.1 s on an H100, bench/startup.py); the core builds this one once per machine.
+# and argmin, whose build by MLX costs a first run on an empty kernel cache 5.1 s before its
+# first token (an H100, bench/startup.py); NVRTC builds this one in a fraction of a second.
 _CUDA_GREEDY = r"""
     const int row = blockIdx.x;
     const int tid = threadIdx.x;
