@@ -16,7 +16,6 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import device_clock
@@ -67,10 +66,7 @@ def _gap(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--count", type=harness.at_least(1), default=64)
-    parser.add_argument("--repeats", type=harness.at_least(1), default=5)
-    parser.add_argument("--quick", action="store_true", help="sizes / 4 (the CPU)")
-    parser.add_argument("--json", type=Path)
+    harness.add_call_arguments(parser, "sizes / 4 (the CPU)")
     args = parser.parse_args(argv)
     scale = 4 if args.quick else 1
     print(f"attention a decode step: {mx.default_device()}, mlx {mx.__version__}, {HEADS} "

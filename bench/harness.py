@@ -412,6 +412,15 @@ def results_header(shape: str, config: dict[str, Any], args: argparse.Namespace,
             "repeats": args.repeats, "mlx_lm": None}
 
 
+def add_call_arguments(parser: argparse.ArgumentParser, quick: str) -> None:
+    """A per-call bench's run (bench/product_bandwidth.py, bench/attention_device.py): calls
+    queued at once, repeats, ``--quick`` (``quick``: what it shrinks), JSON path."""
+    parser.add_argument("--count", type=at_least(1), default=64, help="calls queued at once")
+    parser.add_argument("--repeats", type=at_least(1), default=5)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--json", type=Path)
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options every model bench takes, after its own: mlx-lm skip, JSON path, seed."""
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm comparison")

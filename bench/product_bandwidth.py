@@ -24,7 +24,6 @@ import math
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import device_clock
@@ -105,12 +104,9 @@ def _device_part(row: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--count", type=harness.at_least(1), default=64)
     parser.add_argument("--cache-mb", type=harness.at_least(1), default=160,
                         help="the weights' copies of a case pass this many MB together")
-    parser.add_argument("--repeats", type=harness.at_least(1), default=5)
-    parser.add_argument("--quick", action="store_true", help="every width / 8 (the CPU)")
-    parser.add_argument("--json", type=Path)
+    harness.add_call_arguments(parser, "every width / 8 (the CPU)")
     args = parser.parse_args(argv)
     scale = 8 if args.quick else 1
     print(f"product bandwidth: {mx.default_device()}, mlx {mx.__version__}, {args.count} "
