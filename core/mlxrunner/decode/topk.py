@@ -126,6 +126,24 @@ def _topk_cpu(x: mx.array, k: int) -> mx.array:
     return mx.concatenate(out, axis=0).reshape(*lead, k)
 
 
+# A value's unsigned 64-bit key for the CUDA kernels below: the order key of
+# :func:`_order_keys` offset by 2**31 (NaN after every number, -0.0 as 0.0) in the high
+# half, the index in the low half: ascending keys are a stable descending sort.
+_CUDA_ENTRY_KEY = r"""
+    const auto entry_key = [](float v, int index) {
+        unsigned int b = __float_as_uint(v);
+        unsigned int ord = 0xFFFFFFFFu;  // NaN: after every number
+        if ((b & 0x7FFFFFFFu) <= 0x7F800000u) {
+            if (b == 0x80000000u) {
+                b = 0u;  // -0.0 is 0.0
+            }
+            ord = ~((b & 0x80000000u) ? ~b : (b | 0x80000000u));
+        }
+        return ((unsigned long long)ord << 32) | (unsigned int)index;
+    };
+"""
+
+
 # One block per span of M sub-chunks: build the unsigned 64-bit keys (same order
 # as the int64 keys above, offset by 2**63) of 2048 values in shared memory,
 # bitonic-sort runs of P (k rounded up to a power of two), then halve: each pair
@@ -136,7 +154,7 @@ def _topk_cpu(x: mx.array, k: int) -> mx.array:
 # far among them, so a block's span is 2048 + (M - 1) * (2048 - P) values. Fewer,
 # longer spans leave fewer candidates to sort after the kernel (used where rows
 # give the GPU enough blocks anyway).
-_CUDA_CHUNK_TOPK = r"""
+_CUDA_CHUNK_TOPK = _CUDA_ENTRY_KEY + r"""
     constexpr int CH = 2048;
     constexpr int THREADS = 256;
     __shared__ unsigned long long keys[CH];
@@ -153,20 +171,7 @@ _CUDA_CHUNK_TOPK = r"""
     }
     for (int i = tid; i < CH - kept; i += THREADS) {
       int idx = first + i;
-      unsigned long long key = ~0ull;
-      if (idx < N) {
-        unsigned int b = __float_as_uint(static_cast<float>(in[idx]));
-        unsigned int ord = 0xFFFFFFFFu;  // NaN: after every number
-        if ((b & 0x7FFFFFFFu) <= 0x7F800000u) {
-          if (b == 0x80000000u) {
-            b = 0u;  // -0.0 is 0.0
-          }
-          unsigned int asc = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-          ord = ~asc;
-        }
-        key = ((unsigned long long)ord << 32) | (unsigned int)idx;
-      }
-      keys[kept + i] = key;
+      keys[kept + i] = idx < N ? entry_key(static_cast<float>(in[idx]), idx) : ~0ull;
     }
     __syncthreads();
     for (int size = 2; size <= P; size <<= 1) {
@@ -394,23 +399,15 @@ def _topk_gpu(x: mx.array, k: int, select: str | None = None) -> mx.array:
 
 # One block per row of x [rows, N]: the index of the row's largest entry as the order keys
 # rank it (NaN below every number, -0.0 equal to 0.0, the first index among equals): each
-# thread's least (key, index), packed into 64 bits, then the block's least of them in shared
-# memory. 16 bytes a load where the row allows. On CUDA in place of MLX's fused order keys
-# and argmin, whose build by MLX costs a first run on an empty kernel cache 5.1 s before its
-# first token (an H100, bench/startup.py); NVRTC builds this one in a fraction of a second.
-_CUDA_GREEDY = r"""
+# thread's least entry key, then the block's least of them in shared memory, 16 bytes a
+# load where the row allows. On CUDA in place of MLX's fused order keys and argmin, whose
+# build by MLX costs a first run on an empty kernel cache 5.1 s before its first token (an
+# H100, bench/startup.py); NVRTC builds this one in a fraction of a second.
+_CUDA_GREEDY = _CUDA_ENTRY_KEY + r"""
     const int row = blockIdx.x;
     const int tid = threadIdx.x;
     const T* xr = x + (size_t)row * N;
     __shared__ unsigned long long best[NT];
-    const auto entry = [](float v, int index) {
-        int bits = __float_as_int(v);
-        if (bits == (int)0x80000000) bits = 0;  // -0.0 is 0.0
-        const bool is_nan = (bits & 0x7FFFFFFF) > 0x7F800000;
-        const int key = is_nan ? 0x7FFFFFFF : ~(bits ^ ((bits >> 31) & 0x7FFFFFFF));
-        return ((unsigned long long)((unsigned int)key ^ 0x80000000u) << 32) |
-               (unsigned long long)(unsigned int)index;
-    };
     unsigned long long mine = ~0ull;
     constexpr int kVec = 16 / sizeof(T);
     if (N % kVec == 0 && !(reinterpret_cast<size_t>(xr) & 15)) {
@@ -420,14 +417,14 @@ _CUDA_GREEDY = r"""
             const T* v = reinterpret_cast<const T*>(&p);
             #pragma unroll
             for (int e = 0; e < kVec; ++e) {
-                const unsigned long long c = entry(static_cast<float>(v[e]), j + e);
+                const unsigned long long c = entry_key(static_cast<float>(v[e]), j + e);
                 mine = c < mine ? c : mine;
             }
         }
     } else {
         #pragma unroll 4
         for (int j = tid; j < N; j += NT) {
-            const unsigned long long c = entry(static_cast<float>(xr[j]), j);
+            const unsigned long long c = entry_key(static_cast<float>(xr[j]), j);
             mine = c < mine ? c : mine;
         }
     }

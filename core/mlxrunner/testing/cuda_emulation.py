@@ -73,11 +73,6 @@ static unsigned int __float_as_uint(float x) {
     std::memcpy(&u, &x, sizeof u);
     return u;
 }
-static int __float_as_int(float x) {
-    int i;
-    std::memcpy(&i, &x, sizeof i);
-    return i;
-}
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
