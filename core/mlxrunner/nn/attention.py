@@ -31,7 +31,7 @@ import mlx.core as mx
 from .. import settings
 from ..cache.frame import active_frame
 from ..constants import constant, window_mask
-from .cuda_build import CudaKernel, block_counters, kernel_code
+from .cuda_build import BLOCK_REDUCE, CudaKernel, block_counters, kernel_code
 from .host_ops import host_attention
 from .kernels import on_cuda, serves
 
@@ -327,7 +327,7 @@ _BLOCK_MERGE = r"""    __syncthreads();
 # weighted by their share of the softmax's sum, into the row's output. A decode step has
 # only B * heads rows: unsplit, a few blocks each walk the whole buffer, their loads'
 # latency the step's time.
-ATTEND_SOURCE = _ATTEND_BODY + _BLOCK_MERGE + r"""
+ATTEND_SOURCE = _ATTEND_BODY + _BLOCK_MERGE + BLOCK_REDUCE + r"""
     if (!SPLIT) {
         #pragma unroll 1
         for (int d = t; d < DV; d += NT) {
@@ -360,35 +360,19 @@ ATTEND_SOURCE = _ATTEND_BODY + _BLOCK_MERGE + r"""
     // in shared memory (loaded a partial a thread, at once), then each output column's
     // weighted partials, eight loads at a time
     const size_t first = (size_t)row * P;
-    const auto block_reduce = [&](float v, bool take_max) {
-        for (int o = 16; o > 0; o >>= 1) {
-            const float other = __shfl_xor_sync(0xffffffff, v, o);
-            v = take_max ? fmaxf(v, other) : v + other;
-        }
-        if (lane == 0) {
-            part_m[warp] = v;
-        }
-        __syncthreads();
-        float r = take_max ? -3.0e38f : 0.f;
-        for (int w = 0; w < kWarps; ++w) {
-            r = take_max ? fmaxf(r, part_m[w]) : r + part_m[w];
-        }
-        __syncthreads();  // (part_m is written again by the next call)
-        return r;
-    };
     __shared__ float weight[PMAX];
     float top = -3.0e38f;
     for (int p = t; p < P; p += NT) {
         weight[p] = __ldcg(part_max + first + p);
         top = fmaxf(top, weight[p]);
     }
-    top = block_reduce(top, true);
+    top = block_reduce(top, true, part_m);  // (part_m free: read before the count)
     float weights = 0.f;
     for (int p = t; p < P; p += NT) {
         weight[p] = __ldcg(part_sum + first + p) * expf(weight[p] - top);
         weights += weight[p];
     }
-    weights = block_reduce(weights, false);  // (its barriers: every weight written)
+    weights = block_reduce(weights, false, part_m);  // (its barriers: every weight written)
     #pragma unroll 1
     for (int d = t; d < DV; d += NT) {
         float o = 0.f;

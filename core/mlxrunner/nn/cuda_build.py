@@ -75,6 +75,29 @@ def kernel_source(symbol: str, source: str, inputs: Sequence[tuple[str, mx.Dtype
     return "\n".join(lines)
 
 
+#: A kernel-body snippet: ``block_reduce(v, take_max, scratch)``, the block's sum (or, with
+#: ``take_max``, maximum) of one float a thread, for every thread of the block (NT threads,
+#: every one calling it); ``scratch``: NT / 32 floats of shared memory, free again after.
+BLOCK_REDUCE = r"""
+    const auto block_reduce = [&](float v, bool take_max, float* scratch) {
+        for (int o = 16; o > 0; o >>= 1) {
+            const float other = __shfl_xor_sync(0xffffffff, v, o);
+            v = take_max ? fmaxf(v, other) : v + other;
+        }
+        if ((threadIdx.x & 31) == 0) {
+            scratch[threadIdx.x >> 5] = v;
+        }
+        __syncthreads();
+        float r = take_max ? -3.0e38f : 0.f;
+        for (int w = 0; w < NT / 32; ++w) {
+            r = take_max ? fmaxf(r, scratch[w]) : r + scratch[w];
+        }
+        __syncthreads();  // (scratch is written again by the next call)
+        return r;
+    };
+"""
+
+
 def block_counters(count: int) -> mx.array:
     """``count`` block counters at 0 for one launch (int32; a launch's blocks count
     themselves out on one, and the block whose count wraps it back to 0 finishes the work):

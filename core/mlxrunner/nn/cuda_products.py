@@ -41,7 +41,7 @@ import mlx.core as mx
 
 from ..constants import constant
 from . import cuda_gated, cuda_norms
-from .cuda_build import CudaKernel, TemplateArg, block_counters, kernel_code
+from .cuda_build import BLOCK_REDUCE, CudaKernel, TemplateArg, block_counters, kernel_code
 from .cuda_gated import GATED_ACTIVATION, GLU
 from .kernels import kernel_allowed, serves
 
@@ -186,8 +186,8 @@ PRODUCT_SOURCE = _PRODUCT_BODY
 
 # The last block: every block counts itself out on cnt once its rows of y are written; the
 # block whose count reaches the grid (and wraps the counter to 0 again, ready for the
-# launch's next replay) finishes the rows; block_sum: the block's sum of one value a thread.
-_LAST_BLOCK = r"""
+# launch's next replay) finishes the rows (block_reduce: cuda_build.BLOCK_REDUCE).
+_LAST_BLOCK = BLOCK_REDUCE + r"""
     __shared__ bool last;
     __shared__ float red[kWarps];
     __threadfence();  // this thread's rows of y, seen by every block before it counts out
@@ -200,15 +200,6 @@ _LAST_BLOCK = r"""
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const auto block_sum = [&](float v) {
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-        if (lane == 0) red[warp] = v;
-        __syncthreads();
-        float total = 0.f;
-        for (int w8 = 0; w8 < kWarps; ++w8) total += red[w8];
-        __syncthreads();  // (red is written again by the next call)
-        return total;
-    };
 """
 
 # The last block's rows: each thread holds its kPer entries of row m in fv, and the weights
@@ -252,7 +243,7 @@ _ADD_NORM_ROW = r"""
             float ss = 0.f;
             #pragma unroll
             for (int i = 0; i < kPer; ++i) ss += fv[i] * fv[i];
-            const float r = rsqrtf(block_sum(ss) / N + post_eps);
+            const float r = rsqrtf(block_reduce(ss, false, red) / N + post_eps);
             #pragma unroll
             for (int i = 0; i < kPer; ++i) {
                 const int j = tid + i * NT;
@@ -284,7 +275,7 @@ PRODUCT_NORM_SOURCE = (_PRODUCT_BODY + cuda_norms.ADD_NORMED + _tail_scalars(Tru
         float ss = 0.f;
         #pragma unroll
         for (int i = 0; i < kPer; ++i) ss += fv[i] * fv[i];
-        const float r = rsqrtf(block_sum(ss) / N + next_eps);
+        const float r = rsqrtf(block_reduce(ss, false, red) / N + next_eps);
         #pragma unroll
         for (int i = 0; i < kPer; ++i) {  // rounded as MLX's rms_norm rounds
             const int j = tid + i * NT;
