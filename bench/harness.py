@@ -313,12 +313,12 @@ def queued_us(fns: Callable[[mx.array], Any] | Sequence[Callable[[mx.array], Any
 
 def at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an int of at least ``low`` (else one line from argparse)."""
-    def parse(text: str) -> int:
+    def integer(text: str) -> int:  # (argparse names a refused text by this name)
         value = int(text)
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
         return value
-    return parse
+    return integer
 
 
 def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None:
