@@ -60,15 +60,16 @@ class RMSNorm(nn.Module):
         or none of its own where ``x`` is a fused product's output (its launch does it)."""
         weight = self.applied_weight()
         if _prompt_rows(x):
-            out = residual + mx.fast.rms_norm(x, weight, self.eps)
-            return out if scale is None else out * scale
-        residual = current(residual)
-        fused = fused_add_normed(residual, x, weight, self.eps, scale)
-        if fused is None:
-            fused = fused_add_norm(residual, x, weight, self.eps, scale)
-        if fused is not None:
-            return fused
-        out = residual + self(x)
+            normed = mx.fast.rms_norm(x, weight, self.eps)
+        else:
+            residual = current(residual)
+            fused = fused_add_normed(residual, x, weight, self.eps, scale)
+            if fused is None:
+                fused = fused_add_norm(residual, x, weight, self.eps, scale)
+            if fused is not None:
+                return fused
+            normed = self(x)
+        out = residual + normed
         return out if scale is None else out * scale
 
 
