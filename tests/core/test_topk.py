@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlxrunner.plugin import topk_indices
+from mlxrunner_test_support import graph_labels
 
 CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
 
@@ -460,6 +461,15 @@ def test_check_rows_cover_the_ordering_rules() -> None:
     assert np.isnan(rows).any() and np.isneginf(rows).any() and np.isposinf(rows).any()
     assert (np.signbit(rows) & (rows == 0)).any()  # -0.0
     assert len(np.unique(rows[~np.isnan(rows)])) < rows.size - 1000  # many ties
+
+
+def test_check_rows_build_no_gather() -> None:
+    """The greedy pick's self-check runs before a fresh run's first token: a gather in its
+    rows would be a kernel MLX's CUDA backend builds then (seconds, bench/startup.py)."""
+    from mlxrunner.decode import topk
+
+    labels = graph_labels(topk.check_rows(3, 2051))
+    assert not [label for label in labels if "Gather" in label], labels
 
 
 @needs_cuda
