@@ -13,6 +13,7 @@ the first layer whose output differs, and the conformance kit says the same.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from pathlib import Path
 
@@ -145,7 +146,11 @@ def test_a_trace_that_cannot_be_exact_names_the_plugin_the_architecture_and_the_
             check_compiled_step(model, random_prompt(model.vocab_size, 1, 9), block=4)
     message = str(failed.value)
     assert "EndAligned (plugin " in message and "architecture EndAlignedForTest" in message
-    assert "layer 2 is the first whose output differs" in message
+    assert "layer 2 is the first whose output differs (layer 1 relative difference " \
+        in message
+    gaps = re.findall(r"layer (\d) relative difference ([0-9.e+-]+)", message)
+    assert [layer for layer, _ in gaps] == ["1", "2"]
+    assert float(gaps[0][1]) <= 1e-3 < float(gaps[1][1])  # agreeing, then not
     warnings = [r.getMessage() for r in caplog.records if "running eagerly" in r.getMessage()]
     assert len(warnings) == 1 and compiled_steps(model).fallback in warnings[0]
     prompt = [4, 4, 8, 15, 16, 23]

@@ -325,10 +325,17 @@ class CompiledSteps:
         if got is None or got.shape != want.shape:
             return ""
         width = want.shape[-1] // n
+
+        def part(x: mx.array, layer: int) -> mx.array:
+            return x[..., layer * width:(layer + 1) * width]
+
         for layer in range(n):
-            part = slice(layer * width, (layer + 1) * width)
-            if not agree(got[..., part], want[..., part]):
-                return f"; layer {layer} is the first whose output differs"
+            if not agree(part(got, layer), part(want, layer)):
+                # how far apart, and the layer before: a drop from agreement to far apart
+                # at one layer reads as that layer broken, a slide as rounding amplified
+                gaps = ", ".join(f"layer {i} {_gap(part(got, i), part(want, i))}"
+                                 for i in range(max(0, layer - 1), layer + 1))
+                return f"; layer {layer} is the first whose output differs ({gaps})"
         return ("; every layer agrees when the trace runs uncompiled (a Python value fixed "
                 "at its first call?)")
 
@@ -477,15 +484,32 @@ def agree(got: mx.array, want: mx.array) -> bool:
     """Logits of the traced and the eager forward agree up to their rounding (loose: this
     catches broken traces). In float32 to a few ulps; in half precision the two round
     differently and random weights amplify that, so there the check compares directions."""
-    got, want32 = got.astype(mx.float32), want.astype(mx.float32)
     if got.shape != want.shape:
         return False
     if want.dtype == mx.float32:
-        scale = 1.0 + float(mx.abs(want32).max())
-        return float(mx.abs(got - want32).max()) <= 1e-3 * scale
-    g = got.reshape(-1, got.shape[-1])
-    w = want32.reshape(-1, want32.shape[-1])
+        return _relative_gap(got, want) <= 1e-3
+    return _least_cosine(got, want) >= 0.95
+
+
+def _relative_gap(got: mx.array, want: mx.array) -> float:
+    """The largest difference, over 1 + the largest magnitude of ``want`` (float32)."""
+    want32 = want.astype(mx.float32)
+    scale = 1.0 + float(mx.abs(want32).max())
+    return float(mx.abs(got.astype(mx.float32) - want32).max()) / scale
+
+
+def _least_cosine(got: mx.array, want: mx.array) -> float:
+    """The least cosine between a row of ``got`` and its row of ``want``, each centred."""
+    g = got.astype(mx.float32).reshape(-1, got.shape[-1])
+    w = want.astype(mx.float32).reshape(-1, want.shape[-1])
     g = g - g.mean(axis=-1, keepdims=True)
     w = w - w.mean(axis=-1, keepdims=True)
     cosine = (g * w).sum(-1) / mx.sqrt((g * g).sum(-1) * (w * w).sum(-1) + 1e-12)
-    return float(cosine.min()) >= 0.95
+    return float(cosine.min())
+
+
+def _gap(got: mx.array, want: mx.array) -> str:
+    """How far ``got`` lies from ``want`` by :func:`agree`'s own measure, in words."""
+    if want.dtype == mx.float32:
+        return f"relative difference {_relative_gap(got, want):.2e}"
+    return f"cosine {_least_cosine(got, want):.3f}"
