@@ -234,22 +234,43 @@ def test_deltanet_kernels_compile(builder, dtype: str) -> None:
                                    shape + [("L", 8), ("NT", 512), ("EPS_E9", 1000)]))
 
 
+# the query's heads work in the kernel: none; Gemma 4's sliding query (weighted norm, all
+# 256 dims rotated by base) and full one (512, a quarter rotated by periods); interleaved
+# pairs at an offset a sequence, taking half of each head (Qwen3.5's query and gate)
+QUERY_HEADS = {"none": (False, (256, 0, 0, False, 2, False, False, False)),
+               "sliding": (True, (256, 0, 2, True, 256, False, False, False)),
+               "full": (True, (512, 0, 2, True, 128, False, True, False)),
+               "interleaved": (True, (256, 0, 1, True, 64, True, False, True))}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("D,mask", [(256, 0), (512, 1), (128, 2)])
+@pytest.mark.parametrize("D,mask,query", [(256, 0, "none"), (512, 1, "none"), (128, 2, "none"),
+                                          (256, 0, "sliding"), (512, 1, "full"),
+                                          (128, 2, "interleaved")])
 @pytest.mark.parametrize("split", [False, True])
-def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int, split: bool) -> None:
+def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int, query: str,
+                                   split: bool) -> None:
     from mlxrunner.nn import attention as nn
 
     inputs = [("q", dtype), ("keys", dtype), ("values", dtype), ("scale", "float32"),
-              ("mask", "bool"), ("dims", "int32"), ("gate", dtype), ("cnt", "int32")]
+              ("mask", "bool"), ("dims", "int32"), ("gate", dtype), ("cnt", "int32"),
+              ("qw", dtype), ("qeps", "float32"), ("qoff", "int32"), ("qfreqs", "float32"),
+              ("qrf", "float32")]
     outputs = [("out", dtype), ("part_o", "float32"), ("part_max", "float32"),
                ("part_sum", "float32")]
+    heads, (width, start, norm, rot, dims, trad, freqs, perb) = QUERY_HEADS[query]
+    if query == "interleaved":
+        width, start = 2 * D, D
     template = [("T", dtype), ("HQ", 8), ("HK", 2), ("D", D), ("DV", min(D, 512)),
                 ("NT", nn.SPLIT_THREADS if split else nn.ATTEND_THREADS),
                 ("U", nn.keys_at_once(D, min(D, 512))), ("MASK", mask),
-                ("GATE", mask == 0), ("SPLIT", split), ("PMAX", nn.SPLIT_BLOCKS)]
+                ("GATE", mask == 0), ("SPLIT", split), ("PMAX", nn.SPLIT_BLOCKS),
+                ("QH", heads), ("QW", width), ("QC", start), ("QNORM", norm), ("QROT", rot),
+                ("QRD", dims), ("QTRAD", trad), ("QFREQS", freqs), ("QPERB", perb)]
     absent = (("mask",) if mask == 0 else ("gate",)) + \
-        (() if split else ("cnt", "part_o", "part_max", "part_sum"))
+        (() if split else ("cnt", "part_o", "part_max", "part_sum")) + \
+        (() if heads else ("qw", "qeps", "qoff", "qrf")) + \
+        (() if norm == 2 else ("qw",)) + (() if freqs else ("qfreqs",))
     _compile(builder, "attend", _wrap("attend", nn.ATTEND_SOURCE, inputs, outputs, template,
                                     absent=absent))
 

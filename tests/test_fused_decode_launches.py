@@ -57,14 +57,20 @@ def launches(monkeypatch) -> Counter:
     def heads(parts, rot, offset, D, starts):
         counts["head parts"] += len(parts)
         with standing_in("heads"):
-            return cuda_norms._reference_heads(parts, rot, offset, D, starts)
+            # (marked twice over: a heads output a step reads shows as two Negatives)
+            return [mx.negative(mx.negative(x))
+                    for x in cuda_norms._reference_heads(parts, rot, offset, D, starts)]
 
     def add_norm(residual, x, weight, eps, scale):
         with standing_in("add norm"):
             return cuda_norms._reference_add_norm(residual, x, weight, eps, scale)
 
-    def attend(q, keys, values, scale, mask, splits=None, gate=None):
+    def attend(q, keys, values, scale, mask, splits=None, gate=None, heads=None):
         counts["attend with gate" if gate is not None else "attend"] += 1
+        if heads is not None:  # the query's heads made by the attention launch
+            counts["queries made by attend"] += 1
+            part, rot, offsets, start = heads
+            q = cuda_norms._reference_heads([part], rot, offsets, q.shape[3], [start])[0]
         out = attention.folded_attention(q, keys, values, scale=scale, mask=mask)
         return out if gate is None else out * mx.sigmoid(gate)
 
@@ -95,7 +101,9 @@ def _one_step(model, launches: Counter, taps: list[int] | None = None
     out = model(ids[:, 12:], cache) if taps is None else \
         mx.concatenate(model(ids[:, 12:], cache, taps=taps), axis=-1)
     got = {k: v for k, v in launches.items() if v}
-    got["launches read"] = _labels(out).count("StopGradient")
+    labels = _labels(out)
+    got["launches read"] = labels.count("StopGradient")
+    got["head outputs read"] = labels.count("Negative") // 2
     mx.eval(out)
     return got, out
 
@@ -112,7 +120,7 @@ def _labels(out: mx.array) -> list[str]:
 _GEMMA4_CONFIG = {
     "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 5,
     "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1,
-    "head_dim": 16, "global_head_dim": 32, "vocab_size": 256,
+    "head_dim": 64, "global_head_dim": 128, "vocab_size": 256,
     "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16,
     "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "sliding_window": 8,
     "layer_types": ["sliding_attention"] * 2 + ["full_attention"] +
@@ -122,7 +130,7 @@ _GEMMA4_CONFIG = {
 _QWEN3_5_SMALL = {
     "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
     "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2,
+    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
     "vocab_size": 256}
 
@@ -164,6 +172,10 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     assert "add norm" not in got, got
     assert got["heads"] == layers and got["head parts"] == 3 * writers + (layers - writers), got
     assert got["attend"] == layers, got
+    # every query made by its attention launch from the raw heads: a layer that shares
+    # another's keys reads no heads launch, one that writes keys reads its keys and values
+    assert got["queries made by attend"] == layers, got
+    assert got["head outputs read"] == 2 * writers, got
     assert got["product with norm after"] == 2 * layers, got
     # read per layer: q(/k/v), o's post norm with the next norm after it, gate/up, down's
     # post norm, the per-layer gate times its input, the per-layer projection's post norm
@@ -194,6 +206,7 @@ def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monk
     _, want = _one_step(model, Counter())
     assert got["heads"] == 1 and got["head parts"] == 3, got
     assert got["attend with gate"] == 1 and "attend" not in got, got
+    assert got["queries made by attend"] == 1 and got["head outputs read"] == 2, got
     # every pre-norm but the first (the embedding's) and the final norm in the residual
     # product's launch before it
     assert got["product with norm after"] == 2 * 4, got

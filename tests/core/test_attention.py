@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import mlxrunner
 from mlxrunner import settings
-from mlxrunner.nn import attend, attention, kernels
+from mlxrunner.nn import attend, attention, cuda_norms, kernels
 from mlxrunner_test_support import logged, on_cuda_and_emulated
 
 on_cuda, emulated = on_cuda_and_emulated()
@@ -93,12 +95,24 @@ def test_attend_folds_only_short_blocks_on_cuda(monkeypatch):
 # ---- the fused kernel ------------------------------------------------------------------
 
 
-def _emulated(q, k, v, scale, mask, splits=1, gate=None):
+def _emulated(q, k, v, scale, mask, splits=1, gate=None, heads=None):
     """The kernel's body under the host emulation (float32): its output (times
-    ``sigmoid(gate)``), with ``splits`` > 1 merged by the blocks that finish each row."""
+    ``sigmoid(gate)``), with ``splits`` > 1 merged by the blocks that finish each row;
+    with ``heads`` (a cuda_norms.HeadSource) the queries made from their raw heads."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
     B, Hq, L, D = q.shape
+    query = {"qw": None, "qeps": None, "qoff": None, "qfreqs": None, "qrf": None}
+    query_template = (D, 0, 0, False, 2, False, False, False)
+    if heads is not None:
+        (x, weight, eps, rotate), (_dims, _trad, log2_base, rope_scale, freqs), offsets, _ = \
+            heads
+        q = x
+        query = {"qw": None if weight is None else np.array(weight),
+                 "qeps": np.array([0.0 if eps is None else eps], np.float32),
+                 "qoff": np.array(offsets), "qfreqs": None if freqs is None else np.array(freqs),
+                 "qrf": np.array([log2_base or 0.0, rope_scale], np.float32)}
+        query_template = attention._heads_case(heads)
     Hk, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     rows = B * Hq * L
     kind = 0 if mask is None else mask.ndim
@@ -112,7 +126,7 @@ def _emulated(q, k, v, scale, mask, splits=1, gate=None):
          "mask": None if mask is None else np.array(mask),  # (None: absent, as the core's)
          "dims": np.array([L, S, splits], np.int32),
          "gate": None if gate is None else np.array(gate),
-         "cnt": counters if split else None},
+         "cnt": counters if split else None, **query},
         {"out": ((B, Hq, L, Dv), np.float32),
          "part_o": ((rows, splits, Dv), np.float32) if split else None,
          "part_max": ((rows, splits), np.float32) if split else None,
@@ -120,7 +134,9 @@ def _emulated(q, k, v, scale, mask, splits=1, gate=None):
         [("T", mx.float32), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
          ("NT", threads), ("U", attention.keys_at_once(D, Dv)),
          ("MASK", kind), ("GATE", gate is not None), ("SPLIT", split),
-         ("PMAX", attention.SPLIT_BLOCKS)],
+         ("PMAX", attention.SPLIT_BLOCKS), ("QH", heads is not None),
+         *zip(("QW", "QC", "QNORM", "QROT", "QRD", "QTRAD", "QFREQS", "QPERB"),
+              query_template)],
         blocks=(rows, splits) if split else rows, threads=threads)
     assert not counters.any()  # every row's counter back at 0, ready for the next launch
     return got["out"]
@@ -169,7 +185,7 @@ def test_attend_gates_its_output_on_every_path(monkeypatch):
     monkeypatch.setattr(kernels, "_verdicts", {})
     fused = []
 
-    def stand_in(q, k, v, scale, mask, splits=None, gate=None):
+    def stand_in(q, k, v, scale, mask, splits=None, gate=None, heads=None):
         fused.append(gate is not None)
         out = attention.folded_attention(q, k, v, scale=scale, mask=mask)
         return out if gate is None else out * mx.sigmoid(gate)
@@ -212,6 +228,42 @@ def test_split_kernel_source_on_the_cpu(mask, gated):
                                    rtol=1e-5, atol=1e-5)
 
 
+def _raw_heads(B, L, H, width, D, norm, rotation, seed):
+    """A query's raw heads ``[B, L, H, width]`` as a fused heads launch would note them
+    (cuda_norms.HeadSource, taking D entries of each from ``width - D``) and the queries
+    MLX's operations make of them."""
+    keys = [mx.random.key(seed + i) for i in range(2)]
+    x = 3 * mx.random.normal((B, L, H, width), key=keys[0])
+    weight = 1 + 0.1 * mx.random.normal((D,), key=keys[1]) if norm == 2 else None
+    eps = None if norm == 0 else 1e-6
+    offsets = mx.array([37, 1000][:B], dtype=mx.int32)
+    source = ((x, weight, eps, rotation is not None),
+              rotation or (2, False, 0.0, 1.0, None), offsets, width - D)
+    want = cuda_norms._reference_heads([source[0]], source[1], offsets, D, [width - D])[0]
+    return source, want
+
+
+@emulated
+@pytest.mark.parametrize("D,norm,rotation,split", [
+    (64, 2, (64, False, math.log2(10000.0), 1.0, None), False),  # Gemma's sliding query
+    (128, 2, (64, False, None, 1.0, "freqs"), True),  # its full one: a part rotated
+    (64, 1, (32, True, math.log2(500.0), 0.5, None), True),  # interleaved pairs, scaled
+    (64, 0, None, False)])  # neither norm nor rotation: the heads as they are
+@pytest.mark.parametrize("B,width", [(1, None), (2, "twice")])
+def test_query_heads_made_in_the_kernel_in_emulation(D, norm, rotation, split, B, width):
+    """From a query's raw heads (normalised, rotated at each sequence's offset, taking part
+    of each head) the kernel attends as the heads then the folded attention do."""
+    if rotation is not None and rotation[4] == "freqs":
+        dims = rotation[0]
+        rotation = rotation[:4] + (2.0 ** (mx.arange(0, dims, 2, dtype=mx.float32) / 4),)
+    source, q = _raw_heads(B, 2, 4, D if width is None else 2 * D, D, norm, rotation, D + B)
+    _, k, v = _case(B, 4, 2, 2, 70, D, 32, mx.float32, seed=D)
+    m = _masks(2, 70)["block"]
+    want = attention.folded_attention(q, k, v, scale=0.2, mask=m)
+    got = _emulated(mx.zeros(q.shape), k, v, 0.2, m, 3 if split else 1, heads=source)
+    np.testing.assert_allclose(got, np.array(want), rtol=2e-5, atol=2e-5)
+
+
 @emulated
 def test_more_splits_than_a_blocks_threads_merge_in_emulation():
     """One query row (a batch of one, one head) splits its keys over more runs than the
@@ -246,7 +298,8 @@ def test_kernel_serves_only_after_its_check(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_verdicts", {})
     launches = []
 
-    def stand_in(q, k, v, scale, mask, splits=None, gate=None):  # the kernel's arithmetic
+    def stand_in(q, k, v, scale, mask, splits=None, gate=None,
+                 heads=None):  # the kernel's arithmetic
         launches.append(q.shape)
         out = attention.folded_attention(q, k, v, scale=scale, mask=mask)
         return out if gate is None else out * mx.sigmoid(gate)

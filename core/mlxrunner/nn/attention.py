@@ -24,6 +24,7 @@ its cache, whatever the cache kind, and inside a traced forward too.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Protocol
 
 import mlx.core as mx
@@ -31,7 +32,9 @@ import mlx.core as mx
 from .. import settings
 from ..cache.frame import active_frame
 from ..constants import constant, window_mask
+from . import cuda_norms
 from .cuda_build import BLOCK_REDUCE, CudaKernel, block_counters, kernel_code
+from .cuda_norms import HeadSource
 from .host_ops import host_attention
 from .kernels import on_cuda, serves
 
@@ -148,8 +151,14 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
     if chosen != "mlx" and not isinstance(mask, str) and _short_block_on_cuda(q, keys, mask):
         fused_gate = gate is not None and gate.shape == (*q.shape[:3], values.shape[3]) \
             and gate.dtype == q.dtype
-        if chosen == "kernel" and _kernel_serves(q, keys, values, mask, fused_gate):
-            out = _launch(q, keys, values, scale, mask, gate=gate if fused_gate else None)
+        heads = _query_heads(q, cuda_norms.head_source(q)) if chosen == "kernel" else None
+        if heads is not None and not _kernel_serves(q, keys, values, mask, fused_gate, heads):
+            heads = None
+        if chosen == "kernel" and (heads is not None
+                                   or _kernel_serves(q, keys, values, mask, fused_gate)):
+            # (with heads: the queries made in the kernel, the launch that made q unread)
+            out = _launch(q, keys, values, scale, mask, gate=gate if fused_gate else None,
+                          heads=heads)
             if fused_gate:
                 return out
         else:
@@ -176,7 +185,12 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
 # none, 1: one row [S] for every query, 2: [L, S]), GATE (the output, rounded to T, times
 # sigmoid(gate) computed in float32 and rounded to T, the product rounded: within a unit in
 # the last place of MLX's sigmoid and multiply), SPLIT (P > 1), PMAX (the most splits); type
-# T. ``dims`` = [L, S, P] (P: key splits).
+# T. ``dims`` = [L, S, P] (P: key splits). QH: q is the raw heads [B, L, HQ, QW] that a
+# fused heads launch would have made the queries of (see :func:`_query_heads`), taking D
+# entries of each from QC, with QNORM (0: none, 1: without weight, 2: with qw) of eps
+# qeps[0], QROT (rotate QRD dims, interleaved pairs where QTRAD; periods 1 / qfreqs where
+# QFREQS, else from log2(base) qrf[0]; position scale qrf[1]; offsets qoff, one a
+# sequence where QPERB).
 _ATTEND_BODY = r"""
     constexpr int kWarps = NT / 32;
     constexpr int QPL = (D + 31) / 32;
@@ -199,12 +213,73 @@ _ATTEND_BODY = r"""
     __shared__ float part_l[kWarps];
     __shared__ float part_acc[kWarps * DV];
     const float sc = static_cast<float>(static_cast<T>(scale[0]));
-    const T* qr = q + (size_t)row * D;
     float qv[QPL];
-    for (int i = 0; i < QPL; ++i) {
-        const int d = lane + 32 * i;
-        qv[i] = d < D ? static_cast<float>(static_cast<T>(static_cast<float>(qr[d]) * sc))
-                      : 0.f;
+    if (!QH) {
+        const T* qr = q + (size_t)row * D;
+        for (int i = 0; i < QPL; ++i) {
+            const int d = lane + 32 * i;
+            qv[i] = d < D ? static_cast<float>(static_cast<T>(static_cast<float>(qr[d]) * sc))
+                          : 0.f;
+        }
+    } else {
+        // q holds the raw heads [B, L, HQ, QW]; the row's D entries from QC normalised and
+        // rotated here as the heads kernel does them (cuda_norms.HEADS_SOURCE), by each
+        // warp in its registers: a rotated pair's entries lie QRD / 2 apart, in one lane
+        // (QRD / 2 a multiple of 32), or in neighbouring lanes (QTRAD)
+        const T* xr = q + ((size_t)(b * L + l) * HQ + h) * QW + QC;
+        constexpr int kHalf = QRD / 2;
+        constexpr int kHalfRegs = kHalf / 32;
+        float xv[QPL];
+        T wq[QPL];
+        float inv_freq[QPL];
+        #pragma unroll
+        for (int i = 0; i < QPL; ++i) {  // the row, its weights and periods loaded at once
+            const int d = lane + 32 * i;
+            xv[i] = d < D ? static_cast<float>(xr[d]) : 0.f;
+            if (QNORM == 2) wq[i] = d < D ? qw[d] : T{};
+            if (QROT) {
+                const int pair = QTRAD ? d / 2 : (d < kHalf ? d : d - kHalf);
+                inv_freq[i] = d >= QRD ? 0.f : (QFREQS
+                    ? static_cast<float>(1.0 / static_cast<double>(qfreqs[pair]))
+                    : exp2f(-(static_cast<float>(pair) / static_cast<float>(kHalf)) * qrf[0]));
+            }
+        }
+        const float pos = QROT ? qrf[1] * static_cast<float>(qoff[QPERB ? b : 0] + l) : 0.f;
+        if (QNORM) {
+            float ss = 0.f;
+            #pragma unroll
+            for (int i = 0; i < QPL; ++i) ss += xv[i] * xv[i];
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+            const float inv = rsqrtf(ss / D + qeps[0]);
+            #pragma unroll
+            for (int i = 0; i < QPL; ++i) {
+                const T xn = static_cast<T>(xv[i] * inv);
+                xv[i] = QNORM == 2 ? static_cast<float>(static_cast<T>(
+                            static_cast<float>(wq[i]) * static_cast<float>(xn)))
+                                   : static_cast<float>(xn);
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < QPL; ++i) {
+            const int d = lane + 32 * i;
+            float r = xv[i];
+            if (QROT) {
+                float sn, cs;
+                sincosf(pos * inv_freq[i], &sn, &cs);
+                if (QTRAD) {
+                    const float other = __shfl_xor_sync(0xffffffff, xv[i], 1);
+                    if (d < QRD) {
+                        r = static_cast<float>(static_cast<T>(
+                            (d & 1) ? other * sn + xv[i] * cs : xv[i] * cs - other * sn));
+                    }
+                } else if (d < QRD) {
+                    r = static_cast<float>(static_cast<T>(
+                        i < kHalfRegs ? xv[i] * cs - xv[min(i + kHalfRegs, QPL - 1)] * sn
+                                      : xv[max(i - kHalfRegs, 0)] * sn + xv[i] * cs));
+                }
+            }
+            qv[i] = d < D ? static_cast<float>(static_cast<T>(r * sc)) : 0.f;
+        }
     }
     const T* kb = keys + ((size_t)b * HK + hk) * S * D;
     const T* vb = values + ((size_t)b * HK + hk) * S * DV;
@@ -417,19 +492,50 @@ def _mask_kind(mask: mx.array | None) -> int:
 
 
 def _case(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None,
-          gated: bool = False) -> tuple[Any, ...]:
+          gated: bool = False, heads: HeadSource | None = None) -> tuple[Any, ...]:
     """What a verdict is kept for: head counts and sizes, the dtype, the mask's kind, the
-    block length, whether keys are split (any batch and buffer length) and whether an
-    output gate is fused."""
+    block length, whether keys are split (any batch and buffer length), whether an output
+    gate is fused and what of the query's heads work the kernel does (``heads``)."""
     rows = q.shape[0] * q.shape[1] * q.shape[2]
     split = key_splits(rows, keys.shape[2]) > 1
     return (q.shape[1], keys.shape[1], q.shape[3], values.shape[3], q.dtype,
-            _mask_kind(mask), q.shape[2], split, gated)
+            _mask_kind(mask), q.shape[2], split, gated) + \
+        (() if heads is None else (_heads_case(heads),))
+
+
+def _heads_case(heads: HeadSource) -> tuple[Any, ...]:
+    """The template a query's heads work takes: (QW, QC, QNORM, QROT, QRD, QTRAD, QFREQS,
+    QPERB) as :func:`_launch` sets them."""
+    (x, weight, eps, rotate), (dims, traditional, log2_base, _scale, _freqs), offsets, start \
+        = heads
+    return (x.shape[3], start, 0 if eps is None else (1 if weight is None else 2),
+            bool(rotate), dims if rotate else 2, bool(rotate and traditional),
+            bool(rotate and log2_base is None), offsets.size > 1)
+
+
+def _query_heads(q: mx.array, heads: HeadSource | None) -> HeadSource | None:
+    """``heads`` (how a fused heads launch made ``q``) where the kernel can do that work
+    itself from the raw heads: their layout ``[B, L, H, W]`` to ``q``'s ``[B, H, L, D]``,
+    one dtype, a rotated pair's entries in one lane (half the rotated dims a multiple of
+    32) or neighbouring ones (interleaved)."""
+    if heads is None:
+        return None
+    (x, _w, _eps, rotate), (dims, traditional, *_), _offsets, start = heads
+    B, H, L, D = q.shape
+    if x.ndim != 4 or x.shape[:3] != (B, L, H) or x.dtype != q.dtype \
+            or not 0 <= start <= x.shape[3] - D:
+        return None
+    if rotate and not (0 < dims <= D and dims % 2 == 0
+                       and (traditional or (dims // 2) % 32 == 0)):
+        return None
+    return heads
 
 
 def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
             mask: mx.array | None, splits: int | None = None,
-            gate: mx.array | None = None) -> mx.array:
+            gate: mx.array | None = None, heads: HeadSource | None = None) -> mx.array:
+    """The fused kernel's output ``[B, Hq, L, Dv]``; with ``heads``, the queries (shape
+    and dtype of ``q``, which is not read) are made from their raw heads in the kernel."""
     global _kernel
     B, Hq, L, D = q.shape
     Hk, S, Dv = keys.shape[1], keys.shape[2], values.shape[3]
@@ -441,20 +547,35 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     if _kernel is None:
         _kernel = CudaKernel(
             name="mlxrunner_attend",
-            input_names=["q", "keys", "values", "scale", "mask", "dims", "gate", "cnt"],
+            input_names=["q", "keys", "values", "scale", "mask", "dims", "gate", "cnt",
+                         "qw", "qeps", "qoff", "qfreqs", "qrf"],
             output_names=["out", "part_o", "part_max", "part_sum"], source=ATTEND_SOURCE)
     if mask is not None and mask.ndim == 2 and mask.shape != (L, S):
         mask = mx.broadcast_to(mask, (L, S))
     threads = SPLIT_THREADS if split else ATTEND_THREADS
+    absent = q.dtype  # (an input the case does not read: not passed, see CudaKernel)
+    query: list[mx.array | mx.Dtype] = [q, absent, mx.float32, mx.int32, mx.float32,
+                                        mx.float32]
+    query_template: tuple[Any, ...] = (D, 0, 0, False, 2, False, False, False)
+    if heads is not None:
+        (x, weight, eps, rotate), (_dims, _trad, log2_base, rope_scale, freqs), offsets, _ \
+            = heads
+        query = [x, absent if weight is None or eps is None else weight,
+                 constant((0.0 if eps is None else float(eps),), mx.float32), offsets,
+                 freqs if rotate and freqs is not None else mx.float32,
+                 constant((log2_base or 0.0, rope_scale), mx.float32)]
+        query_template = _heads_case(heads)
     return _kernel(  # (absent: a dtype for an input, None for an output's shape)
-        inputs=[q, keys, values, constant((float(scale),), mx.float32),
+        inputs=[query[0], keys, values, constant((float(scale),), mx.float32),
                 mask if mask is not None else mx.bool_, constant((L, S, P), mx.int32),
                 gate if gate is not None else q.dtype,
-                block_counters(rows) if split else mx.int32],
+                block_counters(rows) if split else mx.int32, *query[1:]],
         template=[("T", q.dtype), ("HQ", Hq), ("HK", Hk), ("D", D), ("DV", Dv),
                   ("NT", threads), ("U", keys_at_once(D, Dv)),
                   ("MASK", _mask_kind(mask)), ("GATE", gate is not None), ("SPLIT", split),
-                  ("PMAX", SPLIT_BLOCKS)],
+                  ("PMAX", SPLIT_BLOCKS), ("QH", heads is not None),
+                  *zip(("QW", "QC", "QNORM", "QROT", "QRD", "QTRAD", "QFREQS", "QPERB"),
+                       query_template)],
         grid=(threads * rows, P, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B, Hq, L, Dv)] + ([(rows, P, Dv), (rows, P), (rows, P)] if split
                                           else [None] * 3),
@@ -473,37 +594,61 @@ def _kernel_applies(q: mx.array, keys: mx.array, values: mx.array,
 
 
 def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
-                   mask: mx.array | None, gated: bool = False) -> bool:
-    """Whether the fused kernel serves this case (``gated``: with an output gate; settled
-    by a self-check on random inputs of its shapes, the first time)."""
+                   mask: mx.array | None, gated: bool = False,
+                   heads: HeadSource | None = None) -> bool:
+    """Whether the fused kernel serves this case (``gated``: with an output gate;
+    ``heads``: making the queries from their raw heads; settled by a self-check on random
+    inputs of its shapes, the first time)."""
     if not (_kernel_applies(q, keys, values, mask)
             and settings.current().kernel_allowed("attention")):
         return False
-    case = _case(q, keys, values, mask, gated)
-    heads, kv_heads, head_dim, value_dim, dtype, kind, length, split, gated = case
+    case = _case(q, keys, values, mask, gated, heads)
+    n_heads, kv_heads, head_dim, value_dim, dtype, kind, length, split, gated = case[:9]
     scale = head_dim ** -0.5
+    batch = 2 if heads is not None and heads[2].size > 1 else 1  # (an offset a sequence)
 
-    def probe() -> tuple[mx.array, mx.array, mx.array, mx.array | None, mx.array | None]:
+    def probe() -> tuple[Any, ...]:
         S = 67  # not a multiple of the warps: some take one key fewer
-        parts = [mx.random.key(2024 + i) for i in range(5)]  # no gather (see deltanet's)
-        pq = mx.random.normal((1, heads, length, head_dim), key=parts[0]).astype(dtype)
-        pk = mx.random.normal((1, kv_heads, S, head_dim), key=parts[1]).astype(dtype)
-        pv = mx.random.normal((1, kv_heads, S, value_dim), key=parts[2]).astype(dtype)
+        parts = [mx.random.key(2024 + i) for i in range(7)]  # no gather (see deltanet's)
+        pq = mx.random.normal((batch, n_heads, length, head_dim), key=parts[0]).astype(dtype)
+        pk = mx.random.normal((batch, kv_heads, S, head_dim), key=parts[1]).astype(dtype)
+        pv = mx.random.normal((batch, kv_heads, S, value_dim), key=parts[2]).astype(dtype)
         keep = mx.random.uniform(shape=(length, S), key=parts[3]) < 0.7
         keep = keep | (mx.arange(S)[None] == mx.arange(length)[:, None])  # a key per row
-        gate = (3 * mx.random.normal((1, heads, length, value_dim), key=parts[4])
+        gate = (3 * mx.random.normal((batch, n_heads, length, value_dim), key=parts[4])
                 ).astype(dtype) if gated else None
-        return pq, pk, pv, (None, keep[0], keep)[kind], gate
+        return pq, pk, pv, (None, keep[0], keep)[kind], gate, \
+            None if heads is None else _probe_heads(heads, pq, parts[5], parts[6])
 
     def reference(p: tuple[Any, ...]) -> mx.array:
-        out = folded_attention(*p[:3], scale=scale, mask=p[3])
+        q = p[0] if p[5] is None else cuda_norms._reference_heads(
+            [p[5][0]], p[5][1], p[5][2], head_dim, [p[5][3]])[0]
+        out = folded_attention(q, *p[1:3], scale=scale, mask=p[3])
         return out if p[4] is None else out * mx.sigmoid(p[4])
 
     return serves("attention", case,
                   lambda p: _launch(p[0], p[1], p[2], scale, p[3], splits=3 if split else 1,
-                                    gate=p[4]),
+                                    gate=p[4], heads=p[5]),
                   reference, probe, 2e-3 if dtype == mx.float32 else 5e-2,
                   against="MLX's operations", source=kernel_code(__file__))
+
+
+def _probe_heads(heads: HeadSource, q: mx.array, key: mx.array, weight_key: mx.array
+                 ) -> HeadSource:
+    """Raw heads for a check of the kernel making ``q``'s queries as ``heads`` says: its
+    layout, norm and rotation, random entries, weights and positions."""
+    (x, weight, eps, rotate), (dims, traditional, log2_base, rope_scale, freqs), offsets, \
+        start = heads
+    B, H, L, D = q.shape
+    raw = (3.0 * mx.random.normal((B, L, H, x.shape[3]), key=key)).astype(q.dtype)
+    w = None if weight is None else \
+        (1.0 + 0.1 * mx.random.normal((D,), key=weight_key)).astype(q.dtype)
+    periods = None if log2_base is not None else \
+        10000.0 ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    return ((raw, w, None if eps is None else 1e-6, rotate),
+            (dims, traditional, None if log2_base is None else math.log2(10000.0),
+             rope_scale, periods),
+            mx.array([37, 1000][:B], dtype=mx.int32), start)
 
 
 def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, length: int,

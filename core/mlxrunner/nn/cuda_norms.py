@@ -15,6 +15,8 @@ scale), and serve a case only after its self-check against those operations
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -192,6 +194,37 @@ _add_norm = CudaKernel(name="mlxrunner_add_norm", input_names=["x", "w", "res", 
 HeadPart = tuple[mx.array, "mx.array | None", "float | None", bool]
 #: the rotation: dims, traditional, log2(base) or None (periods from freqs), scale, freqs
 Rotation = tuple[int, bool, "float | None", float, "mx.array | None"]
+#: how a fused heads launch made one of its outputs: the part, its rotation (absent where
+#: the part is not rotated: its dims then unused), the positions' offsets (int32, one or
+#: one per sequence) and the first entry it took of each head
+HeadSource = tuple[HeadPart, Rotation, mx.array, int]
+#: heads outputs remembered per thread (a layer's query, keys and values, until its
+#: attention reads the query; each entry holds its output alive)
+NOTED_HEADS = 6
+_sources = threading.local()
+
+
+def head_source(out: mx.array) -> HeadSource | None:
+    """How :func:`fused_heads` made ``out`` (this thread, among its last few), or None: a
+    reader may do that work itself from the raw heads (the attention kernel does, so that a
+    layer whose keys come from another spends no launch on its query)."""
+    noted = getattr(_sources, "noted", None)
+    entry = None if noted is None else noted.get(id(out))
+    return None if entry is None or entry[0] is not out else entry[1]
+
+
+def _note_source(out: mx.array, source: HeadSource) -> None:
+    noted = getattr(_sources, "noted", None)
+    if noted is None:
+        noted = _sources.noted = OrderedDict()
+    noted[id(out)] = (out, source)  # (out held: its id is not reused meanwhile)
+    while len(noted) > NOTED_HEADS:
+        noted.popitem(last=False)
+
+
+def _offsets(offset: int | mx.array) -> mx.array:
+    return offset.reshape(-1) if isinstance(offset, mx.array) else \
+        mx.array([offset], dtype=mx.int32)
 
 
 def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
@@ -234,7 +267,11 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
             rot[0], rot[1], rot[2] is None, rot[3])
     if not _heads_serve(case):
         return None
-    return _launch_heads(parts, rot, offset, D, starts)
+    offsets = _offsets(offset)
+    outputs = _launch_heads(parts, rot, offsets, D, starts)
+    for out, part, start in zip(outputs, parts, starts):
+        _note_source(out, (part, rot, offsets, start))
+    return outputs
 
 
 def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array, D: int,
@@ -245,8 +282,7 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
     absent = x.dtype  # (an input the case does not read: not passed, see CudaKernel)
     missing = 3 - len(parts)
     heads = [p[0].shape[2] for p in parts] + [0] * missing
-    offsets = offset.reshape(-1) if isinstance(offset, mx.array) else \
-        mx.array([offset], dtype=mx.int32)
+    offsets = _offsets(offset)
     template: list[tuple[str, Any]] = [("T", x.dtype), ("D", D)]
     template += [(f"H{i}", heads[i]) for i in range(3)]
     template += [(f"W{i}", w) for i, w in enumerate([p[0].shape[3] for p in parts]
