@@ -265,12 +265,14 @@ def test_query_heads_made_in_the_kernel_in_emulation(D, norm, rotation, split, B
 
 
 @emulated
-def test_more_splits_than_a_blocks_threads_merge_in_emulation():
+@pytest.mark.parametrize("Dv,splits", [(32, attention.SPLIT_THREADS + 44), (512, 64), (30, 9)])
+def test_more_splits_than_a_blocks_threads_merge_in_emulation(Dv, splits):
     """One query row (a batch of one, one head) splits its keys over more runs than the
-    merging block has threads: each thread weighs several partials."""
-    q, k, v = _case(1, 1, 1, 1, 600, 32, 32, mx.float32, seed=4)
+    merging block has threads (each thread weighs several partials); over many runs of
+    Gemma's widest values (four columns a load, the runs dealt over subsets of the block);
+    and values whose width is no multiple of four (a column a load)."""
+    q, k, v = _case(1, 1, 1, 1, 600, 32, Dv, mx.float32, seed=4)
     m = mx.arange(600) % 5 != 2
-    splits = attention.SPLIT_THREADS + 44
     want = attention.folded_attention(q, k, v, scale=0.2, mask=m)
     np.testing.assert_allclose(_emulated(q, k, v, 0.2, m, splits), np.array(want),
                                rtol=1e-5, atol=1e-5)

@@ -432,22 +432,60 @@ ATTEND_SOURCE = _ATTEND_BODY + _BLOCK_MERGE + BLOCK_REDUCE + r"""
     }
     __threadfence();
     // the row's P partials, each weighted by its share of the softmax's sum: the weights
-    // in shared memory (loaded a partial a thread, at once), then each output column's
-    // weighted partials, eight loads at a time
+    // in shared memory (each partial's maximum and sum loaded by a thread, at once), then
+    // the output columns' weighted partials, four columns a 16-byte load where DV allows,
+    // the partials dealt over the block's threads in kSubsets interleaved subsets (P = 64
+    // partials of 512 columns: 32 loads a thread, not 128) whose sums meet in part_acc
     const size_t first = (size_t)row * P;
     __shared__ float weight[PMAX];
+    __shared__ float share[PMAX];
     float top = -3.0e38f;
     for (int p = t; p < P; p += NT) {
         weight[p] = __ldcg(part_max + first + p);
+        share[p] = __ldcg(part_sum + first + p);
         top = fmaxf(top, weight[p]);
     }
     top = block_reduce(top, true, part_m);  // (part_m free: read before the count)
     float weights = 0.f;
     for (int p = t; p < P; p += NT) {
-        weight[p] = __ldcg(part_sum + first + p) * expf(weight[p] - top);
+        weight[p] = share[p] * expf(weight[p] - top);
         weights += weight[p];
     }
     weights = block_reduce(weights, false, part_m);  // (its barriers: every weight written)
+    if (DV % 4 == 0 && DV <= 4 * NT) {
+        constexpr int kGroups = DV / 4;
+        constexpr int kSubsets = NT / kGroups < kWarps ? NT / kGroups : kWarps;
+        const int g = t % kGroups;
+        const int sub = t / kGroups;
+        if (sub < kSubsets) {  // (part_acc free: read before the count)
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+            #pragma unroll 8
+            for (int p = sub; p < P; p += kSubsets) {
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(
+                    part_o + (first + p) * DV) + g);
+                const float wp = weight[p];
+                o.x += wp * v.x;
+                o.y += wp * v.y;
+                o.z += wp * v.z;
+                o.w += wp * v.w;
+            }
+            float* sums = part_acc + sub * DV + 4 * g;
+            sums[0] = o.x;
+            sums[1] = o.y;
+            sums[2] = o.z;
+            sums[3] = o.w;
+        }
+        __syncthreads();
+        #pragma unroll 1
+        for (int d = t; d < DV; d += NT) {
+            float o = 0.f;
+            for (int u = 0; u < kSubsets; ++u) {
+                o += part_acc[u * DV + d];
+            }
+            write_out(d, o / weights);
+        }
+        return;
+    }
     #pragma unroll 1
     for (int d = t; d < DV; d += NT) {
         float o = 0.f;

@@ -76,6 +76,8 @@ static unsigned int __float_as_uint(float x) {
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+static float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 """
 
 _RUNNER = r"""
