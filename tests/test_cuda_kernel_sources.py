@@ -246,7 +246,7 @@ QUERY_HEADS = {"none": (False, (256, 0, 0, False, 2, False, False, False)),
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("D,mask,query", [(256, 0, "none"), (512, 1, "none"), (128, 2, "none"),
                                           (256, 0, "sliding"), (512, 1, "full"),
-                                          (128, 2, "interleaved")])
+                                          (128, 2, "interleaved"), (2, 1, "none")])
 @pytest.mark.parametrize("split", [False, True])
 def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int, query: str,
                                    split: bool) -> None:

@@ -453,7 +453,7 @@ ATTEND_SOURCE = _ATTEND_BODY + _BLOCK_MERGE + BLOCK_REDUCE + r"""
     }
     weights = block_reduce(weights, false, part_m);  // (its barriers: every weight written)
     if (DV % 4 == 0 && DV <= 4 * NT) {
-        constexpr int kGroups = DV / 4;
+        constexpr int kGroups = DV >= 4 ? DV / 4 : 1;  // (a constant for every DV)
         constexpr int kSubsets = NT / kGroups < kWarps ? NT / kGroups : kWarps;
         const int g = t % kGroups;
         const int sub = t / kGroups;
@@ -668,7 +668,8 @@ def _kernel_serves(q: mx.array, keys: mx.array, values: mx.array,
                   lambda p: _launch(p[0], p[1], p[2], scale, p[3], splits=3 if split else 1,
                                     gate=p[4], heads=p[5]),
                   reference, probe, 2e-3 if dtype == mx.float32 else 5e-2,
-                  against="MLX's operations", source=kernel_code(__file__))
+                  # (the heads' reference and what a HeadSource means are cuda_norms')
+                  against="MLX's operations", source=kernel_code(__file__, cuda_norms.__file__))
 
 
 def _probe_heads(heads: HeadSource, q: mx.array, key: mx.array, weight_key: mx.array
