@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..constants import constant
-from .cuda_build import CudaKernel, kernel_code
+from .cuda_build import BLOCK_REDUCE, CudaKernel, kernel_code
 from .kernels import kernel_allowed, serves
 
 #: positions per sequence a heads launch takes (a decode step, a short verify block)
@@ -35,11 +35,12 @@ HEAD_THREADS = 128
 ADD_THREADS = 256
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 3e-2, mx.bfloat16: 3e-2}
 
-# 1 / rms(row[0, D)) with eps over the block's NT threads (every thread calls it). The
-# loops over a row are unrolled (their bounds D and NT are constants; the first entry, the
-# thread's index, is not): their loads in flight together, where a loop that waited on each
-# in turn cost a round trip to memory an entry.
-INVERSE_RMS = r"""
+# 1 / rms(row[0, D)) with eps over the block's NT threads (every thread calls it; the block
+# sum is cuda_build.BLOCK_REDUCE's, with its barriers). The loops over a row are unrolled
+# (their bounds D and NT are constants; the first entry, the thread's index, is not): their
+# loads in flight together, where a loop that waited on each in turn cost a round trip to
+# memory an entry.
+INVERSE_RMS = BLOCK_REDUCE + r"""
     __shared__ float red[NT / 32];
     const auto inverse_rms = [&](const T* row, float eps_value) {
         float ss = 0.f;
@@ -48,12 +49,7 @@ INVERSE_RMS = r"""
             const float v = static_cast<float>(row[j]);
             ss += v * v;
         }
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-        __syncthreads();
-        float total = 0.f;
-        for (int i = 0; i < NT / 32; ++i) total += red[i];
-        return rsqrtf(total / D + eps_value);
+        return rsqrtf(block_reduce(ss, false, red) / D + eps_value);
     };
 """
 
