@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import mlx.core as mx
@@ -10,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlxrunner import settings as mlxrunner_settings
 from mlxrunner.plugin import topk_indices
-from mlxrunner_test_support import graph_labels
+from mlxrunner_test_support import graph_labels, logged
 
 CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
 
@@ -379,9 +381,10 @@ def test_cuda_kernel_launch_geometry(n: int, k: int) -> None:
 @pytest.fixture
 def fresh_kernel_state(monkeypatch: pytest.MonkeyPatch):
     from mlxrunner.decode import topk
+    from mlxrunner.nn import kernels
 
-    monkeypatch.setattr(topk, "_kernel_failed", None)
-    monkeypatch.setattr(topk, "_kernel_checked", set())
+    monkeypatch.setattr(topk, "_kernel_refused", set())
+    monkeypatch.setattr(kernels, "_verdicts", {})
     monkeypatch.setattr(topk, "_cuda_ready", lambda: True)
     return topk
 
@@ -414,6 +417,7 @@ def test_prepare_settles_the_check_before_a_trace(fresh_kernel_state, kernel_cal
                                                   monkeypatch) -> None:
     """prepare_topk_indices runs the first-use check eagerly, so a later call (inside a
     trace) finds it settled; on the CPU and for k = 1 it does nothing."""
+    from mlxrunner.nn import kernels
     from mlxrunner.plugin import prepare_topk_indices
 
     topk, calls = fresh_kernel_state, kernel_calls
@@ -421,7 +425,8 @@ def test_prepare_settles_the_check_before_a_trace(fresh_kernel_state, kernel_cal
     prepare_topk_indices(1, 5000, 1)
     assert calls == []
     prepare_topk_indices(1, 5000, 16)
-    assert calls == [(2, 5000)] and (5000, 16, "mlx.core.float32", 1) in topk._kernel_checked
+    assert calls == [(2, 5000)] and kernels._verdicts[
+        ("topk", ("chunk", 5000, 16, "mlx.core.float32", 1))] is True
     got = mx.compile(lambda x: topk._topk_gpu(x, 16))(mx.array(mixed_rows(1, 5000, seed=2)))
     assert (np.array(got) == reference(mixed_rows(1, 5000, seed=2), 16)).all()
     assert calls == [(2, 5000), (1, 5000)]  # no second check
@@ -431,7 +436,10 @@ def test_prepare_settles_the_check_before_a_trace(fresh_kernel_state, kernel_cal
 
 
 @pytest.mark.parametrize("failure", ["raises", "wrong"])
-def test_kernel_falls_back_with_one_warning(fresh_kernel_state, monkeypatch, failure) -> None:
+def test_kernel_falls_back_with_one_warning_a_case(fresh_kernel_state, monkeypatch, caplog,
+                                                   failure) -> None:
+    """A case whose check fails (the kernel refused, or a wrong answer) logs one warning
+    naming it and is sorted, exactly, from then on; each case is checked on its own."""
     topk = fresh_kernel_state
 
     def broken(x: mx.array, k: int, subchunks: int | None = None) -> mx.array:
@@ -442,16 +450,27 @@ def test_kernel_falls_back_with_one_warning(fresh_kernel_state, monkeypatch, fai
 
     monkeypatch.setattr(topk, "_cuda_first_k_per_chunk", broken)
     x = mixed_rows(4, 5000, seed=4)
-    with pytest.warns(RuntimeWarning, match="CUDA chunk kernel is off"):
-        got = np.array(topk._topk_gpu(mx.array(x), 20))
-    assert (got == reference(x, 20)).all()
-    import warnings
+    warned = "unavailable (ValueError" if failure == "raises" else "disagrees with the"
+    with caplog.at_level(logging.WARNING, logger="mlxrunner.nn"):
+        for _ in range(2):
+            got = np.array(topk._topk_gpu(mx.array(x), 20))
+            assert (got == reference(x, 20)).all()
+        assert logged(caplog).count(f"topk_indices: the CUDA chunk kernel {warned}") == 1
+        got = np.array(topk._topk_gpu(mx.array(x), 64))  # another case, checked anew
+        assert (got == reference(x, 64)).all()
+        assert logged(caplog).count("topk_indices: the CUDA chunk kernel") == 1
+    assert topk.kernel_status() == ("off for 2 case(s) that failed their check "
+                                    "(first: N=5000, K=20, mlx.core.float32)")
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no second warning
-        got = np.array(topk._topk_gpu(mx.array(x), 64))
-    assert (got == reference(x, 64)).all()
-    assert topk.kernel_status().startswith("off: ValueError")
+
+def test_the_chunk_kernel_is_off_where_turned_off(fresh_kernel_state, kernel_calls) -> None:
+    """MLXRUNNER_KERNELS without topk: the chunked sort, no check, and the status says so."""
+    topk, calls = fresh_kernel_state, kernel_calls
+    x = mixed_rows(2, 5000, seed=5)
+    with mlxrunner_settings.overridden(kernels=frozenset({"attention"})):
+        assert (np.array(topk._topk_gpu(mx.array(x), 20)) == reference(x, 20)).all()
+        assert topk.kernel_status() == "off: turned off (MLXRUNNER_KERNELS)"
+    assert calls == []
 
 
 def test_check_rows_cover_the_ordering_rules() -> None:

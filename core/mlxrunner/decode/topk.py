@@ -29,12 +29,12 @@ Strategies (same answer, chosen by ``mx.default_device()``):
 from __future__ import annotations
 
 import math
-import warnings
 from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
 
+from .. import settings
 from ..nn.cuda_build import CudaKernel, kernel_code
 from ..nn.kernels import kernel_allowed, on_cuda, serves
 
@@ -228,8 +228,8 @@ _CUDA_CHUNK_TOPK = _CUDA_ENTRY_KEY + r"""
 _cuda_kernel: Any = None  # mx.fast.cuda_kernel's kernel, made on first use
 _KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _MAX_GRID_ROWS = 65535  # gridDim.y limit
-_kernel_failed: str | None = None  # why the kernel is off (after one warning)
-_kernel_checked: set[tuple[int, int, str, int]] = set()  # (N, K, dtype, M) that passed
+#: (N, K, dtype, M) cases of the chunk kernel that failed their check (sorted instead)
+_kernel_refused: set[tuple[int, int, str, int]] = set()
 
 
 KERNEL_MIN_BLOCKS = 1024
@@ -306,14 +306,12 @@ def check_rows(rows: int, n: int) -> mx.array:
 
 
 def _kernel_usable(x: mx.array, k: int) -> bool:
-    """Whether the fused kernel may run for this input: CUDA present, not turned off,
-    and its (N, K, dtype, M) instance agreed with the chunked sort on check rows once.
-
-    Any failure (no CUDA, compile error, a launch refused, a wrong answer) turns the
-    kernel off for the process with one warning; the chunked sort takes over.
-    """
-    global _kernel_failed
-    if _kernel_failed is not None or not _cuda_ready():
+    """Whether the fused kernel may run for this input: CUDA present, not turned off
+    (``MLXRUNNER_KERNELS``), and its (N, K, dtype, M) case agreed with the chunked sort on
+    check rows once (:func:`mlxrunner.nn.kernels.serves`: a pass kept on disk for later
+    processes; the sort's reference run uncompiled, building nothing). A case that fails
+    (a build error, a launch refused, a wrong answer) logs one warning and is sorted."""
+    if not _cuda_ready() or not settings.current().kernel_allowed("topk"):
         return False
     rows = 1
     for size in x.shape[:-1]:
@@ -323,35 +321,35 @@ def _kernel_usable(x: mx.array, k: int) -> bool:
     n = x.shape[-1]
     dtype = x.dtype if x.dtype in _KERNEL_DTYPES else mx.float32
     subchunks = dict(kernel_launch(rows, n, k)["template"])["M"]
-    instance = (n, k, str(dtype), subchunks)
-    if instance in _kernel_checked:
-        return True
-    try:
-        probe = check_rows(2, n).astype(dtype)
-        got = _topk_from_chunk_keys(_cuda_first_k_per_chunk(probe, k, subchunks),
-                                    probe.shape[:-1], k, _U64_PAD)
-        want = _topk_gpu(probe, k, select="sort")
-        mx.eval(got, want)
-        if not mx.array_equal(got, want).item():
-            raise ValueError(f"disagrees with the chunked sort (N={n}, K={k}, {dtype})")
-    except Exception as error:  # noqa: BLE001 - any failure means: use the sort
-        _kernel_failed = f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"
-        warnings.warn(f"topk_indices: the CUDA chunk kernel is off ({_kernel_failed}); "
-                      "using the chunked sort", RuntimeWarning, stacklevel=3)
-        return False
-    _kernel_checked.add(instance)
-    return True
+    case = (n, k, str(dtype), subchunks)
+
+    def kernel(probe: mx.array) -> mx.array:
+        return _topk_from_chunk_keys(_cuda_first_k_per_chunk(probe, k, subchunks),
+                                     probe.shape[:-1], k, _U64_PAD)
+
+    usable = serves("topk", ("chunk", *case), kernel,
+                    lambda probe: _topk_gpu(probe, k, select="sort"),
+                    lambda: check_rows(2, n).astype(dtype), 0.0, against="the chunked sort",
+                    label="topk_indices: the CUDA chunk kernel", source=kernel_code(__file__))
+    if not usable:
+        _kernel_refused.add(case)
+    return usable
 
 
 _cuda_ready = on_cuda  # the kernel runs on the GPU stream (tests stand in for it here)
 
 
 def kernel_status() -> str:
-    """'on' (the CUDA kernel is the GPU default), or why it is off."""
-    if _kernel_failed is not None:
-        return f"off: {_kernel_failed}"
+    """'on' (the CUDA kernel is the GPU default), or why it is off (for some cases: those
+    whose check failed, each named in its warning)."""
     if not _cuda_ready():
         return "off: no CUDA GPU as the default device"
+    if not settings.current().kernel_allowed("topk"):
+        return "off: turned off (MLXRUNNER_KERNELS)"
+    if _kernel_refused:
+        n, k, dtype, _ = min(_kernel_refused)
+        return (f"off for {len(_kernel_refused)} case(s) that failed their check "
+                f"(first: N={n}, K={k}, {dtype})")
     return "on"
 
 
