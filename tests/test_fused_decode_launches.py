@@ -189,6 +189,22 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+def test_queries_whose_rotated_pairs_straddle_lanes_come_from_the_heads_launch(launches,
+                                                                              monkeypatch):
+    """Heads of 16 (a rotated pair 8 entries apart: not in one lane of the attention
+    kernel's warps) keep their queries from the heads launch, read by each attention; the
+    logits are the unforced step's."""
+    mx.set_default_device(mx.cpu)
+    model = _gemma4(head_dim=16, global_head_dim=32)
+    got, logits = _one_step(model, launches)
+    monkeypatch.undo()
+    _, want = _one_step(model, Counter())
+    layers, writers = 5, 3
+    assert "queries made by attend" not in got and got["attend"] == layers, got
+    assert got["head outputs read"] == 3 * writers + (layers - writers), got
+    np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
+
+
 def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monkeypatch,
                                                                  shared_data_dir: Path):
     """The attention layer's query, key and output gate laid out by one heads launch, the
