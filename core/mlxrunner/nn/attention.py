@@ -24,7 +24,6 @@ its cache, whatever the cache kind, and inside a traced forward too.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple, Protocol
 
 import mlx.core as mx
@@ -676,18 +675,12 @@ def _probe_heads(heads: HeadSource, q: mx.array, key: mx.array, weight_key: mx.a
                  ) -> HeadSource:
     """Raw heads for a check of the kernel making ``q``'s queries as ``heads`` says: its
     layout, norm and rotation, random entries, weights and positions."""
-    (x, weight, eps, rotate), (dims, traditional, log2_base, rope_scale, freqs), offsets, \
-        start = heads
+    (x, weight, eps, rotate), (dims, traditional, log2_base, rope_scale, _), _, start = heads
     B, H, L, D = q.shape
-    raw = (3.0 * mx.random.normal((B, L, H, x.shape[3]), key=key)).astype(q.dtype)
-    w = None if weight is None else \
-        (1.0 + 0.1 * mx.random.normal((D,), key=weight_key)).astype(q.dtype)
-    periods = None if log2_base is not None else \
-        10000.0 ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-    return ((raw, w, None if eps is None else 1e-6, rotate),
-            (dims, traditional, None if log2_base is None else math.log2(10000.0),
-             rope_scale, periods),
-            mx.array([37, 1000][:B], dtype=mx.int32), start)
+    part = cuda_norms.probe_part((B, L, H, x.shape[3]), D, q.dtype, weight is not None,
+                                 eps is not None, rotate, key, weight_key)
+    rotation = cuda_norms.probe_rotation(dims, traditional, log2_base is None, rope_scale)
+    return part, rotation, cuda_norms.probe_offsets(B), start
 
 
 def prepare_attend(heads: int, kv_heads: int, head_dim: int, value_dim: int, length: int,

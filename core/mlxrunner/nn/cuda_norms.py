@@ -323,24 +323,37 @@ def _reference_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.
     return out
 
 
+def probe_part(shape: tuple[int, ...], D: int, dtype: mx.Dtype, weighted: bool, normed: bool,
+               rotate: bool, key: mx.array, weight_key: mx.array) -> HeadPart:
+    """A self-check's part: random heads of ``shape`` (``[B, L, H, W]``), a norm weight of
+    ``D`` near 1 where ``weighted``, eps 1e-6 where ``normed``."""
+    x = (3.0 * mx.random.normal(shape, key=key)).astype(dtype)
+    w = (1.0 + 0.1 * mx.random.normal((D,), key=weight_key)).astype(dtype) if weighted \
+        else None
+    return x, w, 1e-6 if normed else None, rotate
+
+
+def probe_rotation(dims: int, traditional: bool, by_freqs: bool, scale: float) -> Rotation:
+    """A self-check's rotation: base 10000, as periods (``by_freqs``) or as its log2."""
+    freqs = 10000.0 ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) if by_freqs else None
+    return dims, traditional, None if by_freqs else math.log2(10000.0), scale, freqs
+
+
+def probe_offsets(batch: int) -> mx.array:
+    """A self-check's positions: one offset, or one a sequence (at most two)."""
+    return mx.array([37, 1000][:batch], dtype=mx.int32)
+
+
 def _heads_serve(case: tuple[Any, ...]) -> bool:
     dtype, D, L, per_sequence, shapes, dims, traditional, by_freqs, scale = case
     B = 2 if per_sequence else 1
 
     def probe() -> tuple[list[HeadPart], Rotation, mx.array]:
         keys = [mx.random.key(4811 + i) for i in range(2 * len(shapes) + 1)]
-        parts: list[HeadPart] = []
-        for i, (heads, extra, _start, weighted, normed, rotate) in enumerate(shapes):
-            x = (3.0 * mx.random.normal((B, L, heads, D + extra), key=keys[2 * i])
-                 ).astype(dtype)
-            w = (1.0 + 0.1 * mx.random.normal((D,), key=keys[2 * i + 1])).astype(dtype) \
-                if weighted else None
-            parts.append((x, w, 1e-6 if normed else None, rotate))
-        freqs = 10000.0 ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) \
-            if by_freqs else None
-        offset = mx.array([37, 1000][:B], dtype=mx.int32)
-        return parts, (dims, traditional, None if by_freqs else math.log2(10000.0), scale,
-                       freqs), offset
+        parts = [probe_part((B, L, heads, D + extra), D, dtype, weighted, normed, rotate,
+                            keys[2 * i], keys[2 * i + 1])
+                 for i, (heads, extra, _start, weighted, normed, rotate) in enumerate(shapes)]
+        return parts, probe_rotation(dims, traditional, by_freqs, scale), probe_offsets(B)
 
     starts = [shape[2] for shape in shapes]
     return serves("norms", ("heads", *case),
