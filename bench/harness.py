@@ -138,6 +138,8 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
             best[name]["kernels_per_step"] = kernels[name]["kernels"]
             best[name]["kernels_by_name"] = kernels[name]["by_name"]
             best[name]["graphs_per_step"] = kernels[name]["graphs"]
+            for key in ("prompt_kernels", "prompt_by_name"):
+                best[name][key] = kernels[name].get(key)
             if not kernels[name]["graphs"]:
                 print(f"  {name}: MLX wrote no graph in the counted step", flush=True)
             elif "sample" in kernels[name]:  # a dump this bench could not read: show it
@@ -150,8 +152,9 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
               f"{result['decode_build_ms']:.2f}, submit {result['decode_submit_ms']:.2f}, "
               f"wait {result['decode_wait_ms']:.2f} ms"
               + _device_part(result) + ")"
-              + (f"  kernels a step {result['kernels_per_step']}"
-                 if "kernels_per_step" in result else ""), flush=True)
+              + (f"  kernels a step {result['kernels_per_step']}, the prompt "
+                 f"{result['prompt_kernels']}" if "kernels_per_step" in result else ""),
+              flush=True)
     return best
 
 
@@ -201,10 +204,21 @@ def step_kernels_on_cuda() -> dict[str, Any] | None:
 
 def count_step_kernels(rows: dict[str, Any], prompt: mx.array) -> dict[str, Any]:
     """(In the child of :func:`step_kernels_on_cuda`.) Each row's kernels in its fourth
-    decode step after an 8-token prefill: ``kernels`` and ``by_name`` (the most frequent)."""
+    decode step after an 8-token prefill: ``kernels`` and ``by_name`` (the most frequent);
+    and in the timed prompt's prefill, its first chunk (``prompt_kernels``, ``prompt_by_name``)."""
     prefix = Path(os.environ["MLX_SAVE_CUDA_GRAPHS_DOT_FILE"])
     counts: dict[str, Any] = {}
     for name, model in rows.items():
+        first = prompt[None, :min(prompt.size - 1, PREFILL_CHUNK or prompt.size)]
+        for _ in range(2):  # (the first prompt's one-off setup is not counted)
+            mx.synchronize()
+            before = set(prefix.parent.glob(f"{prefix.name}*"))
+            cache = model.make_cache()
+            model(first, cache=cache)
+            eval_cache(cache)
+            mx.synchronize()
+        prompt_names = count_launches(sorted(set(prefix.parent.glob(f"{prefix.name}*"))
+                                             - before))
         cache = model.make_cache()
         model(prompt[None, :8], cache=cache)
         eval_cache(cache)
@@ -220,7 +234,9 @@ def count_step_kernels(rows: dict[str, Any], prompt: mx.array) -> dict[str, Any]
         names = count_launches(new)
         total = kernels(names)
         counts[name] = {"kernels": total, "graphs": len(new),
-                        "by_name": dict(names.most_common(12))}
+                        "by_name": dict(names.most_common(12)),
+                        "prompt_kernels": kernels(prompt_names),
+                        "prompt_by_name": dict(prompt_names.most_common(16))}
         if not total and new:  # a DOT layout this parser does not know: show its start
             counts[name]["sample"] = new[0].read_text(errors="replace")[:600]
     return counts
