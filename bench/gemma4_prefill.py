@@ -4,7 +4,7 @@ per-layer inputs, and each cache-writing layer on its own (from the same evaluat
 with a fresh cache; the first of each kind also in parts: attention, and within it the
 heads, the cache write and the attention alone; MLP; per-layer input), medians of
 ``--repeats`` synchronised runs in milliseconds; and the time Python takes to build the
-whole prompt's graph alone (``--profile``: ours, by function).
+whole prompt's graph alone (``--profile``: ours and mlx-lm's, by function).
 
     python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--profile]
         [--build-only] [--json PATH]
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", action="store_true",
-                        help="print where Python's time goes building our prompt's graph")
+                        help="print where Python's time goes building each prompt's graph")
     parser.add_argument("--build-only", action="store_true",
                         help="only the time Python takes to build the whole prompt's graph "
                              "(after one evaluated prompt each)")
@@ -105,13 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'whole, building alone':<28} mlxrunner {build['mlxrunner']:8.3f} ms   mlx-lm "
           f"{build['mlx-lm']:8.3f} ms   ratio {build['mlx-lm'] / build['mlxrunner']:5.2f}x",
           flush=True)
-    if args.profile:
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(args.repeats):
-            built(ours_row)()
-        profile.disable()
-        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+    if args.profile:  # (mlx-lm's too: what each spends a layer's calls on, on this host)
+        for name, fn in (("mlxrunner", ours_row), ("mlx-lm", reference)):
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(args.repeats):
+                built(fn)()
+            profile.disable()
+            print(f"  building {name}'s prompt, {args.repeats} times:", flush=True)
+            pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(30)
     if not args.build_only:
         layer_parts(model, reference, ids, row)
     if args.json:
