@@ -117,6 +117,17 @@ def _leaves(tree: Any) -> list[mx.array]:
         if not isinstance(tree, mx.array) else [tree]
 
 
+def fill(model: Any, ids: mx.array, cache: list[Any]) -> None:
+    """``model(ids, cache=cache)`` for a prompt chunk whose logits no one reads (a bench's
+    prefill, caches evaluated): a row with ``fill_caches`` (ours, ``harness.Ours``) fills
+    them as its prefill fills a chunk before a prompt's last."""
+    own = getattr(model, "fill_caches", None)
+    if own is not None:
+        own(ids, cache)
+    else:
+        model(ids, cache=cache)
+
+
 def decode_and_prompt_ms(model: Any, prompt: mx.array, steps: int = 1, repeats: int = 5,
                          hold_s: float = 0.5, chunk: int | None = None
                          ) -> dict[str, float | None]:
@@ -130,7 +141,7 @@ def decode_and_prompt_ms(model: Any, prompt: mx.array, steps: int = 1, repeats: 
         cache = model.make_cache()
 
         def prompt_into_cache(ids: mx.array, cache: list[Any] = cache) -> list[mx.array]:
-            model(ids[None], cache=cache)  # (the caches, as a bench's prefill evaluates them)
+            fill(model, ids[None], cache)  # (the caches, as a bench's prefill evaluates them)
             # (only arrays: mlx-lm's recurrent caches hold None before they are written)
             return [a for c in cache if c is not None for _, a in tree_flatten(c.state)
                     if isinstance(a, mx.array)]

@@ -60,7 +60,7 @@ def run(model: Any, cache: list[Any], prompt: mx.array, new: int) -> dict[str, f
     start = time.perf_counter()
     chunk = PREFILL_CHUNK or prompt.size
     for at in range(0, prompt.size - 1, chunk):
-        model(prompt[None, at:min(at + chunk, prompt.size - 1)], cache=cache)
+        device_clock.fill(model, prompt[None, at:min(at + chunk, prompt.size - 1)], cache)
         eval_cache(cache)
     prefill_s = time.perf_counter() - start
 
@@ -214,7 +214,7 @@ def count_step_kernels(rows: dict[str, Any], prompt: mx.array) -> dict[str, Any]
             mx.synchronize()
             before = set(prefix.parent.glob(f"{prefix.name}*"))
             cache = model.make_cache()
-            model(first, cache=cache)
+            device_clock.fill(model, first, cache)
             eval_cache(cache)
             mx.synchronize()
         prompt_names = count_launches(sorted(set(prefix.parent.glob(f"{prefix.name}*"))
@@ -301,6 +301,15 @@ class Ours:
             return self._call(ids, cache, **kwargs)
         with settings.overridden(**self.changes):
             return self._call(ids, cache, **kwargs)
+
+    def fill_caches(self, ids: mx.array, cache: list[Any]) -> None:
+        """A prompt chunk into ``cache``, its logits unread: as the core's prefill runs every
+        chunk but a prompt's last (``mlxrunner.nn.caches_only``: an architecture skips what
+        writes no cache, Gemma 4 its KV-sharing layers)."""
+        from mlxrunner import nn as mnn
+
+        with mnn.caches_only():
+            self(ids, cache=cache)
 
     def _call(self, ids: mx.array, cache: Any = None, **kwargs: Any) -> Any:
         from mlxrunner.decode import forward

@@ -113,3 +113,32 @@ def test_a_prefill_forward_reads_the_head_of_its_last_row_only(model):
     assert full.shape[1] == 7 and last.shape[1] == 1
     assert mx.allclose(last[:, 0], full[:, -1], atol=1e-5)
     assert model(ids, model.make_cache()).shape[1] == 7  # the switch ended with its block
+
+
+def test_a_prefill_reads_no_logits_of_its_chunks_before_the_last(model, monkeypatch):
+    """The core's prefill runs a prompt's chunks before its last inside caches_only, where
+    head_rows gives no row (the forward's logits ``[B, 0, V]``), and its last chunk inside
+    last_logits_only; the caches and logits are a one-shot prefill's."""
+    import mlxrunner.nn as mnn
+    from mlxrunner.decode import prefill
+
+    rows: list[int] = []
+    forward = type(model).__call__
+
+    def spied(self, ids, *args, **kwargs):
+        out = forward(self, ids, *args, **kwargs)
+        rows.append((out[0] if isinstance(out, tuple) else out).shape[1])
+        return out
+
+    monkeypatch.setattr(type(model), "__call__", spied)
+    prompt = [3, 9, 4, 1, 5, 2, 8]
+    split_cache, whole_cache = model.make_cache(), model.make_cache()
+    split, _ = prefill(model, prompt, split_cache, chunk=3)
+    assert rows == [0, 0, 1]
+    whole, _ = prefill(model, prompt, whole_cache, chunk=len(prompt))
+    np.testing.assert_allclose(np.array(split), np.array(whole), rtol=1e-5, atol=1e-5)
+    with mnn.caches_only():
+        assert model(mx.array([prompt]), model.make_cache()).shape[1] == 0
+    step = mx.array([[7]])
+    np.testing.assert_allclose(np.array(model(step, split_cache)),
+                               np.array(model(step, whole_cache)), rtol=1e-5, atol=1e-5)

@@ -672,12 +672,15 @@ class Gemma4Model(Model):
         # After the last layer that writes a cache stores its keys and values, no row reads
         # another row's stream (the KV-sharing layers after it write none): where only the
         # last row's logits are wanted (the core's prefill) and no tap needs the rest, that
-        # layer's attention and MLP and every layer after it run the last row alone.
+        # layer's attention and MLP and every layer after it run the last row alone; where
+        # no row's are (a prompt's chunk before its last), the layers after it do not run.
         first_shared = next((i for i, s in enumerate(a.kv_source) if s != i), a.num_layers)
         last_writer = first_shared - 1
-        cut = not any(t >= last_writer for t in tapped.requested or ()) and \
-            mnn.head_rows(h).shape[1] < h.shape[1]
+        wanted = mnn.head_rows(h).shape[1]
+        cut = not any(t >= last_writer for t in tapped.requested or ()) and wanted < h.shape[1]
         for i, layer in enumerate(self.layers):
+            if cut and not wanted and i > last_writer:
+                break
             if cut and i == last_writer:
                 per_layer = [p if p is None else p[:, -1:] for p in per_layer]
             elif cut and i == first_shared:

@@ -204,8 +204,9 @@ def test_gemma4_prefill_runs_the_last_rows_alone_past_the_last_cache_write(chunk
     layers 6-9 share) stores every row's keys and values and runs the rest on the chunk's
     last row, and the layers after it take that row alone: the logits and every cache equal
     a whole forward's, for chunks shorter and longer than the window (8) and after earlier
-    chunks. A tap before that layer is every row's; a tap at or past it keeps every row
-    everywhere (the cut is not taken)."""
+    chunks; inside caches_only (a chunk before the prompt's last) the layers after it do not
+    run, no row's logits come, and the caches are the same. A tap before that layer is every
+    row's; a tap at or past it keeps every row everywhere (the cut is not taken)."""
     from mlxrunner_gemma4 import model as gemma4
 
     from mlxrunner import nn as mnn
@@ -221,7 +222,7 @@ def test_gemma4_prefill_runs_the_last_rows_alone_past_the_last_cache_write(chunk
     monkeypatch.setattr(gemma4.DecoderLayer, "__call__", spied)
     model = mlxrunner.load_model(FIXTURES / "e2b")
     ids = mx.array(np.random.default_rng(7).integers(3, 128, (1, sum(chunks))))
-    whole, cut = model.make_cache(), model.make_cache()
+    whole, cut, skipped = model.make_cache(), model.make_cache(), model.make_cache()
     start = 0
     for n in chunks:
         block = ids[:, start:start + n]
@@ -231,9 +232,13 @@ def test_gemma4_prefill_runs_the_last_rows_alone_past_the_last_cache_write(chunk
             got = model(block, cache=cut)
         assert got.shape[1] == 1 and rows == [(n, n)] * 5 + [(n, 1)] + [(1, 1)] * 4
         np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-5, rtol=2e-5)
-        for a, b in zip(whole, cut):
-            for x, y in zip(a.state if a else (), b.state if b else ()):
-                assert mx.array_equal(x, y)
+        rows.clear()
+        with mnn.caches_only():  # (a chunk before a prompt's last: no layer after 5 runs)
+            none = model(block, cache=skipped)
+        assert none.shape == (1, 0, model.vocab_size) and rows == [(n, n)] * 5 + [(n, 1)]
+        for a, b, c in zip(whole, cut, skipped):
+            for x, y, z in zip(a.state if a else (), b.state if b else (), c.state if c else ()):
+                assert mx.array_equal(x, y) and mx.array_equal(x, z)
         start += n
     L = ids.shape[1]
     for taps, cut_taken in (([2], True), ([2, 5], False), ([2, 8], False)):
@@ -245,6 +250,11 @@ def test_gemma4_prefill_runs_the_last_rows_alone_past_the_last_cache_write(chunk
         full_logits, full_tapped = model(ids, taps=taps)
         assert tapped.shape == full_tapped.shape and mx.allclose(tapped, full_tapped, atol=1e-5)
         np.testing.assert_allclose(np.array(logits), np.array(full_logits[:, -1:]), atol=2e-5)
+        rows.clear()
+        with mnn.caches_only():
+            _, tapped = model(ids, taps=taps)
+        assert rows == ([(L, L)] * 5 + [(L, 1)] if cut_taken else [(L, L)] * 10)
+        assert mx.allclose(tapped, full_tapped, atol=1e-5)
 
 
 @pytest.mark.parametrize("name, layers", [("dense", 8), ("moe", 6)])

@@ -13,7 +13,7 @@ import mlx.core as mx
 from ..errors import PromptError
 from ..media import MediaPrompt
 from ..model.interface import Model
-from ..nn import last_logits_only
+from ..nn import caches_only, last_logits_only
 from .step import eager_forward
 
 PREFILL_CHUNK = 512
@@ -91,7 +91,8 @@ def prefill(model: Model, prompt: Sequence[int], cache: list, *, taps: Sequence[
         if isinstance(prompt, MediaPrompt):
             embedded = prompt.embeddings(model, chunk_ids, begin)
             positions = prompt.positions(begin, end)
-        with last_logits_only():  # the last row's logits are all a prefill reads
+        # the last row's logits are all a prefill reads, and only the last chunk's
+        with last_logits_only() if end >= total else caches_only():
             if taps:
                 out, tapped = cast("tuple[mx.array, mx.array]", eager_forward(
                     model, chunk_ids, cache, taps, embedded, positions))

@@ -24,7 +24,7 @@ from .moe import ExpertLinear, GatedExperts, QuantizedExpertLinear, experts_glu
 from .norm import RMSNorm, gated_rms_norm, rms_norm
 from .parallel import Column, Row, ShardError, Split
 from .rope import RoPE, RopeConfigError
-from .taps import Taps, head_rows, last_logits_only
+from .taps import Taps, caches_only, head_rows, last_logits_only
 
 __all__ = [
     "ACTIVATIONS",
@@ -50,6 +50,7 @@ __all__ = [
     "arange_constant",
     "attend",
     "attention_heads",
+    "caches_only",
     "chunked_gated_delta",
     "constant",
     "derived",

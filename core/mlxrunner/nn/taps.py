@@ -18,21 +18,45 @@ _state = threading.local()
 def last_logits_only() -> Iterator[None]:
     """In this thread, forwards give the logits of their last position alone (see
     :func:`head_rows`): what the core's prefill asks for, which reads no other row's."""
-    held = getattr(_state, "last", False)
-    _state.last = True
+    with _rows_wanted("last"):
+        yield
+
+
+@contextmanager
+def caches_only() -> Iterator[None]:
+    """In this thread, forwards fill their caches and no one reads their logits (a prompt's
+    chunk before its last): :func:`head_rows` gives no row, and an architecture may skip
+    whatever writes no cache (the layers after its last cache write)."""
+    with _rows_wanted("none"):
+        yield
+
+
+def skips_layers() -> bool:
+    """Whether forwards in this thread are inside :func:`caches_only`."""
+    return getattr(_state, "rows", "all") == "none"
+
+
+@contextmanager
+def _rows_wanted(rows: str) -> Iterator[None]:
+    held = getattr(_state, "rows", "all")
+    _state.rows = rows
     try:
         yield
     finally:
-        _state.last = held
+        _state.rows = held
 
 
 def head_rows(hidden: mx.array) -> mx.array:
     """The rows of the final hidden states ``[B, L, D]`` the output head should read: all of
-    them, or the last (``[B, 1, D]``) inside :func:`last_logits_only`. An architecture that
-    passes its stream through this before its final norm and head spares a prompt's chunk
-    the widest product of its forward for every row but one (optional: without it the core
-    takes the last row of the whole logits)."""
-    return hidden[:, -1:] if getattr(_state, "last", False) else hidden
+    them, the last (``[B, 1, D]``) inside :func:`last_logits_only`, none (``[B, 0, D]``)
+    inside :func:`caches_only`. An architecture that passes its stream through this before
+    its final norm and head spares a prompt's chunk the widest product of its forward for
+    every row it does not read (optional: without it the core takes the last row of the
+    whole logits)."""
+    rows = getattr(_state, "rows", "all")
+    if rows == "all":
+        return hidden
+    return hidden[:, -1:] if rows == "last" else hidden[:, :0]
 
 
 class Taps:
