@@ -1,6 +1,7 @@
 """One rank of a distributed test job (or, with no MLX_RANK, the single process it is
 compared with): loads a tiny target sharded, decodes greedily with and without a random
-draft, and (rank 0) writes the tokens and the prompt's last logits as JSON.
+draft, and (rank 0) writes the tokens and the prompt's last logits (whole, and prefilled in
+chunks) as JSON.
 
     python rank_worker.py FOLDER MODE OUT.json [--tokens N] [--draft ARCH]
 """
@@ -20,6 +21,7 @@ mx.set_default_device(mx.cpu)
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlxrunner import distributed  # noqa: E402
+from mlxrunner.decode import prefill  # noqa: E402
 from mlxrunner.testing.speculative import (  # noqa: E402
     ScriptedDraft,
     plain_tokens,
@@ -44,8 +46,12 @@ def main() -> int:
     group = distributed.world()
     model = distributed.load_sharded(args.folder, args.mode, group, dtype="float32")
     logits = model(mx.array([PROMPT]))[0, -1]
+    # chunks before the last fill the caches alone (caches_only: Gemma 4 skips the layers
+    # after its last cache write, every rank alike, hand-overs in them included)
+    chunked, _ = prefill(model, PROMPT, model.make_cache(), chunk=5)
     plain = plain_tokens(model, PROMPT, args.tokens)
     result: dict = {"rank": group.rank(), "size": group.size(), "logits": logits.tolist(),
+                    "chunked": chunked[0].tolist(),
                     "parameters": sum(v.size for _, v in tree_flatten(model.parameters())),
                     "plain": plain}
     # a draft that knows the answer but errs at a moving place: every accepted length, so

@@ -60,11 +60,12 @@ def _check_parity(ring, tmp_path: Path, folder: Path) -> None:
             assert got["parameters"] < single["parameters"], f"{mode}: not sharded"
             for run in ("plain", "scripted", *DRAFTS):
                 assert got[run] == single["plain"], f"{mode}, {run}, rank {got['rank']}"
-            diff = np.abs(np.array(got["logits"]) - np.array(single["logits"])).max()
-            if mode == "pipeline":
-                assert diff == 0.0, f"pipeline logits differ by {diff}"
-            else:
-                assert diff <= TENSOR_ATOL, f"tensor logits differ by {diff}"
+            for key in ("logits", "chunked"):
+                diff = np.abs(np.array(got[key]) - np.array(single[key])).max()
+                if mode == "pipeline":
+                    assert diff == 0.0, f"pipeline {key} differ by {diff}"
+                else:
+                    assert diff <= TENSOR_ATOL, f"tensor {key} differ by {diff}"
 
 
 @pytest.mark.parametrize(("plugin", "fixture"), CASES)

@@ -21,7 +21,6 @@ returns more than its hidden state.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -29,7 +28,6 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from ..model.interface import Model
-from ..nn.taps import last_logits_only, skips_layers
 from .group import DistributedError
 
 
@@ -177,10 +175,7 @@ def apply_pipeline(model: Model, group: Any) -> tuple[str, ...]:
 
     def __call__(self: Model, ids: mx.array, cache: Sequence[Cache | None] | None = None, *,
                  taps: Sequence[int] | None = None) -> Any:
-        # (every stage meets every hand-over: a forward that skipped the layers after the
-        # last cache write, as caches_only lets it, would leave a send without its receive)
-        with last_logits_only() if skips_layers() else nullcontext():
-            out = base.__call__(self, ids, cache, taps=taps)
+        out = base.__call__(self, ids, cache, taps=taps)
         if not taps:
             return out
         logits, tapped = out

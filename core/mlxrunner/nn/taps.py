@@ -31,11 +31,6 @@ def caches_only() -> Iterator[None]:
         yield
 
 
-def skips_layers() -> bool:
-    """Whether forwards in this thread are inside :func:`caches_only`."""
-    return getattr(_state, "rows", "all") == "none"
-
-
 @contextmanager
 def _rows_wanted(rows: str) -> Iterator[None]:
     held = getattr(_state, "rows", "all")
