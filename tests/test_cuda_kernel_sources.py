@@ -313,6 +313,47 @@ def test_fused_product_kernel_compiles(builder, dtype: str, res: bool, glu: int,
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("glu0,upx0", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_chained_product_kernels_compile(builder, dtype: str, glu0: int, upx0: bool,
+                                         rows: int) -> None:
+    """A gated product ahead of the product reading it: alone, with a residual, with a post
+    norm's add, with the next norm after it (the MLP's down, Gemma 4's per-layer
+    projection)."""
+    from mlxrunner.nn import cuda_products
+
+    chain_inputs = [("x0", dtype), ("w0", dtype), ("up0", dtype), ("chain", "int32")]
+    tail_inputs = [("pw", dtype), ("pres", dtype), ("ps", dtype), ("peps", "float32"),
+                   ("cnt", "int32")]
+    inputs = [("w", dtype), ("res", dtype), ("up_x", dtype)]
+    chain_template = [("K0", 1536), ("N0", 6144), ("GLU0", glu0), ("UPX0", upx0)]
+    unread = ("up_x",) + (() if upx0 else ("up0",))
+
+    def template(res: bool, addn: bool, scaled: bool | None) -> list[tuple[str, Any]]:
+        return [("T", dtype), ("K", 6144), ("N", 1536), ("M", rows), ("NT", 256),
+                ("RES", res), ("GLU", 0), ("UPX", False), ("ADDN", addn)] + \
+            ([] if scaled is None else [("PSCALE", scaled)]) + chain_template
+
+    for res in (False, True):
+        _compile(builder, "mlxrunner_chain", _wrap(
+            "mlxrunner_chain", cuda_products.CHAINED_PRODUCT_SOURCE, inputs + chain_inputs,
+            [("y", dtype), ("glu_y", dtype)], template(res, False, None),
+            absent=unread + (() if res else ("res",))))
+    _compile(builder, "mlxrunner_chain_add_norm", _wrap(
+        "mlxrunner_chain_add_norm", cuda_products.CHAINED_ADD_NORM_SOURCE,
+        inputs + tail_inputs + chain_inputs, [("y", dtype), ("h", dtype), ("glu_y", dtype)],
+        template(False, True, False), absent=unread + ("res", "ps")))
+    for res, addn, scaled in ((True, False, False), (False, True, True)):
+        _compile(builder, "mlxrunner_chain_norm", _wrap(
+            "mlxrunner_chain_norm", cuda_products.CHAINED_NORM_SOURCE,
+            inputs + tail_inputs + [("nw", dtype), ("neps", "float32")] + chain_inputs,
+            [("y", dtype), ("h", dtype), ("hn", dtype), ("glu_y", dtype)],
+            template(res, addn, scaled),
+            absent=unread + (() if res else ("res",)) + (() if scaled else ("ps",))
+            + (() if addn else ("pw", "pres", "peps", "h"))))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("freqs,trad,per_sequence", [(False, False, False), (True, False, True),
                                                      (False, True, False)])
 def test_heads_kernel_compiles(builder, dtype: str, freqs: bool, trad: bool,

@@ -44,14 +44,14 @@ def launches(monkeypatch) -> Counter:
         finally:
             inside.pop()
 
-    def product(x, w, res, glu, up=None, post=None):
+    def product(x, w, res, glu, up=None, post=None, prior=None):
         # (marked: a launch a step reads shows in its graph as a StopGradient)
         with standing_in("product with post norm" if post is not None else "product"):
-            return mx.stop_gradient(cuda_products._reference(x, w, res, glu, up, post))
+            return mx.stop_gradient(cuda_products._reference(x, w, res, glu, up, post, prior))
 
-    def normed(x, w, res, post, then):
+    def normed(x, w, res, post, then, prior=None):
         with standing_in("product with norm after"):
-            y = cuda_products._reference(x, w, res, 0, None, post)
+            y = cuda_products._reference(x, w, res, 0, None, post, prior)
             return y, mx.stop_gradient(mlx_norm(y, *then))  # (one mark a launch)
 
     def heads(parts, rot, offset, D, starts):
@@ -163,6 +163,9 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     model = _gemma4()
     got, logits = _one_step(model, launches)
     tapped, _ = _one_step(model, launches, taps=[0, 1, 2, 3, 4])
+    launches.allowed.discard("chains")
+    unchained, unchained_logits = _one_step(model, launches)
+    launches.allowed.add("chains")
     launches.allowed.discard("prenorms")
     without, _ = _one_step(model, launches)
     monkeypatch.undo()
@@ -180,7 +183,11 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     # read per layer: q(/k/v), o's post norm with the next norm after it, gate/up, down's
     # post norm, the per-layer gate times its input, the per-layer projection's post norm
     # with the next norm after it; then the per-layer inputs' projection and the head
-    assert got["launches read"] == 6 * layers + 2, got
+    assert unchained["launches read"] == 6 * layers + 2, unchained
+    # chained: gate/up in down's launch, the per-layer gate in the per-layer projection's
+    assert got["launches read"] == 4 * layers + 2, got
+    np.testing.assert_allclose(np.array(unchained_logits), np.array(want), rtol=1e-5,
+                               atol=1e-5)
     assert "product with norm after" not in without, without
     assert without["MLX norm"] - got["MLX norm"] == 2 * layers, (without, got)
     # each relaunch stands for the launch it replaced, also for the streams tapped

@@ -49,9 +49,9 @@ def test_a_post_norm_add_relaunches_the_product_that_made_its_input(monkeypatch)
     add-norm kernel's path."""
     launches = []
 
-    def stand_in(x, w, res, glu, up=None, post=None):
+    def stand_in(x, w, res, glu, up=None, post=None, prior=None):
         launches.append(post is not None)
-        return cuda_products._reference(x, w, res, glu, up, post)
+        return cuda_products._reference(x, w, res, glu, up, post, prior)
 
     probed = []
 
@@ -200,10 +200,10 @@ def test_a_pre_norm_runs_in_the_launch_before_it_on_the_gpu(dtype, rows):
         return post.add_normed(h, o_proj(k(pre(h))), mx.array([0.5], dtype))
 
     views = {"Reshape", "Broadcast", "Slice", "Transpose", "Squeeze", "ExpandDims"}
-    # (pre-norm blocks: o_proj with the norm after it, gate/up, down with the norm after
-    # it, q; post-norm: the add-norm launch with the norm after it, k, the add-norm
-    # launch: the first add-norm launch is read by no one)
-    for block, launches in ((pre_norm_blocks, 4), (post_norm_block, 3)):
+    # (pre-norm blocks: o_proj with the norm after it, gate/up ahead of down with the norm
+    # after it (a chain), q; post-norm: the add-norm launch with the norm after it, k, the
+    # add-norm launch: the first add-norm launch is read by no one)
+    for block, launches in ((pre_norm_blocks, 3), (post_norm_block, 3)):
         for _ in range(3):
             x = mx.random.normal((rows, 1, 1536)).astype(dtype)
             a = mx.random.normal((rows, 1, 512)).astype(dtype)
@@ -218,6 +218,65 @@ def test_a_pre_norm_runs_in_the_launch_before_it_on_the_gpu(dtype, rows):
             assert kernels_run.count("CustomKernel") == launches, kernels_run
             assert set(kernels_run) <= {"CustomKernel", "Full"}, kernels_run
             _close(got, want, dtype)
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_gated_product_runs_in_the_launch_of_the_product_reading_it_on_the_gpu(dtype,
+                                                                                 rows):
+    """Gemma 4's layer end: the MLP (gate/up, then down with the post norm's add) and the
+    per-layer gate times its input, then the projection with a scaled post norm's add and
+    the next norm: two launches (each gated product ahead of the product reading it), equal
+    to MLX's operations and to the launches run one by one, again and again (the chains'
+    counters back at 0), also two of them evaluated at once."""
+    mx.set_default_device(mx.gpu)
+    mx.random.seed(9)
+    hidden, p = 1536, 256
+    mlp = mnn.GatedMLP(hidden, 6144, "gelu_pytorch_tanh")
+    gate, proj = mnn.Linear(hidden, p, bias=False), mnn.Linear(p, hidden, bias=False)
+    post, post2, after = (mnn.RMSNorm(hidden, 1e-6) for _ in range(3))
+    for layer in (mlp, gate, proj, post, post2, after):
+        layer.set_dtype(dtype)
+    for norm in (post, post2, after):
+        norm.weight = (1 + 0.1 * mx.random.normal((hidden,))).astype(dtype)
+    scale = mx.array([0.6], dtype)
+
+    def layer_end(h: mx.array, normed: mx.array, per_layer: mx.array) -> mx.array:
+        h = post.add_normed(h, mlp(normed))
+        g = mnn.gelu_tanh_mul(gate(h), per_layer)
+        return after(post2.add_normed(h, proj(g), scale))
+
+    views = {"Reshape", "Broadcast", "Slice", "Transpose", "Squeeze", "ExpandDims"}
+    all_kernels = frozenset(settings.KERNELS)
+    for _ in range(3):
+        inputs = [mx.random.normal((rows, 1, n)).astype(dtype) for n in (hidden, hidden, p)]
+        mx.eval(inputs)
+        with settings.overridden(kernels=frozenset({"attention", "deltanet", "topk"})):
+            want = layer_end(*inputs)
+            mx.eval(want)
+        with settings.overridden(kernels=all_kernels - {"chains"}):
+            alone = layer_end(*inputs)
+            assert [label for label in graph_labels(alone) if label not in views].count(
+                "CustomKernel") == 4
+            mx.eval(alone)
+        got = layer_end(*inputs)
+        kernels_run = [label for label in graph_labels(got) if label not in views]
+        assert kernels_run.count("CustomKernel") == 2, kernels_run
+        _close(got, want, dtype)
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
+                                      np.array(alone.astype(mx.float32)))
+    pairs = [[mx.random.normal((rows, 1, n)).astype(dtype) for n in (hidden, hidden, p)]
+             for _ in range(2)]
+    mx.eval(pairs)
+    with settings.overridden(kernels=frozenset({"attention", "deltanet", "topk"})):
+        want_pair = [layer_end(*inputs) for inputs in pairs]
+        mx.eval(want_pair)
+    for _ in range(3):
+        got_pair = [layer_end(*inputs) for inputs in pairs]
+        mx.eval(got_pair)
+        for a, b in zip(got_pair, want_pair):
+            _close(a, b, dtype)
 
 
 def _reference_np(x, w, res, glu):
@@ -373,13 +432,13 @@ def test_a_norm_of_a_residual_sum_relaunches_its_product_and_readers_take_the_ne
     marked +1000 to show who reads them); any other input is MLX's norm."""
     launches = []
 
-    def stand_in(x, w, res, glu, up=None, post=None):
+    def stand_in(x, w, res, glu, up=None, post=None, prior=None):
         launches.append("post" if post is not None else "res" if res is not None else "plain")
-        return cuda_products._reference(x, w, res, glu, up, post)
+        return cuda_products._reference(x, w, res, glu, up, post, prior)
 
-    def stand_in_normed(x, w, res, post, then):
+    def stand_in_normed(x, w, res, post, then, prior=None):
         launches.append("then")
-        y = cuda_products._reference(x, w, res, 0, None, post)
+        y = cuda_products._reference(x, w, res, 0, None, post, prior)
         return y + 1000, mx.fast.rms_norm(y, *then)
 
     cases = []
@@ -426,6 +485,80 @@ def test_a_norm_of_a_residual_sum_relaunches_its_product_and_readers_take_the_ne
     count = len(launches)
     close(norm(want_h), mx.fast.rms_norm(want_h, 1 + norm.weight, 1e-5))
     assert len(launches) == count  # no product made its input: MLX's norm
+
+
+def _gated_np(x, w, glu, up=None):
+    if up is None:
+        return _reference_np(x, w, None, glu)
+    gate = x @ w.T
+    act = gate / (1 + np.exp(-gate)) if glu == 1 else 0.5 * gate * (
+        1 + np.tanh(0.7978845608028654 * (gate + 0.044715 * gate ** 3)))
+    return act * up
+
+
+@emulated
+@pytest.mark.parametrize("tail,glu0,upx0,rows,K0", [
+    ("", 1, False, 1, 2176), ("", 2, True, 3, 64), ("add_norm", 2, True, 2, 64),
+    ("norm", 1, False, 4, 96), ("norm", 2, True, 1, 64)])
+def test_a_chain_runs_a_gated_product_then_the_product_reading_it_in_emulation(
+        tail, glu0, upx0, rows, K0):
+    """One launch: the first blocks (tickets) run the gated product into glu_y, the rest
+    wait for them and run the product of glu_y (with a residual, a post norm's add or the
+    next norm after it by its last block); the chain's counters and the tail's back at 0 for
+    the next launch. N0 = 72 and N = 300: neither a whole number of blocks' outputs."""
+    from mlxrunner.testing.cuda_emulation import emulate_kernel
+
+    rng = np.random.default_rng(rows + K0)
+    N0, N, threads = 72, 300, 256
+    x0 = rng.normal(size=(rows, K0)).astype(np.float32)
+    w0 = (rng.normal(size=(N0 * (1 if upx0 else 2), K0)) * K0 ** -0.5).astype(np.float32)
+    up0 = rng.normal(size=(rows, N0)).astype(np.float32) if upx0 else None
+    w = (rng.normal(size=(N, N0)) * N0 ** -0.5).astype(np.float32)
+    res = rng.normal(size=(rows, N)).astype(np.float32)
+    pw = (1 + 0.1 * rng.normal(size=N)).astype(np.float32)
+    pres = rng.normal(size=(rows, N)).astype(np.float32)
+    nw = (0.5 + rng.uniform(size=N)).astype(np.float32)
+    addn = tail == "add_norm"
+    source = {"": cuda_products.CHAINED_PRODUCT_SOURCE,
+              "add_norm": cuda_products.CHAINED_ADD_NORM_SOURCE,
+              "norm": cuda_products.CHAINED_NORM_SOURCE}[tail]
+    chain, counter = np.zeros(4, np.int32), np.zeros(1, np.int32)
+    inputs = {"w": w, "res": None if addn else res, "up_x": None}
+    if tail:
+        inputs.update({"pw": pw if addn else None, "pres": pres if addn else None,
+                       "ps": np.array([0.6], np.float32) if addn else None,
+                       "peps": np.array([1e-6], np.float32) if addn else None,
+                       "cnt": counter})
+    if tail == "norm":
+        inputs.update({"nw": nw, "neps": np.array([1e-5], np.float32)})
+    inputs.update({"x0": x0, "w0": w0, "up0": up0, "chain": chain})
+    outputs = {"y": ((rows, N), np.float32)}
+    if tail:
+        outputs["h"] = ((rows, N), np.float32) if addn else None
+    if tail == "norm":
+        outputs["hn"] = ((rows, N), np.float32)
+    outputs["glu_y"] = ((rows, N0), np.float32)
+    template = [("T", mx.float32), ("K", N0), ("N", N), ("M", rows), ("NT", threads),
+                ("RES", not addn), ("GLU", 0), ("UPX", False), ("ADDN", addn)]
+    if tail:
+        template.append(("PSCALE", addn))
+    template += [("K0", K0), ("N0", N0), ("GLU0", glu0), ("UPX0", upx0)]
+    blocks = -(-N0 // (threads // 32)) + -(-N // (threads // 32))
+    gated = _gated_np(x0, w0, glu0, up0)
+    for _ in range(2):  # the counters are reset for the next launch
+        got = emulate_kernel(source, inputs, outputs, template, blocks=blocks,
+                             threads=threads)
+        np.testing.assert_allclose(got["glu_y"], gated, rtol=1e-5, atol=1e-5)
+        y = _reference_np(gated, w, None if addn else res, 0)
+        np.testing.assert_allclose(got["y"], y, rtol=1e-5, atol=1e-5)
+        final = y
+        if addn:
+            final = (pres + y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6) * pw) * 0.6
+            np.testing.assert_allclose(got["h"], final, rtol=1e-5, atol=1e-5)
+        if tail == "norm":
+            normed = final / np.sqrt((final * final).mean(-1, keepdims=True) + 1e-5) * nw
+            np.testing.assert_allclose(got["hn"], normed, rtol=1e-5, atol=1e-5)
+        assert chain.tolist() == [0] * 4 and counter[0] == 0
 
 
 @emulated

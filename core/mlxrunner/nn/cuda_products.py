@@ -33,6 +33,7 @@ launch has no reader left. A layer's pre-norms then cost no launch of their own.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -66,7 +67,7 @@ NOTED_RENAMED = 4
 # same run of x, 16 bytes a lane: the block's rows loaded at once, so that a product waits
 # on its loads' latency once or twice, not once for every 512 bytes of a row. The warps'
 # sums meet in shared memory.
-_PRODUCT_BODY = GATED_ACTIVATION + r"""
+_PRODUCT_ROWS = r"""
     constexpr int kWarps = NT / 32;
     constexpr int kVec = 16 / sizeof(T);
     constexpr int kRun = 32 * kVec;
@@ -75,7 +76,7 @@ _PRODUCT_BODY = GATED_ACTIVATION + r"""
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int n0 = blockIdx.x * kWarps;
+    const int n0 = block_id * kWarps;
     __shared__ float sums[(kUpRows ? 2 : 1) * kWarps * kWarps * M];
     float acc[kWarps][M];
     float acc_up[kWarps][M];
@@ -99,9 +100,7 @@ _PRODUCT_BODY = GATED_ACTIVATION + r"""
                     if (kUpRows) ur[r] = *reinterpret_cast<const uint4*>(row + (size_t)N * K);
                 }
                 #pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    xr[m] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
-                }
+                for (int m = 0; m < M; ++m) xr[m] = load_x(x + (size_t)m * K + k);
                 #pragma unroll
                 for (int m = 0; m < M; ++m) {
                     const T* xv = reinterpret_cast<const T*>(&xr[m]);
@@ -127,7 +126,7 @@ _PRODUCT_BODY = GATED_ACTIVATION + r"""
                  ++k) {
                 #pragma unroll
                 for (int m = 0; m < M; ++m) {
-                    const float xf = static_cast<float>(x[(size_t)m * K + k]);
+                    const float xf = static_cast<float>(load_x1(x + (size_t)m * K + k));
                     #pragma unroll
                     for (int r = 0; r < kWarps; ++r) {
                         if (n0 + r < N) {
@@ -181,8 +180,17 @@ _PRODUCT_BODY = GATED_ACTIVATION + r"""
         y[m * N + n] = out;
     }
 """
+_PRODUCT_BODY = GATED_ACTIVATION + _PRODUCT_ROWS
 
-PRODUCT_SOURCE = _PRODUCT_BODY
+# A launch of one product: its blocks are the grid's, x read as any input is.
+_ALONE = r"""
+    const int block_id = blockIdx.x;
+    const int grid_count = gridDim.x;
+    const auto load_x = [](const T* p) { return *reinterpret_cast<const uint4*>(p); };
+    const auto load_x1 = [](const T* p) { return *p; };
+"""
+
+PRODUCT_SOURCE = _ALONE + _PRODUCT_BODY
 
 # The last block: every block counts itself out on cnt once its rows of y are written; the
 # block whose count reaches the grid (and wraps the counter to 0 again, ready for the
@@ -193,7 +201,7 @@ _LAST_BLOCK = BLOCK_REDUCE + r"""
     __threadfence();  // this thread's rows of y, seen by every block before it counts out
     __syncthreads();
     if (tid == 0) {
-        const unsigned int grid = gridDim.x;
+        const unsigned int grid = grid_count;
         last = atomicInc(reinterpret_cast<unsigned int*>(const_cast<int*>(cnt)), grid - 1)
                == grid - 1;
     }
@@ -258,16 +266,14 @@ _ADD_NORM_ROW = r"""
 
 # The post-norm residual add after the product (ADDN, see above): the product kernel with
 # pw, pres, ps, peps and cnt more inputs and h another output.
-PRODUCT_ADD_NORM_SOURCE = (_PRODUCT_BODY + cuda_norms.ADD_NORMED + _tail_scalars(False)
-                           + _LAST_BLOCK + r"""
+_ADD_NORM_TAIL = (cuda_norms.ADD_NORMED + _tail_scalars(False) + _LAST_BLOCK + r"""
     #pragma unroll 1
     for (int m = 0; m < M; ++m) {""" + _row_entries(False) + _ADD_NORM_ROW + "    }\n")
 
 # The norm of the launch's final rows after it: hn = rms_norm(f) * nw with eps neps, f the
 # post norm's h where ADDN, else y (a residual product's sum). The add-norm kernel's inputs
 # with nw and neps more, and hn another output (h unused without ADDN).
-PRODUCT_NORM_SOURCE = (_PRODUCT_BODY + cuda_norms.ADD_NORMED + _tail_scalars(True)
-                       + _LAST_BLOCK + r"""
+_NORM_TAIL = (cuda_norms.ADD_NORMED + _tail_scalars(True) + _LAST_BLOCK + r"""
     #pragma unroll 1
     for (int m = 0; m < M; ++m) {""" + _row_entries(True) + r"""
         if (ADDN) {""" + _ADD_NORM_ROW + r"""
@@ -288,21 +294,97 @@ PRODUCT_NORM_SOURCE = (_PRODUCT_BODY + cuda_norms.ADD_NORMED + _tail_scalars(Tru
     }
 """)
 
+PRODUCT_ADD_NORM_SOURCE = PRODUCT_SOURCE + _ADD_NORM_TAIL
+PRODUCT_NORM_SOURCE = PRODUCT_SOURCE + _NORM_TAIL
+
+
+def _renamed(source: str, names: dict[str, str]) -> str:
+    """``source`` with each identifier in ``names`` (not a member: ``.x``) renamed."""
+    pattern = r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?!\w)"
+    return re.sub(pattern, lambda match: names[match.group(1)], source)
+
+
+# A chain: the gated product that makes x (gate rows of w0, with up rows or up0: template
+# constants K0, N0, GLU0, UPX0) ahead of the product that reads it, in one launch. Each
+# block draws a ticket as it starts: the first kFirst tickets run the gated product (its
+# rows into glu_y, counted out on chain[1]); a later block waits until all of them have
+# counted out, then runs as block ticket - kFirst of the product (and its tail) over
+# grid_count blocks. A block waits only on tickets drawn before its own, by blocks already
+# running that wait on nothing: no block waits for one that cannot run. The last block
+# past the wait (counted on chain[2]) sets the counters back to 0 for the next replay.
+# glu_y, written in this launch, is read past the L1 cache (__ldcg).
+_FIRST_PHASE = _renamed(GATED_ACTIVATION + _PRODUCT_ROWS, {
+    "K": "K0", "N": "N0", "GLU": "GLU0", "UPX": "UPX0", "RES": "RES0", "x": "x0",
+    "w": "w0", "res": "res0", "up_x": "up0", "y": "glu_y"})
+_CHAINED = r"""
+    const auto load_x = [](const T* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); };
+    const auto load_x1 = [](const T* p) { return __ldcg(p); };
+    constexpr int kFirst = (N0 + NT / 32 - 1) / (NT / 32);
+    unsigned int* const chain_count = reinterpret_cast<unsigned int*>(const_cast<int*>(chain));
+    __shared__ int ticket;
+    if (threadIdx.x == 0) ticket = static_cast<int>(atomicAdd(chain_count, 1u));
+    __syncthreads();
+    if (ticket < kFirst) {
+        constexpr bool RES0 = false;
+        const T* const res0 = nullptr;
+        const int block_id = ticket;
+""" + _FIRST_PHASE + r"""
+        __threadfence();  // this block's rows of glu_y, seen before it counts out
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(chain_count + 1, 1u);
+        return;
+    }
+    const int block_id = ticket - kFirst;
+    const int grid_count = static_cast<int>(gridDim.x) - kFirst;
+    if (threadIdx.x == 0) {
+        while (atomicAdd(chain_count + 1, 0u) < static_cast<unsigned int>(kFirst)) {
+            __nanosleep(64);
+        }
+        __threadfence();
+        if (atomicAdd(chain_count + 2, 1u) == static_cast<unsigned int>(grid_count - 1)) {
+            atomicExch(chain_count, 0u);
+            atomicExch(chain_count + 1, 0u);
+            atomicExch(chain_count + 2, 0u);
+        }
+    }
+    __syncthreads();
+    const T* const x = glu_y;
+"""
+CHAINED_PRODUCT_SOURCE = _CHAINED + _PRODUCT_BODY
+CHAINED_ADD_NORM_SOURCE = CHAINED_PRODUCT_SOURCE + _ADD_NORM_TAIL
+CHAINED_NORM_SOURCE = CHAINED_PRODUCT_SOURCE + _NORM_TAIL
+
+_TAIL_INPUTS = ["pw", "pres", "ps", "peps", "cnt"]
+_CHAIN_INPUTS = ["x0", "w0", "up0", "chain"]
 _kernel = CudaKernel(name="mlxrunner_product",
                      input_names=["x", "w", "res", "up_x"],
                      output_names=["y"], source=PRODUCT_SOURCE)
 _add_norm_kernel = CudaKernel(name="mlxrunner_product_add_norm",
-                              input_names=["x", "w", "res", "up_x", "pw", "pres", "ps",
-                                           "peps", "cnt"],
+                              input_names=["x", "w", "res", "up_x", *_TAIL_INPUTS],
                               output_names=["y", "h"], source=PRODUCT_ADD_NORM_SOURCE)
 _norm_kernel = CudaKernel(name="mlxrunner_product_norm",
-                         input_names=["x", "w", "res", "up_x", "pw", "pres", "ps", "peps",
-                                      "cnt", "nw", "neps"],
+                         input_names=["x", "w", "res", "up_x", *_TAIL_INPUTS, "nw", "neps"],
                          output_names=["y", "h", "hn"], source=PRODUCT_NORM_SOURCE)
+# (a chain's x is its own output glu_y: the inputs from w on, the chain's after them)
+_chained_kernel = CudaKernel(name="mlxrunner_chain",
+                             input_names=["w", "res", "up_x", *_CHAIN_INPUTS],
+                             output_names=["y", "glu_y"], source=CHAINED_PRODUCT_SOURCE)
+_chained_add_norm_kernel = CudaKernel(
+    name="mlxrunner_chain_add_norm",
+    input_names=["w", "res", "up_x", *_TAIL_INPUTS, *_CHAIN_INPUTS],
+    output_names=["y", "h", "glu_y"], source=CHAINED_ADD_NORM_SOURCE)
+_chained_norm_kernel = CudaKernel(
+    name="mlxrunner_chain_norm",
+    input_names=["w", "res", "up_x", *_TAIL_INPUTS, "nw", "neps", *_CHAIN_INPUTS],
+    output_names=["y", "h", "hn", "glu_y"], source=CHAINED_NORM_SOURCE)
 #: a post norm after a product: (residual, norm weight, eps, scale or None)
 PostNorm = tuple[mx.array, mx.array, float, "mx.array | None"]
 #: a norm after a launch's final rows: (norm weight, eps)
 NextNorm = tuple[mx.array, float]
+#: the gated product that made a product's input, run ahead of it in its launch (a chain):
+#: (its input, its weight, its GLU number, its given up rows or None)
+Prior = tuple[mx.array, mx.array, int, "mx.array | None"]
+Shape = tuple[int, ...]
 _noted = threading.local()
 
 
@@ -343,43 +425,65 @@ def _noted_entry(kind: str, out: mx.array) -> tuple[Any, ...] | None:
 
 
 def _launch(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-            up: mx.array | None = None, post: PostNorm | None = None) -> mx.array:
-    """The product's output, or with ``post`` the post norm's residual add after it."""
-    inputs, template, shape = _arguments(x, weight, residual, glu, up, post)
+            up: mx.array | None = None, post: PostNorm | None = None,
+            prior: Prior | None = None) -> mx.array:
+    """The product's output, or with ``post`` the post norm's residual add after it
+    (``prior``: the gated product that made ``x``, run first in the same launch)."""
+    inputs, template, shapes = _arguments(x, weight, residual, glu, up, post, prior=prior)
     if post is None:
-        return _kernel(inputs=inputs, template=template, grid=_grid(shape[-1]),
-                       threadgroup=(THREADS, 1, 1), output_shapes=[shape],
-                       output_dtypes=[x.dtype])[0]
-    return _add_norm_kernel(inputs=inputs, template=template, grid=_grid(shape[-1]),
-                            threadgroup=(THREADS, 1, 1), output_shapes=[shape, shape],
-                            output_dtypes=[x.dtype] * 2)[1]
+        kernel = _kernel if prior is None else _chained_kernel
+        out = 0
+    else:
+        kernel = _add_norm_kernel if prior is None else _chained_add_norm_kernel
+        shapes.insert(1, shapes[0])
+        out = 1
+    assert shapes[0] is not None
+    grid = _grid(shapes[0][-1], 0 if prior is None else x.shape[-1])
+    return kernel(inputs=inputs, template=template, grid=grid,
+                  threadgroup=(THREADS, 1, 1), output_shapes=shapes,
+                  output_dtypes=[x.dtype] * len(shapes))[out]
 
 
 def _launch_normed(x: mx.array, weight: mx.array, residual: mx.array | None,
-                   post: PostNorm | None, then: NextNorm) -> tuple[mx.array, mx.array]:
+                   post: PostNorm | None, then: NextNorm, prior: Prior | None = None
+                   ) -> tuple[mx.array, mx.array]:
     """The launch's final rows (the product plus ``residual``, or ``post``'s add after it)
-    and ``then``'s norm of them, written by its last block."""
-    inputs, template, shape = _arguments(x, weight, residual, 0, None, post, tail=True)
+    and ``then``'s norm of them, written by its last block (``prior``: as for
+    :func:`_launch`)."""
+    inputs, template, shapes = _arguments(x, weight, residual, 0, None, post, tail=True,
+                                          prior=prior)
     then_weight, then_eps = then
-    inputs += [then_weight, constant((float(then_eps),), mx.float32)]
-    outputs = _norm_kernel(
-        inputs=inputs, template=template, grid=_grid(shape[-1]),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[shape, shape if post is not None else None, shape],  # (h: post's)
-        output_dtypes=[x.dtype] * 3)
+    at = len(inputs) - (len(_CHAIN_INPUTS) if prior is not None else 0)
+    inputs[at:at] = [then_weight, constant((float(then_eps),), mx.float32)]
+    shape = shapes[0]
+    assert shape is not None
+    # (h: post's; a chain's gated rows last)
+    shapes[1:1] = [shape if post is not None else None, shape]
+    outputs = (_norm_kernel if prior is None else _chained_norm_kernel)(
+        inputs=inputs, template=template,
+        grid=_grid(weight.shape[0], 0 if prior is None else x.shape[-1]),
+        threadgroup=(THREADS, 1, 1), output_shapes=shapes,
+        output_dtypes=[x.dtype] * len(shapes))
+    if prior is not None:
+        outputs = outputs[:-1]
     return outputs[-2], outputs[-1]  # (h where post, else y; the norm)
 
 
-def _grid(N: int) -> tuple[int, int, int]:
-    return (THREADS * -(-N // (THREADS // 32)), 1, 1)
+def _grid(N: int, first: int = 0) -> tuple[int, int, int]:
+    """A launch's grid: a block per NT / 32 of its ``N`` outputs (a chain's: and of the
+    ``first`` of its gated product)."""
+    per_block = THREADS // 32
+    return (THREADS * (-(-N // per_block) + -(-first // per_block)), 1, 1)
 
 
 def _arguments(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-               up: mx.array | None, post: PostNorm | None, tail: bool = False
-               ) -> tuple[list[mx.array | mx.Dtype], list[TemplateArg], tuple[int, ...]]:
-    """A product launch's inputs, template and output shape; with ``post`` or ``tail`` (a
+               up: mx.array | None, post: PostNorm | None, tail: bool = False,
+               prior: Prior | None = None
+               ) -> tuple[list[mx.array | mx.Dtype], list[TemplateArg], list[Shape | None]]:
+    """A product launch's inputs, template and output shapes; with ``post`` or ``tail`` (a
     launch whose last block finishes its rows) also those of a post norm's add (absent
-    without ``post``) and a block counter."""
+    without ``post``) and a block counter; with ``prior`` (a chain: see above) those of the
+    gated product that makes ``x``, whose rows are the chain's last output."""
     K = x.shape[-1]
     N = weight.shape[0] // (2 if glu and up is None else 1)
     absent = x.dtype  # (an input the case does not read: not passed, see CudaKernel)
@@ -395,16 +499,26 @@ def _arguments(x: mx.array, weight: mx.array, residual: mx.array | None, glu: in
                    mx.float32 if post is None else constant((float(post_eps),), mx.float32),
                    block_counters(1)]
         template.append(("PSCALE", scale is not None))
-    return inputs, template, (*x.shape[:-1], N)
+    shapes: list[Shape | None] = [(*x.shape[:-1], N)]
+    if prior is not None:
+        x0, w0, glu0, up0 = prior
+        inputs = inputs[1:] + [x0, w0, absent if up0 is None else up0, block_counters(3)]
+        template += [("K0", x0.shape[-1]), ("N0", K), ("GLU0", glu0), ("UPX0", up0 is not None)]
+        shapes.append(tuple(x.shape))
+    return inputs, template, shapes
 
 
 def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-               up: mx.array | None = None, post: PostNorm | None = None) -> mx.array:
-    """What MLX's operations compute for the same case (the check's reference)."""
+               up: mx.array | None = None, post: PostNorm | None = None,
+               prior: Prior | None = None) -> mx.array:
+    """What MLX's operations compute for the same case (the check's reference; with
+    ``prior``, ``x`` is that gated product's output)."""
     # (mlp imports linear, which imports this); the compiled chains themselves, which no
     # product output noted here can turn into a kernel
     from .mlp import _gelu_tanh_mul, _silu_mul
 
+    if prior is not None:
+        x = _reference(prior[0], prior[1], None, prior[2], prior[3])
     y = x @ weight.T
     if glu:
         gate, up = mx.split(y, 2, axis=-1) if up is None else (y, up)
@@ -419,7 +533,9 @@ def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = Non
     """``x @ weight.T`` (``+ residual``) for float rows ``x [..., K]`` and a row-major
     ``weight [N, K]`` of the same dtype, as one fused kernel; ``activation`` (``silu``,
     ``gelu_tanh``): ``weight`` is gate rows then up rows and the result ``act(gate) * up``.
-    None where no fused kernel serves this case: the caller runs MLX's operations."""
+    Where ``x`` is a gated product's output (noted as it ran), that product runs first in
+    this one's launch (a chain), and its own launch has no reader left. None where no fused
+    kernel serves this case: the caller runs MLX's operations."""
     if not short_rows(x):  # (a prompt's rows: asked first, it saves the other questions)
         return None
     glu = GLU.get(activation or "", 0)
@@ -432,12 +548,33 @@ def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = Non
         return None
     if not _serves(x, weight, residual is not None, glu):
         return None
-    y = _launch(x, weight, residual, glu)
-    if residual is None and not glu:
-        _note(_noted, "products", y, (y, x, weight), NOTED_PRODUCTS)
-    elif not glu:
-        _note(_noted, "finals", y, (y, x, weight, residual, None), NOTED_PRODUCTS)
+    found = None if glu else _prior(x)
+    y = _launch(x, weight, residual, glu,
+                prior=_chain(x, weight, found, residual is not None))
+    # (each relaunch below asks whether the chain serves its own case)
+    if glu:
+        _note(_noted, "gated", y, (y, x, weight, glu, None), NOTED_PRODUCTS)
+    elif residual is None:
+        _note(_noted, "products", y, (y, x, weight, found), NOTED_PRODUCTS)
+    else:
+        _note(_noted, "finals", y, (y, x, weight, residual, None, found), NOTED_PRODUCTS)
     return y
+
+
+def _prior(x: mx.array) -> Prior | None:
+    """The gated product that made ``x`` (noted as it ran), where chains may run; None."""
+    if not kernel_allowed("chains"):
+        return None
+    entry = _noted_entry("gated", x)
+    return None if entry is None else (entry[0], entry[1], entry[2], entry[3])
+
+
+def _chain(x: mx.array, weight: mx.array, prior: Prior | None, res: bool, post: int = 0,
+           then: bool = False) -> Prior | None:
+    """``prior`` where its chain serves this launch's case (else the launch runs alone)."""
+    if prior is None or not _serves(x, weight, res, 0, post=post, then=then, prior=prior):
+        return None
+    return prior
 
 
 def fused_gated(gate: mx.array, up: mx.array, activation: str) -> mx.array | None:
@@ -449,10 +586,13 @@ def fused_gated(gate: mx.array, up: mx.array, activation: str) -> mx.array | Non
     if entry is None or not glu or up.shape != gate.shape or up.dtype != gate.dtype \
             or not kernel_allowed("products"):
         return None
-    x, weight = entry
+    x, weight, prior = entry
     if not _serves(x, weight, False, glu, upx=True):
         return None
-    return _launch(x, weight, None, glu, up)
+    # (a gated product after a chain's would chain three: the product runs alone)
+    y = _launch(x, weight, None, glu, up)
+    _note(_noted, "gated", y, (y, x, weight, glu, up), NOTED_PRODUCTS)
+    return y
 
 
 def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
@@ -468,12 +608,14 @@ def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
             or (scale is not None and (scale.size != 1 or scale.dtype != x.dtype)) \
             or not (kernel_allowed("products") and kernel_allowed("norms")):
         return None
-    source, product_weight = entry
-    if not _serves(source, product_weight, False, 0, post=1 if scale is None else 2):
+    source, product_weight, prior = entry
+    kind = 1 if scale is None else 2
+    if not _serves(source, product_weight, False, 0, post=kind):
         return None
     post = (residual, weight, eps, scale)
-    h = _launch(source, product_weight, None, 0, post=post)
-    _note(_noted, "finals", h, (h, source, product_weight, None, post), NOTED_PRODUCTS)
+    prior = _chain(source, product_weight, prior, False, post=kind)
+    h = _launch(source, product_weight, None, 0, post=post, prior=prior)
+    _note(_noted, "finals", h, (h, source, product_weight, None, post, prior), NOTED_PRODUCTS)
     return h
 
 
@@ -491,12 +633,13 @@ def fused_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
             or not (kernel_allowed("prenorms") and kernel_allowed("products")
                     and kernel_allowed("norms")):
         return None
-    source, product_weight, residual, post = entry
-    scaled = post is not None and post[3] is not None
-    if not _serves(source, product_weight, residual is not None, 0,
-                   post=0 if post is None else 1 + scaled, then=True):
+    source, product_weight, residual, post, prior = entry
+    kind = 0 if post is None else 1 + (post[3] is not None)
+    if not _serves(source, product_weight, residual is not None, 0, post=kind, then=True):
         return None
-    final, normed = _launch_normed(source, product_weight, residual, post, (weight, eps))
+    prior = _chain(source, product_weight, prior, residual is not None, post=kind, then=True)
+    final, normed = _launch_normed(source, product_weight, residual, post, (weight, eps),
+                                   prior=prior)
     _note(_noted, "renamed", x, (x, final), NOTED_RENAMED)
     return normed
 
@@ -511,17 +654,21 @@ def current(x: mx.array) -> mx.array:
 
 
 def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, upx: bool = False,
-            post: int = 0, then: bool = False) -> bool:
+            post: int = 0, then: bool = False, prior: Prior | None = None) -> bool:
     """Whether the kernel serves this case (``post``: 0, or 1 / 2 for a post norm's
     residual add after it without / with a scale; ``then``: a norm of the final rows after
-    it)."""
+    it; ``prior``: the gated product run first in the launch, making ``x``)."""
     K, M, dtype = x.shape[-1], _rows(x), x.dtype
     rows = weight.shape[0]
     case = (K, rows, M, dtype, res, glu) + ((True,) if upx else ()) + \
         (("post", post) if post else ()) + (("then",) if then else ())
+    if prior is not None:
+        K0, rows0, glu0, upx0 = prior[0].shape[-1], prior[1].shape[0], prior[2], \
+            prior[3] is not None
+        case += ("after", K0, rows0, glu0, upx0)
 
     def probe() -> tuple[Any, ...]:
-        keys = [mx.random.key(4711 + i) for i in range(8)]  # no gather (see deltanet's)
+        keys = [mx.random.key(4711 + i) for i in range(11)]  # no gather (see deltanet's)
         px = mx.random.normal((M, K), key=keys[0]).astype(dtype)
         pw = (mx.random.normal((rows, K), key=keys[1]) * K ** -0.5).astype(dtype)
         n_out = rows // (2 if glu and not upx else 1)
@@ -534,14 +681,19 @@ def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, upx: bool = Fals
             if post == 2 else None)
         pn = ((0.5 + mx.random.uniform(shape=(n_out,), key=keys[7])).astype(dtype), 1e-5) \
             if then else None
-        return px, pw, pr, pu, pp, pn
+        pg = None if prior is None else (
+            mx.random.normal((M, K0), key=keys[8]).astype(dtype),
+            (mx.random.normal((rows0, K0), key=keys[9]) * K0 ** -0.5).astype(dtype), glu0,
+            (2 * mx.random.normal((M, K), key=keys[10])).astype(dtype) if upx0 else None)
+        return px, pw, pr, pu, pp, pn, pg
 
     def kernel(p: tuple[Any, ...]) -> Any:
-        return _launch_normed(p[0], p[1], p[2], p[4], p[5]) if then else \
-            _launch(p[0], p[1], p[2], glu, p[3], p[4])
+        # (in a chain p[0] only gives x's shape: the launch makes x itself)
+        return _launch_normed(p[0], p[1], p[2], p[4], p[5], prior=p[6]) if then else \
+            _launch(p[0], p[1], p[2], glu, p[3], p[4], prior=p[6])
 
     def reference(p: tuple[Any, ...]) -> Any:
-        y = _reference(p[0], p[1], p[2], glu, p[3], p[4])
+        y = _reference(p[0], p[1], p[2], glu, p[3], p[4], p[6])
         return (y, mx.fast.rms_norm(y, *p[5])) if then else y
 
     return serves("products", case, kernel, reference, probe,

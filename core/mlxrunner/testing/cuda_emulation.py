@@ -64,6 +64,13 @@ static unsigned int atomicInc(unsigned int* p, unsigned int limit) {  // wraps p
                                         __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
     return old;
 }
+static unsigned int atomicAdd(unsigned int* p, unsigned int v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+static unsigned int atomicExch(unsigned int* p, unsigned int v) {
+    return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+}
+static void __nanosleep(unsigned int) { std::this_thread::yield(); }
 static void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <typename T> static T __ldcg(const T* p) { return *p; }
 using std::max;  // CUDA's integer min and max
