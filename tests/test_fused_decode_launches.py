@@ -223,6 +223,9 @@ def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monk
     mx.random.seed(2)
     model = Qwen3_5(text)
     got, logits = _one_step(model, launches)
+    launches.allowed.discard("chains")
+    unchained, _ = _one_step(model, launches)
+    launches.allowed.add("chains")
     launches.allowed.discard("prenorms")
     without, _ = _one_step(model, launches)
     monkeypatch.undo()
@@ -233,6 +236,8 @@ def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monk
     # every pre-norm but the first (the embedding's) and the final norm in the residual
     # product's launch before it
     assert got["product with norm after"] == 2 * 4, got
+    # each MLP's gate/up product in its down product's launch (a chain)
+    assert unchained["launches read"] - got["launches read"] == 4, (unchained, got)
     assert without["MLX norm"] - got["MLX norm"] == 2 * 4, (without, got)
     assert got["launches read"] == without["launches read"], (got, without)
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
