@@ -313,44 +313,41 @@ def test_fused_product_kernel_compiles(builder, dtype: str, res: bool, glu: int,
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("glu0,upx0", [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_chained_product_kernels_compile(builder, dtype: str, glu0: int, upx0: bool,
-                                         rows: int) -> None:
-    """A gated product ahead of the product reading it: alone, with a residual, with a post
-    norm's add, with the next norm after it (the MLP's down, Gemma 4's per-layer
-    projection)."""
+def test_chained_product_kernels_compile(builder, dtype: str, rows: int) -> None:
+    """Chains as a decode step makes them, at Gemma 4 E2B's sizes: a layer's end (o with
+    its post norm's add and the next norm, gate/up, down with a post norm's add of o's
+    stream, the per-layer gate times its input, the projection with a scaled add and the
+    next norm, the next layer's q/k/v) and a pre-norm MLP (gate/up, down plus a residual
+    written earlier in the launch, with the norm after it)."""
     from mlxrunner.nn import cuda_products
+    from mlxrunner.nn.cuda_products import Link, Ref
 
-    chain_inputs = [("x0", dtype), ("w0", dtype), ("up0", dtype), ("chain", "int32")]
-    tail_inputs = [("pw", dtype), ("pres", dtype), ("ps", dtype), ("peps", "float32"),
-                   ("cnt", "int32")]
-    inputs = [("w", dtype), ("res", dtype), ("up_x", dtype)]
-    chain_template = [("K0", 1536), ("N0", 6144), ("GLU0", glu0), ("UPX0", upx0)]
-    unread = ("up_x",) + (() if upx0 else ("up0",))
+    t = DTYPES[dtype]
 
-    def template(res: bool, addn: bool, scaled: bool | None) -> list[tuple[str, Any]]:
-        return [("T", dtype), ("K", 6144), ("N", 1536), ("M", rows), ("NT", 256),
-                ("RES", res), ("GLU", 0), ("UPX", False), ("ADDN", addn)] + \
-            ([] if scaled is None else [("PSCALE", scaled)]) + chain_template
+    def rows_of(n: int) -> mx.array:
+        return mx.zeros((rows, n), t)
 
-    for res in (False, True):
-        _compile(builder, "mlxrunner_chain", _wrap(
-            "mlxrunner_chain", cuda_products.CHAINED_PRODUCT_SOURCE, inputs + chain_inputs,
-            [("y", dtype), ("glu_y", dtype)], template(res, False, None),
-            absent=unread + (() if res else ("res",))))
-    _compile(builder, "mlxrunner_chain_add_norm", _wrap(
-        "mlxrunner_chain_add_norm", cuda_products.CHAINED_ADD_NORM_SOURCE,
-        inputs + tail_inputs + chain_inputs, [("y", dtype), ("h", dtype), ("glu_y", dtype)],
-        template(False, True, False), absent=unread + ("res", "ps")))
-    for res, addn, scaled in ((True, False, False), (False, True, True)):
-        _compile(builder, "mlxrunner_chain_norm", _wrap(
-            "mlxrunner_chain_norm", cuda_products.CHAINED_NORM_SOURCE,
-            inputs + tail_inputs + [("nw", dtype), ("neps", "float32")] + chain_inputs,
-            [("y", dtype), ("h", dtype), ("hn", dtype), ("glu_y", dtype)],
-            template(res, addn, scaled),
-            absent=unread + (() if res else ("res",)) + (() if scaled else ("ps",))
-            + (() if addn else ("pw", "pres", "peps", "h"))))
+    def weight(n: int, k: int) -> mx.array:
+        return mx.zeros((n, k), t)
+
+    norm = (mx.ones((1536,), t), 1e-6)
+    layer_end = [
+        Link(rows_of(2048), weight(1536, 2048), post=(rows_of(1536), *norm, None), then=norm),
+        Link(rows_of(1536), weight(12288, 1536), 2),
+        Link(rows_of(6144), weight(1536, 6144), post=(Ref(0, "h"), *norm, None)),
+        Link(rows_of(1536), weight(256, 1536), 2, up=rows_of(256)),
+        Link(rows_of(256), weight(1536, 256), post=(Ref(2, "h"), *norm, mx.ones((1,), t)),
+             then=norm),
+        Link(rows_of(1536), weight(3072, 1536))]
+    mlp = [Link(rows_of(1536), weight(12288, 1536), 1),
+           Link(rows_of(6144), weight(1536, 6144), residual=rows_of(1536), then=norm)]
+    for links in (layer_end, mlp):
+        kernel, inputs, template, shapes, _ = cuda_products.chain_arguments(links)
+        source = cuda_build.kernel_source(
+            kernel.name, kernel.source, [(n, a.dtype) for n, a in inputs.items()],
+            [(n, t) for n in shapes], template)
+        _compile(builder, kernel.name, source)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -44,15 +44,22 @@ def launches(monkeypatch) -> Counter:
         finally:
             inside.pop()
 
-    def product(x, w, res, glu, up=None, post=None, prior=None):
-        # (marked: a launch a step reads shows in its graph as a StopGradient)
-        with standing_in("product with post norm" if post is not None else "product"):
-            return mx.stop_gradient(cuda_products._reference(x, w, res, glu, up, post, prior))
-
-    def normed(x, w, res, post, then, prior=None):
-        with standing_in("product with norm after"):
-            y = cuda_products._reference(x, w, res, 0, None, post, prior)
-            return y, mx.stop_gradient(mlx_norm(y, *then))  # (one mark a launch)
+    def run(links):
+        # one mark a launch, every row it writes read through it (a launch a step reads
+        # shows in its graph as one StopGradient)
+        last = links[-1]
+        kind = "links" if len(links) > 1 else "product with norm after" if last.then \
+            else "product with post norm" if last.post else "product"
+        counts["chained links"] += len(links) if len(links) > 1 else 0
+        with standing_in(kind):
+            rows = cuda_products._reference_links(links)
+            flat = [(i, role, out) for i, r in enumerate(rows) for role, out in r.items()]
+            joined = mx.stop_gradient(mx.concatenate([out.reshape(-1) for *_, out in flat]))
+            at = 0
+            for i, role, out in flat:
+                rows[i][role] = joined[at:at + out.size].reshape(out.shape)
+                at += out.size
+            return rows
 
     def heads(parts, rot, offset, D, starts):
         counts["head parts"] += len(parts)
@@ -81,8 +88,7 @@ def launches(monkeypatch) -> Counter:
     monkeypatch.setattr(attention, "serves", lambda *args, **kwargs: True)
     monkeypatch.setattr(attention, "_cuda_default", lambda: True)
     monkeypatch.setattr(heads_module, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda_products, "_launch", product)
-    monkeypatch.setattr(cuda_products, "_launch_normed", normed)
+    monkeypatch.setattr(cuda_products, "_run", run)
     monkeypatch.setattr(mx.fast, "rms_norm", rms_norm)
     monkeypatch.setattr(cuda_norms, "_launch_heads", heads)
     monkeypatch.setattr(cuda_norms, "_launch_add_norm", add_norm)
@@ -157,8 +163,10 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     """Per layer one heads launch (q, k and v together where the layer writes keys) and one
     attention; each of the three post-norm residual adds in the launch of the product
     before it, none as a kernel of its own; each pre-norm after a layer's first (whose
-    input is the embedding) and the final norm in the launch before it, which the step
-    reads instead of the launches it replaced. The logits are the unforced step's."""
+    input is the embedding) and the final norm in the launch before it; every product
+    after a layer's attention, the next layer's q(/k/v) and the head in one launch (a
+    chain), which the step reads instead of the launches it replaced. The logits are the
+    unforced step's, with chains and without."""
     mx.set_default_device(mx.cpu)
     model = _gemma4()
     got, logits = _one_step(model, launches)
@@ -171,7 +179,6 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     monkeypatch.undo()
     _, want = _one_step(model, Counter())
     layers, writers = 5, 3
-    assert got["product with post norm"] == 3 * layers, got
     assert "add norm" not in got, got
     assert got["heads"] == layers and got["head parts"] == 3 * writers + (layers - writers), got
     assert got["attend"] == layers, got
@@ -179,21 +186,26 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     # another's keys reads no heads launch, one that writes keys reads its keys and values
     assert got["queries made by attend"] == layers, got
     assert got["head outputs read"] == 2 * writers, got
-    assert got["product with norm after"] == 2 * layers, got
-    # read per layer: q(/k/v), o's post norm with the next norm after it, gate/up, down's
-    # post norm, the per-layer gate times its input, the per-layer projection's post norm
-    # with the next norm after it; then the per-layer inputs' projection and the head
+    # one launch a product: read per layer q(/k/v), o's post norm with the next norm after
+    # it, gate/up, down's post norm, the per-layer gate times its input, the per-layer
+    # projection's post norm with the next norm after it; then the per-layer inputs'
+    # projection and the head
+    assert unchained["product with post norm"] == 3 * layers, unchained
+    assert unchained["product with norm after"] == 2 * layers, unchained
     assert unchained["launches read"] == 6 * layers + 2, unchained
-    # chained: gate/up in down's launch, the per-layer gate in the per-layer projection's
-    assert got["launches read"] == 4 * layers + 2, got
-    np.testing.assert_allclose(np.array(unchained_logits), np.array(want), rtol=1e-5,
-                               atol=1e-5)
+    # chained: the first layer's q(/k/v), a launch a layer (o to the next layer's q/k/v,
+    # the last layer's to the head), the per-layer inputs' projection
+    assert got["launches read"] == 1 + layers + 1, got
+    # without pre-norms in their launches each norm is MLX's, between two chains: q(/k/v),
+    # o with its post norm, gate/up to the per-layer projection's post norm
     assert "product with norm after" not in without, without
     assert without["MLX norm"] - got["MLX norm"] == 2 * layers, (without, got)
+    assert without["launches read"] == 3 * layers + 2, without
     # each relaunch stands for the launch it replaced, also for the streams tapped
-    assert got["launches read"] == without["launches read"], (got, without)
     assert tapped["launches read"] == got["launches read"], tapped
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(unchained_logits), np.array(want), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_queries_whose_rotated_pairs_straddle_lanes_come_from_the_heads_launch(launches,
@@ -235,11 +247,18 @@ def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monk
     assert got["queries made by attend"] == 1 and got["head outputs read"] == 2, got
     # every pre-norm but the first (the embedding's) and the final norm in the residual
     # product's launch before it
-    assert got["product with norm after"] == 2 * 4, got
-    # each MLP's gate/up product in its down product's launch (a chain)
-    assert unchained["launches read"] - got["launches read"] == 4, (unchained, got)
+    # every pre-norm but the first (the embedding's) and the final norm in the residual
+    # product's launch before it
+    assert unchained["product with norm after"] == 2 * 4, unchained
     assert without["MLX norm"] - got["MLX norm"] == 2 * 4, (without, got)
-    assert got["launches read"] == without["launches read"], (got, without)
+    # one launch a product: the first layer's input products, then per layer the output
+    # product, gate/up, down and the next layer's input products (the last one's: the head)
+    assert unchained["launches read"] == 1 + 4 * 4, unchained
+    # chained: those of a layer in one launch
+    assert got["launches read"] == 1 + 4, got
+    # without pre-norms in their launches: the input products, the output product, gate/up
+    # to down (each norm MLX's, between two launches)
+    assert without["launches read"] == 3 * 4 + 1, without
     np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
 
 
@@ -261,10 +280,14 @@ def test_a_mixture_of_experts_step_reads_each_relaunch_alone(launches, monkeypat
             shared_expert_intermediate_size=32))
     mx.set_default_device(mx.cpu)
     got, logits = _one_step(model, launches)
+    launches.allowed.discard("chains")
+    unchained, unchained_logits = _one_step(model, launches)
     launches.allowed.discard("prenorms")
     without, _ = _one_step(model, launches)
     monkeypatch.undo()
     _, want = _one_step(model, Counter())
-    assert got["product with norm after"] > 0, got
-    assert got["launches read"] == without["launches read"], (got, without)
-    np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-5, atol=1e-5)
+    assert unchained["product with norm after"] > 0, unchained
+    assert unchained["launches read"] == without["launches read"], (unchained, without)
+    assert got["launches read"] <= unchained["launches read"], (got, unchained)
+    for step in (logits, unchained_logits):
+        np.testing.assert_allclose(np.array(step), np.array(want), rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_KERNELS`` (``1``, ``0`` or a comma-separated list of ``KERNELS``): which of
   the core's fused CUDA kernels may serve (each still only after its self-check;
   ``prenorms``: a pre-norm written by the product launch before it, with ``norms`` and
-  ``products``; ``chains``: a gated product in the launch of the product that reads it, with
+  ``products``; ``chains``: a product in the launch of the product whose rows it reads, with
   ``products``; ``embeddings``: an embedding's lookup).
 - ``MLXRUNNER_ATTENTION`` (``kernel``, ``folded`` or ``mlx``): short-block attention on
   CUDA through the fused kernel, folded batched products, or MLX's own function.

@@ -49,9 +49,9 @@ def test_a_post_norm_add_relaunches_the_product_that_made_its_input(monkeypatch)
     add-norm kernel's path."""
     launches = []
 
-    def stand_in(x, w, res, glu, up=None, post=None, prior=None):
+    def stand_in(x, w, res, glu, up=None, post=None):
         launches.append(post is not None)
-        return cuda_products._reference(x, w, res, glu, up, post, prior)
+        return cuda_products._reference(x, w, res, glu, up, post)
 
     probed = []
 
@@ -200,10 +200,10 @@ def test_a_pre_norm_runs_in_the_launch_before_it_on_the_gpu(dtype, rows):
         return post.add_normed(h, o_proj(k(pre(h))), mx.array([0.5], dtype))
 
     views = {"Reshape", "Broadcast", "Slice", "Transpose", "Squeeze", "ExpandDims"}
-    # (pre-norm blocks: o_proj with the norm after it, gate/up ahead of down with the norm
-    # after it (a chain), q; post-norm: the add-norm launch with the norm after it, k, the
-    # add-norm launch: the first add-norm launch is read by no one)
-    for block, launches in ((pre_norm_blocks, 3), (post_norm_block, 3)):
+    # (one launch each, a chain: pre-norm blocks, o_proj with the norm after it, gate/up,
+    # down with the norm after it, q; post-norm, the add-norm launch with the norm after
+    # it, k, the add-norm launch: the launches it replaced are read by no one)
+    for block, launches in ((pre_norm_blocks, 1), (post_norm_block, 1)):
         for _ in range(3):
             x = mx.random.normal((rows, 1, 1536)).astype(dtype)
             a = mx.random.normal((rows, 1, 512)).astype(dtype)
@@ -223,13 +223,12 @@ def test_a_pre_norm_runs_in_the_launch_before_it_on_the_gpu(dtype, rows):
 @on_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_a_gated_product_runs_in_the_launch_of_the_product_reading_it_on_the_gpu(dtype,
-                                                                                 rows):
+def test_a_layers_products_run_as_one_chain_on_the_gpu(dtype, rows):
     """Gemma 4's layer end: the MLP (gate/up, then down with the post norm's add) and the
     per-layer gate times its input, then the projection with a scaled post norm's add and
-    the next norm: two launches (each gated product ahead of the product reading it), equal
-    to MLX's operations and to the launches run one by one, again and again (the chains'
-    counters back at 0), also two of them evaluated at once."""
+    the next norm: one launch (a chain of four products), equal to MLX's operations and to
+    the four launches run one by one, again and again (the chain's counters back at 0),
+    also two of them evaluated at once."""
     mx.set_default_device(mx.gpu)
     mx.random.seed(9)
     hidden, p = 1536, 256
@@ -262,7 +261,7 @@ def test_a_gated_product_runs_in_the_launch_of_the_product_reading_it_on_the_gpu
             mx.eval(alone)
         got = layer_end(*inputs)
         kernels_run = [label for label in graph_labels(got) if label not in views]
-        assert kernels_run.count("CustomKernel") == 2, kernels_run
+        assert kernels_run.count("CustomKernel") == 1, kernels_run
         _close(got, want, dtype)
         np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
                                       np.array(alone.astype(mx.float32)))
@@ -432,13 +431,13 @@ def test_a_norm_of_a_residual_sum_relaunches_its_product_and_readers_take_the_ne
     marked +1000 to show who reads them); any other input is MLX's norm."""
     launches = []
 
-    def stand_in(x, w, res, glu, up=None, post=None, prior=None):
+    def stand_in(x, w, res, glu, up=None, post=None):
         launches.append("post" if post is not None else "res" if res is not None else "plain")
-        return cuda_products._reference(x, w, res, glu, up, post, prior)
+        return cuda_products._reference(x, w, res, glu, up, post)
 
-    def stand_in_normed(x, w, res, post, then, prior=None):
+    def stand_in_normed(x, w, res, post, then):
         launches.append("then")
-        y = cuda_products._reference(x, w, res, 0, None, post, prior)
+        y = cuda_products._reference(x, w, res, 0, None, post)
         return y + 1000, mx.fast.rms_norm(y, *then)
 
     cases = []
@@ -487,78 +486,68 @@ def test_a_norm_of_a_residual_sum_relaunches_its_product_and_readers_take_the_ne
     assert len(launches) == count  # no product made its input: MLX's norm
 
 
-def _gated_np(x, w, glu, up=None):
-    if up is None:
-        return _reference_np(x, w, None, glu)
-    gate = x @ w.T
-    act = gate / (1 + np.exp(-gate)) if glu == 1 else 0.5 * gate * (
-        1 + np.tanh(0.7978845608028654 * (gate + 0.044715 * gate ** 3)))
-    return act * up
+def _chain_links(kind: str, rows: int, dtype=mx.float32) -> list:
+    """Links as a decode step chains them: ``gemma``, a Gemma 4 layer's end (o with its post
+    norm's add and the next norm, gate/up, down with its post norm's add of o's stream, the
+    per-layer gate times its input, the projection with a scaled post norm's add of down's
+    stream and the next norm); ``qwen``, a pre-norm layer's end and the next layer's input
+    product (o plus the stream with the norm after it, gate/up, down plus o's stream with the
+    norm after it, the next product); ``pair``, a gated product and the product reading it.
+    Sizes not whole numbers of a block's 8 outputs."""
+    Link, Ref = cuda_products.Link, cuda_products.Ref
+    keys = iter(mx.random.split(mx.random.key(rows + len(kind)), 32))
+
+    def normal(*shape, scale=1.0, shift=0.0):
+        return (shift + scale * mx.random.normal(shape, key=next(keys))).astype(dtype)
+
+    def weight(n, k):
+        return normal(n, k, scale=k ** -0.5)
+
+    def norm(n):
+        return normal(n, scale=0.1, shift=1.0), 1e-6
+
+    H, F, P, M = 68, 100, 20, rows
+    x = normal(M, 52)
+    if kind == "pair":
+        return [Link(x, weight(2 * F, 52), 2), Link(normal(M, F), weight(H, F))]
+    if kind == "qwen":
+        return [Link(x, weight(H, 52), residual=normal(M, H), then=norm(H)),
+                Link(normal(M, H), weight(2 * F, H), 1),
+                Link(normal(M, F), weight(H, F), residual=Ref(0, "y"), then=norm(H)),
+                Link(normal(M, H), weight(44, H))]
+    return [Link(x, weight(H, 52), post=(normal(M, H), *norm(H), None), then=norm(H)),
+            Link(normal(M, H), weight(2 * F, H), 2),
+            Link(normal(M, F), weight(H, F), post=(Ref(0, "h"), *norm(H), None)),
+            Link(normal(M, H), weight(P, H), 2, up=normal(M, P, scale=2.0)),
+            Link(normal(M, P), weight(H, P), post=(Ref(2, "h"), *norm(H), normal(1, shift=0.6)),
+                 then=norm(H))]
 
 
 @emulated
-@pytest.mark.parametrize("tail,glu0,upx0,rows,K0", [
-    ("", 1, False, 1, 2176), ("", 2, True, 3, 64), ("add_norm", 2, True, 2, 64),
-    ("norm", 1, False, 4, 96), ("norm", 2, True, 1, 64)])
-def test_a_chain_runs_a_gated_product_then_the_product_reading_it_in_emulation(
-        tail, glu0, upx0, rows, K0):
-    """One launch: the first blocks (tickets) run the gated product into glu_y, the rest
-    wait for them and run the product of glu_y (with a residual, a post norm's add or the
-    next norm after it by its last block); the chain's counters and the tail's back at 0 for
-    the next launch. N0 = 72 and N = 300: neither a whole number of blocks' outputs."""
+@pytest.mark.parametrize("kind,rows", [("pair", 1), ("qwen", 3), ("gemma", 1), ("gemma", 4)])
+def test_a_chain_runs_its_links_one_after_another_in_emulation(kind, rows):
+    """One launch: blocks draw tickets, the first links' blocks run first, each later link's
+    wait for the link before it, then run its product (and tail) on the rows it wrote; every
+    link's rows as MLX's operations give them, the counters back at 0 for the next launch."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
-    rng = np.random.default_rng(rows + K0)
-    N0, N, threads = 72, 300, 256
-    x0 = rng.normal(size=(rows, K0)).astype(np.float32)
-    w0 = (rng.normal(size=(N0 * (1 if upx0 else 2), K0)) * K0 ** -0.5).astype(np.float32)
-    up0 = rng.normal(size=(rows, N0)).astype(np.float32) if upx0 else None
-    w = (rng.normal(size=(N, N0)) * N0 ** -0.5).astype(np.float32)
-    res = rng.normal(size=(rows, N)).astype(np.float32)
-    pw = (1 + 0.1 * rng.normal(size=N)).astype(np.float32)
-    pres = rng.normal(size=(rows, N)).astype(np.float32)
-    nw = (0.5 + rng.uniform(size=N)).astype(np.float32)
-    addn = tail == "add_norm"
-    source = {"": cuda_products.CHAINED_PRODUCT_SOURCE,
-              "add_norm": cuda_products.CHAINED_ADD_NORM_SOURCE,
-              "norm": cuda_products.CHAINED_NORM_SOURCE}[tail]
-    chain, counter = np.zeros(4, np.int32), np.zeros(1, np.int32)
-    inputs = {"w": w, "res": None if addn else res, "up_x": None}
-    if tail:
-        inputs.update({"pw": pw if addn else None, "pres": pres if addn else None,
-                       "ps": np.array([0.6], np.float32) if addn else None,
-                       "peps": np.array([1e-6], np.float32) if addn else None,
-                       "cnt": counter})
-    if tail == "norm":
-        inputs.update({"nw": nw, "neps": np.array([1e-5], np.float32)})
-    inputs.update({"x0": x0, "w0": w0, "up0": up0, "chain": chain})
-    outputs = {"y": ((rows, N), np.float32)}
-    if tail:
-        outputs["h"] = ((rows, N), np.float32) if addn else None
-    if tail == "norm":
-        outputs["hn"] = ((rows, N), np.float32)
-    outputs["glu_y"] = ((rows, N0), np.float32)
-    template = [("T", mx.float32), ("K", N0), ("N", N), ("M", rows), ("NT", threads),
-                ("RES", not addn), ("GLU", 0), ("UPX", False), ("ADDN", addn)]
-    if tail:
-        template.append(("PSCALE", addn))
-    template += [("K0", K0), ("N0", N0), ("GLU0", glu0), ("UPX0", upx0)]
-    blocks = -(-N0 // (threads // 32)) + -(-N // (threads // 32))
-    gated = _gated_np(x0, w0, glu0, up0)
+    mx.set_default_device(mx.cpu)
+    links = _chain_links(kind, rows)
+    kernel, inputs, template, shapes, blocks = cuda_products.chain_arguments(links)
+    arrays = {name: np.array(value) for name, value in inputs.items()}
+    want = cuda_products._reference_links(links)
     for _ in range(2):  # the counters are reset for the next launch
-        got = emulate_kernel(source, inputs, outputs, template, blocks=blocks,
-                             threads=threads)
-        np.testing.assert_allclose(got["glu_y"], gated, rtol=1e-5, atol=1e-5)
-        y = _reference_np(gated, w, None if addn else res, 0)
-        np.testing.assert_allclose(got["y"], y, rtol=1e-5, atol=1e-5)
-        final = y
-        if addn:
-            final = (pres + y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6) * pw) * 0.6
-            np.testing.assert_allclose(got["h"], final, rtol=1e-5, atol=1e-5)
-        if tail == "norm":
-            normed = final / np.sqrt((final * final).mean(-1, keepdims=True) + 1e-5) * nw
-            np.testing.assert_allclose(got["hn"], normed, rtol=1e-5, atol=1e-5)
-        assert chain.tolist() == [0] * 4 and counter[0] == 0
+        got = emulate_kernel(kernel.source, arrays,
+                             {name: (shape, np.float32) for name, shape in shapes.items()},
+                             template, blocks=blocks, threads=cuda_products.THREADS)
+        for name in shapes:
+            role, i = name.rsplit("_", 1)
+            np.testing.assert_allclose(got[name], np.array(want[int(i)][role]), rtol=1e-4,
+                                       atol=1e-4, err_msg=name)
+        counters = [value for name, value in arrays.items()
+                    if name == "chain" or name.startswith("cnt_")]
+        assert all(not c.any() for c in counters), counters
+    assert set(shapes) == {f"{role}_{i}" for i, r in enumerate(want) for role in r}
 
 
 @emulated

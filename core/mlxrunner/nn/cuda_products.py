@@ -29,14 +29,23 @@ residual product or a post norm's add) is written by that launch's last block th
 way: the launch runs again with the norm after it, and its readers of the row (the next
 residual add, taps) take the new launch's row through :func:`current`, so the first
 launch has no reader left. A layer's pre-norms then cost no launch of their own.
+
+A product whose input is the last rows such a launch wrote (its norm's, its post norm's add,
+its product's) joins that launch as its next link (a chain, ``MLXRUNNER_KERNELS``'
+``chains``): one launch runs the products one after another, each link's blocks waiting
+for the link before it (see ``_CHAIN_PRELUDE``), so that a layer's products from its
+attention's output to the next layer's input products cost one launch. The launch it
+replaced has no reader left: its rows are read through :func:`current`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
@@ -50,12 +59,6 @@ from .kernels import kernel_allowed, serves
 #: verify block this long); more rows are a prompt's and run as MLX's products
 MAX_ROWS = 4
 THREADS = 256
-#: product outputs remembered per thread (a gate is read right after its product; each
-#: entry holds its weight alive)
-NOTED_PRODUCTS = 2
-#: rows renamed by a relaunch with a norm after it, remembered per thread until their
-#: residual reader comes (a layer's MLP or attention later)
-NOTED_RENAMED = 4
 
 # Template constants: T (x, weight and residual dtype), K (inputs per row), N (outputs per
 # row), M (rows), NT (threads per block), RES (add res to the rounded product), GLU (0: none;
@@ -304,58 +307,269 @@ def _renamed(source: str, names: dict[str, str]) -> str:
     return re.sub(pattern, lambda match: names[match.group(1)], source)
 
 
-# A chain: the gated product that makes x (gate rows of w0, with up rows or up0: template
-# constants K0, N0, GLU0, UPX0) ahead of the product that reads it, in one launch. Each
-# block draws a ticket as it starts: the first kFirst tickets run the gated product (its
-# rows into glu_y, counted out on chain[1]); a later block waits until all of them have
-# counted out, then runs as block ticket - kFirst of the product (and its tail) over
-# grid_count blocks. A block waits only on tickets drawn before its own, by blocks already
-# running that wait on nothing: no block waits for one that cannot run. The last block
-# past the wait (counted on chain[2]) sets the counters back to 0 for the next replay.
-# glu_y, written in this launch, is read past the L1 cache (__ldcg).
-_FIRST_PHASE = _renamed(GATED_ACTIVATION + _PRODUCT_ROWS, {
-    "K": "K0", "N": "N0", "GLU": "GLU0", "UPX": "UPX0", "RES": "RES0", "x": "x0",
-    "w": "w0", "res": "res0", "up_x": "up0", "y": "glu_y"})
-_CHAINED = r"""
+# A chain: products one after another in one launch, each (a link) reading the rows the one
+# before it wrote (its norm's, else its post norm's add, else its product), with its own
+# residual, activation and tail as a launch of its own has them; link i's names carry the
+# suffix _i. Each block draws a ticket as it starts and runs as a block of the link whose
+# tickets it drew (link i: the kEnd_{i-1}..kEnd_i range); a block of link i > 0 first waits
+# until link i - 1 is done (its blocks counted out on chain[i], or its last block's tail
+# written). A block waits only on tickets drawn before its own, by blocks already running:
+# none waits for one that cannot run. The last block past the last link's wait sets the
+# counters back to 0 for the next replay. Rows written in the launch are read past the L1
+# cache (__ldcg) where a product reads them as its x.
+_LINK_NAMES = ("K", "N", "RES", "GLU", "UPX", "ADDN", "PSCALE", "x", "w", "res", "up_x", "y",
+               "pw", "pres", "ps", "peps", "cnt", "nw", "neps", "h", "hn")
+_CHAIN_PRELUDE = r"""
     const auto load_x = [](const T* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); };
     const auto load_x1 = [](const T* p) { return __ldcg(p); };
-    constexpr int kFirst = (N0 + NT / 32 - 1) / (NT / 32);
     unsigned int* const chain_count = reinterpret_cast<unsigned int*>(const_cast<int*>(chain));
     __shared__ int ticket;
     if (threadIdx.x == 0) ticket = static_cast<int>(atomicAdd(chain_count, 1u));
     __syncthreads();
-    if (ticket < kFirst) {
-        constexpr bool RES0 = false;
-        const T* const res0 = nullptr;
-        const int block_id = ticket;
-""" + _FIRST_PHASE + r"""
-        __threadfence();  // this block's rows of glu_y, seen before it counts out
+    constexpr int kEnd_ = 0;
+"""
+
+
+class Ref(NamedTuple):
+    """Rows written earlier in the same launch: link ``link``'s ``role`` (``y``: its
+    product's, ``h``: its post norm's add, ``hn``: its norm after)."""
+    link: int
+    role: str
+
+
+class Link(NamedTuple):
+    """One product of a launch with what it fuses: ``x @ weight.T`` (``glu``: gated, with
+    ``up`` given or the weight's up rows), ``+ residual``, then ``post``'s residual add
+    (residual rows, weight, eps, scale), then ``then``'s norm. ``x``: the first link's
+    input; a later link reads the link before it (``x``: what the caller holds for it)."""
+    x: mx.array
+    weight: mx.array
+    glu: int = 0
+    up: mx.array | None = None
+    residual: mx.array | Ref | None = None
+    post: tuple[mx.array | Ref, mx.array, float, mx.array | None] | None = None
+    then: NextNorm | None = None
+
+    @property
+    def final(self) -> str:
+        """The role of the rows a residual reader takes (the stream)."""
+        return "h" if self.post is not None else "y"
+
+    @property
+    def out(self) -> str:
+        """The role of the rows the next link reads."""
+        return "hn" if self.then is not None else self.final
+
+    @property
+    def N(self) -> int:
+        return self.weight.shape[0] // (2 if self.glu and self.up is None else 1)
+
+
+#: the most links a launch chains
+MAX_LINKS = 6
+
+
+def _chain_source(wiring: tuple[tuple[Any, ...], ...]) -> str:
+    """The kernel body of a chain of links wired as ``wiring`` (see :func:`_wiring`)."""
+    parts = [_CHAIN_PRELUDE]
+    last = len(wiring) - 1
+    for i, (x_from, res_from, upx, post_from, scaled, then) in enumerate(wiring):
+        names = {name: f"{name}_{i}" for name in _LINK_NAMES}
+        tail = _NORM_TAIL if then else _ADD_NORM_TAIL if post_from is not None else ""
+        body = _renamed(GATED_ACTIVATION + _PRODUCT_ROWS + tail, names)
+        defs = [f"const T* const x_{i} = {x_from};" if x_from else ""]
+        if res_from != "in":
+            defs.append(f"const T* const res_{i} = {res_from or 'nullptr'};")
+        if not upx:
+            defs.append(f"const T* const up_x_{i} = nullptr;")
+        if post_from is None:
+            defs += [f"const T* const {n}_{i} = nullptr;" for n in ("pw", "pres", "ps")]
+            defs += [f"const float* const peps_{i} = nullptr;", f"T* const h_{i} = nullptr;"]
+            if not then:
+                defs.append(f"const int* const cnt_{i} = nullptr;")
+        else:
+            if post_from != "in":
+                defs.append(f"const T* const pres_{i} = {post_from};")
+            if not scaled:
+                defs.append(f"const T* const ps_{i} = nullptr;")
+        if not then:
+            defs += [f"const T* const nw_{i} = nullptr;", f"const float* const neps_{i} = nullptr;",
+                     f"T* const hn_{i} = nullptr;"]
+        wait = "" if i == 0 else f"""
+        if (threadIdx.x == 0) {{
+            while (atomicAdd(chain_count + {i}, 0u) < static_cast<unsigned int>(kDone_{i - 1})) {{
+                __nanosleep(64);
+            }}
+            __threadfence();""" + (f"""
+            const unsigned int passed = atomicAdd(chain_count + {last + 1}, 1u);
+            if (passed == static_cast<unsigned int>(grid_count - 1)) {{
+                for (int c = 0; c <= {last + 1}; ++c) atomicExch(chain_count + c, 0u);
+            }}""" if i == last else "") + """
+        }
+        __syncthreads();"""
+        done = "" if i == last else f"""
+        __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) atomicAdd(chain_count + 1, 1u);
+        if (threadIdx.x == 0) atomicAdd(chain_count + {i + 1}, 1u);"""
+        parts.append(f"""
+    constexpr int kEnd_{i} = kEnd_{i - 1 if i else ''} + (N_{i} + NT / 32 - 1) / (NT / 32);
+    constexpr int kDone_{i} = {'1' if tail else f'kEnd_{i} - kEnd_{i - 1 if i else ""}'};
+    if (ticket < kEnd_{i}) {{
+        const int block_id = ticket - kEnd_{i - 1 if i else ''};
+        const int grid_count = kEnd_{i} - kEnd_{i - 1 if i else ''};{wait}
+        {chr(10).join('        ' + d for d in defs if d).strip()}
+""" + body + done + """
         return;
     }
-    const int block_id = ticket - kFirst;
-    const int grid_count = static_cast<int>(gridDim.x) - kFirst;
-    if (threadIdx.x == 0) {
-        while (atomicAdd(chain_count + 1, 0u) < static_cast<unsigned int>(kFirst)) {
-            __nanosleep(64);
-        }
-        __threadfence();
-        if (atomicAdd(chain_count + 2, 1u) == static_cast<unsigned int>(grid_count - 1)) {
-            atomicExch(chain_count, 0u);
-            atomicExch(chain_count + 1, 0u);
-            atomicExch(chain_count + 2, 0u);
-        }
-    }
-    __syncthreads();
-    const T* const x = glu_y;
-"""
-CHAINED_PRODUCT_SOURCE = _CHAINED + _PRODUCT_BODY
-CHAINED_ADD_NORM_SOURCE = CHAINED_PRODUCT_SOURCE + _ADD_NORM_TAIL
-CHAINED_NORM_SOURCE = CHAINED_PRODUCT_SOURCE + _NORM_TAIL
+""")
+    return "".join(parts)
+
+
+def _wiring(links: Sequence[Link]) -> tuple[tuple[Any, ...], ...]:
+    """What a chain's source depends on, link by link: where its x, residual and post
+    residual come from (a C name of rows written earlier, ``in``: an input), whether it
+    reads a given up, is scaled, has a norm after it."""
+    def rows(value: Any) -> Any:
+        return f"{value.role}_{value.link}" if isinstance(value, Ref) else \
+            None if value is None else "in"
+
+    wiring = []
+    for i, link in enumerate(links):
+        x_from = "" if i == 0 else f"{links[i - 1].out}_{i - 1}"
+        post = link.post
+        wiring.append((x_from, rows(link.residual), link.up is not None,
+                       None if post is None else rows(post[0]),
+                       post is not None and post[3] is not None, link.then is not None))
+    return tuple(wiring)
+
+
+_chain_kernels: dict[tuple[tuple[Any, ...], ...], CudaKernel] = {}
+
+
+def _chain_kernel(links: Sequence[Link]) -> tuple[CudaKernel, list[str], list[str]]:
+    """The kernel of chains wired as ``links`` (made once a wiring), its input and output
+    names in the order its launch passes them."""
+    wiring = _wiring(links)
+    inputs, outputs = [], []
+    for i, (_, res_from, upx, post_from, scaled, then) in enumerate(wiring):
+        inputs += [f"x_{i}"] if i == 0 else []
+        inputs += [f"w_{i}"] + ([f"res_{i}"] if res_from == "in" else []) + \
+            ([f"up_x_{i}"] if upx else [])
+        if post_from is not None:
+            inputs += [f"pw_{i}"] + ([f"pres_{i}"] if post_from == "in" else []) + \
+                ([f"ps_{i}"] if scaled else []) + [f"peps_{i}"]
+        if post_from is not None or then:
+            inputs.append(f"cnt_{i}")
+        if then:
+            inputs += [f"nw_{i}", f"neps_{i}"]
+        outputs += [f"y_{i}"] + ([f"h_{i}"] if post_from is not None else []) + \
+            ([f"hn_{i}"] if then else [])
+    inputs.append("chain")
+    kernel = _chain_kernels.get(wiring)
+    if kernel is None:
+        source = _chain_source(wiring)
+        digest = hashlib.sha256(source.encode()).hexdigest()[:10]
+        kernel = _chain_kernels[wiring] = CudaKernel(
+            name=f"mlxrunner_chain_{digest}", input_names=inputs, output_names=outputs,
+            source=source)
+    return kernel, inputs, outputs
+
+
+def chain_arguments(links: Sequence[Link]) -> tuple[
+        CudaKernel, dict[str, mx.array], list[TemplateArg], dict[str, Shape], int]:
+    """A chain's launch: its kernel, inputs by name and template in the order the kernel
+    takes them, output shapes by name (``{role}_{link}``) and blocks."""
+    kernel, input_names, output_names = _chain_kernel(links)
+    x = links[0].x
+    given: dict[str, mx.array] = {"x_0": x}
+    template: list[TemplateArg] = [("T", x.dtype), ("M", _rows(x)), ("NT", THREADS)]
+    blocks = 0
+    for i, link in enumerate(links):
+        post = link.post
+        given[f"w_{i}"] = link.weight
+        for name, value in ((f"res_{i}", link.residual), (f"up_x_{i}", link.up)):
+            if isinstance(value, mx.array):
+                given[name] = value
+        if post is not None:
+            pres, pw, eps, scale = post
+            given[f"pw_{i}"] = pw
+            if isinstance(pres, mx.array):
+                given[f"pres_{i}"] = pres
+            if scale is not None:
+                given[f"ps_{i}"] = scale.reshape(1)
+            given[f"peps_{i}"] = constant((float(eps),), mx.float32)
+        if post is not None or link.then is not None:
+            given[f"cnt_{i}"] = block_counters(1)
+        if link.then is not None:
+            given[f"nw_{i}"] = link.then[0]
+            given[f"neps_{i}"] = constant((float(link.then[1]),), mx.float32)
+        template += [(f"K_{i}", link.x.shape[-1]), (f"N_{i}", link.N),
+                     (f"RES_{i}", link.residual is not None), (f"GLU_{i}", link.glu),
+                     (f"UPX_{i}", link.up is not None), (f"ADDN_{i}", post is not None),
+                     (f"PSCALE_{i}", post is not None and post[3] is not None)]
+        blocks += -(-link.N // (THREADS // 32))
+    given["chain"] = block_counters(len(links) + 1)
+    shapes = {name: (*x.shape[:-1], links[int(name.rsplit("_", 1)[1])].N)
+              for name in output_names}
+    return kernel, {name: given[name] for name in input_names}, template, shapes, blocks
+
+
+def _launch_chain(links: Sequence[Link]) -> list[dict[str, mx.array]]:
+    """Each link's rows by role, from one launch of the chain."""
+    kernel, inputs, template, shapes, blocks = chain_arguments(links)
+    outputs = kernel(inputs=list(inputs.values()), template=template,
+                     grid=(THREADS * blocks, 1, 1), threadgroup=(THREADS, 1, 1),
+                     output_shapes=list(shapes.values()),
+                     output_dtypes=[links[0].x.dtype] * len(shapes))
+    rows: list[dict[str, mx.array]] = [{} for _ in links]
+    for name, out in zip(shapes, outputs):
+        role, index = name.rsplit("_", 1)
+        rows[int(index)][role] = out
+    return rows
+
+
+def _run(links: Sequence[Link]) -> list[dict[str, mx.array]]:
+    """Each link's rows by role from one launch: a single product as its own kernel, a
+    chain as its wiring's (the seam tests stand in for)."""
+    if len(links) > 1:
+        return _launch_chain(links)
+    link = links[0]
+    post: PostNorm | None = None
+    if link.post is not None:
+        pres, pw, eps, scale = link.post
+        assert isinstance(pres, mx.array)  # (a single product reads given rows alone)
+        post = (pres, pw, eps, scale)
+    residual = link.residual
+    assert residual is None or isinstance(residual, mx.array)
+    if link.then is not None:
+        final, normed = _launch_normed(link.x, link.weight, residual, post, link.then)
+        return [{link.final: final, "hn": normed}]
+    if post is not None:
+        return [{"h": _launch(link.x, link.weight, residual, 0, post=post)}]
+    return [{"y": _launch(link.x, link.weight, residual, link.glu, link.up)}]
+
+
+def _reference_links(links: Sequence[Link]) -> list[dict[str, mx.array]]:
+    """What MLX's operations compute for each link's rows (the check's reference)."""
+    rows: list[dict[str, mx.array]] = []
+
+    def given(value: Any) -> Any:
+        return rows[value.link][value.role] if isinstance(value, Ref) else value
+
+    for i, link in enumerate(links):
+        x = link.x if i == 0 else rows[i - 1][links[i - 1].out]
+        y = _reference(x, link.weight, given(link.residual), link.glu, link.up)
+        out = {"y": y}
+        if link.post is not None:
+            pres, pw, eps, scale = link.post
+            out["h"] = cuda_norms._reference_add_norm(given(pres), y, pw, eps, scale)
+        if link.then is not None:
+            out["hn"] = mx.fast.rms_norm(out[link.final], *link.then)
+        rows.append(out)
+    return rows
+
 
 _TAIL_INPUTS = ["pw", "pres", "ps", "peps", "cnt"]
-_CHAIN_INPUTS = ["x0", "w0", "up0", "chain"]
 _kernel = CudaKernel(name="mlxrunner_product",
                      input_names=["x", "w", "res", "up_x"],
                      output_names=["y"], source=PRODUCT_SOURCE)
@@ -365,27 +579,22 @@ _add_norm_kernel = CudaKernel(name="mlxrunner_product_add_norm",
 _norm_kernel = CudaKernel(name="mlxrunner_product_norm",
                          input_names=["x", "w", "res", "up_x", *_TAIL_INPUTS, "nw", "neps"],
                          output_names=["y", "h", "hn"], source=PRODUCT_NORM_SOURCE)
-# (a chain's x is its own output glu_y: the inputs from w on, the chain's after them)
-_chained_kernel = CudaKernel(name="mlxrunner_chain",
-                             input_names=["w", "res", "up_x", *_CHAIN_INPUTS],
-                             output_names=["y", "glu_y"], source=CHAINED_PRODUCT_SOURCE)
-_chained_add_norm_kernel = CudaKernel(
-    name="mlxrunner_chain_add_norm",
-    input_names=["w", "res", "up_x", *_TAIL_INPUTS, *_CHAIN_INPUTS],
-    output_names=["y", "h", "glu_y"], source=CHAINED_ADD_NORM_SOURCE)
-_chained_norm_kernel = CudaKernel(
-    name="mlxrunner_chain_norm",
-    input_names=["w", "res", "up_x", *_TAIL_INPUTS, "nw", "neps", *_CHAIN_INPUTS],
-    output_names=["y", "h", "hn", "glu_y"], source=CHAINED_NORM_SOURCE)
 #: a post norm after a product: (residual, norm weight, eps, scale or None)
 PostNorm = tuple[mx.array, mx.array, float, "mx.array | None"]
 #: a norm after a launch's final rows: (norm weight, eps)
 NextNorm = tuple[mx.array, float]
-#: the gated product that made a product's input, run ahead of it in its launch (a chain):
-#: (its input, its weight, its GLU number, its given up rows or None)
-Prior = tuple[mx.array, mx.array, int, "mx.array | None"]
 Shape = tuple[int, ...]
+#: launches remembered per thread by their last links' rows (a launch holds its inputs
+#: alive), and rows a later launch of the same links also wrote (see :func:`current`),
+#: remembered for a step's layers (a tap reads each layer's stream at the step's end)
+NOTED_ROWS = 64
+NOTED_RENAMED = 4096
 _noted = threading.local()
+
+
+class _Launched(NamedTuple):
+    links: tuple[Link, ...]
+    rows: list[dict[str, mx.array]]
 
 
 def _rows(x: mx.array) -> int:
@@ -406,84 +615,288 @@ def _fits(x: mx.array, in_dims: int) -> bool:
             and kernel_allowed("products"))
 
 
-def _note(where: threading.local, kind: str, out: mx.array, entry: tuple[Any, ...],
-          kept: int) -> None:
-    noted = getattr(where, kind, None)
+def _remember(kind: str, key: mx.array, entry: tuple[Any, ...]) -> None:
+    noted = getattr(_noted, kind, None)
     if noted is None:
         noted = OrderedDict()
-        setattr(where, kind, noted)
-    noted[id(out)] = entry  # (out held in the entry: its id is not reused meanwhile)
-    while len(noted) > kept:
+        setattr(_noted, kind, noted)
+    noted[id(key)] = (key, *entry)  # (key held in the entry: its id is not reused meanwhile)
+    noted.move_to_end(id(key))
+    while len(noted) > (NOTED_RENAMED if kind == "renamed" else NOTED_ROWS):
         noted.popitem(last=False)
 
 
-def _noted_entry(kind: str, out: mx.array) -> tuple[Any, ...] | None:
-    """What :func:`_note` kept of ``out`` (this thread), without ``out`` itself; None."""
+def _recalled(kind: str, key: mx.array) -> tuple[Any, ...] | None:
     noted = getattr(_noted, kind, None)
-    entry = None if noted is None else noted.get(id(out))
-    return None if entry is None or entry[0] is not out else entry[1:]
+    entry = None if noted is None else noted.get(id(key))
+    return None if entry is None or entry[0] is not key else entry[1:]
+
+
+def _launched(x: mx.array) -> tuple[_Launched, int, str] | None:
+    """The launch (as it ran last), link and role of rows ``x`` (this thread's recent
+    launches), or None."""
+    entry = _recalled("rows", x)
+    return None if entry is None else (entry[0], entry[1], entry[2])
+
+
+def _launch_links(links: tuple[Link, ...], before: _Launched | None = None,
+                  replaced: bool = False) -> _Launched:
+    """Run ``links`` as one launch and note its rows. ``before``: the launch of the same
+    links but the last (``replaced``: the last one changed, else one added): its rows are
+    renamed to this launch's, which stands for it (see :func:`current`); a changed link's
+    rows only where the change leaves them as they were (its product's, its final rows
+    where it gains a norm)."""
+    launched = _Launched(links, _run(links))
+    last = len(links) - 1
+    for role, out in launched.rows[last].items():  # (the rows a later launch may extend)
+        _remember("rows", out, (launched, last, role))
+    if before is not None:
+        kept = len(before.links) - (1 if replaced else 0)
+        for i, old in enumerate(before.rows):
+            same = i < kept or (links[i].glu == before.links[i].glu
+                                and links[i].post is before.links[i].post)
+            for role, out in old.items():
+                new = launched.rows[i].get(role)
+                if same and new is not None:
+                    _remember("renamed", out, (new,))
+    return launched
+
+
+def _in_launch(launched: _Launched, value: mx.array | None) -> mx.array | Ref | None:
+    """``value`` as rows of ``launched`` (a Ref) where it is some, else itself."""
+    if value is None:
+        return None
+    value = current(value)
+    for i, rows in enumerate(launched.rows):
+        for role, out in rows.items():
+            if out is value:
+                return Ref(i, role)
+    return value
+
+
+def _chained(x: mx.array) -> _Launched | None:
+    """The launch whose last link's output rows ``x`` is (where a product reading ``x``
+    may join it as its next link), or None."""
+    if not kernel_allowed("chains"):
+        return None
+    found = _launched(x)
+    if found is None:
+        return None
+    launched, index, role = found
+    links = launched.links
+    return launched if index == len(links) - 1 and role == links[-1].out \
+        and len(links) < MAX_LINKS else None
+
+
+def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = None, *,
+                  activation: str | None = None) -> mx.array | None:
+    """``x @ weight.T`` (``+ residual``) for float rows ``x [..., K]`` and a row-major
+    ``weight [N, K]`` of the same dtype, as one fused kernel; ``activation`` (``silu``,
+    ``gelu_tanh``): ``weight`` is gate rows then up rows and the result ``act(gate) * up``.
+    Where ``x`` is the output of a fused launch's last product (noted as it ran), this
+    product joins that launch as its next link (a chain: one launch, which stands for the
+    one before it; see :func:`current`). None where no fused kernel serves this case: the
+    caller runs MLX's operations."""
+    if not short_rows(x):  # (a prompt's rows: asked first, it saves the other questions)
+        return None
+    glu = GLU.get(activation or "", 0)
+    if (activation is not None and not glu) or weight.ndim != 2 or weight.dtype != x.dtype \
+            or not _fits(x, weight.shape[1]) or (glu and weight.shape[0] % 2):
+        return None
+    N = weight.shape[0] // (2 if glu else 1)
+    if residual is not None and (residual.dtype != x.dtype
+                                 or residual.shape != (*x.shape[:-1], N)):
+        return None
+    if not _serves(x, weight, residual is not None, glu):
+        return None
+    x = current(x)
+    before = _chained(x)
+    if before is not None:
+        links = (*before.links, Link(x, weight, glu, None, _in_launch(before, residual)))
+        if _serves_links(links):
+            return _launch_links(links, before).rows[-1]["y"]
+    return _launch_links((Link(x, weight, glu, None, residual),)).rows[-1]["y"]
+
+
+def _last_link(out: mx.array, role: str) -> _Launched | None:
+    """The launch whose last link wrote ``out`` as its ``role`` rows, or None."""
+    found = _launched(out)
+    if found is None or _recalled("renamed", out) is not None:
+        return None
+    launched, index, found_role = found
+    return launched if index == len(launched.links) - 1 and found_role == role else None
+
+
+def _relaunch(before: _Launched, link: Link) -> _Launched | None:
+    """``before``'s links with its last one now ``link``, launched (None where no kernel
+    serves that case)."""
+    links = (*before.links[:-1], link)
+    if len(links) > 1 and not _serves_links(links):
+        return None
+    return _launch_links(links, before, replaced=True)
+
+
+def fused_gated(gate: mx.array, up: mx.array, activation: str) -> mx.array | None:
+    """``act(gate) * up`` in the launch of the fused product that made ``gate`` (its last
+    link, relaunched with the activation after it: the first launch's product is read by
+    no one); None where ``gate`` is no such output or no kernel serves the case."""
+    glu = GLU.get(activation, 0)
+    before = _last_link(gate, "y")
+    if before is None or not glu or up.shape != gate.shape or up.dtype != gate.dtype:
+        return None
+    link = before.links[-1]
+    if link.glu or link.residual is not None or link.post is not None or link.then is not None \
+            or not _serves(link.x, link.weight, False, glu, upx=True):
+        return None
+    launched = _relaunch(before, link._replace(glu=glu, up=up))
+    return None if launched is None else launched.rows[-1]["y"]
+
+
+def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
+                     scale: mx.array | None) -> mx.array | None:
+    """``(residual + rms_norm(x, weight, eps)) * scale`` in the launch of the fused product
+    that made ``x`` (its last link, relaunched with the add after it, as
+    :func:`fused_gated` does); None where ``x`` is no such output or no kernel serves the
+    case."""
+    before = _last_link(x, "y")
+    if before is None or residual.shape != x.shape \
+            or residual.dtype != x.dtype or weight.shape != x.shape[-1:] \
+            or weight.dtype != x.dtype \
+            or (scale is not None and (scale.size != 1 or scale.dtype != x.dtype)) \
+            or not kernel_allowed("norms"):
+        return None
+    link = before.links[-1]
+    if link.glu or link.residual is not None or link.post is not None or link.then is not None \
+            or not _serves(link.x, link.weight, False, 0, post=1 if scale is None else 2):
+        return None
+    rows = current(residual) if len(before.links) == 1 else _in_launch(before, residual)
+    assert rows is not None
+    launched = _relaunch(before, link._replace(post=(rows, weight, eps, scale)))
+    return None if launched is None else launched.rows[-1]["h"]
+
+
+def fused_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
+    """``rms_norm(x, weight, eps)`` by the last block of the launch that made ``x`` (a fused
+    product's residual sum, or a post norm's add after one: its last link's). That launch
+    runs again with the norm after it, and :func:`current` gives its ``x`` to the readers
+    that come after (the next residual add), so the first launch has no reader left. None
+    where ``x`` is no such output or no kernel serves the case."""
+    if weight.dtype != x.dtype or weight.shape != x.shape[-1:] \
+            or not (kernel_allowed("prenorms") and kernel_allowed("norms")):
+        return None
+    found = _launched(x)
+    if found is None:
+        return None
+    # (a final normed again, as a second norm of one stream, or a stream a later link
+    # reads: MLX's norm of the rows the last launch wrote)
+    before = _last_link(x, found[0].links[found[1]].final)
+    if before is None:
+        return None
+    link = before.links[-1]
+    if (link.residual is None and link.post is None) or link.then is not None:
+        return None
+    post = link.post
+    kind = 0 if post is None else 1 + (post[3] is not None)
+    if not _serves(link.x, link.weight, link.residual is not None, 0, post=kind, then=True):
+        return None
+    launched = _relaunch(before, link._replace(then=(weight, eps)))
+    return None if launched is None else launched.rows[-1]["hn"]
+
+
+def current(x: mx.array) -> mx.array:
+    """What stands for ``x`` now: the same rows from the launch that also wrote more after
+    them (a norm, a chained product: see :func:`fused_norm` and :func:`fused_product`),
+    or ``x`` itself. A reader of a residual stream asks this, so that the launch it
+    replaced runs for no one (public as ``mlxrunner.nn.residual_stream``: an architecture
+    that adds to its stream itself reads it through it)."""
+    for _ in range(NOTED_RENAMED):  # (each rename leads to a later launch)
+        entry = _recalled("renamed", x)
+        if entry is None:
+            return x
+        x = entry[0]
+    return x
+
+
+def _serves_links(links: Sequence[Link]) -> bool:
+    """Whether a chain of links like these serves (checked once a case against MLX's
+    operations on random rows of the same shapes)."""
+    dtype, M = links[0].x.dtype, _rows(links[0].x)
+    wiring = _wiring(links)
+    case = ("chain", dtype, M, wiring) + tuple(
+        (link.x.shape[-1], link.weight.shape[0], link.glu) for link in links)
+
+    def probe() -> list[Link]:
+        key = iter(mx.random.split(mx.random.key(4713), 8 * len(links) + 1))
+
+        def normal(shape: tuple[int, ...], scale: float = 1.0, shift: float = 0.0
+                   ) -> mx.array:
+            return (shift + scale * mx.random.normal(shape, key=next(key))).astype(dtype)
+
+        made: list[Link] = []
+        for link in links:
+            K, N = link.x.shape[-1], link.N
+            x = normal((M, K))
+            weight = normal(link.weight.shape, K ** -0.5)
+            up = None if link.up is None else normal((M, N), 2.0)
+            residual = link.residual if isinstance(link.residual, Ref) or \
+                link.residual is None else normal((M, N))
+            post = None
+            if link.post is not None:
+                pres, _, eps, scale = link.post
+                post = (pres if isinstance(pres, Ref) else normal((M, N)),
+                        normal((N,), 0.1, 1.0), 1e-6,
+                        None if scale is None else normal((1,), 0.2, 0.8))
+            then = None if link.then is None else (normal((N,), 0.2, 1.0), 1e-5)
+            made.append(Link(x, weight, link.glu, up, residual, post, then))
+        return made
+
+    def outputs(rows: list[dict[str, mx.array]]) -> list[mx.array]:
+        return [rows[i][role] for i in range(len(rows)) for role in sorted(rows[i])]
+
+    return serves("products", case, lambda p: outputs(_run(p)),
+                  lambda p: outputs(_reference_links(p)), probe,
+                  2e-3 if dtype == mx.float32 else 3e-2,
+                  source=kernel_code(__file__, cuda_norms.__file__, cuda_gated.__file__))
 
 
 def _launch(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-            up: mx.array | None = None, post: PostNorm | None = None,
-            prior: Prior | None = None) -> mx.array:
-    """The product's output, or with ``post`` the post norm's residual add after it
-    (``prior``: the gated product that made ``x``, run first in the same launch)."""
-    inputs, template, shapes = _arguments(x, weight, residual, glu, up, post, prior=prior)
+            up: mx.array | None = None, post: PostNorm | None = None) -> mx.array:
+    """The product's output, or with ``post`` the post norm's residual add after it."""
+    inputs, template, shape = _arguments(x, weight, residual, glu, up, post)
     if post is None:
-        kernel = _kernel if prior is None else _chained_kernel
-        out = 0
-    else:
-        kernel = _add_norm_kernel if prior is None else _chained_add_norm_kernel
-        shapes.insert(1, shapes[0])
-        out = 1
-    assert shapes[0] is not None
-    grid = _grid(shapes[0][-1], 0 if prior is None else x.shape[-1])
-    return kernel(inputs=inputs, template=template, grid=grid,
-                  threadgroup=(THREADS, 1, 1), output_shapes=shapes,
-                  output_dtypes=[x.dtype] * len(shapes))[out]
+        return _kernel(inputs=inputs, template=template, grid=_grid(shape[-1]),
+                       threadgroup=(THREADS, 1, 1), output_shapes=[shape],
+                       output_dtypes=[x.dtype])[0]
+    return _add_norm_kernel(inputs=inputs, template=template, grid=_grid(shape[-1]),
+                            threadgroup=(THREADS, 1, 1), output_shapes=[shape, shape],
+                            output_dtypes=[x.dtype] * 2)[1]
 
 
 def _launch_normed(x: mx.array, weight: mx.array, residual: mx.array | None,
-                   post: PostNorm | None, then: NextNorm, prior: Prior | None = None
-                   ) -> tuple[mx.array, mx.array]:
+                   post: PostNorm | None, then: NextNorm) -> tuple[mx.array, mx.array]:
     """The launch's final rows (the product plus ``residual``, or ``post``'s add after it)
-    and ``then``'s norm of them, written by its last block (``prior``: as for
-    :func:`_launch`)."""
-    inputs, template, shapes = _arguments(x, weight, residual, 0, None, post, tail=True,
-                                          prior=prior)
+    and ``then``'s norm of them, written by its last block."""
+    inputs, template, shape = _arguments(x, weight, residual, 0, None, post, tail=True)
     then_weight, then_eps = then
-    at = len(inputs) - (len(_CHAIN_INPUTS) if prior is not None else 0)
-    inputs[at:at] = [then_weight, constant((float(then_eps),), mx.float32)]
-    shape = shapes[0]
-    assert shape is not None
-    # (h: post's; a chain's gated rows last)
-    shapes[1:1] = [shape if post is not None else None, shape]
-    outputs = (_norm_kernel if prior is None else _chained_norm_kernel)(
-        inputs=inputs, template=template,
-        grid=_grid(weight.shape[0], 0 if prior is None else x.shape[-1]),
-        threadgroup=(THREADS, 1, 1), output_shapes=shapes,
-        output_dtypes=[x.dtype] * len(shapes))
-    if prior is not None:
-        outputs = outputs[:-1]
+    inputs += [then_weight, constant((float(then_eps),), mx.float32)]
+    outputs = _norm_kernel(
+        inputs=inputs, template=template, grid=_grid(shape[-1]),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[shape, shape if post is not None else None, shape],  # (h: post's)
+        output_dtypes=[x.dtype] * 3)
     return outputs[-2], outputs[-1]  # (h where post, else y; the norm)
 
 
-def _grid(N: int, first: int = 0) -> tuple[int, int, int]:
-    """A launch's grid: a block per NT / 32 of its ``N`` outputs (a chain's: and of the
-    ``first`` of its gated product)."""
-    per_block = THREADS // 32
-    return (THREADS * (-(-N // per_block) + -(-first // per_block)), 1, 1)
+def _grid(N: int) -> tuple[int, int, int]:
+    return (THREADS * -(-N // (THREADS // 32)), 1, 1)
 
 
 def _arguments(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-               up: mx.array | None, post: PostNorm | None, tail: bool = False,
-               prior: Prior | None = None
-               ) -> tuple[list[mx.array | mx.Dtype], list[TemplateArg], list[Shape | None]]:
-    """A product launch's inputs, template and output shapes; with ``post`` or ``tail`` (a
+               up: mx.array | None, post: PostNorm | None, tail: bool = False
+               ) -> tuple[list[mx.array | mx.Dtype], list[TemplateArg], Shape]:
+    """A product launch's inputs, template and output shape; with ``post`` or ``tail`` (a
     launch whose last block finishes its rows) also those of a post norm's add (absent
-    without ``post``) and a block counter; with ``prior`` (a chain: see above) those of the
-    gated product that makes ``x``, whose rows are the chain's last output."""
+    without ``post``) and a block counter."""
     K = x.shape[-1]
     N = weight.shape[0] // (2 if glu and up is None else 1)
     absent = x.dtype  # (an input the case does not read: not passed, see CudaKernel)
@@ -499,26 +912,16 @@ def _arguments(x: mx.array, weight: mx.array, residual: mx.array | None, glu: in
                    mx.float32 if post is None else constant((float(post_eps),), mx.float32),
                    block_counters(1)]
         template.append(("PSCALE", scale is not None))
-    shapes: list[Shape | None] = [(*x.shape[:-1], N)]
-    if prior is not None:
-        x0, w0, glu0, up0 = prior
-        inputs = inputs[1:] + [x0, w0, absent if up0 is None else up0, block_counters(3)]
-        template += [("K0", x0.shape[-1]), ("N0", K), ("GLU0", glu0), ("UPX0", up0 is not None)]
-        shapes.append(tuple(x.shape))
-    return inputs, template, shapes
+    return inputs, template, (*x.shape[:-1], N)
 
 
 def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: int,
-               up: mx.array | None = None, post: PostNorm | None = None,
-               prior: Prior | None = None) -> mx.array:
-    """What MLX's operations compute for the same case (the check's reference; with
-    ``prior``, ``x`` is that gated product's output)."""
+               up: mx.array | None = None, post: PostNorm | None = None) -> mx.array:
+    """What MLX's operations compute for the same case (the check's reference)."""
     # (mlp imports linear, which imports this); the compiled chains themselves, which no
     # product output noted here can turn into a kernel
     from .mlp import _gelu_tanh_mul, _silu_mul
 
-    if prior is not None:
-        x = _reference(prior[0], prior[1], None, prior[2], prior[3])
     y = x @ weight.T
     if glu:
         gate, up = mx.split(y, 2, axis=-1) if up is None else (y, up)
@@ -528,147 +931,18 @@ def _reference(x: mx.array, weight: mx.array, residual: mx.array | None, glu: in
         cuda_norms._reference_add_norm(post[0], y, post[1], post[2], post[3])
 
 
-def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = None, *,
-                  activation: str | None = None) -> mx.array | None:
-    """``x @ weight.T`` (``+ residual``) for float rows ``x [..., K]`` and a row-major
-    ``weight [N, K]`` of the same dtype, as one fused kernel; ``activation`` (``silu``,
-    ``gelu_tanh``): ``weight`` is gate rows then up rows and the result ``act(gate) * up``.
-    Where ``x`` is a gated product's output (noted as it ran), that product runs first in
-    this one's launch (a chain), and its own launch has no reader left. None where no fused
-    kernel serves this case: the caller runs MLX's operations."""
-    if not short_rows(x):  # (a prompt's rows: asked first, it saves the other questions)
-        return None
-    glu = GLU.get(activation or "", 0)
-    if (activation is not None and not glu) or weight.ndim != 2 or weight.dtype != x.dtype \
-            or not _fits(x, weight.shape[1]) or (glu and weight.shape[0] % 2):
-        return None
-    N = weight.shape[0] // (2 if glu else 1)
-    if residual is not None and (residual.dtype != x.dtype
-                                 or residual.shape != (*x.shape[:-1], N)):
-        return None
-    if not _serves(x, weight, residual is not None, glu):
-        return None
-    found = None if glu else _prior(x)
-    y = _launch(x, weight, residual, glu,
-                prior=_chain(x, weight, found, residual is not None))
-    # (each relaunch below asks whether the chain serves its own case)
-    if glu:
-        _note(_noted, "gated", y, (y, x, weight, glu, None), NOTED_PRODUCTS)
-    elif residual is None:
-        _note(_noted, "products", y, (y, x, weight, found), NOTED_PRODUCTS)
-    else:
-        _note(_noted, "finals", y, (y, x, weight, residual, None, found), NOTED_PRODUCTS)
-    return y
-
-
-def _prior(x: mx.array) -> Prior | None:
-    """The gated product that made ``x`` (noted as it ran), where chains may run; None."""
-    if not kernel_allowed("chains"):
-        return None
-    entry = _noted_entry("gated", x)
-    return None if entry is None else (entry[0], entry[1], entry[2], entry[3])
-
-
-def _chain(x: mx.array, weight: mx.array, prior: Prior | None, res: bool, post: int = 0,
-           then: bool = False) -> Prior | None:
-    """``prior`` where its chain serves this launch's case (else the launch runs alone)."""
-    if prior is None or not _serves(x, weight, res, 0, post=post, then=then, prior=prior):
-        return None
-    return prior
-
-
-def fused_gated(gate: mx.array, up: mx.array, activation: str) -> mx.array | None:
-    """``act(gate) * up`` as one kernel with the product that made ``gate`` (a fused
-    product's output, noted as it ran: that product's operation then never runs); None
-    where ``gate`` is no such output or no kernel serves the case."""
-    entry = _noted_entry("products", gate)
-    glu = GLU.get(activation, 0)
-    if entry is None or not glu or up.shape != gate.shape or up.dtype != gate.dtype \
-            or not kernel_allowed("products"):
-        return None
-    x, weight, prior = entry
-    if not _serves(x, weight, False, glu, upx=True):
-        return None
-    # (a gated product after a chain's would chain three: the product runs alone)
-    y = _launch(x, weight, None, glu, up)
-    _note(_noted, "gated", y, (y, x, weight, glu, up), NOTED_PRODUCTS)
-    return y
-
-
-def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: float,
-                     scale: mx.array | None) -> mx.array | None:
-    """``(residual + rms_norm(x, weight, eps)) * scale`` in the launch of the fused product
-    that made ``x`` (a product's output noted as it ran, as :func:`fused_gated` takes one:
-    that product's operation then never runs); None where ``x`` is no such output or no
-    kernel serves the case."""
-    entry = _noted_entry("products", x)
-    if entry is None or residual.shape != x.shape \
-            or residual.dtype != x.dtype or weight.shape != x.shape[-1:] \
-            or weight.dtype != x.dtype \
-            or (scale is not None and (scale.size != 1 or scale.dtype != x.dtype)) \
-            or not (kernel_allowed("products") and kernel_allowed("norms")):
-        return None
-    source, product_weight, prior = entry
-    kind = 1 if scale is None else 2
-    if not _serves(source, product_weight, False, 0, post=kind):
-        return None
-    post = (residual, weight, eps, scale)
-    prior = _chain(source, product_weight, prior, False, post=kind)
-    h = _launch(source, product_weight, None, 0, post=post, prior=prior)
-    _note(_noted, "finals", h, (h, source, product_weight, None, post, prior), NOTED_PRODUCTS)
-    return h
-
-
-def fused_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
-    """``rms_norm(x, weight, eps)`` by the last block of the launch that made ``x`` (a fused
-    product's residual sum, or a post norm's add after one: noted as it ran). That launch
-    runs again with the norm after it, and :func:`current` gives its ``x`` to the readers
-    that come after (the next residual add), so the first launch has no reader left. None
-    where ``x`` is no such output or no kernel serves the case."""
-    entry = _noted_entry("finals", x)
-    # (a final normed again, as a second norm of one stream, is MLX's norm of the rows
-    # the first relaunch wrote: a second relaunch would read the weight once more)
-    if entry is None or _noted_entry("renamed", x) is not None \
-            or weight.shape != x.shape[-1:] or weight.dtype != x.dtype \
-            or not (kernel_allowed("prenorms") and kernel_allowed("products")
-                    and kernel_allowed("norms")):
-        return None
-    source, product_weight, residual, post, prior = entry
-    kind = 0 if post is None else 1 + (post[3] is not None)
-    if not _serves(source, product_weight, residual is not None, 0, post=kind, then=True):
-        return None
-    prior = _chain(source, product_weight, prior, residual is not None, post=kind, then=True)
-    final, normed = _launch_normed(source, product_weight, residual, post, (weight, eps),
-                                   prior=prior)
-    _note(_noted, "renamed", x, (x, final), NOTED_RENAMED)
-    return normed
-
-
-def current(x: mx.array) -> mx.array:
-    """What stands for ``x`` now: the same rows from the launch that also wrote their norm
-    (see :func:`fused_norm`), or ``x`` itself. A reader of a residual stream asks this, so
-    that the launch it replaced runs for no one (public as ``mlxrunner.nn.residual_stream``:
-    an architecture that adds to its stream itself reads it through it)."""
-    entry = _noted_entry("renamed", x)
-    return x if entry is None else entry[0]
-
-
 def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, upx: bool = False,
-            post: int = 0, then: bool = False, prior: Prior | None = None) -> bool:
+            post: int = 0, then: bool = False) -> bool:
     """Whether the kernel serves this case (``post``: 0, or 1 / 2 for a post norm's
     residual add after it without / with a scale; ``then``: a norm of the final rows after
-    it; ``prior``: the gated product run first in the launch, making ``x``)."""
+    it)."""
     K, M, dtype = x.shape[-1], _rows(x), x.dtype
     rows = weight.shape[0]
     case = (K, rows, M, dtype, res, glu) + ((True,) if upx else ()) + \
         (("post", post) if post else ()) + (("then",) if then else ())
-    if prior is not None:
-        K0, rows0, glu0, upx0 = prior[0].shape[-1], prior[1].shape[0], prior[2], \
-            prior[3] is not None
-        case += ("after", K0, rows0, glu0, upx0)
 
     def probe() -> tuple[Any, ...]:
-        keys = [mx.random.key(4711 + i) for i in range(11)]  # no gather (see deltanet's)
+        keys = [mx.random.key(4711 + i) for i in range(8)]  # no gather (see deltanet's)
         px = mx.random.normal((M, K), key=keys[0]).astype(dtype)
         pw = (mx.random.normal((rows, K), key=keys[1]) * K ** -0.5).astype(dtype)
         n_out = rows // (2 if glu and not upx else 1)
@@ -681,19 +955,14 @@ def _serves(x: mx.array, weight: mx.array, res: bool, glu: int, upx: bool = Fals
             if post == 2 else None)
         pn = ((0.5 + mx.random.uniform(shape=(n_out,), key=keys[7])).astype(dtype), 1e-5) \
             if then else None
-        pg = None if prior is None else (
-            mx.random.normal((M, K0), key=keys[8]).astype(dtype),
-            (mx.random.normal((rows0, K0), key=keys[9]) * K0 ** -0.5).astype(dtype), glu0,
-            (2 * mx.random.normal((M, K), key=keys[10])).astype(dtype) if upx0 else None)
-        return px, pw, pr, pu, pp, pn, pg
+        return px, pw, pr, pu, pp, pn
 
     def kernel(p: tuple[Any, ...]) -> Any:
-        # (in a chain p[0] only gives x's shape: the launch makes x itself)
-        return _launch_normed(p[0], p[1], p[2], p[4], p[5], prior=p[6]) if then else \
-            _launch(p[0], p[1], p[2], glu, p[3], p[4], prior=p[6])
+        return _launch_normed(p[0], p[1], p[2], p[4], p[5]) if then else \
+            _launch(p[0], p[1], p[2], glu, p[3], p[4])
 
     def reference(p: tuple[Any, ...]) -> Any:
-        y = _reference(p[0], p[1], p[2], glu, p[3], p[4], p[6])
+        y = _reference(p[0], p[1], p[2], glu, p[3], p[4])
         return (y, mx.fast.rms_norm(y, *p[5])) if then else y
 
     return serves("products", case, kernel, reference, probe,
