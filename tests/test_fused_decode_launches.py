@@ -10,7 +10,7 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import mlx.core as mx
@@ -96,16 +96,21 @@ def launches(monkeypatch) -> Counter:
     return counts
 
 
-def _one_step(model, launches: Counter, taps: list[int] | None = None
+def _one_step(model, launches: Counter, taps: list[int] | None = None, traced: bool = True
               ) -> tuple[dict[str, int], mx.array]:
-    """The launches of one eager decode step after a 12-token prompt (those its outputs
-    read: ``launches read``) and its logits (with ``taps``: and the tapped streams)."""
+    """The launches of one decode step after a 12-token prompt (those its outputs read:
+    ``launches read``) and its logits (with ``taps``: and the tapped streams); ``traced``:
+    built as the core builds a step it traces for ``mx.compile`` (``compiling``), else as an
+    eager step."""
+    from mlxrunner.constants import compiling
+
     ids = mx.array(np.random.default_rng(0).integers(3, 200, (1, 13)).astype(np.int32))
     cache = model.make_cache()
     mx.eval(model(ids[:, :12], cache))
     launches.clear()
-    out = model(ids[:, 12:], cache) if taps is None else \
-        mx.concatenate(model(ids[:, 12:], cache, taps=taps), axis=-1)
+    with compiling() if traced else nullcontext():
+        out = model(ids[:, 12:], cache) if taps is None else \
+            mx.concatenate(model(ids[:, 12:], cache, taps=taps), axis=-1)
     got = {k: v for k, v in launches.items() if v}
     labels = _labels(out)
     got["launches read"] = labels.count("StopGradient")
@@ -171,6 +176,7 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     model = _gemma4()
     got, logits = _one_step(model, launches)
     tapped, _ = _one_step(model, launches, taps=[0, 1, 2, 3, 4])
+    eager, _ = _one_step(model, launches, traced=False)
     launches.allowed.discard("chains")
     unchained, unchained_logits = _one_step(model, launches)
     launches.allowed.add("chains")
@@ -193,6 +199,8 @@ def test_a_gemma4_decode_step_runs_its_post_norms_in_its_products(launches, monk
     assert unchained["product with post norm"] == 3 * layers, unchained
     assert unchained["product with norm after"] == 2 * layers, unchained
     assert unchained["launches read"] == 6 * layers + 2, unchained
+    # an eager step chains nothing (a relaunch's Python time, paid at every eager call)
+    assert eager["launches read"] == unchained["launches read"], eager
     # chained: the first layer's q(/k/v), a launch a layer (o to the next layer's q/k/v,
     # the last layer's to the head), the per-layer inputs' projection
     assert got["launches read"] == 1 + layers + 1, got

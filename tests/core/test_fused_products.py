@@ -10,6 +10,7 @@ import pytest
 
 import mlxrunner.nn as mnn
 from mlxrunner import settings
+from mlxrunner.constants import compiling
 from mlxrunner.nn import cuda_build, cuda_products, kernels
 from mlxrunner_test_support import graph_labels, on_cuda_and_emulated
 
@@ -200,10 +201,11 @@ def test_a_pre_norm_runs_in_the_launch_before_it_on_the_gpu(dtype, rows):
         return post.add_normed(h, o_proj(k(pre(h))), mx.array([0.5], dtype))
 
     views = {"Reshape", "Broadcast", "Slice", "Transpose", "Squeeze", "ExpandDims"}
-    # (one launch each, a chain: pre-norm blocks, o_proj with the norm after it, gate/up,
-    # down with the norm after it, q; post-norm, the add-norm launch with the norm after
-    # it, k, the add-norm launch: the launches it replaced are read by no one)
-    for block, launches in ((pre_norm_blocks, 1), (post_norm_block, 1)):
+    # (traced, one launch each, a chain: pre-norm blocks, o_proj with the norm after it,
+    # gate/up, down with the norm after it, q; post-norm, the add-norm launch with the norm
+    # after it, k, the add-norm launch: the launches it replaced are read by no one; eager,
+    # a launch each, the first add-norm launch read by no one)
+    for block, launches, eager_launches in ((pre_norm_blocks, 1, 4), (post_norm_block, 1, 3)):
         for _ in range(3):
             x = mx.random.normal((rows, 1, 1536)).astype(dtype)
             a = mx.random.normal((rows, 1, 512)).astype(dtype)
@@ -211,12 +213,17 @@ def test_a_pre_norm_runs_in_the_launch_before_it_on_the_gpu(dtype, rows):
             with settings.overridden(kernels=frozenset({"attention", "deltanet", "topk"})):
                 want = block(x, a)
                 mx.eval(want)
-            got = block(x, a)
+            with compiling():  # (built as in a traced step: chained)
+                got = block(x, a)
             kernels_run = [label for label in graph_labels(got) if label not in views]
-            # the launches (each a fill of its block counter beside it where a last block
-            # finishes its rows: made lazily outside a trace)
-            assert kernels_run.count("CustomKernel") == launches, kernels_run
+            assert kernels_run == ["CustomKernel"] * launches, kernels_run
+            # eager: a launch a product (each a fill of its block counter beside it where
+            # a last block finishes its rows: made lazily outside a trace)
+            eager = block(x, a)
+            kernels_run = [label for label in graph_labels(eager) if label not in views]
+            assert kernels_run.count("CustomKernel") == eager_launches, kernels_run
             assert set(kernels_run) <= {"CustomKernel", "Full"}, kernels_run
+            _close(eager, want, dtype)
             _close(got, want, dtype)
 
 
@@ -259,9 +266,14 @@ def test_a_layers_products_run_as_one_chain_on_the_gpu(dtype, rows):
             assert [label for label in graph_labels(alone) if label not in views].count(
                 "CustomKernel") == 4
             mx.eval(alone)
-        got = layer_end(*inputs)
+        with compiling():  # (built as the core builds a step it traces: chained)
+            got = layer_end(*inputs)
         kernels_run = [label for label in graph_labels(got) if label not in views]
         assert kernels_run.count("CustomKernel") == 1, kernels_run
+        eager = layer_end(*inputs)  # (an eager call chains nothing)
+        assert [label for label in graph_labels(eager) if label not in views].count(
+            "CustomKernel") == 4
+        _close(eager, want, dtype)
         _close(got, want, dtype)
         np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
                                       np.array(alone.astype(mx.float32)))
@@ -272,7 +284,8 @@ def test_a_layers_products_run_as_one_chain_on_the_gpu(dtype, rows):
         want_pair = [layer_end(*inputs) for inputs in pairs]
         mx.eval(want_pair)
     for _ in range(3):
-        got_pair = [layer_end(*inputs) for inputs in pairs]
+        with compiling():
+            got_pair = [layer_end(*inputs) for inputs in pairs]
         mx.eval(got_pair)
         for a, b in zip(got_pair, want_pair):
             _close(a, b, dtype)

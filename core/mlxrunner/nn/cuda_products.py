@@ -32,10 +32,11 @@ launch has no reader left. A layer's pre-norms then cost no launch of their own.
 
 A product whose input is the last rows such a launch wrote (its norm's, its post norm's add,
 its product's) joins that launch as its next link (a chain, ``MLXRUNNER_KERNELS``'
-``chains``): one launch runs the products one after another, each link's blocks waiting
-for the link before it (see ``_CHAIN_PRELUDE``), so that a layer's products from its
-attention's output to the next layer's input products cost one launch. The launch it
-replaced has no reader left: its rows are read through :func:`current`.
+``chains``), in a function the core traces for ``mx.compile``: one launch runs the products
+one after another, each link's blocks waiting for the link before it (see
+``_CHAIN_PRELUDE``), so that a layer's products from its attention's output to the next
+layer's input products cost one launch. The launch it replaced has no reader left: its
+rows are read through :func:`current`.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..constants import constant
+from ..constants import constant, in_compiled
 from . import cuda_gated, cuda_norms
 from .cuda_build import BLOCK_REDUCE, CudaKernel, TemplateArg, block_counters, kernel_code
 from .cuda_gated import GATED_ACTIVATION, GLU
@@ -676,8 +677,10 @@ def _in_launch(launched: _Launched, value: mx.array | None) -> mx.array | Ref | 
 
 def _chained(x: mx.array) -> _Launched | None:
     """The launch whose last link's output rows ``x`` is (where a product reading ``x``
-    may join it as its next link), or None."""
-    if not kernel_allowed("chains"):
+    may join it as its next link), or None. Only while the core traces a function for
+    ``mx.compile``: each relaunch costs Python time that a replay never pays again but an
+    eager forward pays at every call (a prompt's last row, an eager step)."""
+    if not (kernel_allowed("chains") and in_compiled()):
         return None
     found = _launched(x)
     if found is None:
