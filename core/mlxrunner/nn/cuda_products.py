@@ -315,9 +315,11 @@ def _renamed(source: str, names: dict[str, str]) -> str:
 # tickets it drew (link i: the kEnd_{i-1}..kEnd_i range); a block of link i > 0 first waits
 # until link i - 1 is done (its blocks counted out on chain[i], or its last block's tail
 # written). A block waits only on tickets drawn before its own, by blocks already running:
-# none waits for one that cannot run. The last block past the last link's wait sets the
-# counters back to 0 for the next replay. Rows written in the launch are read past the L1
-# cache (__ldcg) where a product reads them as its x.
+# none waits for one that cannot run. The last block past the last link's wait (counted on
+# chain[n]) sets chain[0..n] back to 0 for the next replay; a link's tail counts its blocks
+# out on chain[n + 1 + i], which its last block wraps back to 0. Rows written in the launch
+# are read past the L1 cache (__ldcg) where a product reads them as its x. Each input costs a
+# launch host time: a link's eps are literals of the source, its counters the chain's.
 _LINK_NAMES = ("K", "N", "RES", "GLU", "UPX", "ADDN", "PSCALE", "x", "w", "res", "up_x", "y",
                "pw", "pres", "ps", "peps", "cnt", "nw", "neps", "h", "hn")
 _CHAIN_PRELUDE = r"""
@@ -376,26 +378,32 @@ def _chain_source(wiring: tuple[tuple[Any, ...], ...]) -> str:
     last = len(wiring) - 1
     for i, (x_from, res_from, upx, post_from, scaled, then) in enumerate(wiring):
         names = {name: f"{name}_{i}" for name in _LINK_NAMES}
-        tail = _NORM_TAIL if then else _ADD_NORM_TAIL if post_from is not None else ""
+        tail = _NORM_TAIL if then is not None else _ADD_NORM_TAIL if post_from is not None \
+            else ""
         body = _renamed(GATED_ACTIVATION + _PRODUCT_ROWS + tail, names)
         defs = [f"const T* const x_{i} = {x_from};" if x_from else ""]
         if res_from != "in":
             defs.append(f"const T* const res_{i} = {res_from or 'nullptr'};")
         if not upx:
             defs.append(f"const T* const up_x_{i} = nullptr;")
+        # (eps: a literal of the source; a tail's block counter: the chain's, past its own)
         if post_from is None:
             defs += [f"const T* const {n}_{i} = nullptr;" for n in ("pw", "pres", "ps")]
             defs += [f"const float* const peps_{i} = nullptr;", f"T* const h_{i} = nullptr;"]
-            if not then:
-                defs.append(f"const int* const cnt_{i} = nullptr;")
         else:
-            if post_from != "in":
-                defs.append(f"const T* const pres_{i} = {post_from};")
+            rows, eps = post_from
+            if rows != "in":
+                defs.append(f"const T* const pres_{i} = {rows};")
             if not scaled:
                 defs.append(f"const T* const ps_{i} = nullptr;")
-        if not then:
+            defs.append(f"const float peps_{i}[1] = {{{eps.hex()}f}};")
+        defs.append(f"const int* const cnt_{i} = " +
+                    (f"chain + {last + 2 + i};" if tail else "nullptr;"))
+        if then is None:
             defs += [f"const T* const nw_{i} = nullptr;", f"const float* const neps_{i} = nullptr;",
                      f"T* const hn_{i} = nullptr;"]
+        else:
+            defs.append(f"const float neps_{i}[1] = {{{then.hex()}f}};")
         wait = "" if i == 0 else f"""
         if (threadIdx.x == 0) {{
             while (atomicAdd(chain_count + {i}, 0u) < static_cast<unsigned int>(kDone_{i - 1})) {{
@@ -429,7 +437,7 @@ def _chain_source(wiring: tuple[tuple[Any, ...], ...]) -> str:
 def _wiring(links: Sequence[Link]) -> tuple[tuple[Any, ...], ...]:
     """What a chain's source depends on, link by link: where its x, residual and post
     residual come from (a C name of rows written earlier, ``in``: an input), whether it
-    reads a given up, is scaled, has a norm after it."""
+    reads a given up, its post norm's eps, whether it is scaled, its next norm's eps."""
     def rows(value: Any) -> Any:
         return f"{value.role}_{value.link}" if isinstance(value, Ref) else \
             None if value is None else "in"
@@ -439,8 +447,9 @@ def _wiring(links: Sequence[Link]) -> tuple[tuple[Any, ...], ...]:
         x_from = "" if i == 0 else f"{links[i - 1].out}_{i - 1}"
         post = link.post
         wiring.append((x_from, rows(link.residual), link.up is not None,
-                       None if post is None else rows(post[0]),
-                       post is not None and post[3] is not None, link.then is not None))
+                       None if post is None else (rows(post[0]), float(post[2])),
+                       post is not None and post[3] is not None,
+                       None if link.then is None else float(link.then[1])))
     return tuple(wiring)
 
 
@@ -457,14 +466,12 @@ def _chain_kernel(links: Sequence[Link]) -> tuple[CudaKernel, list[str], list[st
         inputs += [f"w_{i}"] + ([f"res_{i}"] if res_from == "in" else []) + \
             ([f"up_x_{i}"] if upx else [])
         if post_from is not None:
-            inputs += [f"pw_{i}"] + ([f"pres_{i}"] if post_from == "in" else []) + \
-                ([f"ps_{i}"] if scaled else []) + [f"peps_{i}"]
-        if post_from is not None or then:
-            inputs.append(f"cnt_{i}")
-        if then:
-            inputs += [f"nw_{i}", f"neps_{i}"]
+            inputs += [f"pw_{i}"] + ([f"pres_{i}"] if post_from[0] == "in" else []) + \
+                ([f"ps_{i}"] if scaled else [])
+        if then is not None:
+            inputs.append(f"nw_{i}")
         outputs += [f"y_{i}"] + ([f"h_{i}"] if post_from is not None else []) + \
-            ([f"hn_{i}"] if then else [])
+            ([f"hn_{i}"] if then is not None else [])
     inputs.append("chain")
     kernel = _chain_kernels.get(wiring)
     if kernel is None:
@@ -492,24 +499,20 @@ def chain_arguments(links: Sequence[Link]) -> tuple[
             if isinstance(value, mx.array):
                 given[name] = value
         if post is not None:
-            pres, pw, eps, scale = post
+            pres, pw, _, scale = post
             given[f"pw_{i}"] = pw
             if isinstance(pres, mx.array):
                 given[f"pres_{i}"] = pres
             if scale is not None:
                 given[f"ps_{i}"] = scale.reshape(1)
-            given[f"peps_{i}"] = constant((float(eps),), mx.float32)
-        if post is not None or link.then is not None:
-            given[f"cnt_{i}"] = block_counters(1)
         if link.then is not None:
             given[f"nw_{i}"] = link.then[0]
-            given[f"neps_{i}"] = constant((float(link.then[1]),), mx.float32)
         template += [(f"K_{i}", link.x.shape[-1]), (f"N_{i}", link.N),
                      (f"RES_{i}", link.residual is not None), (f"GLU_{i}", link.glu),
                      (f"UPX_{i}", link.up is not None), (f"ADDN_{i}", post is not None),
                      (f"PSCALE_{i}", post is not None and post[3] is not None)]
         blocks += -(-link.N // (THREADS // 32))
-    given["chain"] = block_counters(len(links) + 1)
+    given["chain"] = block_counters(2 * len(links) + 1)  # (the tails' after the chain's)
     shapes = {name: (*x.shape[:-1], links[int(name.rsplit("_", 1)[1])].N)
               for name in output_names}
     return kernel, {name: given[name] for name in input_names}, template, shapes, blocks
