@@ -435,6 +435,54 @@ def test_the_norm_after_a_launchs_final_rows_computes_its_math_in_emulation(rows
         assert counter[0] == 0
 
 
+def test_chained_readers_take_the_last_launch_and_a_link_never_reads_its_own_rows(
+        monkeypatch):
+    """While a step is traced: a product reading a launch's last rows joins it; a second
+    product reading the same rows (two input products of one norm) runs alone on the last
+    launch's rows, and the stream read later comes from that launch too (one launch read
+    for them all, its links stood in for by MLX's operations, one mark a launch); a post
+    norm's add whose residual is its own product's rows is not chained. Results are MLX's."""
+    from mlxrunner.constants import compiling
+
+    def run(links):
+        rows = cuda_products._reference_links(links)
+        flat = [(i, role, out) for i, r in enumerate(rows) for role, out in r.items()]
+        joined = mx.stop_gradient(mx.concatenate([out.reshape(-1) for *_, out in flat]))
+        at = 0
+        for i, role, out in flat:
+            rows[i][role] = joined[at:at + out.size].reshape(out.shape)
+            at += out.size
+        return rows
+
+    monkeypatch.setattr(cuda_products, "kernel_allowed", lambda name: True)
+    monkeypatch.setattr(cuda_products, "serves", lambda *args, **kwargs: True)
+    monkeypatch.setattr(cuda_products, "_run", run)
+    mx.random.seed(8)
+    o_proj, a, b = (mnn.Linear(32, 64, bias=False), mnn.Linear(64, 48, bias=False),
+                    mnn.Linear(64, 16, bias=False))
+    norm, post48 = mnn.RMSNorm(64, 1e-5), mnn.RMSNorm(48, 1e-6)
+    post48.weight = 1 + 0.1 * mx.random.normal((48,))
+    x, r = mx.random.normal((1, 1, 32)), mx.random.normal((1, 1, 64))
+    with compiling():
+        h = o_proj(x, r)
+        hn = norm(h)
+        first, second = a(hn), b(hn)
+        stream = mnn.residual_stream(h)
+        outs = [first, second, stream]
+        labels = graph_labels(*outs)
+        y = a(norm(o_proj(x, r)))  # (a chain's last link)
+        own = post48.add_normed(y, y)
+    # the chain, then b alone: o's product read once (not a second chain of o and b)
+    assert labels.count("StopGradient") == 2 and labels.count("Matmul") == 3, labels
+    want_h = x @ o_proj.weight.T + r
+    want_hn = mx.fast.rms_norm(want_h, norm.weight, 1e-5)
+    for got, want in zip(outs, [want_hn @ a.weight.T, want_hn @ b.weight.T, want_h]):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    want_y = want_hn @ a.weight.T
+    np.testing.assert_allclose(np.array(own), np.array(
+        want_y + mx.fast.rms_norm(want_y, post48.weight, 1e-6)), rtol=1e-5, atol=1e-5)
+
+
 def test_a_norm_of_a_residual_sum_relaunches_its_product_and_readers_take_the_new_rows(
         monkeypatch):
     """RMSNorm(h) where h is a fused residual product's (or a post norm add's) output: the

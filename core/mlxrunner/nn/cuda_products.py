@@ -776,7 +776,9 @@ def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
             or not _serves(link.x, link.weight, False, 0, post=1 if scale is None else 2):
         return None
     rows = current(residual) if len(before.links) == 1 else _in_launch(before, residual)
-    assert rows is not None
+    # (rows of the link itself, replaced by this launch, are none it could read)
+    if rows is None or (isinstance(rows, Ref) and rows.link == len(before.links) - 1):
+        return None
     launched = _relaunch(before, link._replace(post=(rows, weight, eps, scale)))
     return None if launched is None else launched.rows[-1]["h"]
 
