@@ -32,6 +32,22 @@ def graph_labels(*outputs) -> list[str]:
     return labels
 
 
+def read_as_one(rows: list[dict]) -> list[dict]:
+    """A launch's rows (each link's, by role) all read through one ``StopGradient``: a
+    stand-in launch's outputs, so that each launch a graph reads shows in it once."""
+    import mlx.core as mx
+
+    flat = [(i, role, out) for i, link_rows in enumerate(rows)
+            for role, out in link_rows.items()]
+    joined = mx.stop_gradient(mx.concatenate([out.reshape(-1) for *_, out in flat]))
+    at = 0
+    marked: list[dict] = [{} for _ in rows]
+    for i, role, out in flat:
+        marked[i][role] = joined[at:at + out.size].reshape(out.shape)
+        at += out.size
+    return marked
+
+
 def on_cuda_and_emulated():
     """pytest marks: ``(needs MLX's CUDA backend, needs g++ for the CUDA emulation)``."""
     import mlx.core as mx

@@ -20,6 +20,7 @@ import pytest
 from mlxrunner import settings
 from mlxrunner.nn import RMSNorm, attention, cuda_norms, cuda_products
 from mlxrunner.nn import heads as heads_module
+from mlxrunner_test_support import read_as_one
 
 
 @pytest.fixture
@@ -52,14 +53,7 @@ def launches(monkeypatch) -> Counter:
             else "product with post norm" if last.post else "product"
         counts["chained links"] += len(links) if len(links) > 1 else 0
         with standing_in(kind):
-            rows = cuda_products._reference_links(links)
-            flat = [(i, role, out) for i, r in enumerate(rows) for role, out in r.items()]
-            joined = mx.stop_gradient(mx.concatenate([out.reshape(-1) for *_, out in flat]))
-            at = 0
-            for i, role, out in flat:
-                rows[i][role] = joined[at:at + out.size].reshape(out.shape)
-                at += out.size
-            return rows
+            return read_as_one(cuda_products._reference_links(links))
 
     def heads(parts, rot, offset, D, starts):
         counts["head parts"] += len(parts)

@@ -12,7 +12,7 @@ import mlxrunner.nn as mnn
 from mlxrunner import settings
 from mlxrunner.constants import compiling
 from mlxrunner.nn import cuda_build, cuda_products, kernels
-from mlxrunner_test_support import graph_labels, on_cuda_and_emulated
+from mlxrunner_test_support import graph_labels, on_cuda_and_emulated, read_as_one
 
 on_cuda, emulated = on_cuda_and_emulated()
 
@@ -445,14 +445,7 @@ def test_chained_readers_take_the_last_launch_and_a_link_never_reads_its_own_row
     from mlxrunner.constants import compiling
 
     def run(links):
-        rows = cuda_products._reference_links(links)
-        flat = [(i, role, out) for i, r in enumerate(rows) for role, out in r.items()]
-        joined = mx.stop_gradient(mx.concatenate([out.reshape(-1) for *_, out in flat]))
-        at = 0
-        for i, role, out in flat:
-            rows[i][role] = joined[at:at + out.size].reshape(out.shape)
-            at += out.size
-        return rows
+        return read_as_one(cuda_products._reference_links(links))
 
     monkeypatch.setattr(cuda_products, "kernel_allowed", lambda name: True)
     monkeypatch.setattr(cuda_products, "serves", lambda *args, **kwargs: True)
