@@ -293,3 +293,32 @@ def test_a_mixture_of_experts_step_reads_each_relaunch_alone(launches, monkeypat
     assert got["launches read"] <= unchained["launches read"], (got, unchained)
     for step in (logits, unchained_logits):
         np.testing.assert_allclose(np.array(step), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_example_llama_runs_a_layer_in_one_launch(launches, monkeypatch):
+    """The example architecture (a third party's, built from ``mlxrunner.nn`` and nothing
+    else) chains as the built-ins do: o plus the stream with the next norm after it,
+    gate/up, down plus o's stream with the next norm after it and the next layer's q/k/v
+    in one launch a layer; the logits are the unforced step's."""
+    from mlxrunner_llama.model import Llama
+
+    mx.set_default_device(mx.cpu)
+    mx.random.seed(4)
+    layers = 3
+    model = Llama({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False})
+    got, logits = _one_step(model, launches)
+    launches.allowed.discard("chains")
+    unchained, unchained_logits = _one_step(model, launches)
+    monkeypatch.undo()
+    _, want = _one_step(model, Counter())
+    # a launch a product: q/k/v, o, gate/up and down a layer, then the head
+    assert unchained["launches read"] == 4 * layers + 1, unchained
+    # the first layer's q/k/v, then a launch a layer (the last one's to the head)
+    assert got["launches read"] == 1 + layers, got
+    for step in (logits, unchained_logits):
+        np.testing.assert_allclose(np.array(step), np.array(want), rtol=1e-5, atol=1e-5)
