@@ -4,6 +4,9 @@ kernel cases need MLX's CUDA backend; off it, the layers' results are MLX's own)
 
 from __future__ import annotations
 
+import threading
+from contextlib import nullcontext
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -442,8 +445,6 @@ def test_chained_readers_take_the_last_launch_and_a_link_never_reads_its_own_row
     launch's rows, and the stream read later comes from that launch too (one launch read
     for them all, its links stood in for by MLX's operations, one mark a launch); a post
     norm's add whose residual is its own product's rows is not chained. Results are MLX's."""
-    from mlxrunner.constants import compiling
-
     def run(links):
         return read_as_one(cuda_products._reference_links(links))
 
@@ -474,6 +475,32 @@ def test_chained_readers_take_the_last_launch_and_a_link_never_reads_its_own_row
     want_y = want_hn @ a.weight.T
     np.testing.assert_allclose(np.array(own), np.array(
         want_y + mx.fast.rms_norm(want_y, post48.weight, 1e-6)), rtol=1e-5, atol=1e-5)
+
+
+def test_an_eager_forward_keeps_few_renamed_rows(monkeypatch):
+    """Rows a relaunch renamed are remembered per thread: many while a step is traced (its
+    arrays hold no data), few after eager forwards, whose arrays hold theirs (each a
+    pre-norm's relaunch, the kernels stood in for by MLX's operations)."""
+    def normed(x, w, res, post, then):
+        y = cuda_products._reference(x, w, res, 0, None, post)
+        return y, mx.fast.rms_norm(y, *then)
+
+    monkeypatch.setattr(cuda_products, "kernel_allowed", lambda name: True)
+    monkeypatch.setattr(cuda_products, "serves", lambda *args, **kwargs: True)
+    monkeypatch.setattr(cuda_products, "_launch", lambda x, w, res, glu, up=None, post=None:
+                        cuda_products._reference(x, w, res, glu, up, post))
+    monkeypatch.setattr(cuda_products, "_launch_normed", normed)
+    monkeypatch.setattr(cuda_products, "_noted", threading.local())  # (none remembered yet)
+    o_proj, norm = mnn.Linear(32, 64, bias=False), mnn.RMSNorm(64, 1e-5)
+    x, r = mx.random.normal((1, 1, 32)), mx.random.normal((1, 1, 64))
+    renamed = 0
+    for traced in (True, False):
+        with compiling() if traced else nullcontext():
+            for _ in range(3 * cuda_products.NOTED_ROWS):
+                norm(o_proj(x, r))
+        renamed = len(cuda_products._noted.renamed)
+        limit = cuda_products.NOTED_RENAMED if traced else cuda_products.NOTED_ROWS
+        assert renamed == min(3 * cuda_products.NOTED_ROWS, limit), (traced, renamed)
 
 
 def test_a_norm_of_a_residual_sum_relaunches_its_product_and_readers_take_the_new_rows(

@@ -589,8 +589,10 @@ PostNorm = tuple[mx.array, mx.array, float, "mx.array | None"]
 NextNorm = tuple[mx.array, float]
 Shape = tuple[int, ...]
 #: launches remembered per thread by their last links' rows (a launch holds its inputs
-#: alive), and rows a later launch of the same links also wrote (see :func:`current`),
-#: remembered for a step's layers (a tap reads each layer's stream at the step's end)
+#: alive), and rows a later launch of the same links also wrote (see :func:`current`);
+#: while a step is traced, renames for all its layers (each relaunch of a chain renames all
+#: its rows, and a tap reads each layer's stream at the step's end): held arrays there are
+#: a trace's, without data, where an eager forward's hold theirs
 NOTED_ROWS = 64
 NOTED_RENAMED = 4096
 _noted = threading.local()
@@ -626,7 +628,7 @@ def _remember(kind: str, key: mx.array, entry: tuple[Any, ...]) -> None:
         setattr(_noted, kind, noted)
     noted[id(key)] = (key, *entry)  # (key held in the entry: its id is not reused meanwhile)
     noted.move_to_end(id(key))
-    while len(noted) > (NOTED_RENAMED if kind == "renamed" else NOTED_ROWS):
+    while len(noted) > (NOTED_RENAMED if kind == "renamed" and in_compiled() else NOTED_ROWS):
         noted.popitem(last=False)
 
 
