@@ -456,10 +456,13 @@ def _wiring(links: Sequence[Link]) -> tuple[tuple[Any, ...], ...]:
 _chain_kernels: dict[tuple[tuple[Any, ...], ...], CudaKernel] = {}
 
 
-def _chain_kernel(links: Sequence[Link]) -> tuple[CudaKernel, list[str], list[str]]:
-    """The kernel of chains wired as ``links`` (made once a wiring), its input and output
-    names in the order its launch passes them."""
+def _chain_kernel(links: Sequence[Link]) -> CudaKernel:
+    """The kernel of chains wired as ``links`` (made once a wiring; its input and output
+    names in the order its launch passes them)."""
     wiring = _wiring(links)
+    kernel = _chain_kernels.get(wiring)
+    if kernel is not None:
+        return kernel
     inputs, outputs = [], []
     for i, (_, res_from, upx, post_from, scaled, then) in enumerate(wiring):
         inputs += [f"x_{i}"] if i == 0 else []
@@ -473,21 +476,19 @@ def _chain_kernel(links: Sequence[Link]) -> tuple[CudaKernel, list[str], list[st
         outputs += [f"y_{i}"] + ([f"h_{i}"] if post_from is not None else []) + \
             ([f"hn_{i}"] if then is not None else [])
     inputs.append("chain")
-    kernel = _chain_kernels.get(wiring)
-    if kernel is None:
-        source = _chain_source(wiring)
-        digest = hashlib.sha256(source.encode()).hexdigest()[:10]
-        kernel = _chain_kernels[wiring] = CudaKernel(
-            name=f"mlxrunner_chain_{digest}", input_names=inputs, output_names=outputs,
-            source=source)
-    return kernel, inputs, outputs
+    source = _chain_source(wiring)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:10]
+    kernel = _chain_kernels[wiring] = CudaKernel(
+        name=f"mlxrunner_chain_{digest}", input_names=inputs, output_names=outputs,
+        source=source)
+    return kernel
 
 
 def chain_arguments(links: Sequence[Link]) -> tuple[
         CudaKernel, dict[str, mx.array], list[TemplateArg], dict[str, Shape], int]:
     """A chain's launch: its kernel, inputs by name and template in the order the kernel
     takes them, output shapes by name (``{role}_{link}``) and blocks."""
-    kernel, input_names, output_names = _chain_kernel(links)
+    kernel = _chain_kernel(links)
     x = links[0].x
     given: dict[str, mx.array] = {"x_0": x}
     template: list[TemplateArg] = [("T", x.dtype), ("M", _rows(x)), ("NT", THREADS)]
@@ -514,8 +515,8 @@ def chain_arguments(links: Sequence[Link]) -> tuple[
         blocks += -(-link.N // (THREADS // 32))
     given["chain"] = block_counters(2 * len(links) + 1)  # (the tails' after the chain's)
     shapes = {name: (*x.shape[:-1], links[int(name.rsplit("_", 1)[1])].N)
-              for name in output_names}
-    return kernel, {name: given[name] for name in input_names}, template, shapes, blocks
+              for name in kernel.output_names}
+    return kernel, {name: given[name] for name in kernel.input_names}, template, shapes, blocks
 
 
 def _launch_chain(links: Sequence[Link]) -> list[dict[str, mx.array]]:
