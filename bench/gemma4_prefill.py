@@ -4,10 +4,13 @@ per-layer inputs, and each cache-writing layer on its own (from the same evaluat
 with a fresh cache; the first of each kind also in parts: attention, and within it the
 heads, the cache write and the attention alone; MLP; per-layer input), medians of
 ``--repeats`` synchronised runs in milliseconds; and the time Python takes to build the
-whole prompt's graph alone (``--profile``: ours and mlx-lm's, by function).
+whole prompt's graph alone (``--profile``: ours and mlx-lm's, by function). ``--series``:
+only each prompt's build and evaluation times in turn, ``--repeats`` of them a tool, back to
+back and then each after a 128-token decode (as ``bench/gemma4.py`` takes turns): whether a
+tool's prompt settles only after some runs.
 
     python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--profile]
-        [--build-only] [--json PATH]
+        [--build-only] [--series] [--json PATH]
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build-only", action="store_true",
                         help="only the time Python takes to build the whole prompt's graph "
                              "(after one evaluated prompt each)")
+    parser.add_argument("--series", action="store_true",
+                        help="only each prompt's build and evaluation times in turn")
     args = parser.parse_args(argv)
     config = gemma4.composite(gemma4.QUICK_TEXT_CONFIG if args.quick else
                               json.loads(gemma4.DEFAULT_CONFIG.read_text())
@@ -84,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"Gemma 4 prefill parts: {args.prompt - 1} tokens, {mx.default_device()}, "
           f"mlx {mx.__version__}", flush=True)
+    if args.series:
+        series = prompt_series(ours_row, reference, ids, args.repeats)
+        if args.json:
+            args.json.write_text(json.dumps({"prompt": args.prompt, "mlx": mx.__version__,
+                                             "device": str(mx.default_device()),
+                                             "series": series}, indent=1))
+        return 0
     if args.build_only:  # (the first prompt settles checks and derived weights)
         mx.eval(whole(ours_row)(), whole(reference)())
     else:
@@ -121,6 +133,41 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"prompt": args.prompt, "device": str(mx.default_device()),
                                          "mlx": mx.__version__, "rows": rows}, indent=1))
     return 0
+
+
+def prompt_series(ours: Any, reference: Any, ids: mx.array, repeats: int
+                  ) -> dict[str, dict[str, list[list[float]]]]:
+    """Each tool's prompt ``repeats`` times in turn, [build ms, evaluation ms] each (the
+    evaluation with the device's tail): back to back, then each after a 128-token decode
+    from a fresh cache (``harness.run``, as the model benches take turns)."""
+    prompt = mx.concatenate([ids[0], ids[0, -1:]])
+    tools = {"mlxrunner": ours, "mlx-lm": reference}
+
+    def one(fn: Any) -> list[float]:
+        cache = fn.make_cache()
+        mx.synchronize()
+        start = time.perf_counter()
+        device_clock.fill(fn, ids, cache)
+        built = time.perf_counter()
+        harness.eval_cache(cache)
+        mx.synchronize()
+        done = time.perf_counter()
+        return [round(1e3 * (built - start), 3), round(1e3 * (done - built), 3)]
+
+    for fn in tools.values():
+        one(fn)
+    out: dict[str, dict[str, list[list[float]]]] = {}
+    for label in ("back to back", "after a decode"):
+        for name, fn in tools.items():
+            runs = []
+            for _ in range(repeats):
+                if label == "after a decode":
+                    harness.run(fn, fn.make_cache(), prompt, 128)
+                runs.append(one(fn))
+            out.setdefault(label, {})[name] = runs
+            print(f"  {label:<15} {name:<10} build / evaluation ms: "
+                  + "  ".join(f"{b:.2f}/{e:.2f}" for b, e in runs), flush=True)
+    return out
 
 
 def layer_parts(model: Any, reference: Any, ids: mx.array,

@@ -26,7 +26,7 @@
 # (bench/attention_device.py). The model benches
 # print each row's device time a step beside build, submit and wait (bench/device_clock.py).
 # prefill: a Gemma 4 prefill in parts, ours against mlx-lm's (bench/gemma4_prefill.py;
-# PREFILL_ARGS=--profile: where our build's Python time goes).
+# PREFILL_ARGS=--profile: where our build's Python time goes; --series: each prompt in turn).
 # sweep: our Gemma 4 decode step under MLX's graph settings, a process each
 # (bench/mlx_env_sweep.py; SWEEP_ARGS: its arguments, e.g. "--bench qwen3_5").
 # Results in $OUT/results.tgz.
