@@ -351,16 +351,17 @@ def test_chained_product_kernels_compile(builder, dtype: str, rows: int) -> None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("freqs,trad,per_sequence", [(False, False, False), (True, False, True),
-                                                     (False, True, False)])
+@pytest.mark.parametrize("freqs,trad,per_sequence,positions", [
+    (False, False, False, 2), (True, False, True, 2), (False, True, False, 2),
+    (True, False, False, 0)])
 def test_heads_kernel_compiles(builder, dtype: str, freqs: bool, trad: bool,
-                               per_sequence: bool) -> None:
+                               per_sequence: bool, positions: int) -> None:
     from mlxrunner.nn import cuda_norms
 
     template = [("T", dtype), ("D", 256), ("H0", 8), ("H1", 2), ("H2", 2), ("W0", 512),
                 ("W1", 256), ("W2", 256), ("C0", 0), ("C1", 0), ("C2", 0), ("NORM0", 2),
                 ("NORM1", 2), ("NORM2", 1), ("ROT0", True), ("ROT1", True), ("ROT2", False),
-                ("RD", 64), ("TRAD", trad), ("FREQS", freqs), ("L", 2),
+                ("RD", 64), ("TRAD", trad), ("FREQS", freqs), ("L", positions),
                 ("PERB", per_sequence), ("NT", cuda_norms.HEAD_THREADS)]
     inputs = [(n, dtype) for n in ("x0", "x1", "x2", "w0", "w1", "w2")]
     inputs += [("eps", "float32"), ("offset", "int32"), ("freqs", "float32"), ("rf", "float32")]

@@ -57,7 +57,7 @@ WHITE_BOX = {
     "tests/test_folded_attention_models.py": {"mlxrunner.nn.attention", "mlxrunner.nn.kernels"},
     "tests/test_fused_decode_launches.py": {"mlxrunner.constants", "mlxrunner.nn.attention",
                                             "mlxrunner.nn.cuda_norms",
-                                            "mlxrunner.nn.cuda_products",
+                                            "mlxrunner.nn.cuda_products", "mlxrunner.nn.linear",
                                             "mlxrunner.nn.heads"},
     "tests/core/test_kernels.py": {"mlxrunner.nn.kernels"},
     "tests/batch/test_batched_caches.py": {"mlxrunner.nn.attention"},

@@ -107,7 +107,8 @@ ROPES = {
 @on_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("rope", sorted(ROPES))
-@pytest.mark.parametrize("B,L,D", [(1, 1, 256), (1, 1, 512), (3, 1, 128), (2, 4, 64)])
+@pytest.mark.parametrize("B,L,D", [(1, 1, 256), (1, 1, 512), (3, 1, 128), (2, 4, 64),
+                                   (1, 37, 256)])
 def test_heads_match_mlx_operations_on_the_gpu(dtype, rope, B, L, D):
     mx.set_default_device(mx.gpu)
     q, k, v, q_norm, k_norm = _parts(dtype, B, L, D, seed=D + B)
@@ -189,14 +190,16 @@ def _rope_np(x, positions, dims, traditional, inv_freq):
 @emulated
 @pytest.mark.parametrize("B,L,freqs,traditional,dims,wide,parts", [
     (1, 1, False, False, 32, 0, 3), (2, 2, True, False, 16, 32, 3), (3, 1, False, True, 32, 6, 3),
-    (2, 1, False, False, 32, 6, 1), (1, 2, True, True, 16, 0, 1)])
+    (2, 1, False, False, 32, 6, 1), (1, 2, True, True, 16, 0, 1), (1, 7, False, False, 32, 6, 3)])
 def test_the_heads_kernel_computes_its_math_in_emulation(B, L, freqs, traditional, dims, wide,
                                                          parts):
     """Three parts (weighted norm, rotated; weighted, rotated; weightless, not rotated),
     positions per sequence, a partial rotation, periods given or from the base; the first
     part's heads ``wide`` entries wider than the D taken, from entry ``wide // 2`` on. One
     part (a layer's queries alone): the others' inputs and outputs absent, as the core
-    launches it, and the periods absent where they come from the base."""
+    launches it, and the periods absent where they come from the base. Past
+    ``MAX_HEAD_POSITIONS`` (one sequence's prompt rows) the length is not a constant of the
+    kernel but the launch's rows, as the core launches it."""
     from mlxrunner.testing.cuda_emulation import emulate_kernel
 
     rng = np.random.default_rng(B * 10 + L)
@@ -215,7 +218,8 @@ def test_the_heads_kernel_computes_its_math_in_emulation(B, L, freqs, traditiona
                 ("C0", wide // 2), ("C1", 0), ("C2", 0), ("NORM0", 2),
                 ("NORM1", 2 if whole else 0), ("NORM2", 1 if whole else 0), ("ROT0", True),
                 ("ROT1", whole), ("ROT2", False),
-                ("RD", dims), ("TRAD", traditional), ("FREQS", freqs), ("L", L),
+                ("RD", dims), ("TRAD", traditional), ("FREQS", freqs),
+                ("L", L if L <= cuda_norms.MAX_HEAD_POSITIONS else 0),
                 ("PERB", B > 1), ("NT", cuda_norms.HEAD_THREADS)]
     got = emulate_kernel(  # (None: absent, as the core launches it)
         cuda_norms.HEADS_SOURCE,

@@ -1,7 +1,8 @@
-"""Norms fused with their neighbours on CUDA, for a decode step's few rows: attention's
-per-head inputs (each head's RMS norm, RoPE and the ``[B, H, L, D]`` layout, for queries,
-keys and values in one launch), and a post-norm's residual add (``(residual + norm(x)) *
-scale``, one launch for what MLX runs as a norm and an add).
+"""Norms fused with their neighbours on CUDA: attention's per-head inputs (each head's RMS
+norm, RoPE and the ``[B, H, L, D]`` layout, for queries, keys and values in one launch; a
+decode step's, a verify block's, one sequence's prompt chunk's), and, for a decode step's few
+rows, a post-norm's residual add (``(residual + norm(x)) * scale``, one launch for what MLX
+runs as a norm and an add).
 
 A decode step on MLX's CUDA backend is bound by host time per launched kernel (see
 :mod:`mlxrunner.nn.cuda_products`): a layer with query and key norms, RoPE and a value
@@ -26,8 +27,11 @@ from ..constants import constant
 from .cuda_build import BLOCK_REDUCE, CudaKernel, kernel_code
 from .kernels import kernel_allowed, serves
 
-#: positions per sequence a heads launch takes (a decode step, a short verify block)
+#: positions per sequence a heads launch of several sequences takes (a batch's decode step,
+#: short verify blocks); one sequence's launch takes up to ``MAX_HEAD_ROWS`` (a prompt chunk),
+#: its length then not a constant of the kernel (one build, one self-check for every length)
 MAX_HEAD_POSITIONS = 4
+MAX_HEAD_ROWS = 1 << 16
 #: rows (sequences times positions) a fused launch takes: a decode step of a batch
 MAX_ROWS = 64
 FLOATS = (mx.bfloat16, mx.float16, mx.float32)
@@ -58,8 +62,9 @@ INVERSE_RMS = BLOCK_REDUCE + r"""
 # first entry each part takes),
 # NORM0..2 (0: none, 1: without weight, 2: with weight), ROT0..2 (rotate), RD (rotated
 # dims), TRAD (rotate interleaved pairs), FREQS (periods from freqs, else from the base),
-# L (positions per sequence), PERB (an offset per sequence), NT (threads). A block per
-# (part, row, head); rows are (sequence, position) pairs, B * L of them. rf: log2(base),
+# L (positions per sequence; 0: one sequence, a position a row), PERB (an offset per
+# sequence), NT (threads). A block per (part, row, head); rows are (sequence, position)
+# pairs, B * L of them. rf: log2(base),
 # position scale; eps: each part's.
 HEADS_SOURCE = INVERSE_RMS + r"""
     __shared__ __align__(16) T xs[D];
@@ -76,9 +81,10 @@ HEADS_SOURCE = INVERSE_RMS + r"""
     const int norm = part == 0 ? NORM0 : (part == 1 ? NORM1 : NORM2);
     const bool rot = part == 0 ? ROT0 : (part == 1 ? ROT1 : ROT2);
     const int m = blk / H, h = blk - m * H;
-    const int b = m / L, l = m - b * L;
+    const int positions = L ? L : rows;
+    const int b = m / positions, l = m - b * positions;
     x += (size_t)blk * W + C;
-    y += ((size_t)(b * H + h) * L + l) * D;
+    y += ((size_t)(b * H + h) * positions + l) * D;
 
     // what the block reads after its barriers, loaded first (a load after a block-wide sum
     // waits a round trip to memory that nothing hides): the norm's weights, the position,
@@ -237,7 +243,13 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
         return None
     B, L = x.shape[:2]
     D = x.shape[3] if size is None else size
-    if not 0 < L <= MAX_HEAD_POSITIONS or not 0 < B * L <= MAX_ROWS or D % 2 or D < 2:
+    if B == 1 and MAX_HEAD_POSITIONS < L <= MAX_HEAD_ROWS:
+        positions = 0  # (any length: the launch's rows)
+    elif 0 < L <= MAX_HEAD_POSITIONS and 0 < B * L <= MAX_ROWS:
+        positions = L
+    else:
+        return None
+    if D % 2 or D < 2:
         return None
     starts = [0] * len(parts) if starts is None else list(starts)
     if len(starts) != len(parts):
@@ -257,7 +269,7 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
         return None
     rot = rotation or (D, False, 0.0, 1.0, None)
     per_sequence = isinstance(offset, mx.array) and offset.size > 1
-    case = (x.dtype, D, L, per_sequence,
+    case = (x.dtype, D, positions, per_sequence,
             tuple((p.shape[2], p.shape[3] - D, start, w is not None, e is not None, r)
                   for (p, w, e, r), start in zip(parts, starts)),
             rot[0], rot[1], rot[2] is None, rot[3])
@@ -265,8 +277,9 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
         return None
     offsets = _offsets(offset)
     outputs = _launch_heads(parts, rot, offsets, D, starts)
-    for out, part, start in zip(outputs, parts, starts):
-        _note_source(out, (part, rot, offsets, start))
+    if positions:  # (a prompt's outputs are not a decode attention's: not held for it)
+        for out, part, start in zip(outputs, parts, starts):
+            _note_source(out, (part, rot, offsets, start))
     return outputs
 
 
@@ -289,7 +302,8 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
     template += [(f"ROT{i}", r) for i, r in enumerate([bool(p[3]) for p in parts]
                                                        + [False] * missing)]
     template += [("RD", dims), ("TRAD", bool(traditional)), ("FREQS", log2_base is None),
-                 ("L", L), ("PERB", bool(offsets.size > 1)), ("NT", HEAD_THREADS)]
+                 ("L", L if L <= MAX_HEAD_POSITIONS else 0), ("PERB", bool(offsets.size > 1)),
+                 ("NT", HEAD_THREADS)]
     weights: list[mx.array | mx.Dtype] = [
         absent if p[1] is None or p[2] is None else p[1] for p in parts]
     outputs = _heads(
@@ -347,6 +361,7 @@ def probe_offsets(batch: int) -> mx.array:
 def _heads_serve(case: tuple[Any, ...]) -> bool:
     dtype, D, L, per_sequence, shapes, dims, traditional, by_freqs, scale = case
     B = 2 if per_sequence else 1
+    L = L or MAX_HEAD_POSITIONS + 3  # (a length past the constant ones: a prompt's case)
 
     def probe() -> tuple[list[HeadPart], Rotation, mx.array]:
         keys = [mx.random.key(4811 + i) for i in range(2 * len(shapes) + 1)]

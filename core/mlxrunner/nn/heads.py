@@ -7,9 +7,9 @@ None; a rope: a :class:`~mlxrunner.nn.RoPE` or None). A part's fourth entry take
 each head: a size ``d`` (its first ``d`` entries) or a slice. With ``q_gate [B, L, H, 2 d]``
 (each head's query, then its gate), ``(q_gate, self.q_norm, self.rope, d)`` is the query
 part and ``(q_gate, None, None, slice(d, None))`` the gate laid out as heads; the kernel
-reads them in place (a slice would be copied first). On CUDA a decode step's parts run as
-one fused kernel where they share one RoPE and one head size; elsewhere, and for a prompt,
-they are the layers' own operations.
+reads them in place (a slice would be copied first). On CUDA the parts run as one fused
+kernel where they share one RoPE and one head size (a decode step, a verify block, one
+sequence's prompt chunk); elsewhere they are the layers' own operations.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 
 import mlx.core as mx
 
-from .cuda_norms import MAX_HEAD_POSITIONS, HeadPart, Rotation, fused_heads
+from .cuda_norms import HeadPart, Rotation, fused_heads
 from .kernels import on_cuda
 from .norm import RMSNorm, rms_norm
 from .rope import RoPE
@@ -40,9 +40,7 @@ def attention_heads(offset: int | mx.array, *parts: Part) -> list[mx.array]:
             raise ValueError(f"attention_heads: part {i}'s heads must be [B, L, H, D] with the "
                              f"other parts' B and L, got shape {list(x.shape)}")
         taken.append(_taken(parts[i], i))
-    # (a prompt's block is past the kernel: asked first, it saves the rest a layer's host time)
-    if parts[0][0].shape[1] <= MAX_HEAD_POSITIONS and on_cuda() \
-            and len({size for _, size in taken}) == 1:
+    if on_cuda() and len({size for _, size in taken}) == 1:
         fused = _fused(offset, parts, taken)
         if fused is not None:
             return fused

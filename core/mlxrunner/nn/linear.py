@@ -28,11 +28,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .cuda_products import MAX_ROWS as PRODUCT_ROWS
 from .cuda_products import current, fused_product
 from .derived import derived
 from .host_ops import host_active, host_add, host_split
 from .host_quantized import host_quantized_product
-from .kernels import host_eligible, host_project, project
+from .kernels import host_eligible, host_project, on_cuda, project
 from .parallel import REDUCE, Parallel
 
 log = logging.getLogger("mlxrunner.nn")
@@ -309,7 +310,13 @@ def _pack(layers: tuple[nn.Module, ...]) -> _Pack:
 def linears(x: mx.array, *layers: nn.Module) -> list[mx.array]:
     """The outputs of linear ``layers`` that all read ``x``, from one product where they can
     share one (same kind and quantization): ``q, k, v = linears(x, self.q_proj,
-    self.k_proj, self.v_proj)``."""
+    self.k_proj, self.v_proj)``. On CUDA, rows past a fused product's (a prompt chunk, a
+    batch) take a product each: each output then lies whole in memory, as the norm and the
+    heads kernel after it read it, where each slice of one product's rows is first copied
+    (three copies to save two launches)."""
+    if len(layers) > 1 and on_cuda() and x.size > PRODUCT_ROWS * x.shape[-1]:
+        _pack(layers)  # (joined all the same: each layer's weight a view of the join, not
+        return [apply_linear(layer, x) for layer in layers]  # a second copy beside it)
     return joined_linears(x, *layers)[1]
 
 
