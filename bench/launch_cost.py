@@ -19,7 +19,7 @@ launched as its cubin rather than its packed image (``MLXRUNNER_PACKED_KERNELS=0
 gives the host's share (until the chain is submitted) beside the whole time (until the GPU is
 done): a fused kernel that is cheap to submit may still run slower. Last, a kernel's scalar
 inputs: in MLX's managed scalar pool or their own allocation (``scalar_rows``), and what
-each input costs a launch (``input_rows``).
+each input and each output costs a launch (``input_rows``, ``output_rows``).
 
     python bench/launch_cost.py [--launches 200] [--repeats 7] [--json out.json]
 """
@@ -311,6 +311,32 @@ def input_rows(launches: int, repeats: int) -> dict[str, list[float]]:
     return rows
 
 
+def output_rows(launches: int, repeats: int) -> dict[str, list[float]]:
+    """The same custom kernel (its first output the next launch's input) writing 1, 4, 8 and
+    12 outputs, the others 4 floats each (what each output costs a launch: MLX allocates
+    and records each; a six-link chain of a Gemma 4 decode step writes 11, most read only
+    inside it)."""
+    rows = {}
+    x = mx.zeros((1024,), dtype=mx.float32)
+    for count in (1, 4, 8, 12):
+        names = ["out"] + [f"o{i}" for i in range(1, count)]
+        body = "    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;\n" + \
+            "    if (i < N) { out[i] = x[i] + 1.0f; }\n" + "".join(
+                f"    if (i < 4) {{ {name}[i] = x[i]; }}\n" for name in names[1:])
+        kernel = mx.fast.cuda_kernel(name=f"launch_cost_outputs_{count}", input_names=["x"],
+                                     output_names=names, source=body)
+
+        def chain(y: mx.array, k=kernel, count=count) -> mx.array:
+            for _ in range(launches):
+                y = k(inputs=[y], template=[("N", y.size)], grid=(y.size, 1, 1),
+                      threadgroup=(256, 1, 1), output_shapes=[y.shape] + [(4,)] * (count - 1),
+                      output_dtypes=[y.dtype] * count)[0]
+            return y
+
+        rows[f"custom kernel, {count} outputs"] = per_launch_us(chain, launches, repeats, x)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=200)
@@ -330,6 +356,7 @@ def main() -> None:
     rows.update(norm_rows(args.launches, args.repeats))
     rows.update(scalar_rows(args.launches, args.repeats))
     rows.update(input_rows(args.launches, args.repeats))
+    rows.update(output_rows(args.launches, args.repeats))
     print(f"time per launch, {args.launches} launches a graph, median of {args.repeats} "
           f"[min - max], and the host's share (until submitted), device "
           f"{mx.default_device()}, mlx {mx.__version__}")
