@@ -343,10 +343,10 @@ def test_chained_product_kernels_compile(builder, dtype: str, rows: int) -> None
     mlp = [Link(rows_of(1536), weight(12288, 1536), 1),
            Link(rows_of(6144), weight(1536, 6144), residual=rows_of(1536), then=norm)]
     for links in (layer_end, mlp):
-        kernel, inputs, template, shapes, _ = cuda_products.chain_arguments(links)
+        kernel, inputs, template, _, _ = cuda_products.chain_arguments(links)
         source = cuda_build.kernel_source(
             kernel.name, kernel.source, [(n, a.dtype) for n, a in inputs.items()],
-            [(n, t) for n in shapes], template)
+            [(n, t) for n in kernel.output_names], template)
         _compile(builder, kernel.name, source)
 
 

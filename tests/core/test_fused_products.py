@@ -614,21 +614,26 @@ def test_a_chain_runs_its_links_one_after_another_in_emulation(kind, rows):
 
     mx.set_default_device(mx.cpu)
     links = _chain_links(kind, rows)
-    kernel, inputs, template, shapes, blocks = cuda_products.chain_arguments(links)
+    kernel, inputs, template, layout, blocks = cuda_products.chain_arguments(links)
     arrays = {name: np.array(value) for name, value in inputs.items()}
     want = cuda_products._reference_links(links)
+    size = cuda_products.chain_size(layout)
     for _ in range(2):  # the counters are reset for the next launch
-        got = emulate_kernel(kernel.source, arrays,
-                             {name: (shape, np.float32) for name, shape in shapes.items()},
-                             template, blocks=blocks, threads=cuda_products.THREADS)
-        for name in shapes:
+        flat = emulate_kernel(kernel.source, arrays, {"rows": ((size,), np.float32)},
+                              template, blocks=blocks, threads=cuda_products.THREADS)["rows"]
+        for name, (at, shape) in layout.items():
             role, i = name.rsplit("_", 1)
-            np.testing.assert_allclose(got[name], np.array(want[int(i)][role]), rtol=1e-4,
+            got = flat[at:at + int(np.prod(shape))].reshape(shape)
+            np.testing.assert_allclose(got, np.array(want[int(i)][role]), rtol=1e-4,
                                        atol=1e-4, err_msg=name)
         counters = [value for name, value in arrays.items()
                     if name == "chain" or name.startswith("cnt_")]
         assert all(not c.any() for c in counters), counters
-    assert set(shapes) == {f"{role}_{i}" for i, r in enumerate(want) for role in r}
+    assert set(layout) == {f"{role}_{i}" for i, r in enumerate(want) for role in r}
+    # one output, its row sets apart and each starting on a 16-entry boundary
+    spans = sorted((at, at + int(np.prod(shape))) for at, shape in layout.values())
+    assert all(end <= after for (_, end), (after, _) in zip(spans, spans[1:])), spans
+    assert all(at % cuda_products.ROW_ALIGN == 0 for at, _ in spans), spans
 
 
 @emulated

@@ -42,6 +42,7 @@ rows are read through :func:`current`.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import threading
 from collections import OrderedDict
@@ -318,8 +319,9 @@ def _renamed(source: str, names: dict[str, str]) -> str:
 # none waits for one that cannot run. The last block past the last link's wait (counted on
 # chain[n]) sets chain[0..n] back to 0 for the next replay; a link's tail counts its blocks
 # out on chain[n + 1 + i], which its last block wraps back to 0. Rows written in the launch
-# are read past the L1 cache (__ldcg) where a product reads them as its x. Each input costs a
-# launch host time: a link's eps are literals of the source, its counters the chain's.
+# are read past the L1 cache (__ldcg) where a product reads them as its x. Each input and
+# output costs a launch host time: a link's eps are literals of the source, its counters the
+# chain's, and every link's rows lie in the launch's one output (a view each outside).
 _LINK_NAMES = ("K", "N", "RES", "GLU", "UPX", "ADDN", "PSCALE", "x", "w", "res", "up_x", "y",
                "pw", "pres", "ps", "peps", "cnt", "nw", "neps", "h", "hn")
 _CHAIN_PRELUDE = r"""
@@ -372,9 +374,30 @@ class Link(NamedTuple):
 MAX_LINKS = 6
 
 
+def _row_names(wiring: tuple[tuple[Any, ...], ...]) -> list[tuple[str, int]]:
+    """Each row set a chain wired as ``wiring`` writes (``{role}_{link}``) with its link, in
+    the order they lie in its one output."""
+    names = []
+    for i, (_, _, _, post_from, _, then) in enumerate(wiring):
+        names += [(f"y_{i}", i)] + ([(f"h_{i}", i)] if post_from is not None else []) + \
+            ([(f"hn_{i}", i)] if then is not None else [])
+    return names
+
+
+#: where a chain's row sets start in its one output: a multiple of this many entries (the
+#: products load their rows 16 bytes at a time)
+ROW_ALIGN = 16
+
+
 def _chain_source(wiring: tuple[tuple[Any, ...], ...]) -> str:
     """The kernel body of a chain of links wired as ``wiring`` (see :func:`_wiring`)."""
-    parts = [_CHAIN_PRELUDE]
+    offsets = ["    constexpr size_t kAt_0 = 0;"]
+    pointers = []
+    for j, (name, i) in enumerate(_row_names(wiring)):
+        pointers.append(f"    T* const {name} = rows + kAt_{j};")
+        offsets.append(f"    constexpr size_t kAt_{j + 1} = kAt_{j} + "
+                       f"((size_t)M * N_{i} + {ROW_ALIGN - 1}) / {ROW_ALIGN} * {ROW_ALIGN};")
+    parts = [_CHAIN_PRELUDE, "\n".join(offsets + pointers) + "\n"]
     last = len(wiring) - 1
     for i, (x_from, res_from, upx, post_from, scaled, then) in enumerate(wiring):
         names = {name: f"{name}_{i}" for name in _LINK_NAMES}
@@ -463,7 +486,7 @@ def _chain_kernel(links: Sequence[Link]) -> CudaKernel:
     kernel = _chain_kernels.get(wiring)
     if kernel is not None:
         return kernel
-    inputs, outputs = [], []
+    inputs = []
     for i, (_, res_from, upx, post_from, scaled, then) in enumerate(wiring):
         inputs += [f"x_{i}"] if i == 0 else []
         inputs += [f"w_{i}"] + ([f"res_{i}"] if res_from == "in" else []) + \
@@ -473,21 +496,21 @@ def _chain_kernel(links: Sequence[Link]) -> CudaKernel:
                 ([f"ps_{i}"] if scaled else [])
         if then is not None:
             inputs.append(f"nw_{i}")
-        outputs += [f"y_{i}"] + ([f"h_{i}"] if post_from is not None else []) + \
-            ([f"hn_{i}"] if then is not None else [])
     inputs.append("chain")
     source = _chain_source(wiring)
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     kernel = _chain_kernels[wiring] = CudaKernel(
-        name=f"mlxrunner_chain_{digest}", input_names=inputs, output_names=outputs,
+        name=f"mlxrunner_chain_{digest}", input_names=inputs, output_names=["rows"],
         source=source)
     return kernel
 
 
 def chain_arguments(links: Sequence[Link]) -> tuple[
-        CudaKernel, dict[str, mx.array], list[TemplateArg], dict[str, Shape], int]:
+        CudaKernel, dict[str, mx.array], list[TemplateArg], dict[str, RowSet], int]:
     """A chain's launch: its kernel, inputs by name and template in the order the kernel
-    takes them, output shapes by name (``{role}_{link}``) and blocks."""
+    takes them, where each row set (by name, ``{role}_{link}``) lies in its one output
+    (``rows``: each set a launch's output would cost the launch host time, and most are
+    read only inside it) and blocks."""
     kernel = _chain_kernel(links)
     x = links[0].x
     given: dict[str, mx.array] = {"x_0": x}
@@ -514,22 +537,39 @@ def chain_arguments(links: Sequence[Link]) -> tuple[
                      (f"PSCALE_{i}", post is not None and post[3] is not None)]
         blocks += -(-link.N // (THREADS // 32))
     given["chain"] = block_counters(2 * len(links) + 1)  # (the tails' after the chain's)
-    shapes = {name: (*x.shape[:-1], links[int(name.rsplit("_", 1)[1])].N)
-              for name in kernel.output_names}
-    return kernel, {name: given[name] for name in kernel.input_names}, template, shapes, blocks
+    layout: dict[str, RowSet] = {}
+    at = 0
+    for name, i in _row_names(_wiring(links)):
+        shape = (*x.shape[:-1], links[i].N)
+        layout[name] = RowSet(at, shape)
+        at += -(-math.prod(shape) // ROW_ALIGN) * ROW_ALIGN
+    return kernel, {name: given[name] for name in kernel.input_names}, template, layout, blocks
+
+
+class RowSet(NamedTuple):
+    """Where one of a chain's row sets lies in its output: its first entry and its shape."""
+    at: int
+    shape: Shape
+
+
+def chain_size(layout: dict[str, RowSet]) -> int:
+    """The entries of a chain's one output, for its row sets laid out as ``layout``."""
+    return max(-(-(r.at + math.prod(r.shape)) // ROW_ALIGN) * ROW_ALIGN
+               for r in layout.values())
 
 
 def _launch_chain(links: Sequence[Link]) -> list[dict[str, mx.array]]:
     """Each link's rows by role, from one launch of the chain."""
-    kernel, inputs, template, shapes, blocks = chain_arguments(links)
-    outputs = kernel(inputs=list(inputs.values()), template=template,
-                     grid=(THREADS * blocks, 1, 1), threadgroup=(THREADS, 1, 1),
-                     output_shapes=list(shapes.values()),
-                     output_dtypes=[links[0].x.dtype] * len(shapes))
+    kernel, inputs, template, layout, blocks = chain_arguments(links)
+    flat, = kernel(inputs=list(inputs.values()), template=template,
+                   grid=(THREADS * blocks, 1, 1), threadgroup=(THREADS, 1, 1),
+                   output_shapes=[(chain_size(layout),)], output_dtypes=[links[0].x.dtype])
     rows: list[dict[str, mx.array]] = [{} for _ in links]
-    for name, out in zip(shapes, outputs):
+    for name, (at, shape) in layout.items():
         role, index = name.rsplit("_", 1)
-        rows[int(index)][role] = out
+        # (one view a set: what a step's replay pays for each set it reads outside)
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        rows[int(index)][role] = mx.as_strided(flat, shape, strides, at)
     return rows
 
 
