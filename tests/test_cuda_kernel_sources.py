@@ -256,8 +256,7 @@ def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int, query
               ("mask", "bool"), ("dims", "int32"), ("gate", dtype), ("cnt", "int32"),
               ("qw", dtype), ("qeps", "float32"), ("qoff", "int32"), ("qfreqs", "float32"),
               ("qrf", "float32")]
-    outputs = [("out", dtype), ("part_o", "float32"), ("part_max", "float32"),
-               ("part_sum", "float32")]
+    outputs = [("out", dtype), ("parts", "float32")]
     heads, (width, start, norm, rot, dims, trad, freqs, perb) = QUERY_HEADS[query]
     if query == "interleaved":
         width, start = 2 * D, D
@@ -268,7 +267,7 @@ def test_attention_kernel_compiles(builder, dtype: str, D: int, mask: int, query
                 ("QH", heads), ("QW", width), ("QC", start), ("QNORM", norm), ("QROT", rot),
                 ("QRD", dims), ("QTRAD", trad), ("QFREQS", freqs), ("QPERB", perb)]
     absent = (("mask",) if mask == 0 else ("gate",)) + \
-        (() if split else ("cnt", "part_o", "part_max", "part_sum")) + \
+        (() if split else ("cnt", "parts")) + \
         (() if heads else ("qw", "qeps", "qoff", "qrf")) + \
         (() if norm == 2 else ("qw",)) + (() if freqs else ("qfreqs",))
     _compile(builder, "attend", _wrap("attend", nn.ATTEND_SOURCE, inputs, outputs, template,

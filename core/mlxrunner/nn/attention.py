@@ -401,7 +401,15 @@ _BLOCK_MERGE = r"""    __syncthreads();
 # weighted by their share of the softmax's sum, into the row's output. A decode step has
 # only B * heads rows: unsplit, a few blocks each walk the whole buffer, their loads'
 # latency the step's time.
-ATTEND_SOURCE = _ATTEND_BODY + _BLOCK_MERGE + BLOCK_REDUCE + r"""
+# A split launch's partials lie in its one float32 output ``parts`` (each output of a
+# launch costs it host time): every (row, split)'s output rows, then its maxima, then its
+# sums; gridDim.x rows, gridDim.y splits.
+_PARTS = r"""
+    float* const part_o = parts;
+    float* const part_max = SPLIT ? parts + (size_t)gridDim.x * gridDim.y * DV : nullptr;
+    float* const part_sum = SPLIT ? part_max + (size_t)gridDim.x * gridDim.y : nullptr;
+"""
+ATTEND_SOURCE = _PARTS + _ATTEND_BODY + _BLOCK_MERGE + BLOCK_REDUCE + r"""
     if (!SPLIT) {
         #pragma unroll 1
         for (int d = t; d < DV; d += NT) {
@@ -586,7 +594,7 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
             name="mlxrunner_attend",
             input_names=["q", "keys", "values", "scale", "mask", "dims", "gate", "cnt",
                          "qw", "qeps", "qoff", "qfreqs", "qrf"],
-            output_names=["out", "part_o", "part_max", "part_sum"], source=ATTEND_SOURCE)
+            output_names=["out", "parts"], source=ATTEND_SOURCE)
     if mask is not None and mask.ndim == 2 and mask.shape != (L, S):
         mask = mx.broadcast_to(mask, (L, S))
     threads = SPLIT_THREADS if split else ATTEND_THREADS
@@ -614,9 +622,8 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                   *zip(("QW", "QC", "QNORM", "QROT", "QRD", "QTRAD", "QFREQS", "QPERB"),
                        query_template)],
         grid=(threads * rows, P, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(B, Hq, L, Dv)] + ([(rows, P, Dv), (rows, P), (rows, P)] if split
-                                          else [None] * 3),
-        output_dtypes=[q.dtype] + [mx.float32] * 3)[0]
+        output_shapes=[(B, Hq, L, Dv), (rows * P * (Dv + 2),) if split else None],
+        output_dtypes=[q.dtype, mx.float32])[0]
 
 
 def _kernel_applies(q: mx.array, keys: mx.array, values: mx.array,
