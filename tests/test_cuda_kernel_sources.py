@@ -408,3 +408,14 @@ def test_gated_kernel_compiles(builder, dtype: str, N: int, glu: int) -> None:
     _compile(builder, "mlxrunner_gated", _wrap(
         "mlxrunner_gated", cuda_gated.GATED_SOURCE, [("y", dtype)], [("out", dtype)],
         [("T", dtype), ("N", N), ("GLU", glu), ("NT", cuda_gated.THREADS)]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_fresh_kv_kernel_compiles(builder, dtype: str) -> None:
+    from mlxrunner.nn import attention
+
+    _compile(builder, "mlxrunner_fresh_kv", _wrap(
+        "mlxrunner_fresh_kv", attention.FRESH_SOURCE,
+        [("k", dtype), ("v", dtype), ("dims", "int32")], [("k_out", dtype), ("v_out", dtype)],
+        [("T", dtype), ("HK", 1), ("WK", 256), ("HV", 1), ("WV", 256),
+         ("NT", attention.FRESH_THREADS)]))

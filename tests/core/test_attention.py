@@ -361,3 +361,97 @@ def test_kernel_matches_mlx_operations_on_the_gpu(dtype, Hq, Hk, D, L, S):
 def test_an_unknown_mode_is_refused():
     with pytest.raises(mlxrunner.MLXRunnerError, match="MLXRUNNER_ATTENTION='fast'"):
         settings.Settings.from_environment({"MLXRUNNER_ATTENTION": "fast"})
+
+
+# -- a cache's first write -------------------------------------------------------------------
+
+@emulated
+@pytest.mark.parametrize("blocks", [1, 3, 64])
+def test_a_first_writes_buffers_come_from_one_launch_in_emulation(blocks):
+    """Keys and values of two sequences (their heads and widths unlike) into buffers of 9
+    positions, the 5 given first, zeros after; few blocks stride over every entry."""
+    from mlxrunner.testing.cuda_emulation import emulate_kernel
+
+    rng = np.random.default_rng(blocks)
+    B, n, S, (Hk, Wk), (Hv, Wv) = 2, 5, 9, (3, 4), (2, 6)
+    k = rng.normal(size=(B, Hk, n, Wk)).astype(np.float32)
+    v = rng.normal(size=(B, Hv, n, Wv)).astype(np.float32)
+    got = emulate_kernel(
+        attention.FRESH_SOURCE, {"k": k, "v": v, "dims": np.array([B, n, S], np.int32)},
+        {"k_out": ((B, Hk, S, Wk), np.float32), "v_out": ((B, Hv, S, Wv), np.float32)},
+        [("T", mx.float32), ("HK", Hk), ("WK", Wk), ("HV", Hv), ("WV", Wv),
+         ("NT", attention.FRESH_THREADS)], blocks=(blocks, 2), threads=attention.FRESH_THREADS)
+    for name, x in (("k_out", k), ("v_out", v)):
+        want = np.concatenate([x, np.zeros((*x.shape[:2], S - n, x.shape[3]), np.float32)], 2)
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["kv", "ring"])
+def test_a_first_write_of_buffers_made_elsewhere_is_the_caches_own(monkeypatch, kind):
+    """On CUDA a prompt's first write into a KV cache or a ring takes its buffers from one
+    launch (stood in for here by MLX's operations): what attention reads, the mask, the
+    cache's buffers and offset, and the steps after it are those of the cache's own write;
+    a one-token write, a later write and a block that fills a ring's window write as
+    before."""
+    from mlxrunner.cache import KVCache, RingCache
+
+    made = []
+
+    def launch(keys, values, length):
+        made.append(length)
+        return attention._reference_fresh(keys, values, length)
+
+    def new():
+        return KVCache() if kind == "kv" else RingCache(8)
+
+    rng = np.random.default_rng(7)
+    k, v = (mx.array(rng.normal(size=(1, 2, 16, 4)).astype(np.float32)) for _ in range(2))
+    plain = new()
+    want = [mnn_store(plain, k[:, :, :5], v[:, :, :5])]
+    want += [mnn_store(plain, k[:, :, i:i + 1], v[:, :, i:i + 1]) for i in range(5, 12)]
+    monkeypatch.setattr(attention, "on_cuda", lambda: True)
+    monkeypatch.setattr(attention, "_fresh_serves", lambda case: True)
+    monkeypatch.setattr(attention, "_launch_fresh", launch)
+    fused = new()
+    got = [mnn_store(fused, k[:, :, :5], v[:, :, :5])]
+    got += [mnn_store(fused, k[:, :, i:i + 1], v[:, :, i:i + 1]) for i in range(5, 12)]
+    assert made == [256 if kind == "kv" else 8], made
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            if isinstance(b, mx.array):
+                np.testing.assert_array_equal(np.array(a), np.array(b))
+            else:
+                assert a == b
+    for a, b in zip(fused.state, plain.state):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert fused.offset == plain.offset == 12
+    # not a first write, or (a ring) a block of its whole window: the cache's own write
+    mnn_store(new(), k[:, :, :1], v[:, :, :1])
+    if kind == "ring":
+        mnn_store(new(), k[:, :, :8], v[:, :, :8])
+    assert len(made) == 1, made
+
+
+def mnn_store(cache, keys, values):
+    return attention.store(cache, keys, values)
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_first_write_matches_the_caches_own_on_the_gpu(dtype):
+    from mlxrunner.cache import KVCache, RingCache
+
+    mx.set_default_device(mx.gpu)
+    keys = [mx.random.key(40 + i) for i in range(2)]
+    k = mx.random.normal((1, 2, 300, 256), key=keys[0]).astype(dtype)
+    v = mx.random.normal((1, 2, 300, 256), key=keys[1]).astype(dtype)
+    for make in (KVCache, lambda: RingCache(512)):
+        fused, plain = make(), make()
+        assert attention.fresh_buffers(k, v, fused.fresh_length(300)) is not None, \
+            "the kernel should serve this case"
+        got = attention.store(fused, k, v)
+        with settings.overridden(kernels=frozenset()):
+            want = attention.store(plain, k, v)
+        for a, b in [*zip(got[:2], want[:2]), *zip(fused.state, plain.state)]:
+            np.testing.assert_array_equal(np.array(a.astype(mx.float32)),
+                                          np.array(b.astype(mx.float32)))

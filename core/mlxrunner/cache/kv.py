@@ -48,6 +48,22 @@ class KVCache(Cache):
         self.values[..., prev:self.offset, :] = values
         return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
 
+    def fresh_length(self, n: int) -> int | None:
+        """The positions of the buffers a first write of ``n`` positions makes (zero past
+        ``n``), or None where this write is not a first one: a caller that makes them
+        itself hands them to :meth:`adopt_fresh`."""
+        if self.keys is not None or self.values is not None or self.offset:
+            return None
+        return -(-n // self.step) * self.step
+
+    def adopt_fresh(self, keys: mx.array, values: mx.array, n: int
+                    ) -> tuple[mx.array, mx.array]:
+        """:meth:`update_and_fetch` of ``n`` positions on an empty cache, given the buffers
+        it would make (``fresh_length(n)`` positions, the ``n`` new ones first, zero past)."""
+        self.keys, self.values = keys, values
+        self.offset = n
+        return keys[..., :n, :], values[..., :n, :]
+
     def restore(self, offset: int) -> None:
         self._check_restorable(offset)
         # Later positions are simply overwritten by the next update.

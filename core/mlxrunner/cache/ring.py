@@ -100,6 +100,25 @@ class RingCache(Cache):
         self.offset = start + n
         return out_keys, out_values
 
+    def fresh_length(self, n: int) -> int | None:
+        """The positions of the buffers a first write of ``n`` positions makes (the window,
+        zero past ``n``), or None where this write is not a first one or stores the block
+        as it is (``n >= window``) or keeps a capture: a caller that makes them itself hands
+        them to :meth:`adopt_fresh`."""
+        if self.keys is not None or self.values is not None or self.offset \
+                or n >= self.window or self._needs_capture(0, n):
+            return None
+        return self.window
+
+    def adopt_fresh(self, keys: mx.array, values: mx.array, n: int
+                    ) -> tuple[mx.array, mx.array]:
+        """:meth:`update_and_fetch` of ``n`` positions on an empty ring, given the buffers
+        it would make (``fresh_length(n)`` slots, the ``n`` new positions in the first)."""
+        self._captured = None
+        self.keys, self.values = keys, values
+        self.offset = n
+        return keys[..., :n, :], values[..., :n, :]
+
     def _held(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The ring's buffers, or empty ones for blocks like ``keys``/``values``."""
         if self.keys is None or self.values is None:

@@ -80,8 +80,94 @@ def store(cache: AttentionCache | None, keys: mx.array, values: mx.array,
     if cache is None:
         return KV(keys, values, _causal(n, window))
     mask = cache.mask(n)  # before the write: a ring's mask depends on what it held
-    keys, values = cache.update_and_fetch(keys, values)
+    fresh = getattr(cache, "fresh_length", None)
+    length = None if fresh is None or n == 1 else fresh(n)
+    buffers = None if length is None else fresh_buffers(keys, values, length)
+    if buffers is not None:
+        keys, values = cache.adopt_fresh(*buffers, n)  # type: ignore[attr-defined]
+    else:
+        keys, values = cache.update_and_fetch(keys, values)
     return KV(keys, values, mask)
+
+
+# A first write's buffers: keys (blockIdx.y 0) and values (1) ``[B, H, n, W]`` into
+# ``[B, H, S, W]``, zero past position n (dims: B, n, S at run time; one build a layer
+# shape for every prompt length). A thread an entry, the blocks striding over them.
+FRESH_SOURCE = r"""
+    const int B = dims[0], n = dims[1], S = dims[2];
+    const bool value_part = blockIdx.y == 1;
+    const T* const x = value_part ? v : k;
+    T* const y = value_part ? v_out : k_out;
+    const int W = value_part ? WV : WK;
+    const size_t total = (size_t)B * (value_part ? HV : HK) * S * W;
+    for (size_t i = (size_t)blockIdx.x * NT + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * NT) {
+        const size_t row = i / W;  // (b * H + h) * S + s
+        const int s = static_cast<int>(row % S);
+        y[i] = s < n ? x[((row / S) * n + s) * W + i % W] : T{};
+    }
+"""
+FRESH_THREADS = 256
+FRESH_MAX_BLOCKS = 1024
+_fresh_kernel = CudaKernel(name="mlxrunner_fresh_kv", input_names=["k", "v", "dims"],
+                           output_names=["k_out", "v_out"], source=FRESH_SOURCE)
+
+
+def fresh_buffers(keys: mx.array, values: mx.array, length: int
+                  ) -> tuple[mx.array, mx.array] | None:
+    """``keys`` and ``values`` ``[B, H, n, W]`` in buffers of ``length`` positions, zero
+    past ``n``: a cache's first write (a prompt's first chunk) in one launch on CUDA where
+    MLX's operations take four (two zero fills, two writes); None where the kernel does
+    not serve the case (the cache then writes them itself)."""
+    if not (on_cuda() and settings.current().kernel_allowed("attention")):
+        return None
+    if keys.ndim != 4 or values.ndim != 4 or keys.shape[:1] + keys.shape[2:3] \
+            != values.shape[:1] + values.shape[2:3] or keys.dtype != values.dtype \
+            or keys.dtype not in (mx.float32, mx.float16, mx.bfloat16) \
+            or not 0 < keys.shape[2] <= length:
+        return None
+    case = (keys.dtype, keys.shape[1], keys.shape[3], values.shape[1], values.shape[3])
+    if not _fresh_serves(case):
+        return None
+    return _launch_fresh(keys, values, length)
+
+
+def _launch_fresh(keys: mx.array, values: mx.array, length: int
+                  ) -> tuple[mx.array, mx.array]:
+    B, Hk, n, Wk = keys.shape
+    Hv, Wv = values.shape[1], values.shape[3]
+    total = B * max(Hk * Wk, Hv * Wv) * length
+    blocks = min(FRESH_MAX_BLOCKS, -(-total // FRESH_THREADS))
+    k_out, v_out = _fresh_kernel(
+        inputs=[keys, values, constant((B, n, length), mx.int32)],
+        template=[("T", keys.dtype), ("HK", Hk), ("WK", Wk), ("HV", Hv), ("WV", Wv),
+                  ("NT", FRESH_THREADS)],
+        grid=(FRESH_THREADS * blocks, 2, 1), threadgroup=(FRESH_THREADS, 1, 1),
+        output_shapes=[(B, Hk, length, Wk), (B, Hv, length, Wv)],
+        output_dtypes=[keys.dtype, keys.dtype])
+    return k_out, v_out
+
+
+def _reference_fresh(keys: mx.array, values: mx.array, length: int
+                     ) -> tuple[mx.array, mx.array]:
+    """What MLX's operations make of a first write (the check's reference)."""
+    def padded(x: mx.array) -> mx.array:
+        B, H, n, W = x.shape
+        return mx.concatenate([x, mx.zeros((B, H, length - n, W), x.dtype)], axis=2)
+    return padded(keys), padded(values)
+
+
+def _fresh_serves(case: tuple[Any, ...]) -> bool:
+    dtype, Hk, Wk, Hv, Wv = case
+
+    def probe() -> tuple[mx.array, mx.array, int]:
+        # (two sequences, a length past a block's entries and a buffer not a multiple of it)
+        parts = [mx.random.key(3301 + i) for i in range(2)]
+        return (mx.random.normal((2, Hk, 37, Wk), key=parts[0]).astype(dtype),
+                mx.random.normal((2, Hv, 37, Wv), key=parts[1]).astype(dtype), 67)
+
+    return serves("attention", ("fresh", *case), lambda p: _launch_fresh(*p),
+                  lambda p: _reference_fresh(*p), probe, 0.0, source=kernel_code(__file__))
 
 
 def _causal(n: int, window: int | None) -> mx.array | str | None:
