@@ -314,8 +314,8 @@ def input_rows(launches: int, repeats: int) -> dict[str, list[float]]:
 def output_rows(launches: int, repeats: int) -> dict[str, list[float]]:
     """The same custom kernel (its first output the next launch's input) writing 1, 4, 8 and
     12 outputs, the others 4 floats each (what each output costs a launch: MLX allocates
-    and records each; a six-link chain of a Gemma 4 decode step writes 11, most read only
-    inside it)."""
+    and records each; a six-link chain of a Gemma 4 decode step wrote 11, most of them read
+    only inside it, before its rows went into one)."""
     rows = {}
     x = mx.zeros((1024,), dtype=mx.float32)
     for count in (1, 4, 8, 12):

@@ -337,7 +337,7 @@ def test_a_prompts_heads_are_one_launch_a_layer_from_a_product_each(launches, mo
     mx.eval(model.parameters())
     ids = mx.array(np.random.default_rng(1).integers(3, 200, (1, 12)).astype(np.int32))
 
-    def prompt(cuda: bool) -> tuple[dict[str, int], list[str], mx.array]:
+    def prompt(cuda: bool, ids: mx.array = ids) -> tuple[dict[str, int], list[str], mx.array]:
         monkeypatch.setattr(linear, "on_cuda", lambda: cuda)
         launches.clear()
         out = model(ids, model.make_cache())
@@ -348,7 +348,11 @@ def test_a_prompts_heads_are_one_launch_a_layer_from_a_product_each(launches, mo
 
     got, labels, logits = prompt(True)
     _, packed_labels, packed_logits = prompt(False)
+    # two sequences' prompts: no heads launch takes them, q/k/v stay one product
+    batch, batch_labels, _ = prompt(True, mx.concatenate([ids, ids[:, ::-1]]))
     monkeypatch.undo()
+    assert "heads" not in batch and batch_labels.count("Split") == packed_labels.count(
+        "Split"), (batch, batch_labels.count("Split"))
     want = model(ids, model.make_cache())
     layers, writers = 5, 3
     assert got["heads"] == layers and got["head parts"] == 3 * writers + (layers - writers), got

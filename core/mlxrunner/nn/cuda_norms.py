@@ -243,6 +243,8 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
         return None
     B, L = x.shape[:2]
     D = x.shape[3] if size is None else size
+    if HEAD_THREADS * B * L * sum(p[0].shape[2] for p in parts) >= 1 << 31:
+        return None  # (MLX takes the grid, in threads, as a 32-bit int)
     if B == 1 and MAX_HEAD_POSITIONS < L <= MAX_HEAD_ROWS:
         positions = 0  # (any length: the launch's rows)
     elif 0 < L <= MAX_HEAD_POSITIONS and 0 < B * L <= MAX_ROWS:
@@ -277,7 +279,8 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
         return None
     offsets = _offsets(offset)
     outputs = _launch_heads(parts, rot, offsets, D, starts)
-    if positions:  # (a prompt's outputs are not a decode attention's: not held for it)
+    if positions:  # (the attention kernel makes queries from their raw heads up to
+        #            MAX_HEAD_POSITIONS positions: longer blocks' outputs are not held for it)
         for out, part, start in zip(outputs, parts, starts):
             _note_source(out, (part, rot, offsets, start))
     return outputs

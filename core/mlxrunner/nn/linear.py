@@ -2,7 +2,8 @@
 
 A decode step of a small model is bound by how many operations it runs, not by its
 arithmetic, so the projections that read one input (q/k/v, gate/up) run as one matrix
-product whose output one split cuts into the layers' outputs. The layers keep their
+product whose output one split cuts into the layers' outputs (on CUDA a prompt's q/k/v
+excepted: see :func:`linears`). The layers keep their
 checkpoint names and shapes: on first use their weights are concatenated along the output
 rows and each layer's arrays are rebound to row views of the concatenation, so memory is not
 doubled; new weights loaded later (other array objects) are noticed and packed again.
@@ -28,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import settings
 from .cuda_products import MAX_ROWS as PRODUCT_ROWS
 from .cuda_products import current, fused_product
 from .derived import derived
@@ -310,11 +312,12 @@ def _pack(layers: tuple[nn.Module, ...]) -> _Pack:
 def linears(x: mx.array, *layers: nn.Module) -> list[mx.array]:
     """The outputs of linear ``layers`` that all read ``x``, from one product where they can
     share one (same kind and quantization): ``q, k, v = linears(x, self.q_proj,
-    self.k_proj, self.v_proj)``. On CUDA, rows past a fused product's (a prompt chunk, a
-    batch) take a product each: each output then lies whole in memory, as the norm and the
-    heads kernel after it read it, where each slice of one product's rows is first copied
-    (three copies to save two launches)."""
-    if len(layers) > 1 and on_cuda() and x.size > PRODUCT_ROWS * x.shape[-1]:
+    self.k_proj, self.v_proj)``. On CUDA, one sequence's rows past a fused product's (a
+    prompt chunk, a verify block) take a product each: each output then lies whole in
+    memory, as the heads kernel after it reads it, where each slice of one product's rows
+    would first be copied (three copies to save two launches)."""
+    if len(layers) > 1 and x.ndim == 3 and x.shape[0] == 1 and x.shape[1] > PRODUCT_ROWS \
+            and on_cuda() and settings.current().kernel_allowed("norms"):
         _pack(layers)  # (joined all the same: each layer's weight a view of the join, not
         return [apply_linear(layer, x) for layer in layers]  # a second copy beside it)
     return joined_linears(x, *layers)[1]
