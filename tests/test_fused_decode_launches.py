@@ -325,17 +325,18 @@ def test_the_example_llama_runs_a_layer_in_one_launch(launches, monkeypatch):
 
 
 def test_a_prompts_heads_are_one_launch_a_layer_from_a_product_each(launches, monkeypatch):
-    """A 12-token prompt on CUDA: each layer's queries (keys, values) come from a product
-    each, whole in memory (slices of one product's rows would each be copied before a norm
-    or the heads kernel reads them), and their norms, RoPE and layout from one heads launch
-    a layer, its length not a constant of the kernel; the logits are the unforced
-    forward's."""
+    """A 70-token prompt on CUDA (more rows than a decode step's kernels take): each layer's
+    queries (keys, values) come from a product each, whole in memory (slices of one
+    product's rows would each be copied before a norm or the heads kernel reads them), and
+    their norms, RoPE and layout from one heads launch a layer, its length not a constant
+    of the kernel; each post norm's residual add (and scale) is one launch; the logits are
+    the unforced forward's."""
     from mlxrunner.nn import linear
 
     mx.set_default_device(mx.cpu)
     model = _gemma4()
     mx.eval(model.parameters())
-    ids = mx.array(np.random.default_rng(1).integers(3, 200, (1, 12)).astype(np.int32))
+    ids = mx.array(np.random.default_rng(1).integers(3, 200, (1, 70)).astype(np.int32))
 
     def prompt(cuda: bool, ids: mx.array = ids) -> tuple[dict[str, int], list[str], mx.array]:
         monkeypatch.setattr(linear, "on_cuda", lambda: cuda)
@@ -356,6 +357,8 @@ def test_a_prompts_heads_are_one_launch_a_layer_from_a_product_each(launches, mo
     want = model(ids, model.make_cache())
     layers, writers = 5, 3
     assert got["heads"] == layers and got["head parts"] == 3 * writers + (layers - writers), got
+    # after attention, after the MLP, after the per-layer input (with its scale)
+    assert got["add norm"] == 3 * layers, got
     # one product's rows cut for q, k and v in each writing layer: none of those cuts on
     # CUDA (gate/up still one product: the prompt's gated activation reads it in place)
     assert packed_labels.count("Split") - labels.count("Split") == writers, (

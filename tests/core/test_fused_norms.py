@@ -164,11 +164,13 @@ def test_add_normed_matches_mlx_operations_on_the_gpu(dtype, rows, D):
         assert cuda_norms.fused_add_norm(r, x, norm.weight, 1e-6, scale) is not None
         want = r + mx.fast.rms_norm(x, norm.weight, 1e-6)
         _close(norm.add_normed(r, x, scale), want if scale is None else want * scale, dtype)
-    # a scale of another dtype, or a prompt's rows: MLX's operations, the same result
+    # a prompt's rows: one launch too, the same result
     prompt_r, prompt_x = mx.tile(r, (1, 80, 1)), mx.tile(x, (1, 80, 1))
-    assert cuda_norms.fused_add_norm(prompt_r, prompt_x, norm.weight, 1e-6, None) is None
-    _close(norm.add_normed(prompt_r, prompt_x),
-           prompt_r + mx.fast.rms_norm(prompt_x, norm.weight, 1e-6), dtype)
+    assert cuda_norms.fused_add_norm(prompt_r, prompt_x, norm.weight, 1e-6, s) is not None
+    for scale in (None, s):
+        want = prompt_r + mx.fast.rms_norm(prompt_x, norm.weight, 1e-6)
+        _close(norm.add_normed(prompt_r, prompt_x, scale),
+               want if scale is None else want * scale, dtype)
 
 
 

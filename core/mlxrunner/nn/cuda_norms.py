@@ -1,8 +1,8 @@
 """Norms fused with their neighbours on CUDA: attention's per-head inputs (each head's RMS
 norm, RoPE and the ``[B, H, L, D]`` layout, for queries, keys and values in one launch; a
-decode step's, a verify block's, one sequence's prompt chunk's), and, for a decode step's few
-rows, a post-norm's residual add (``(residual + norm(x)) * scale``, one launch for what MLX
-runs as a norm and an add).
+decode step's, a verify block's, one sequence's prompt chunk's), and a post-norm's residual
+add (``(residual + norm(x)) * scale``, one launch for what MLX runs as a norm, an add and a
+multiply; a block a row, for a step's rows and a prompt's).
 
 A decode step on MLX's CUDA backend is bound by host time per launched kernel (see
 :mod:`mlxrunner.nn.cuda_products`): a layer with query and key norms, RoPE and a value
@@ -15,6 +15,7 @@ scale), and serve a case only after its self-check against those operations
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections import OrderedDict
@@ -34,6 +35,8 @@ MAX_HEAD_POSITIONS = 4
 MAX_HEAD_ROWS = 1 << 16
 #: rows (sequences times positions) a fused launch takes: a decode step of a batch
 MAX_ROWS = 64
+#: rows a post norm's residual add takes (a block a row: a prompt chunk's too)
+MAX_ADD_ROWS = 1 << 20
 FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 HEAD_THREADS = 128
 ADD_THREADS = 256
@@ -389,7 +392,7 @@ def fused_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: float
                    scale: mx.array | None) -> mx.array | None:
     """``(residual + rms_norm(x, weight, eps)) * scale`` in one launch; None where the
     kernel does not serve this case."""
-    if x.ndim == 0 or x.size > MAX_ROWS * x.shape[-1] or not kernel_allowed("norms") \
+    if x.ndim == 0 or x.size > MAX_ADD_ROWS * x.shape[-1] or not kernel_allowed("norms") \
             or x.dtype not in FLOATS:
         return None
     D = x.shape[-1]
@@ -409,10 +412,15 @@ def _launch_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
     return _add_norm(
         inputs=[x, weight, residual,
                 x.dtype if scale is None else scale.reshape(1),  # (absent: CudaKernel)
-                constant((eps,), mx.float32)],
+                _eps_constant(eps)],
         template=[("T", x.dtype), ("D", D), ("NT", ADD_THREADS), ("SCALE", scale is not None)],
         grid=(ADD_THREADS * (x.size // D), 1, 1), threadgroup=(ADD_THREADS, 1, 1),
         output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
+
+
+@functools.lru_cache(maxsize=16)  # (a model's few eps; a prompt asks at every layer)
+def _eps_constant(eps: float) -> mx.array:
+    return constant((eps,), mx.float32)
 
 
 def _reference_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: float,

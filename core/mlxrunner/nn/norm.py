@@ -56,10 +56,15 @@ class RMSNorm(nn.Module):
     def add_normed(self, residual: mx.array, x: mx.array, scale: mx.array | None = None
                    ) -> mx.array:
         """``(residual + self(x)) * scale`` (a post-norm's residual add; ``scale``: a
-        one-element array, or None for none): one fused kernel for a decode step on CUDA,
-        or none of its own where ``x`` is a fused product's output (its launch does it)."""
+        one-element array, or None for none): one fused kernel on CUDA (a decode step's
+        rows or a prompt's), or none of its own where ``x`` is a decode step's fused product
+        output (its launch does it)."""
         weight = self.applied_weight()
         if _prompt_rows(x):
+            # (a prompt's rows on CUDA: one launch for the norm, the add and the scale)
+            fused = fused_add_norm(residual, x, weight, self.eps, scale)
+            if fused is not None:
+                return fused
             normed = mx.fast.rms_norm(x, weight, self.eps)
         else:
             residual = current(residual)
