@@ -10,7 +10,8 @@ is not noticed halfway through a generation, and a bad value is one clear error 
   the core's fused CUDA kernels may serve (each still only after its self-check;
   ``prenorms``: a pre-norm written by the product launch before it, with ``norms`` and
   ``products``; ``chains``: a product in the launch of the product whose rows it reads, with
-  ``products``; ``embeddings``: an embedding's lookup).
+  ``products``; ``embeddings``: an embedding's lookup; ``attention`` also makes a cache's
+  first buffers, ``norms`` a prompt's heads and post-norm adds too).
 - ``MLXRUNNER_ATTENTION`` (``kernel``, ``folded`` or ``mlx``): short-block attention on
   CUDA through the fused kernel, folded batched products, or MLX's own function.
 - ``MLXRUNNER_ROW_PRODUCTS`` (``1``/``0``): on CUDA, short products (a few rows) as one-row
