@@ -52,7 +52,9 @@ class KVCache(Cache):
         """The positions of the buffers a first write of ``n`` positions makes (zero past
         ``n``), or None where this write is not a first one: a caller that makes them
         itself hands them to :meth:`adopt_fresh`."""
-        if self.keys is not None or self.values is not None or self.offset:
+        # (the exact class: a subclass may keep state this one does not know)
+        if type(self) is not KVCache or self.keys is not None or self.values is not None \
+                or self.offset:
             return None
         return -(-n // self.step) * self.step
 

@@ -105,8 +105,9 @@ class RingCache(Cache):
         zero past ``n``), or None where this write is not a first one or stores the block
         as it is (``n >= window``) or keeps a capture: a caller that makes them itself hands
         them to :meth:`adopt_fresh`."""
-        if self.keys is not None or self.values is not None or self.offset \
-                or n >= self.window or self._needs_capture(0, n):
+        # (the exact class: a subclass may keep state this one does not know)
+        if type(self) is not RingCache or self.keys is not None or self.values is not None \
+                or self.offset or n >= self.window or self._needs_capture(0, n):
             return None
         return self.window
 
