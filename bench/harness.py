@@ -205,7 +205,8 @@ def step_kernels_on_cuda() -> dict[str, Any] | None:
 def count_step_kernels(rows: dict[str, Any], prompt: mx.array) -> dict[str, Any]:
     """(In the child of :func:`step_kernels_on_cuda`.) Each row's kernels in its fourth
     decode step after an 8-token prefill: ``kernels`` and ``by_name`` (the most frequent);
-    and in the timed prompt's prefill, its first chunk (``prompt_kernels``, ``prompt_by_name``)."""
+    and in the timed prompt's prefill, its first chunk (``prompt_kernels``, and every
+    kernel's count in ``prompt_by_name``)."""
     prefix = Path(os.environ["MLX_SAVE_CUDA_GRAPHS_DOT_FILE"])
     counts: dict[str, Any] = {}
     for name, model in rows.items():
@@ -236,7 +237,8 @@ def count_step_kernels(rows: dict[str, Any], prompt: mx.array) -> dict[str, Any]
         counts[name] = {"kernels": total, "graphs": len(new),
                         "by_name": dict(names.most_common(12)),
                         "prompt_kernels": kernels(prompt_names),
-                        "prompt_by_name": dict(prompt_names.most_common(16))}
+                        # (every name: a prompt change's count shows kernel by kernel)
+                        "prompt_by_name": dict(prompt_names.most_common())}
         if not total and new:  # a DOT layout this parser does not know: show its start
             counts[name]["sample"] = new[0].read_text(errors="replace")[:600]
     return counts
