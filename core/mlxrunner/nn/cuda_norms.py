@@ -15,7 +15,6 @@ scale), and serve a case only after its self-check against those operations
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from collections import OrderedDict
@@ -227,11 +226,6 @@ def _note_source(out: mx.array, source: HeadSource) -> None:
         noted.popitem(last=False)
 
 
-@functools.lru_cache(maxsize=64)  # (a model's few eps and rotations; a prompt's eager
-def _floats(values: tuple[float, ...]) -> mx.array:  # launches ask at every layer)
-    return constant(values, mx.float32)
-
-
 def _offsets(offset: int | mx.array) -> mx.array:
     return offset.reshape(-1) if isinstance(offset, mx.array) else \
         mx.array([offset], dtype=mx.int32)
@@ -319,10 +313,10 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
         absent if p[1] is None or p[2] is None else p[1] for p in parts]
     outputs = _heads(
         inputs=[*(p[0] for p in parts), *[absent] * missing, *weights, *[absent] * missing,
-                _floats(tuple(0.0 if p[2] is None else p[2] for p in parts)
-                        + (0.0,) * missing),
+                constant(tuple(0.0 if p[2] is None else p[2] for p in parts)
+                         + (0.0,) * missing, mx.float32),
                 offsets, mx.float32 if freqs is None else freqs,
-                _floats((log2_base or 0.0, scale))],
+                constant((log2_base or 0.0, scale), mx.float32)],
         template=template, grid=(HEAD_THREADS * B * L * sum(heads), 1, 1),
         threadgroup=(HEAD_THREADS, 1, 1),
         output_shapes=[(B, heads[i], L, D) if i < len(parts) else None for i in range(3)],
@@ -417,7 +411,7 @@ def _launch_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
     return _add_norm(
         inputs=[x, weight, residual,
                 x.dtype if scale is None else scale.reshape(1),  # (absent: CudaKernel)
-                _floats((eps,))],
+                constant((eps,), mx.float32)],
         template=[("T", x.dtype), ("D", D), ("NT", ADD_THREADS), ("SCALE", scale is not None)],
         grid=(ADD_THREADS * (x.size // D), 1, 1), threadgroup=(ADD_THREADS, 1, 1),
         output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
