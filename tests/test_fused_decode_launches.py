@@ -249,8 +249,6 @@ def test_a_qwen3_5_decode_step_gates_its_attention_in_the_kernels(launches, monk
     assert got["queries made by attend"] == 1 and got["head outputs read"] == 2, got
     # every pre-norm but the first (the embedding's) and the final norm in the residual
     # product's launch before it
-    # every pre-norm but the first (the embedding's) and the final norm in the residual
-    # product's launch before it
     assert unchained["product with norm after"] == 2 * 4, unchained
     assert without["MLX norm"] - got["MLX norm"] == 2 * 4, (without, got)
     # one launch a product: the first layer's input products, then per layer the output
@@ -339,7 +337,7 @@ def test_a_prompts_heads_are_one_launch_a_layer_from_a_product_each(launches, mo
     ids = mx.array(np.random.default_rng(1).integers(3, 200, (1, 70)).astype(np.int32))
 
     def prompt(cuda: bool, ids: mx.array = ids) -> tuple[dict[str, int], list[str], mx.array]:
-        monkeypatch.setattr(linear, "on_cuda", lambda: cuda)
+        monkeypatch.setattr(linear, "kernel_allowed", lambda name: cuda)
         launches.clear()
         out = model(ids, model.make_cache())
         got = {k: v for k, v in launches.items() if v}

@@ -409,7 +409,7 @@ def test_a_first_write_of_buffers_made_elsewhere_is_the_caches_own(monkeypatch, 
     plain = new()
     want = [mnn_store(plain, k[:, :, :5], v[:, :, :5])]
     want += [mnn_store(plain, k[:, :, i:i + 1], v[:, :, i:i + 1]) for i in range(5, 12)]
-    monkeypatch.setattr(attention, "on_cuda", lambda: True)
+    monkeypatch.setattr(attention, "kernel_allowed", lambda name: True)
     monkeypatch.setattr(attention, "_fresh_serves", lambda case: True)
     monkeypatch.setattr(attention, "_launch_fresh", launch)
     fused = new()

@@ -35,7 +35,7 @@ from . import cuda_norms
 from .cuda_build import BLOCK_REDUCE, CudaKernel, block_counters, kernel_code
 from .cuda_norms import HeadSource
 from .host_ops import host_attention
-from .kernels import on_cuda, serves
+from .kernels import kernel_allowed, on_cuda, serves
 
 #: MLX's function, as imported (while a thread traces a forward, the core routes calls of
 #: ``mx.fast.scaled_dot_product_attention`` from that thread through :func:`attend`)
@@ -119,7 +119,7 @@ def fresh_buffers(keys: mx.array, values: mx.array, length: int
     past ``n``: a cache's first write (a prompt's first chunk) in one launch on CUDA where
     MLX's operations take four (two zero fills, two writes); None where the kernel does
     not serve the case (the cache then writes them itself)."""
-    if not (on_cuda() and settings.current().kernel_allowed("attention")):
+    if not kernel_allowed("attention"):
         return None
     if keys.ndim != 4 or values.ndim != 4 or keys.shape[:1] + keys.shape[2:3] \
             != values.shape[:1] + values.shape[2:3] or keys.dtype != values.dtype \

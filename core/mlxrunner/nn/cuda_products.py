@@ -479,10 +479,9 @@ def _wiring(links: Sequence[Link]) -> tuple[tuple[Any, ...], ...]:
 _chain_kernels: dict[tuple[tuple[Any, ...], ...], CudaKernel] = {}
 
 
-def _chain_kernel(links: Sequence[Link]) -> CudaKernel:
-    """The kernel of chains wired as ``links`` (made once a wiring; its input and output
+def _chain_kernel(wiring: tuple[tuple[Any, ...], ...]) -> CudaKernel:
+    """The kernel of chains wired as ``wiring`` (made once a wiring; its input and output
     names in the order its launch passes them)."""
-    wiring = _wiring(links)
     kernel = _chain_kernels.get(wiring)
     if kernel is not None:
         return kernel
@@ -511,7 +510,8 @@ def chain_arguments(links: Sequence[Link]) -> tuple[
     takes them, where each row set (by name, ``{role}_{link}``) lies in its one output
     (``rows``: each set a launch's output would cost the launch host time, and most are
     read only inside it) and blocks."""
-    kernel = _chain_kernel(links)
+    wiring = _wiring(links)
+    kernel = _chain_kernel(wiring)
     x = links[0].x
     given: dict[str, mx.array] = {"x_0": x}
     template: list[TemplateArg] = [("T", x.dtype), ("M", _rows(x)), ("NT", THREADS)]
@@ -539,7 +539,7 @@ def chain_arguments(links: Sequence[Link]) -> tuple[
     given["chain"] = block_counters(2 * len(links) + 1)  # (the tails' after the chain's)
     layout: dict[str, RowSet] = {}
     at = 0
-    for name, i in _row_names(_wiring(links)):
+    for name, i in _row_names(wiring):
         shape = (*x.shape[:-1], links[i].N)
         layout[name] = RowSet(at, shape)
         at += -(-math.prod(shape) // ROW_ALIGN) * ROW_ALIGN

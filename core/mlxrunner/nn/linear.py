@@ -29,13 +29,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import settings
 from .cuda_products import MAX_ROWS as PRODUCT_ROWS
 from .cuda_products import current, fused_product
 from .derived import derived
 from .host_ops import host_active, host_add, host_split
 from .host_quantized import host_quantized_product
-from .kernels import host_eligible, host_project, on_cuda, project
+from .kernels import host_eligible, host_project, kernel_allowed, project
 from .parallel import REDUCE, Parallel
 
 log = logging.getLogger("mlxrunner.nn")
@@ -317,7 +316,7 @@ def linears(x: mx.array, *layers: nn.Module) -> list[mx.array]:
     memory, as the heads kernel after it reads it, where each slice of one product's rows
     would first be copied (three copies to save two launches)."""
     if len(layers) > 1 and x.ndim == 3 and x.shape[0] == 1 and x.shape[1] > PRODUCT_ROWS \
-            and on_cuda() and settings.current().kernel_allowed("norms"):
+            and kernel_allowed("norms"):
         _pack(layers)  # (joined all the same: each layer's weight a view of the join, not
         return [apply_linear(layer, x) for layer in layers]  # a second copy beside it)
     return joined_linears(x, *layers)[1]
