@@ -280,7 +280,7 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
     if not _heads_serve(case):
         return None
     offsets = _offsets(offset)
-    outputs = _launch_heads(parts, rot, offsets, D, starts)
+    outputs = _launch_heads(parts, rot, offsets, D, starts, positions)
     if positions:  # (the attention kernel makes queries from their raw heads up to
         #            MAX_HEAD_POSITIONS positions: longer blocks' outputs are not held for it)
         for out, part, start in zip(outputs, parts, starts):
@@ -289,7 +289,9 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
 
 
 def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array, D: int,
-                  starts: Sequence[int]) -> list[mx.array]:
+                  starts: Sequence[int], positions: int) -> list[mx.array]:
+    """The parts' heads from one launch: ``positions`` a sequence (the kernel's ``L``), or
+    0: one sequence, its length the launch's rows."""
     x = parts[0][0]
     B, L = x.shape[:2]
     dims, traditional, log2_base, scale, freqs = rot
@@ -307,7 +309,7 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
     template += [(f"ROT{i}", r) for i, r in enumerate([bool(p[3]) for p in parts]
                                                        + [False] * missing)]
     template += [("RD", dims), ("TRAD", bool(traditional)), ("FREQS", log2_base is None),
-                 ("L", L if L <= MAX_HEAD_POSITIONS else 0), ("PERB", bool(offsets.size > 1)),
+                 ("L", positions), ("PERB", bool(offsets.size > 1)),
                  ("NT", HEAD_THREADS)]
     weights: list[mx.array | mx.Dtype] = [
         absent if p[1] is None or p[2] is None else p[1] for p in parts]
@@ -364,9 +366,9 @@ def probe_offsets(batch: int) -> mx.array:
 
 
 def _heads_serve(case: tuple[Any, ...]) -> bool:
-    dtype, D, L, per_sequence, shapes, dims, traditional, by_freqs, scale = case
+    dtype, D, positions, per_sequence, shapes, dims, traditional, by_freqs, scale = case
     B = 2 if per_sequence else 1
-    L = L or MAX_HEAD_POSITIONS + 3  # (a length past the constant ones: a prompt's case)
+    L = positions or MAX_HEAD_POSITIONS + 3  # (a length past the constant ones: a prompt's)
 
     def probe() -> tuple[list[HeadPart], Rotation, mx.array]:
         keys = [mx.random.key(4811 + i) for i in range(2 * len(shapes) + 1)]
@@ -377,7 +379,7 @@ def _heads_serve(case: tuple[Any, ...]) -> bool:
 
     starts = [shape[2] for shape in shapes]
     return serves("norms", ("heads", *case),
-                  lambda p: _launch_heads(p[0], p[1], p[2], D, starts),
+                  lambda p: _launch_heads(p[0], p[1], p[2], D, starts, positions),
                   lambda p: _reference_heads(p[0], p[1], p[2], D, starts), probe,
                   TOLERANCE[dtype],
                   source=kernel_code(__file__))

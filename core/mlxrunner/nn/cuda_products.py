@@ -46,7 +46,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -390,14 +390,11 @@ ROW_ALIGN = 16
 
 
 def _chain_source(wiring: tuple[tuple[Any, ...], ...]) -> str:
-    """The kernel body of a chain of links wired as ``wiring`` (see :func:`_wiring`)."""
-    offsets = ["    constexpr size_t kAt_0 = 0;"]
-    pointers = []
-    for j, (name, i) in enumerate(_row_names(wiring)):
-        pointers.append(f"    T* const {name} = rows + kAt_{j};")
-        offsets.append(f"    constexpr size_t kAt_{j + 1} = kAt_{j} + "
-                       f"((size_t)M * N_{i} + {ROW_ALIGN - 1}) / {ROW_ALIGN} * {ROW_ALIGN};")
-    parts = [_CHAIN_PRELUDE, "\n".join(offsets + pointers) + "\n"]
+    """The kernel body of a chain of links wired as ``wiring`` (see :func:`_wiring`); each
+    row set ``{role}_{link}`` starts at its template constant ``AT_{role}_{link}`` of the
+    launch's one output (:func:`chain_arguments` lays them out)."""
+    pointers = [f"    T* const {name} = rows + AT_{name};" for name, _ in _row_names(wiring)]
+    parts = [_CHAIN_PRELUDE, "\n".join(pointers) + "\n"]
     last = len(wiring) - 1
     for i, (x_from, res_from, upx, post_from, scaled, then) in enumerate(wiring):
         names = {name: f"{name}_{i}" for name in _LINK_NAMES}
@@ -479,28 +476,17 @@ def _wiring(links: Sequence[Link]) -> tuple[tuple[Any, ...], ...]:
 _chain_kernels: dict[tuple[tuple[Any, ...], ...], CudaKernel] = {}
 
 
-def _chain_kernel(wiring: tuple[tuple[Any, ...], ...]) -> CudaKernel:
-    """The kernel of chains wired as ``wiring`` (made once a wiring; its input and output
-    names in the order its launch passes them)."""
+def _chain_kernel(wiring: tuple[tuple[Any, ...], ...], input_names: list[str]) -> CudaKernel:
+    """The kernel of chains wired as ``wiring``, taking ``input_names`` (the order
+    :func:`chain_arguments` passes them in, the same for every chain of a wiring); made
+    once a wiring."""
     kernel = _chain_kernels.get(wiring)
-    if kernel is not None:
-        return kernel
-    inputs = []
-    for i, (_, res_from, upx, post_from, scaled, then) in enumerate(wiring):
-        inputs += [f"x_{i}"] if i == 0 else []
-        inputs += [f"w_{i}"] + ([f"res_{i}"] if res_from == "in" else []) + \
-            ([f"up_x_{i}"] if upx else [])
-        if post_from is not None:
-            inputs += [f"pw_{i}"] + ([f"pres_{i}"] if post_from[0] == "in" else []) + \
-                ([f"ps_{i}"] if scaled else [])
-        if then is not None:
-            inputs.append(f"nw_{i}")
-    inputs.append("chain")
-    source = _chain_source(wiring)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:10]
-    kernel = _chain_kernels[wiring] = CudaKernel(
-        name=f"mlxrunner_chain_{digest}", input_names=inputs, output_names=["rows"],
-        source=source)
+    if kernel is None:
+        source = _chain_source(wiring)
+        digest = hashlib.sha256(source.encode()).hexdigest()[:10]
+        kernel = _chain_kernels[wiring] = CudaKernel(
+            name=f"mlxrunner_chain_{digest}", input_names=input_names,
+            output_names=["rows"], source=source)
     return kernel
 
 
@@ -511,7 +497,6 @@ def chain_arguments(links: Sequence[Link]) -> tuple[
     (``rows``: each set a launch's output would cost the launch host time, and most are
     read only inside it) and blocks."""
     wiring = _wiring(links)
-    kernel = _chain_kernel(wiring)
     x = links[0].x
     given: dict[str, mx.array] = {"x_0": x}
     template: list[TemplateArg] = [("T", x.dtype), ("M", _rows(x)), ("NT", THREADS)]
@@ -542,8 +527,9 @@ def chain_arguments(links: Sequence[Link]) -> tuple[
     for name, i in _row_names(wiring):
         shape = (*x.shape[:-1], links[i].N)
         layout[name] = RowSet(at, shape)
+        template.append((f"AT_{name}", at))
         at += -(-math.prod(shape) // ROW_ALIGN) * ROW_ALIGN
-    return kernel, {name: given[name] for name in kernel.input_names}, template, layout, blocks
+    return _chain_kernel(wiring, list(given)), given, template, layout, blocks
 
 
 class RowSet(NamedTuple):
@@ -767,20 +753,24 @@ def fused_product(x: mx.array, weight: mx.array, residual: mx.array | None = Non
     return _launch_links((Link(x, weight, glu, None, residual),)).rows[-1]["y"]
 
 
-def _last_link(out: mx.array, role: str) -> _Launched | None:
-    """The launch whose last link wrote ``out`` as its ``role`` rows, or None."""
+def _last_link(out: mx.array, role: str | None) -> _Launched | None:
+    """The launch whose last link wrote ``out`` as its ``role`` rows (None: its final
+    rows, the stream), or None."""
     found = _launched(out)
     if found is None or _recalled("renamed", out) is not None:
         return None
     launched, index, found_role = found
-    return launched if index == len(launched.links) - 1 and found_role == role else None
+    last = launched.links[-1]
+    return launched if index == len(launched.links) - 1 \
+        and found_role == (last.final if role is None else role) else None
 
 
-def _relaunch(before: _Launched, link: Link) -> _Launched | None:
+def _relaunch(before: _Launched, link: Link, alone: Callable[[], bool]) -> _Launched | None:
     """``before``'s links with its last one now ``link``, launched (None where no kernel
-    serves that case)."""
+    serves that case: ``alone`` asks where it is a launch of one product, the chain's
+    own check where it is a chain)."""
     links = (*before.links[:-1], link)
-    if len(links) > 1 and not _serves_links(links):
+    if not (_serves_links(links) if len(links) > 1 else alone()):
         return None
     return _launch_links(links, before, replaced=True)
 
@@ -794,10 +784,10 @@ def fused_gated(gate: mx.array, up: mx.array, activation: str) -> mx.array | Non
     if before is None or not glu or up.shape != gate.shape or up.dtype != gate.dtype:
         return None
     link = before.links[-1]
-    if link.glu or link.residual is not None or link.post is not None or link.then is not None \
-            or not _serves(link.x, link.weight, False, glu, upx=True):
+    if link.glu or link.residual is not None or link.post is not None or link.then is not None:
         return None
-    launched = _relaunch(before, link._replace(glu=glu, up=up))
+    launched = _relaunch(before, link._replace(glu=glu, up=up),
+                         lambda: _serves(link.x, link.weight, False, glu, upx=True))
     return None if launched is None else launched.rows[-1]["y"]
 
 
@@ -815,14 +805,15 @@ def fused_add_normed(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
             or not kernel_allowed("norms"):
         return None
     link = before.links[-1]
-    if link.glu or link.residual is not None or link.post is not None or link.then is not None \
-            or not _serves(link.x, link.weight, False, 0, post=1 if scale is None else 2):
+    if link.glu or link.residual is not None or link.post is not None or link.then is not None:
         return None
     rows = current(residual) if len(before.links) == 1 else _in_launch(before, residual)
     # (rows of the link itself, replaced by this launch, are none it could read)
     if rows is None or (isinstance(rows, Ref) and rows.link == len(before.links) - 1):
         return None
-    launched = _relaunch(before, link._replace(post=(rows, weight, eps, scale)))
+    launched = _relaunch(
+        before, link._replace(post=(rows, weight, eps, scale)),
+        lambda: _serves(link.x, link.weight, False, 0, post=1 if scale is None else 2))
     return None if launched is None else launched.rows[-1]["h"]
 
 
@@ -835,12 +826,9 @@ def fused_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
     if weight.dtype != x.dtype or weight.shape != x.shape[-1:] \
             or not (kernel_allowed("prenorms") and kernel_allowed("norms")):
         return None
-    found = _launched(x)
-    if found is None:
-        return None
     # (a final normed again, as a second norm of one stream, or a stream a later link
     # reads: MLX's norm of the rows the last launch wrote)
-    before = _last_link(x, found[0].links[found[1]].final)
+    before = _last_link(x, None)
     if before is None:
         return None
     link = before.links[-1]
@@ -848,9 +836,10 @@ def fused_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
         return None
     post = link.post
     kind = 0 if post is None else 1 + (post[3] is not None)
-    if not _serves(link.x, link.weight, link.residual is not None, 0, post=kind, then=True):
-        return None
-    launched = _relaunch(before, link._replace(then=(weight, eps)))
+    launched = _relaunch(
+        before, link._replace(then=(weight, eps)),
+        lambda: _serves(link.x, link.weight, link.residual is not None, 0, post=kind,
+                        then=True))
     return None if launched is None else launched.rows[-1]["hn"]
 
 
