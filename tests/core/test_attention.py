@@ -92,6 +92,48 @@ def test_attend_folds_only_short_blocks_on_cuda(monkeypatch):
     assert calls == [(1, 4, 2, 8)]
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+@pytest.mark.parametrize("mask", ["causal", "ring", "none"])
+def test_attend_folds_prompts_mlx_has_no_kernel_for_on_cuda(monkeypatch, mask, scale):
+    """A prompt's block with heads wider than MLX's fused kernels take (Gemma 4's 256 and
+    512) is folded on CUDA: the result is MLX's function's, its causal mask made once for
+    every layer of the shape (not arange, arange and compare at each call, as MLX's own
+    operations do), the queries not scaled by 1; narrower heads stay MLX's (its fused
+    kernel), and ``attention=mlx`` keeps MLX's function."""
+    from mlxrunner_test_support import graph_labels
+
+    L, S = attention.FOLD_MAX_QUERIES + 4, attention.FOLD_MAX_QUERIES + 9
+    q, k, v = _case(1, 8, 2, L, S, 256, 512, mx.float32, seed=11)
+    m = "causal" if mask == "causal" else _masks(L, S)[mask]
+    mx.eval(q, k, v, m)  # (the graph read below: attention's own operations alone)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
+    masks = []
+    real = attention.folded_attention
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("mask"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "folded_attention", spy)
+    monkeypatch.setattr(attention, "_cuda_default", lambda: True)
+    got = attend(q, k, v, m, scale=scale)
+    labels = graph_labels(got)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    assert len(masks) == 1
+    for banned in ("Arange", "GreaterEqual", "LessEqual"):
+        assert banned not in labels, (banned, labels)
+    assert ("Multiply" in labels) == (scale != 1.0), labels
+    assert labels.count("Matmul") == 2 and labels.count("Softmax") == 1, labels
+    if mask == "causal":  # the next layer's call reads the same mask, made once
+        attend(q, k, v, m, scale=scale)
+        assert masks[1] is masks[0] and masks[0].shape == (L, S)
+    narrow = [x[..., :64] for x in (q, k, v)]
+    attend(*narrow, m, scale=scale)
+    with settings.overridden(attention="mlx"):
+        attend(q, k, v, m, scale=scale)
+    assert len(masks) == (2 if mask == "causal" else 1)
+
+
 # ---- the fused kernel ------------------------------------------------------------------
 
 

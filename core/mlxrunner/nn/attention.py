@@ -12,8 +12,10 @@ query scaled first, a float32 softmax, the products in the inputs' type) with no
 broadcast batch; or, where it passed its self-check (:func:`prepare_attend`, called
 before tracing), as one fused kernel: a thread block per query row and run of its keys
 (split so that a decode step's few rows fill the GPU), its warps taking keys in turn with
-an online softmax, the runs merged by the block that finishes a row last. Elsewhere, and
-for longer blocks (prompts), it is MLX's function. ``MLXRUNNER_ATTENTION``
+an online softmax, the runs merged by the block that finishes a row last. A longer block
+(a prompt's) is MLX's function where MLX has a fused kernel for it, else folded too (MLX's
+own operations would build a causal mask and scale the queries at every layer). Off CUDA,
+it is MLX's function. ``MLXRUNNER_ATTENTION``
 (:mod:`mlxrunner.settings`): ``kernel`` (the default), ``folded`` (never the kernel) or
 ``mlx`` (always MLX's function), to compare.
 
@@ -40,8 +42,14 @@ from .kernels import kernel_allowed, on_cuda, serves
 #: MLX's function, as imported (while a thread traces a forward, the core routes calls of
 #: ``mx.fast.scaled_dot_product_attention`` from that thread through :func:`attend`)
 mlx_attention = mx.fast.scaled_dot_product_attention
-#: the longest query block :func:`attend` folds (longer ones are prompts)
+#: the longest query block :func:`attend` folds or fuses whatever its head size (longer
+#: ones are prompts)
 FOLD_MAX_QUERIES = 16
+#: the widest query and value heads MLX's CUDA backend attends over with a fused kernel
+#: (cuDNN's, for a prompt); past it MLX runs its own operations, which :func:`attend`
+#: folds instead (one launch a prompt for its causal mask, not three a layer; no scaling
+#: where the scale is 1)
+MLX_FUSED_HEAD_DIM = 128
 
 
 def mode() -> str:
@@ -195,6 +203,20 @@ def _per_row(mask: mx.array) -> bool:
     return mask.ndim == 4 and mask.shape[1] == 1
 
 
+def _long_block_unfused_on_cuda(q: mx.array, keys: mx.array, values: mx.array,
+                                mask: mx.array | str | None) -> bool:
+    """Whether a longer block (a prompt's) is one MLX's CUDA backend has no fused kernel for
+    (heads wider than ``MLX_FUSED_HEAD_DIM``), which :func:`attend` folds: whole groups of
+    query heads, no mask, ``causal`` or a boolean mask as the short blocks take."""
+    return (_cuda_default() and q.ndim == 4 and keys.ndim == 4 and values.ndim == 4
+            and q.shape[2] > FOLD_MAX_QUERIES and q.shape[1] % keys.shape[1] == 0
+            and max(q.shape[3], values.shape[3]) > MLX_FUSED_HEAD_DIM
+            and (mask is None
+                 or (isinstance(mask, str) and mask == "causal" and keys.shape[2] >= q.shape[2])
+                 or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
+                     and (mask.ndim <= 2 or _per_row(mask)))))
+
+
 def folded_attention(q: mx.array, keys: mx.array, values: mx.array, *, scale: float,
                      mask: mx.array | None = None) -> mx.array:
     """``softmax(q keys^T * scale, masked) values`` with each key/value head's query heads
@@ -204,7 +226,8 @@ def folded_attention(q: mx.array, keys: mx.array, values: mx.array, *, scale: fl
     B, Hq, L, D = q.shape
     Hk, S = keys.shape[1], keys.shape[2]
     rep = Hq // Hk
-    rows = (q * mx.array(scale, dtype=q.dtype)).reshape(B, Hk, rep * L, D)
+    scaled = q if scale == 1.0 else q * mx.array(scale, dtype=q.dtype)  # (times 1: q)
+    rows = scaled.reshape(B, Hk, rep * L, D)
     scores = rows @ keys.swapaxes(-1, -2)  # [B, Hk, rep * L, S]
     if mask is not None:
         # row r * L + l of a group is query head r at position l: the mask's row l
@@ -248,6 +271,11 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str |
                 return out
         else:
             out = folded_attention(q, keys, values, scale=scale, mask=mask)
+    elif chosen != "mlx" and _long_block_unfused_on_cuda(q, keys, values, mask):
+        if isinstance(mask, str):  # causal: the queries are the keys' last L
+            L, S = q.shape[2], keys.shape[2]
+            mask = window_mask(S - L, L, S)  # (a window of all the keys: made once a shape)
+        out = folded_attention(q, keys, values, scale=scale, mask=mask)
     else:
         hosted = host_attention(q, keys, values, mask, scale) if frame is None else None
         out = hosted if hosted is not None else \
