@@ -363,3 +363,30 @@ def test_a_prompts_heads_are_one_launch_a_layer_from_a_product_each(launches, mo
         packed_labels.count("Split"), labels.count("Split"))
     for out in (logits, packed_logits):
         np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompt_with_gemma4s_wide_heads_attends_folded_in_every_layer(monkeypatch):
+    """Gemma 4's 256- and 512-wide heads are past MLX's fused attention on CUDA: a prompt's
+    every layer (sliding, full, KV-sharing) attends folded, the causal and window masks
+    built once for the prompt (no compare left in its graph, where MLX's own operations
+    build one a layer), the logits MLX's function's."""
+    mx.set_default_device(mx.cpu)
+    model = _gemma4(head_dim=256, global_head_dim=512)
+    mx.eval(model.parameters())
+    ids = mx.array(np.random.default_rng(2).integers(3, 200, (1, 40)).astype(np.int32))
+    want = model(ids, model.make_cache())
+    masks = []
+    real = attention.folded_attention
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("mask"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "folded_attention", spy)
+    monkeypatch.setattr(attention, "_cuda_default", lambda: True)
+    got = model(ids, model.make_cache())
+    labels = _labels(got)
+    assert len(masks) == _GEMMA4_CONFIG["num_hidden_layers"], len(masks)
+    assert len({id(m) for m in masks}) == 2  # one causal mask, one sliding window's
+    assert "GreaterEqual" not in labels and "LessEqual" not in labels, labels
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
