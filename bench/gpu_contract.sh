@@ -4,7 +4,8 @@
 # to .gpu/shared-data/configs):
 #   bash bench/gpu_contract.sh [tests] [qwen3] [llama] [gemma4] [qwen3_5] [startup] [solo]
 #     [pair] [soak] [vision] [launch] [prefill] [products] [attention] [sweep]
-#     (SWITCHED="NAME=VALUE ...": a row of ours under each)
+#     (SWITCHED="NAME=VALUE ...": a row of ours under each; BENCH_ARGS: more arguments of
+#     the model benches, e.g. --no-eager)
 #   (default: the first four)
 # tests: the compiled-step and kernel tests on the GPU (TESTS: other test files); qwen3: a Qwen3 written as the docs
 # teach against mlx-lm (bench/qwen3.py); llama: the example architecture and a plain mlx.nn
@@ -54,8 +55,9 @@ for part in "${@:-tests qwen3 llama startup}"; do
           tests/core/test_fused_norms.py tests/core/test_constants.py} 2>&1 \
           | tee "$out/cuda-tests.txt" | tail -4 ;;
       qwen3|llama|gemma4|qwen3_5)
+        # shellcheck disable=SC2086  # (BENCH_ARGS: more arguments, e.g. --no-eager)
         (cd bench && timeout "${BENCH_TIMEOUT:-240}" python3 "$one.py" --repeats "${REPEATS:-5}" \
-          "${switched[@]}" --json "$out/$one-gpu.json") 2>&1 \
+          "${switched[@]}" ${BENCH_ARGS:-} --json "$out/$one-gpu.json") 2>&1 \
           | tee "$out/$one-gpu.txt" | tail -16 ;;
       vision)
         (cd bench && timeout "${VISION_TIMEOUT:-300}" python3 vision_ttft.py \
