@@ -32,6 +32,21 @@ def graph_labels(*outputs) -> list[str]:
     return labels
 
 
+def folded_masks_on_cuda(monkeypatch, attention) -> list:
+    """The mask of each ``folded_attention`` call, recorded (the calls still run) while
+    ``attention`` (``mlxrunner.nn.attention``, handed in by a white-box test) sees CUDA."""
+    masks = []
+    real = attention.folded_attention
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("mask"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "folded_attention", spy)
+    monkeypatch.setattr(attention, "_cuda_default", lambda: True)
+    return masks
+
+
 def read_as_one(rows: list[dict]) -> list[dict]:
     """A launch's rows (each link's, by role) all read through one ``StopGradient``: a
     stand-in launch's outputs, so that each launch a graph reads shows in it once."""

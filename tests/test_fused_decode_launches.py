@@ -20,7 +20,7 @@ import pytest
 from mlxrunner import settings
 from mlxrunner.nn import RMSNorm, attention, cuda_norms, cuda_products
 from mlxrunner.nn import heads as heads_module
-from mlxrunner_test_support import read_as_one
+from mlxrunner_test_support import folded_masks_on_cuda, graph_labels, read_as_one
 
 
 @pytest.fixture
@@ -106,20 +106,11 @@ def _one_step(model, launches: Counter, taps: list[int] | None = None, traced: b
         out = model(ids[:, 12:], cache) if taps is None else \
             mx.concatenate(model(ids[:, 12:], cache, taps=taps), axis=-1)
     got = {k: v for k, v in launches.items() if v}
-    labels = _labels(out)
+    labels = graph_labels(out)
     got["launches read"] = labels.count("StopGradient")
     got["head outputs read"] = labels.count("Negative") // 2
     mx.eval(out)
     return got, out
-
-
-def _labels(out: mx.array) -> list[str]:
-    import re
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
-        mx.export_to_dot(dot.name, out)
-        return re.findall(r'label ="([^"]+)"', dot.read())
 
 
 _GEMMA4_CONFIG = {
@@ -341,7 +332,7 @@ def test_a_prompts_heads_are_one_launch_a_layer_from_a_product_each(launches, mo
         launches.clear()
         out = model(ids, model.make_cache())
         got = {k: v for k, v in launches.items() if v}
-        labels = _labels(out)
+        labels = graph_labels(out)
         mx.eval(out)
         return got, labels, out
 
@@ -375,17 +366,9 @@ def test_a_prompt_with_gemma4s_wide_heads_attends_folded_in_every_layer(monkeypa
     mx.eval(model.parameters())
     ids = mx.array(np.random.default_rng(2).integers(3, 200, (1, 40)).astype(np.int32))
     want = model(ids, model.make_cache())
-    masks = []
-    real = attention.folded_attention
-
-    def spy(*args, **kwargs):
-        masks.append(kwargs.get("mask"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "folded_attention", spy)
-    monkeypatch.setattr(attention, "_cuda_default", lambda: True)
+    masks = folded_masks_on_cuda(monkeypatch, attention)
     got = model(ids, model.make_cache())
-    labels = _labels(got)
+    labels = graph_labels(got)
     assert len(masks) == _GEMMA4_CONFIG["num_hidden_layers"], len(masks)
     assert len({id(m) for m in masks}) == 2  # one causal mask, one sliding window's
     assert "GreaterEqual" not in labels and "LessEqual" not in labels, labels

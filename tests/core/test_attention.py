@@ -11,7 +11,7 @@ import pytest
 import mlxrunner
 from mlxrunner import settings
 from mlxrunner.nn import attend, attention, cuda_norms, kernels
-from mlxrunner_test_support import logged, on_cuda_and_emulated
+from mlxrunner_test_support import folded_masks_on_cuda, graph_labels, logged, on_cuda_and_emulated
 
 on_cuda, emulated = on_cuda_and_emulated()
 
@@ -100,22 +100,12 @@ def test_attend_folds_prompts_mlx_has_no_kernel_for_on_cuda(monkeypatch, mask, s
     every layer of the shape (not arange, arange and compare at each call, as MLX's own
     operations do), the queries not scaled by 1; narrower heads stay MLX's (its fused
     kernel), and ``attention=mlx`` keeps MLX's function."""
-    from mlxrunner_test_support import graph_labels
-
     L, S = attention.FOLD_MAX_QUERIES + 4, attention.FOLD_MAX_QUERIES + 9
     q, k, v = _case(1, 8, 2, L, S, 256, 512, mx.float32, seed=11)
     m = "causal" if mask == "causal" else _masks(L, S)[mask]
     mx.eval(q, k, v, m)  # (the graph read below: attention's own operations alone)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
-    masks = []
-    real = attention.folded_attention
-
-    def spy(*args, **kwargs):
-        masks.append(kwargs.get("mask"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "folded_attention", spy)
-    monkeypatch.setattr(attention, "_cuda_default", lambda: True)
+    masks = folded_masks_on_cuda(monkeypatch, attention)
     got = attend(q, k, v, m, scale=scale)
     labels = graph_labels(got)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
