@@ -79,6 +79,41 @@ def test_a_built_kernel_is_read_back_not_built_again(builder: cuda_build.Builder
     assert other.cubin(source)[0] != key and other.compiled == 1
 
 
+def test_a_kernels_cases_are_built_once_and_told_apart(builder: cuda_build.Builder,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel builds each case (its inputs' and outputs' dtypes, which of them are
+    absent, its template values with their types) once: a case met again launches the same
+    image without building, whatever its arrays' shapes; a template's True against 1 and an
+    absent input against a given one of its dtype are other sources, built apart."""
+    launched: list[dict[str, Any]] = []
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel",
+                        lambda **launch: launched.append(launch) or [])
+    monkeypatch.setattr(cuda_build, "_builder", builder)
+    kernel = cuda_build.CudaKernel(
+        "mlxrunner_case_test", ["x", "y"], ["out"],
+        "out[threadIdx.x] = x[threadIdx.x] + (y ? y[threadIdx.x] : T(0)) * T(S);")
+
+    def launch(n: int, y: bool, s: int | bool) -> dict[str, Any]:
+        x = mx.zeros((n,))
+        kernel(inputs=[x, x if y else mx.float32], template=[("T", mx.float32), ("S", s)],
+               grid=(n, 1, 1), threadgroup=(n, 1, 1), output_shapes=[(n,)],
+               output_dtypes=[mx.float32])
+        return launched[-1]
+
+    first = launch(4, True, 1)
+    assert builder.compiled == 1 and len(first["inputs"]) == 2
+    again = launch(8, True, 1)
+    assert builder.compiled == 1 and again["compiled_source"] is first["compiled_source"]
+    assert again["output_shapes"] == [(8,)] and again["output_dtypes"] == [mx.float32]
+    launch(4, True, True)  # (S spelled ``true``: the same machine code, another source)
+    assert builder.compiled == 2
+    absent = launch(4, False, 1)
+    assert builder.compiled == 3 and len(absent["inputs"]) == 1
+    assert absent["compiled_source"] != first["compiled_source"]
+    launch(4, True, True), launch(4, False, 1)
+    assert builder.compiled == 3 and len(launched) == 6
+
+
 def _product_source() -> str:
     from mlxrunner.nn import cuda_products
 

@@ -391,6 +391,8 @@ _lock = threading.Lock()
 def builder() -> Builder | None:
     """This machine's builder, or None (no NVRTC, no GPU seen): found once."""
     global _builder
+    if isinstance(_builder, Builder):  # (asked at every launch: no lock once found)
+        return _builder
     with _lock:
         if _builder is False:
             nvrtc, arch = find_nvrtc(), device_arch()
@@ -415,9 +417,12 @@ class CudaKernel:
         self.name, self.source = name, source
         self.input_names, self.output_names = list(input_names), list(output_names)
         self._mlx: Any = None
-        # each case's cubin with its key (None: NVRTC refused its source here, MLX builds
-        # it), so a call met again (every eager step) neither writes nor hashes its source
-        self._cubins: dict[tuple[Any, ...], tuple[str, bytes] | None] = {}
+        # each case's launch (the image MLX is handed, the given outputs' dtypes; None:
+        # NVRTC refused its source here, MLX builds it), found by one flat key of what
+        # spells its source, so that a call met again (every prompt's layers) neither
+        # writes nor hashes its source, nor asks the builder: microseconds a launch
+        self._cases: dict[tuple[Any, ...], tuple[bytes, list[mx.Dtype]] | None] = {}
+        self._cases_of: Builder | None = None
 
     def _in_mlx(self) -> Any:
         if self._mlx is None:
@@ -431,18 +436,32 @@ class CudaKernel:
                  output_shapes: Sequence[Sequence[int] | None],
                  output_dtypes: Sequence[mx.Dtype]) -> list[mx.array]:
         build = builder()
-        built = None if build is None else \
-            self._cubin(build, inputs, template, output_shapes, output_dtypes)
-        if build is not None and built is not None:
-            key, cubin = built
-            image = build.image(key, cubin) if settings.current().packed_kernels else cubin
-            return list(mx.fast.precompiled_cuda_kernel(
+        launch = None
+        if build is not None:
+            if self._cases_of is not build:
+                self._cases, self._cases_of = {}, build
+            # (an absent input or output is its dtype in a tuple: beside a given one's
+            # dtype, another source; a template value's type too: True and 1 are equal
+            # keys but spell another source)
+            packed = settings.current().packed_kernels
+            key = (packed,
+                   *[x.dtype if isinstance(x, mx.array) else (x,) for x in inputs],
+                   *[t if s is not None else (t,)
+                     for s, t in zip(output_shapes, output_dtypes)],
+                   *template, *[type(value) for _, value in template])
+            try:
+                launch = self._cases[key]
+            except KeyError:
+                launch = self._cases[key] = self._launch(build, packed, inputs, template,
+                                                         output_shapes, output_dtypes)
+        if launch is not None:
+            image, dtypes = launch
+            return mx.fast.precompiled_cuda_kernel(
                 name=self.name, compiled_source=image,
                 inputs=[x for x in inputs if isinstance(x, mx.array)],
                 output_shapes=[tuple(s) for s in output_shapes if s is not None],
-                output_dtypes=[t for s, t in zip(output_shapes, output_dtypes)
-                               if s is not None],
-                scalars=[], grid=grid, threadgroup=threadgroup, ensure_row_contiguous=True))
+                output_dtypes=dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
+                ensure_row_contiguous=True)
         # (MLX's own build declares every input and output: an absent one is an unread entry)
         outputs = self._in_mlx()(
             inputs=[x if isinstance(x, mx.array) else constant((0,), x) for x in inputs],
@@ -451,18 +470,11 @@ class CudaKernel:
             output_dtypes=list(output_dtypes))
         return [y for y, s in zip(outputs, output_shapes) if s is not None]
 
-    def _cubin(self, build: Builder, inputs: Sequence[mx.array | mx.Dtype],
-               template: Sequence[TemplateArg], output_shapes: Sequence[Sequence[int] | None],
-               output_dtypes: Sequence[mx.Dtype]) -> tuple[str, bytes] | None:
-        """This case's cubin from ``build`` with its key, or None where NVRTC refuses its
-        source."""
-        # (a template value's type too: True and 1 are equal keys but spell another source;
-        # an absent input's dtype against a given one's (dtype, True); outputs the same)
-        key = (build, tuple(x if isinstance(x, mx.Dtype) else (x.dtype, True) for x in inputs),
-               tuple((t, s is not None) for s, t in zip(output_shapes, output_dtypes)),
-               tuple((name, type(value), value) for name, value in template))
-        if key in self._cubins:
-            return self._cubins[key]
+    def _launch(self, build: Builder, packed: bool, inputs: Sequence[mx.array | mx.Dtype],
+                template: Sequence[TemplateArg], output_shapes: Sequence[Sequence[int] | None],
+                output_dtypes: Sequence[mx.Dtype]) -> tuple[bytes, list[mx.Dtype]] | None:
+        """This case's image from ``build`` (packed with ``packed``) and its given outputs'
+        dtypes, or None where NVRTC refuses its source."""
         given = [(name, x.dtype) for name, x in zip(self.input_names, inputs)
                  if isinstance(x, mx.array)]
         absent = [(name, x) for name, x in zip(self.input_names, inputs)
@@ -471,15 +483,14 @@ class CudaKernel:
         unit = kernel_source(self.name, self.source, given,
                              [(n, t) for n, t, s in outputs if s is not None], template, absent,
                              [(n, t) for n, t, s in outputs if s is None])
-        built: tuple[str, bytes] | None
         try:
-            built = build.cubin(unit)
+            key, cubin = build.cubin(unit)
         except RuntimeError as exc:
-            built = None
             log.debug("%s does not build with CUDA's headers (%s); MLX builds it",
                       self.name, str(exc).splitlines()[0])
-        self._cubins[key] = built
-        return built
+            return None
+        return (build.image(key, cubin) if packed else cubin,
+                [t for _, t, s in outputs if s is not None])
 
 
 def row_span_grid(width: int, dtype: mx.Dtype, rows: int, threads: int
