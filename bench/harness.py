@@ -370,7 +370,7 @@ def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None
 #: the settings a bench row may switch (``--switched NAME=VALUE``), each read from
 #: ``MLXRUNNER_<NAME>`` as the environment gives it
 SWITCHABLE = ("attention", "compile", "host_products", "kernels", "packed_kernels",
-              "prompt_overlap", "row_products")
+              "row_products")
 
 
 def _switch(text: str) -> str:

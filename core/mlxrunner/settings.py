@@ -19,9 +19,6 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_PACKED_KERNELS`` (``1``/``0``, default 1): on CUDA, the core's built kernels
   launch as compressed fat binaries where nvFatbin is installed (MLX hashes a kernel's image
   at every launch: see ``mlxrunner.nn.cuda_build``); 0: as the cubins themselves.
-- ``MLXRUNNER_PROMPT_OVERLAP`` (``1``/``0``, default 1): a prompt's evaluation starts at
-  each layer's cache write (``mlxrunner.nn.store``), so that the device runs the layers
-  built while Python builds the next; 0: the whole prompt is built, then evaluated.
 - ``MLXRUNNER_HOST_PRODUCTS`` (``1``/``0``): on MLX's CPU device off macOS, float32 products
   on the host (numpy's BLAS; quantized weights through the core's C loops, see
   ``mlxrunner.nn.host_quantized``), the decode steps that run enough of them eager, and the
@@ -70,7 +67,6 @@ class Settings:
     attention: str = "kernel"
     row_products: bool = True
     packed_kernels: bool = True
-    prompt_overlap: bool = True
     host_products: bool = True
     load_plugins: tuple[str, ...] | None = None
     prefix_cache: bool = True
@@ -102,7 +98,6 @@ class Settings:
             attention=_choice(env, "MLXRUNNER_ATTENTION", "kernel", ATTENTION_MODES),
             row_products=_flag(env, "MLXRUNNER_ROW_PRODUCTS", True),
             packed_kernels=_flag(env, "MLXRUNNER_PACKED_KERNELS", True),
-            prompt_overlap=_flag(env, "MLXRUNNER_PROMPT_OVERLAP", True),
             host_products=_flag(env, "MLXRUNNER_HOST_PRODUCTS", True),
             load_plugins=None if plugins is None else tuple(
                 p.strip() for p in plugins.split(",") if p.strip()),

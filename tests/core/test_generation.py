@@ -142,36 +142,3 @@ def test_a_prefill_reads_no_logits_of_its_chunks_before_the_last(model, monkeypa
     step = mx.array([[7]])
     np.testing.assert_allclose(np.array(model(step, split_cache)),
                                np.array(model(step, whole_cache)), rtol=1e-5, atol=1e-5)
-
-
-def test_a_prefill_starts_evaluating_each_layer_at_its_cache_write(model, monkeypatch):
-    """The core's prefill hands MLX each attention layer's written keys and values as it
-    builds them (``mx.async_eval``: the device runs the layers built while Python builds
-    the next), chunk by chunk; a decode step, a forward outside the prefill and
-    ``prompt_overlap`` off hand none; the logits and caches are the same either way; a
-    traced forward inside a prefill (where MLX refuses it) evaluates with its trace."""
-    import mlxrunner.nn as mnn
-    from mlxrunner import settings
-    from mlxrunner.decode import prefill
-
-    begun: list[int] = []
-    real = mx.async_eval
-    monkeypatch.setattr(mx, "async_eval", lambda *arrays: begun.append(len(arrays))
-                        or real(*arrays))
-    prompt = [3, 9, 4, 1, 5, 2, 8, 6]
-    overlapped_cache, plain_cache = model.make_cache(), model.make_cache()
-    overlapped, _ = prefill(model, prompt, overlapped_cache, chunk=4)
-    layers = len(overlapped_cache)
-    assert layers > 1 and begun == [2] * (2 * layers)  # keys and values, a layer a chunk
-    begun.clear()
-    with settings.overridden(prompt_overlap=False):
-        plain, _ = prefill(model, prompt, plain_cache, chunk=4)
-    step = mx.array([[7]])
-    after = [model(step, cache) for cache in (overlapped_cache, plain_cache)]
-    model(mx.array([prompt]), model.make_cache())
-    assert begun == []
-    np.testing.assert_array_equal(np.array(overlapped), np.array(plain))
-    np.testing.assert_array_equal(np.array(after[0]), np.array(after[1]))
-    with mnn.last_logits_only():
-        traced = mx.compile(lambda ids: model(ids, model.make_cache()))(mx.array([prompt]))
-    np.testing.assert_allclose(np.array(traced[:, -1]), np.array(plain), rtol=1e-5, atol=1e-5)

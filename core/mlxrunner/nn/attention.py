@@ -38,7 +38,6 @@ from .cuda_build import BLOCK_REDUCE, CudaKernel, block_counters, kernel_code
 from .cuda_norms import HeadSource
 from .host_ops import host_attention
 from .kernels import kernel_allowed, on_cuda, serves
-from .taps import filling_prompt
 
 #: MLX's function, as imported (while a thread traces a forward, the core routes calls of
 #: ``mx.fast.scaled_dot_product_attention`` from that thread through :func:`attend`)
@@ -96,20 +95,7 @@ def store(cache: AttentionCache | None, keys: mx.array, values: mx.array,
         keys, values = cache.adopt_fresh(*buffers, n)  # type: ignore[attr-defined]
     else:
         keys, values = cache.update_and_fetch(keys, values)
-    if n > 1 and filling_prompt() and settings.current().prompt_overlap:
-        _begin(keys, values)
     return KV(keys, values, mask)
-
-
-def _begin(*arrays: mx.array) -> None:
-    """Start evaluating a prompt's graph up to ``arrays`` while Python builds its later
-    layers: the prefill's evaluation at the end then finds the device busy on them, not
-    idle through the whole build (a prompt's Python build is milliseconds, as long as the
-    device's work on the GPU)."""
-    try:
-        mx.async_eval(*arrays)
-    except ValueError:  # a traced forward (mx.compile): evaluated with its trace
-        pass
 
 
 # A first write's buffers: keys (blockIdx.y 0) and values (1) ``[B, H, n, W]`` into

@@ -31,12 +31,6 @@ def caches_only() -> Iterator[None]:
         yield
 
 
-def filling_prompt() -> bool:
-    """Whether this thread runs the core's prefill (inside :func:`last_logits_only` or
-    :func:`caches_only`)."""
-    return getattr(_state, "rows", "all") != "all"
-
-
 @contextmanager
 def _rows_wanted(rows: str) -> Iterator[None]:
     held = getattr(_state, "rows", "all")
