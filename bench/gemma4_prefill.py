@@ -6,8 +6,8 @@ heads, the cache write and the attention alone; MLP; per-layer input), medians o
 ``--repeats`` synchronised runs in milliseconds; and the time Python takes to build the
 whole prompt's graph alone (``--profile``: ours and mlx-lm's, by function). ``--series``:
 only each prompt's build and evaluation times in turn, ``--repeats`` of them a tool, back to
-back and then each after a 128-token decode (as ``bench/gemma4.py`` takes turns): whether a
-tool's prompt settles only after some runs.
+back, after a 128-token decode of its own or of the other tool's (as ``bench/gemma4.py``
+takes turns), and after 20 ms with the host idle: what slows a tool's prompt.
 
     python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--profile]
         [--build-only] [--series] [--json PATH]
@@ -139,7 +139,8 @@ def prompt_series(ours: Any, reference: Any, ids: mx.array, repeats: int
                   ) -> dict[str, dict[str, list[list[float]]]]:
     """Each tool's prompt ``repeats`` times in turn, [build ms, evaluation ms] each (the
     evaluation with the device's tail): back to back, then each after a 128-token decode
-    from a fresh cache (``harness.run``, as the model benches take turns)."""
+    from a fresh cache (``harness.run``, as the model benches take turns), after the other
+    tool's decode, and after 20 ms with the host idle."""
     prompt = mx.concatenate([ids[0], ids[0, -1:]])
     tools = {"mlxrunner": ours, "mlx-lm": reference}
 
@@ -157,15 +158,21 @@ def prompt_series(ours: Any, reference: Any, ids: mx.array, repeats: int
     for fn in tools.values():
         one(fn)
     out: dict[str, dict[str, list[list[float]]]] = {}
-    for label in ("back to back", "after a decode"):
+    other = {"mlxrunner": reference, "mlx-lm": ours}
+    for label in ("back to back", "after a decode", "after the other's decode",
+                  "after 20 ms idle"):
         for name, fn in tools.items():
             runs = []
             for _ in range(repeats):
                 if label == "after a decode":
                     harness.run(fn, fn.make_cache(), prompt, 128)
+                elif label == "after the other's decode":
+                    harness.run(other[name], other[name].make_cache(), prompt, 128)
+                elif label == "after 20 ms idle":  # (a host core left idle: its clock?)
+                    time.sleep(0.02)
                 runs.append(one(fn))
             out.setdefault(label, {})[name] = runs
-            print(f"  {label:<15} {name:<10} build / evaluation ms: "
+            print(f"  {label:<24} {name:<10} build / evaluation ms: "
                   + "  ".join(f"{b:.2f}/{e:.2f}" for b, e in runs), flush=True)
     return out
 
