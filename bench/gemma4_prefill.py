@@ -7,7 +7,8 @@ heads, the cache write and the attention alone; MLP; per-layer input), medians o
 whole prompt's graph alone (``--profile``: ours and mlx-lm's, by function). ``--series``:
 only each prompt's build and evaluation times in turn, ``--repeats`` of them a tool, back to
 back, after a 128-token decode of its own or of the other tool's (as ``bench/gemma4.py``
-takes turns), and after 20 ms with the host idle: what slows a tool's prompt.
+takes turns), after 20 ms with the host idle and after ``gemma4.py``'s parity check: what
+slows a tool's prompt.
 
     python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--profile]
         [--build-only] [--series] [--json PATH]
@@ -140,7 +141,8 @@ def prompt_series(ours: Any, reference: Any, ids: mx.array, repeats: int
     """Each tool's prompt ``repeats`` times in turn, [build ms, evaluation ms] each (the
     evaluation with the device's tail): back to back, then each after a 128-token decode
     from a fresh cache (``harness.run``, as the model benches take turns), after the other
-    tool's decode, and after 20 ms with the host idle."""
+    tool's decode, after 20 ms with the host idle, and back to back again after the model
+    bench's parity check (``harness.record_parity``)."""
     prompt = mx.concatenate([ids[0], ids[0, -1:]])
     tools = {"mlxrunner": ours, "mlx-lm": reference}
 
@@ -160,7 +162,9 @@ def prompt_series(ours: Any, reference: Any, ids: mx.array, repeats: int
     out: dict[str, dict[str, list[list[float]]]] = {}
     other = {"mlxrunner": reference, "mlx-lm": ours}
     for label in ("back to back", "after a decode", "after the other's decode",
-                  "after 20 ms idle"):
+                  "after 20 ms idle", "after gemma4.py's parity"):
+        if label == "after gemma4.py's parity":  # (its float32 pass swaps every weight)
+            harness.record_parity(ours, reference, prompt, {})
         for name, fn in tools.items():
             runs = []
             for _ in range(repeats):
