@@ -112,6 +112,14 @@ def test_a_kernels_cases_are_built_once_and_told_apart(builder: cuda_build.Build
     assert absent["compiled_source"] != first["compiled_source"]
     launch(4, True, True), launch(4, False, 1)
     assert builder.compiled == 3 and len(launched) == 6
+    # a case the caller names is found by its name alone (the caller vouches that the name
+    # settles the source: here a second template under the same name is not even read)
+    named = [kernel(inputs=[mx.zeros((4,)), mx.zeros((4,))], template=template,
+                    grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
+                    output_dtypes=[mx.float32], case=("named", 2))
+             for template in ([("T", mx.float32), ("S", 2)], [("T", mx.float32), ("S", 3)])]
+    assert builder.compiled == 4 and named == [[], []]
+    assert launched[-1]["compiled_source"] is launched[-2]["compiled_source"]
 
 
 def _product_source() -> str:

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -421,7 +421,7 @@ class CudaKernel:
         # NVRTC refused its source here, MLX builds it), found by one flat key of what
         # spells its source, so that a call met again (every prompt's layers) neither
         # writes nor hashes its source, nor asks the builder: microseconds a launch
-        self._cases: dict[tuple[Any, ...], tuple[bytes, list[mx.Dtype]] | None] = {}
+        self._cases: dict[Hashable, tuple[bytes, list[mx.Dtype]] | None] = {}
         self._cases_of: Builder | None = None
 
     def _in_mlx(self) -> Any:
@@ -434,21 +434,24 @@ class CudaKernel:
                  template: Sequence[TemplateArg], grid: tuple[int, int, int],
                  threadgroup: tuple[int, int, int],
                  output_shapes: Sequence[Sequence[int] | None],
-                 output_dtypes: Sequence[mx.Dtype]) -> list[mx.array]:
+                 output_dtypes: Sequence[mx.Dtype], case: Hashable = None) -> list[mx.array]:
+        """``case``: a key of the caller's that settles this launch's source (its inputs'
+        and outputs' dtypes, which of them are absent, its template), so that the launch
+        is found by it alone (a caller launching the same case at every layer of a
+        prompt); None: worked out from them."""
         build = builder()
         launch = None
         if build is not None:
             if self._cases_of is not build:
                 self._cases, self._cases_of = {}, build
+            packed = settings.current().packed_kernels
             # (an absent input or output is its dtype in a tuple: beside a given one's
             # dtype, another source; a template value's type too: True and 1 are equal
             # keys but spell another source)
-            packed = settings.current().packed_kernels
-            key = (packed,
-                   *[x.dtype if isinstance(x, mx.array) else (x,) for x in inputs],
-                   *[t if s is not None else (t,)
-                     for s, t in zip(output_shapes, output_dtypes)],
-                   *template, *[type(value) for _, value in template])
+            key = ("given", packed, case) if case is not None else (
+                packed, *[x.dtype if isinstance(x, mx.array) else (x,) for x in inputs],
+                *[t if s is not None else (t,) for s, t in zip(output_shapes, output_dtypes)],
+                *template, *[type(value) for _, value in template])
             try:
                 launch = self._cases[key]
             except KeyError:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -280,7 +280,7 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
     if not _heads_serve(case):
         return None
     offsets = _offsets(offset)
-    outputs = _launch_heads(parts, rot, offsets, D, starts, positions)
+    outputs = _launch_heads(parts, rot, offsets, D, starts, positions, case)
     if positions:  # (the attention kernel makes queries from their raw heads up to
         #            MAX_HEAD_POSITIONS positions: longer blocks' outputs are not held for it)
         for out, part, start in zip(outputs, parts, starts):
@@ -289,16 +289,51 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
 
 
 def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array, D: int,
-                  starts: Sequence[int], positions: int) -> list[mx.array]:
+                  starts: Sequence[int], positions: int, case: Hashable = None
+                  ) -> list[mx.array]:
     """The parts' heads from one launch: ``positions`` a sequence (the kernel's ``L``), or
-    0: one sequence, its length the launch's rows."""
+    0: one sequence, its length the launch's rows. ``case``: :func:`fused_heads`' key of
+    this case, which settles the kernel's source but for the dtype of the rotation's
+    frequencies (the template is then made once a case)."""
     x = parts[0][0]
     B, L = x.shape[:2]
     dims, traditional, log2_base, scale, freqs = rot
     absent = x.dtype  # (an input the case does not read: not passed, see CudaKernel)
     missing = 3 - len(parts)
     heads = [p[0].shape[2] for p in parts] + [0] * missing
-    offsets = _offsets(offset)
+    # (fused_heads passes its offsets made: another reshape would be a graph node a layer)
+    offsets = offset if isinstance(offset, mx.array) and offset.ndim == 1 else _offsets(offset)
+    if case is not None:
+        case = (case, None if freqs is None else freqs.dtype)
+    template = None if case is None else _heads_templates.get(case)
+    if template is None:
+        template = _heads_template(parts, rot, D, starts, positions, offsets)
+        if case is not None:
+            _heads_templates[case] = template
+    weights: list[mx.array | mx.Dtype] = [
+        absent if p[1] is None or p[2] is None else p[1] for p in parts]
+    return _heads(
+        inputs=[*(p[0] for p in parts), *[absent] * missing, *weights, *[absent] * missing,
+                constant(tuple(0.0 if p[2] is None else p[2] for p in parts)
+                         + (0.0,) * missing, mx.float32),
+                offsets, mx.float32 if freqs is None else freqs,
+                constant((log2_base or 0.0, scale), mx.float32)],
+        template=template, grid=(HEAD_THREADS * B * L * sum(heads), 1, 1),
+        threadgroup=(HEAD_THREADS, 1, 1),
+        output_shapes=[(B, heads[i], L, D) if i < len(parts) else None for i in range(3)],
+        output_dtypes=[x.dtype] * 3, case=case)
+
+
+#: each heads case's template, made once (:func:`_launch_heads`)
+_heads_templates: dict[Hashable, list[tuple[str, Any]]] = {}
+
+
+def _heads_template(parts: Sequence[HeadPart], rot: Rotation, D: int, starts: Sequence[int],
+                    positions: int, offsets: mx.array) -> list[tuple[str, Any]]:
+    x = parts[0][0]
+    dims, traditional, log2_base, _, _ = rot
+    missing = 3 - len(parts)
+    heads = [p[0].shape[2] for p in parts] + [0] * missing
     template: list[tuple[str, Any]] = [("T", x.dtype), ("D", D)]
     template += [(f"H{i}", heads[i]) for i in range(3)]
     template += [(f"W{i}", w) for i, w in enumerate([p[0].shape[3] for p in parts]
@@ -311,19 +346,7 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
     template += [("RD", dims), ("TRAD", bool(traditional)), ("FREQS", log2_base is None),
                  ("L", positions), ("PERB", bool(offsets.size > 1)),
                  ("NT", HEAD_THREADS)]
-    weights: list[mx.array | mx.Dtype] = [
-        absent if p[1] is None or p[2] is None else p[1] for p in parts]
-    outputs = _heads(
-        inputs=[*(p[0] for p in parts), *[absent] * missing, *weights, *[absent] * missing,
-                constant(tuple(0.0 if p[2] is None else p[2] for p in parts)
-                         + (0.0,) * missing, mx.float32),
-                offsets, mx.float32 if freqs is None else freqs,
-                constant((log2_base or 0.0, scale), mx.float32)],
-        template=template, grid=(HEAD_THREADS * B * L * sum(heads), 1, 1),
-        threadgroup=(HEAD_THREADS, 1, 1),
-        output_shapes=[(B, heads[i], L, D) if i < len(parts) else None for i in range(3)],
-        output_dtypes=[x.dtype] * 3)
-    return outputs
+    return template
 
 
 def _reference_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array,
