@@ -462,3 +462,20 @@ def test_fresh_kv_kernel_compiles(builder, dtype: str) -> None:
         [("k", dtype), ("v", dtype), ("dims", "int32")], [("k_out", dtype), ("v_out", dtype)],
         [("T", dtype), ("HK", 1), ("WK", 256), ("HV", 1), ("WV", 256),
          ("NT", attention.FRESH_THREADS)]))
+
+
+def test_a_one_entry_scale_reaches_the_launch_as_it_is(builder: cuda_build.Builder,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A post-norm add's scale of shape [1] (a Gemma 4 layer's scalar) is handed to the
+    launch itself, not reshaped (a graph node at every layer); a scalar one is made [1]."""
+    from mlxrunner.nn import cuda_norms
+
+    launched: list[dict[str, Any]] = []
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel",
+                        lambda **launch: launched.append(launch) or [mx.zeros((2, 64))])
+    monkeypatch.setattr(cuda_build, "_builder", builder)
+    x, weight = mx.zeros((2, 64), mx.bfloat16), mx.ones((64,), mx.bfloat16)
+    for scale in (mx.ones((1,), mx.bfloat16), mx.array(2.0, mx.bfloat16)):
+        cuda_norms._launch_add_norm(x, x, weight, 1e-6, scale)
+        passed = launched[-1]["inputs"][3]
+        assert passed.shape == (1,) and (passed is scale) == (scale.ndim == 1)

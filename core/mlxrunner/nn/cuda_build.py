@@ -496,6 +496,12 @@ class CudaKernel:
                 [t for _, t, s in outputs if s is not None])
 
 
+def one_entry(x: mx.array) -> mx.array:
+    """A one-entry array as a kernel reads it, ``[1]``: itself where it is so already (a
+    reshape would be another graph node at every launch)."""
+    return x if x.ndim == 1 else x.reshape(1)
+
+
 def row_span_grid(width: int, dtype: mx.Dtype, rows: int, threads: int
                   ) -> tuple[int, int, int]:
     """The grid (in threads) of a kernel whose block (x, y) writes span x of output row y,

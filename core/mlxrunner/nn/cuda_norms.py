@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..constants import constant
-from .cuda_build import BLOCK_REDUCE, CudaKernel, kernel_code
+from .cuda_build import BLOCK_REDUCE, CudaKernel, kernel_code, one_entry
 from .kernels import kernel_allowed, serves
 
 #: positions per sequence a heads launch of several sequences takes (a batch's decode step,
@@ -435,7 +435,7 @@ def _launch_add_norm(residual: mx.array, x: mx.array, weight: mx.array, eps: flo
     D = x.shape[-1]
     return _add_norm(
         inputs=[x, weight, residual,
-                x.dtype if scale is None else scale.reshape(1),  # (absent: CudaKernel)
+                x.dtype if scale is None else one_entry(scale),  # (absent: CudaKernel)
                 constant((eps,), mx.float32)],
         template=[("T", x.dtype), ("D", D), ("NT", ADD_THREADS), ("SCALE", scale is not None)],
         grid=(ADD_THREADS * (x.size // D), 1, 1), threadgroup=(ADD_THREADS, 1, 1),

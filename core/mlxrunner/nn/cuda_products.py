@@ -53,7 +53,14 @@ import mlx.core as mx
 
 from ..constants import constant, in_compiled
 from . import cuda_gated, cuda_norms
-from .cuda_build import BLOCK_REDUCE, CudaKernel, TemplateArg, block_counters, kernel_code
+from .cuda_build import (
+    BLOCK_REDUCE,
+    CudaKernel,
+    TemplateArg,
+    block_counters,
+    kernel_code,
+    one_entry,
+)
 from .cuda_gated import GATED_ACTIVATION, GLU
 from .kernels import kernel_allowed, serves
 
@@ -513,7 +520,7 @@ def chain_arguments(links: Sequence[Link]) -> tuple[
             if isinstance(pres, mx.array):
                 given[f"pres_{i}"] = pres
             if scale is not None:
-                given[f"ps_{i}"] = scale.reshape(1)
+                given[f"ps_{i}"] = one_entry(scale)
         if link.then is not None:
             given[f"nw_{i}"] = link.then[0]
         template += [(f"K_{i}", link.x.shape[-1]), (f"N_{i}", link.N),
@@ -948,7 +955,7 @@ def _arguments(x: mx.array, weight: mx.array, residual: mx.array | None, glu: in
         ("ADDN", post is not None)]
     if post is not None or tail:
         post_residual, post_weight, post_eps, scale = post or (absent, absent, 0.0, None)
-        inputs += [post_weight, post_residual, absent if scale is None else scale.reshape(1),
+        inputs += [post_weight, post_residual, absent if scale is None else one_entry(scale),
                    mx.float32 if post is None else constant((float(post_eps),), mx.float32),
                    block_counters(1)]
         template.append(("PSCALE", scale is not None))
