@@ -307,7 +307,7 @@ def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.arr
         case = (case, None if freqs is None else freqs.dtype)
     template = None if case is None else _heads_templates.get(case)
     if template is None:
-        template = _heads_template(parts, rot, D, starts, positions, offsets)
+        template = _heads_template(parts, rot, D, starts, positions, offsets, heads)
         if case is not None:
             _heads_templates[case] = template
     weights: list[mx.array | mx.Dtype] = [
@@ -329,11 +329,12 @@ _heads_templates: dict[Hashable, list[tuple[str, Any]]] = {}
 
 
 def _heads_template(parts: Sequence[HeadPart], rot: Rotation, D: int, starts: Sequence[int],
-                    positions: int, offsets: mx.array) -> list[tuple[str, Any]]:
+                    positions: int, offsets: mx.array, heads: Sequence[int]
+                    ) -> list[tuple[str, Any]]:
+    """The heads kernel's template (``heads``: each of its three parts' count, 0 absent)."""
     x = parts[0][0]
     dims, traditional, log2_base, _, _ = rot
     missing = 3 - len(parts)
-    heads = [p[0].shape[2] for p in parts] + [0] * missing
     template: list[tuple[str, Any]] = [("T", x.dtype), ("D", D)]
     template += [(f"H{i}", heads[i]) for i in range(3)]
     template += [(f"W{i}", w) for i, w in enumerate([p[0].shape[3] for p in parts]
