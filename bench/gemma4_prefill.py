@@ -6,9 +6,9 @@ heads, the cache write and the attention alone; MLP; per-layer input), medians o
 ``--repeats`` synchronised runs in milliseconds; and the time Python takes to build the
 whole prompt's graph alone (``--profile``: ours and mlx-lm's, by function). ``--series``:
 only each prompt's build and evaluation times in turn, ``--repeats`` of them a tool, back to
-back, after a 128-token decode of its own or of the other tool's (as ``bench/gemma4.py``
-takes turns), after 20 ms with the host idle and after ``gemma4.py``'s parity check: what
-slows a tool's prompt.
+back, in ``bench/gemma4.py``'s own turns, after a 128-token decode of its own or of the other
+tool's, after 20 ms with the host idle, after ``gemma4.py``'s parity check and after
+``mx.clear_cache()``: what slows a tool's prompt.
 
     python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--profile]
         [--build-only] [--series] [--json PATH]
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import statistics
@@ -139,10 +140,13 @@ def main(argv: list[str] | None = None) -> int:
 def prompt_series(ours: Any, reference: Any, ids: mx.array, repeats: int
                   ) -> dict[str, dict[str, list[list[float]]]]:
     """Each tool's prompt ``repeats`` times in turn, [build ms, evaluation ms] each (the
-    evaluation with the device's tail): back to back, then each after a 128-token decode
-    from a fresh cache (``harness.run``, as the model benches take turns), after the other
-    tool's decode, after 20 ms with the host idle, and back to back again after the model
-    bench's parity check (``harness.record_parity``)."""
+    evaluation with the device's tail): back to back; in ``bench/gemma4.py``'s own turns
+    (``harness.run`` of each tool in turn, a 128-token decode after each prompt and a
+    ``gc.collect``); each after a 128-token decode of its own or of the other tool's; after
+    20 ms with the host idle; then back to back and in the bench's turns again after the
+    bench's parity check (``harness.record_parity``), and in its turns once more after
+    ``mx.clear_cache()`` (the parity's CPU pass leaves host-side buffers in MLX's cache,
+    which a later GPU array of the same size may reuse)."""
     prompt = mx.concatenate([ids[0], ids[0, -1:]])
     tools = {"mlxrunner": ours, "mlx-lm": reference}
 
@@ -157,27 +161,44 @@ def prompt_series(ours: Any, reference: Any, ids: mx.array, repeats: int
         done = time.perf_counter()
         return [round(1e3 * (built - start), 3), round(1e3 * (done - built), 3)]
 
+    def turns() -> dict[str, list[list[float]]]:
+        runs: dict[str, list[list[float]]] = {name: [] for name in tools}
+        for _ in range(repeats):
+            for name, fn in tools.items():
+                result = harness.run(fn, fn.make_cache(), prompt, 128)
+                gc.collect()
+                built = result["prefill_build_ms"]
+                runs[name].append([round(built, 3),
+                                   round(1e3 * result["prefill_s"] - built, 3)])
+        return runs
+
     for fn in tools.values():
         one(fn)
     out: dict[str, dict[str, list[list[float]]]] = {}
     other = {"mlxrunner": reference, "mlx-lm": ours}
-    for label in ("back to back", "after a decode", "after the other's decode",
-                  "after 20 ms idle", "after gemma4.py's parity"):
+    for label in ("back to back", "in the bench's turns", "after a decode",
+                  "after the other's decode", "after 20 ms idle", "after gemma4.py's parity",
+                  "in the bench's turns after the parity", "after mx.clear_cache()"):
         if label == "after gemma4.py's parity":  # (its float32 pass swaps every weight)
             harness.record_parity(ours, reference, prompt, {})
+        elif label == "after mx.clear_cache()":
+            mx.clear_cache()
+        if "turns" in label or "clear_cache" in label:
+            out[label] = turns()
         for name, fn in tools.items():
-            runs = []
-            for _ in range(repeats):
-                if label == "after a decode":
-                    harness.run(fn, fn.make_cache(), prompt, 128)
-                elif label == "after the other's decode":
-                    harness.run(other[name], other[name].make_cache(), prompt, 128)
-                elif label == "after 20 ms idle":  # (a host core left idle: its clock?)
-                    time.sleep(0.02)
-                runs.append(one(fn))
-            out.setdefault(label, {})[name] = runs
-            print(f"  {label:<24} {name:<10} build / evaluation ms: "
-                  + "  ".join(f"{b:.2f}/{e:.2f}" for b, e in runs), flush=True)
+            if label not in out or name not in out[label]:
+                runs = []
+                for _ in range(repeats):
+                    if label == "after a decode":
+                        harness.run(fn, fn.make_cache(), prompt, 128)
+                    elif label == "after the other's decode":
+                        harness.run(other[name], other[name].make_cache(), prompt, 128)
+                    elif label == "after 20 ms idle":  # (a host core left idle: its clock?)
+                        time.sleep(0.02)
+                    runs.append(one(fn))
+                out.setdefault(label, {})[name] = runs
+            print(f"  {label:<38} {name:<10} build / evaluation ms: "
+                  + "  ".join(f"{b:.2f}/{e:.2f}" for b, e in out[label][name]), flush=True)
     return out
 
 
