@@ -7,8 +7,8 @@ heads, the cache write and the attention alone; MLP; per-layer input), medians o
 whole prompt's graph alone (``--profile``: ours and mlx-lm's, by function). ``--series``:
 only each prompt's build and evaluation times in turn, ``--repeats`` of them a tool, back to
 back, in ``bench/gemma4.py``'s own turns, after a 128-token decode of its own or of the other
-tool's, after 20 ms with the host idle, after ``gemma4.py``'s parity check and after
-``mx.clear_cache()``: what slows a tool's prompt.
+tool's, after 20 ms with the host idle, after ``gemma4.py``'s parity check, after a CPU pass
+that reads the weights and after ``mx.clear_cache()``: what slows a tool's prompt.
 
     python bench/gemma4_prefill.py [--quick] [--prompt 512] [--repeats 7] [--profile]
         [--build-only] [--series] [--json PATH]
@@ -144,9 +144,12 @@ def prompt_series(ours: Any, reference: Any, ids: mx.array, repeats: int
     (``harness.run`` of each tool in turn, a 128-token decode after each prompt and a
     ``gc.collect``); each after a 128-token decode of its own or of the other tool's; after
     20 ms with the host idle; then back to back and in the bench's turns again after the
-    bench's parity check (``harness.record_parity``), and in its turns once more after
-    ``mx.clear_cache()`` (the parity's CPU pass leaves host-side buffers in MLX's cache,
-    which a later GPU array of the same size may reuse)."""
+    bench's parity check (``harness.record_parity``); in its turns after a float32 pass on
+    the CPU that casts the shared weights there (as that check did before its casts moved
+    to the GPU: on MLX's CUDA backend an array the CPU reads moves to host memory for good,
+    and the buffers the pass frees, host memory too, stay in MLX's cache for later GPU
+    arrays of their sizes); and in its turns once more after ``mx.clear_cache()`` (which
+    frees those buffers, not the weights)."""
     prompt = mx.concatenate([ids[0], ids[0, -1:]])
     tools = {"mlxrunner": ours, "mlx-lm": reference}
 
@@ -178,9 +181,15 @@ def prompt_series(ours: Any, reference: Any, ids: mx.array, repeats: int
     other = {"mlxrunner": reference, "mlx-lm": ours}
     for label in ("back to back", "in the bench's turns", "after a decode",
                   "after the other's decode", "after 20 ms idle", "after gemma4.py's parity",
-                  "in the bench's turns after the parity", "after mx.clear_cache()"):
+                  "in the bench's turns after the parity",
+                  "in the bench's turns after a CPU pass reading the weights",
+                  "after mx.clear_cache()"):
         if label == "after gemma4.py's parity":  # (its float32 pass swaps every weight)
             harness.record_parity(ours, reference, prompt, {})
+        elif "CPU pass" in label:  # (the CPU reads the weights themselves: see the docstring)
+            with mx.stream(mx.cpu):
+                for fn in tools.values():
+                    harness.float32_logits(fn, prompt[None, :16])
         elif label == "after mx.clear_cache()":
             mx.clear_cache()
         if "turns" in label or "clear_cache" in label:
@@ -197,7 +206,7 @@ def prompt_series(ours: Any, reference: Any, ids: mx.array, repeats: int
                         time.sleep(0.02)
                     runs.append(one(fn))
                 out.setdefault(label, {})[name] = runs
-            print(f"  {label:<38} {name:<10} build / evaluation ms: "
+            print(f"  {label:<58} {name:<10} build / evaluation ms: "
                   + "  ".join(f"{b:.2f}/{e:.2f}" for b, e in out[label][name]), flush=True)
     return out
 

@@ -492,19 +492,29 @@ def load_reference(build: Callable[[], Any], skip: bool) -> tuple[Any, str | Non
 PARITY_TOLERANCE = 1e-3
 
 
-def _float32_logits(row: Any, ids: mx.array) -> mx.array:
+def float32_logits(row: Any, ids: mx.array, stream: Any = None) -> mx.array:
     """``row``'s logits for ``ids`` with its floating parameters cast to float32 for the
-    call (the bench's own arrays are put back after, so sharing between rows holds)."""
+    call (the bench's own arrays are put back after, so sharing between rows holds), run on
+    ``stream`` (None: the default one). The casts are made and evaluated on the default
+    device first: on MLX's CUDA backend an array the CPU reads moves to host memory for good
+    (``Buffer::raw_ptr``), so a CPU pass over the bench's own weights would leave both
+    models reading them from there, and the buffers it frees (host memory) in MLX's cache
+    for later GPU arrays of their sizes (see :func:`_parity_split`)."""
+    from contextlib import nullcontext
+
     from mlx.utils import tree_flatten, tree_unflatten
 
     module = row.model if isinstance(row, Ours) else row
     saved = tree_flatten(module.parameters())
-    module.update(tree_unflatten([
-        (key, value.astype(mx.float32) if mx.issubdtype(value.dtype, mx.floating) else value)
-        for key, value in saved]))
+    cast = [(key, value.astype(mx.float32) if mx.issubdtype(value.dtype, mx.floating)
+             else value + 0) for key, value in saved]
+    ids = ids + 0
+    mx.eval([value for _, value in cast], ids)
+    module.update(tree_unflatten(cast))
     try:
-        logits = row(ids).astype(mx.float32)
-        mx.eval(logits)
+        with nullcontext() if stream is None else mx.stream(stream):
+            logits = row(ids).astype(mx.float32)
+            mx.eval(logits)
     finally:
         module.update(tree_unflatten(saved))
     return logits
@@ -517,7 +527,7 @@ def record_parity(ours: Any, reference: Any, prompt: mx.array, results: dict[str
     short = prompt[None, :16]
     diff = mx.abs(ours(short).astype(mx.float32) - reference(short).astype(mx.float32))
     results["parity_max_abs_logit_diff_16_tokens"] = diff.max().item()
-    ours_f32, reference_f32 = _float32_logits(ours, short), _float32_logits(reference, short)
+    ours_f32, reference_f32 = float32_logits(ours, short), float32_logits(reference, short)
     results["parity_float32"] = mx.abs(ours_f32 - reference_f32).max().item()
     print(f"  parity: max |logit difference| over 16 tokens "
           f"{results['parity_max_abs_logit_diff_16_tokens']:.4g} "
@@ -541,9 +551,12 @@ def _parity_split(ours: Any, reference: Any, short: mx.array, ours_gpu: mx.array
         return mx.abs(a - b).max().item()
 
     with settings.overridden(kernels=frozenset(), attention="mlx", row_products=False):
-        plain = _float32_logits(ours, short)
-    with mx.stream(mx.cpu):
-        ours_cpu, ref_cpu = _float32_logits(ours, short), _float32_logits(reference, short)
+        plain = float32_logits(ours, short)
+    on_cpu = []
+    for row in (ours, reference):
+        on_cpu.append(float32_logits(row, short, mx.cpu))
+        mx.clear_cache()  # (the CPU pass's freed buffers are host memory: not for the GPU)
+    ours_cpu, ref_cpu = on_cpu
     return {"ours without kernels vs reference": gap(plain, ref_gpu),
             "ours GPU vs CPU": gap(ours_gpu, ours_cpu),
             "reference GPU vs CPU": gap(ref_gpu, ref_cpu),
