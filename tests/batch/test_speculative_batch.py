@@ -45,9 +45,13 @@ def _run(model, requests, max_sequences):
     return requests
 
 
-def test_scripted_drafts_roll_back_every_length_in_a_batch(model):
+def test_scripted_drafts_roll_back_every_length_in_a_batch(model, monkeypatch):
     # the script is each prompt's greedy continuation: the draft is right except where
-    # it is wrong on purpose (every accepted length occurs)
+    # it is wrong on purpose (every accepted length occurs); every round drafts its whole
+    # depth (the controller's measured choice may pause drafting on a loaded machine, and
+    # then no round rolls back)
+    monkeypatch.setattr(DepthController, "choose",
+                        lambda self, limit: max(0, min(self.max_depth, limit)))
     prompts = _prompts(model.vocab_size, [6, 11, 4], seed=5)
     budgets = [14, 9, 12]
     alone, drafts = _scripted(model, prompts, budgets)
