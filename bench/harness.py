@@ -107,11 +107,13 @@ def measure(rows: dict[str, Any], prompt: mx.array, new: int, repeats: int,
         print(KERNEL_COUNT_MARK + json.dumps(count_step_kernels(rows, prompt)), flush=True)
         sys.exit(0)
     kernels = step_kernels_on_cuda()
-    # warm-up (trace, JIT, allocate) on the first prefill chunk: a long prompt's full
-    # prefill would double a slow row's time for nothing
+    # warm-up (trace, JIT, allocate) on the first prefill chunk (a long prompt's full
+    # prefill would double a slow row's time for nothing) and the whole decode: MLX's buffer
+    # cache then holds what a repeat allocates (on the GPU after the parity check emptied it,
+    # the first repeats' prompts ran at half rate when the warm-up decoded 4 tokens)
     warm = prompt[:PREFILL_CHUNK + 1] if PREFILL_CHUNK else prompt
     for model in rows.values():
-        run(model, model.make_cache(), warm, min(new, 4))
+        run(model, model.make_cache(), warm, new)
     best: dict[str, dict[str, float]] = {}
     names = list(rows)
     for repeat in range(repeats):
