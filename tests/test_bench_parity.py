@@ -74,3 +74,34 @@ def test_a_switched_row_refuses_what_the_environment_would(text: str, why: str,
     assert parser.parse_args(["--switched", "compile=0"]).switched == ["compile=0"]
     assert harness._setting("kernels=attention,products") == (
         "kernels", frozenset({"attention", "products"}))
+
+
+def test_float32_logits_casts_copies_and_puts_the_weights_back() -> None:
+    """The float32 pass reads cast copies (made on the default device, so a CPU pass never
+    reads the bench's own arrays) and leaves the model holding the very arrays it held."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 8)
+            self.head = nn.Linear(8, 32)
+
+        def __call__(self, ids: mx.array) -> mx.array:
+            return self.head(self.embed(ids))
+
+    model = Tiny()
+    model.set_dtype(mx.bfloat16)
+    before = dict(tree_flatten(model.parameters()))
+    ids = mx.array([[1, 5, 7]])
+    want = (before["embed.weight"].astype(mx.float32)[ids] @ before["head.weight"].astype(
+        mx.float32).T + before["head.bias"].astype(mx.float32))
+    for stream in (None, mx.cpu):
+        got = harness.float32_logits(model, ids, stream)
+        assert got.dtype == mx.float32
+        assert mx.allclose(got, want, atol=1e-6).item()
+        after = dict(tree_flatten(model.parameters()))
+        assert all(after[k] is v for k, v in before.items())
+        assert {v.dtype for v in after.values()} == {mx.bfloat16}
