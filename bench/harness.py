@@ -500,8 +500,8 @@ def float32_logits(row: Any, ids: mx.array, stream: Any = None) -> mx.array:
     ``stream`` (None: the default one). The casts are made and evaluated on the default
     device first: on MLX's CUDA backend an array the CPU reads moves to host memory for good
     (``Buffer::raw_ptr``), so a CPU pass over the bench's own weights would leave both
-    models reading them from there, and the buffers it frees (host memory) in MLX's cache
-    for later GPU arrays of their sizes (see :func:`_parity_split`)."""
+    models reading them from host memory for the rest of the run (and see
+    :func:`_parity_split` for the buffers such a pass frees)."""
     from contextlib import nullcontext
 
     from mlx.utils import tree_flatten, tree_unflatten
