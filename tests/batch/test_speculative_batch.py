@@ -45,20 +45,20 @@ def _run(model, requests, max_sequences):
     return requests
 
 
-def test_scripted_drafts_roll_back_every_length_in_a_batch(model, monkeypatch):
+def test_scripted_drafts_roll_back_every_length_in_a_batch(model):
     # the script is each prompt's greedy continuation: the draft is right except where
-    # it is wrong on purpose (every accepted length occurs); every round drafts its whole
-    # depth (the controller's measured choice may pause drafting on a loaded machine, and
-    # then no round rolls back)
-    monkeypatch.setattr(DepthController, "choose",
-                        lambda self, limit: max(0, min(self.max_depth, limit)))
+    # it is wrong on purpose (every accepted length occurs); lockstep: depths follow
+    # acceptance alone (chosen from measured round times, drafting paused on a loaded
+    # machine, and then no round rolled back)
     prompts = _prompts(model.vocab_size, [6, 11, 4], seed=5)
     budgets = [14, 9, 12]
     alone, drafts = _scripted(model, prompts, budgets)
     requests = [BatchRequest(prompts[0], GREEDY, budgets[0], draft=drafts[0]),
                 BatchRequest(prompts[1], GREEDY, budgets[1]),  # no draft: shares the batch
                 BatchRequest(prompts[2], GREEDY, budgets[2], draft=drafts[2])]
-    for request, want in zip(_run(model, requests, 2), alone):
+    with settings.overridden(lockstep=True):
+        _run(model, requests, 2)
+    for request, want in zip(requests, alone):
         assert request.tokens == want
     for drafted in (requests[0], requests[2]):  # rounds committed several tokens
         assert drafted.stats.target_forwards < len(drafted.tokens)
