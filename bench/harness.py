@@ -508,11 +508,16 @@ def float32_logits(row: Any, ids: mx.array, stream: Any = None) -> mx.array:
 
     module = row.model if isinstance(row, Ours) else row
     saved = tree_flatten(module.parameters())
-    cast = [(key, value.astype(mx.float32) if mx.issubdtype(value.dtype, mx.floating)
-             else value + 0) for key, value in saved]
-    ids = ids + 0
-    mx.eval([value for _, value in cast], ids)
-    module.update(tree_unflatten(cast))
+    def cast(value: mx.array) -> mx.array:
+        if mx.issubdtype(value.dtype, mx.floating) and value.dtype != mx.float32:
+            return value.astype(mx.float32)
+        # (astype to its own dtype is the array itself: a copy for the CPU to read)
+        return value if stream is None else value * 1
+
+    casts = [(key, cast(value)) for key, value in saved]
+    ids = cast(ids)
+    mx.eval([value for _, value in casts], ids)
+    module.update(tree_unflatten(casts))
     try:
         with nullcontext() if stream is None else mx.stream(stream):
             logits = row(ids).astype(mx.float32)

@@ -76,7 +76,8 @@ def test_a_switched_row_refuses_what_the_environment_would(text: str, why: str,
         "kernels", frozenset({"attention", "products"}))
 
 
-def test_float32_logits_casts_copies_and_puts_the_weights_back() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_float32_logits_casts_copies_and_puts_the_weights_back(dtype: str) -> None:
     """The float32 pass reads cast copies (made on the default device, so a CPU pass never
     reads the bench's own arrays) and leaves the model holding the very arrays it held."""
     import mlx.core as mx
@@ -93,7 +94,7 @@ def test_float32_logits_casts_copies_and_puts_the_weights_back() -> None:
             return self.head(self.embed(ids))
 
     model = Tiny()
-    model.set_dtype(mx.bfloat16)
+    model.set_dtype(getattr(mx, dtype))
     before = dict(tree_flatten(model.parameters()))
     ids = mx.array([[1, 5, 7]])
     want = (before["embed.weight"].astype(mx.float32)[ids] @ before["head.weight"].astype(
@@ -104,4 +105,4 @@ def test_float32_logits_casts_copies_and_puts_the_weights_back() -> None:
         assert mx.allclose(got, want, atol=1e-6).item()
         after = dict(tree_flatten(model.parameters()))
         assert all(after[k] is v for k, v in before.items())
-        assert {v.dtype for v in after.values()} == {mx.bfloat16}
+        assert {v.dtype for v in after.values()} == {getattr(mx, dtype)}
