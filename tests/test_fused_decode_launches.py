@@ -55,7 +55,7 @@ def launches(monkeypatch) -> Counter:
         with standing_in(kind):
             return read_as_one(cuda_products._reference_links(links))
 
-    def heads(parts, rot, offset, D, starts, positions, case=None):
+    def heads(parts, rot, offset, D, starts, positions, case):
         counts["head parts"] += len(parts)
         with standing_in("heads"):
             # (marked twice over: a heads output a step reads shows as two Negatives)

@@ -288,28 +288,24 @@ def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,
     return outputs
 
 
-def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offset: int | mx.array, D: int,
-                  starts: Sequence[int], positions: int, case: Hashable = None
-                  ) -> list[mx.array]:
+def _launch_heads(parts: Sequence[HeadPart], rot: Rotation, offsets: mx.array, D: int,
+                  starts: Sequence[int], positions: int, case: Hashable) -> list[mx.array]:
     """The parts' heads from one launch: ``positions`` a sequence (the kernel's ``L``), or
-    0: one sequence, its length the launch's rows. ``case``: :func:`fused_heads`' key of
-    this case, which settles the kernel's source but for the dtype of the rotation's
-    frequencies (the template is then made once a case)."""
+    0: one sequence, its length the launch's rows; ``offsets`` one position or one a
+    sequence, ``[1]`` or ``[B]``. ``case``: :func:`fused_heads`' key of this case, which
+    settles the kernel's source but for the dtype of the rotation's frequencies (the
+    template is made once a case)."""
     x = parts[0][0]
     B, L = x.shape[:2]
     dims, traditional, log2_base, scale, freqs = rot
     absent = x.dtype  # (an input the case does not read: not passed, see CudaKernel)
     missing = 3 - len(parts)
     heads = [p[0].shape[2] for p in parts] + [0] * missing
-    # (fused_heads passes its offsets made: another reshape would be a graph node a layer)
-    offsets = offset if isinstance(offset, mx.array) and offset.ndim == 1 else _offsets(offset)
-    if case is not None:
-        case = (case, None if freqs is None else freqs.dtype)
-    template = None if case is None else _heads_templates.get(case)
+    case = (case, None if freqs is None else freqs.dtype)
+    template = _heads_templates.get(case)
     if template is None:
-        template = _heads_template(parts, rot, D, starts, positions, offsets, heads)
-        if case is not None:
-            _heads_templates[case] = template
+        template = _heads_templates[case] = _heads_template(parts, rot, D, starts, positions,
+                                                            offsets, heads)
     weights: list[mx.array | mx.Dtype] = [
         absent if p[1] is None or p[2] is None else p[1] for p in parts]
     return _heads(
@@ -403,7 +399,7 @@ def _heads_serve(case: tuple[Any, ...]) -> bool:
 
     starts = [shape[2] for shape in shapes]
     return serves("norms", ("heads", *case),
-                  lambda p: _launch_heads(p[0], p[1], p[2], D, starts, positions),
+                  lambda p: _launch_heads(p[0], p[1], p[2], D, starts, positions, case),
                   lambda p: _reference_heads(p[0], p[1], p[2], D, starts), probe,
                   TOLERANCE[dtype],
                   source=kernel_code(__file__))
