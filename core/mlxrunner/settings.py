@@ -19,6 +19,10 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_PACKED_KERNELS`` (``1``/``0``, default 1): on CUDA, the core's built kernels
   launch as compressed fat binaries where nvFatbin is installed (MLX hashes a kernel's image
   at every launch: see ``mlxrunner.nn.cuda_build``); 0: as the cubins themselves.
+- ``MLXRUNNER_PROMPT_SUBMIT_LAYERS`` (a whole number; default: 4 on a GPU, 0 on the CPU): a
+  prompt chunk's forward hands its residual stream to the device every this many layers
+  (``mx.async_eval`` in :class:`mlxrunner.nn.Taps`), so that a GPU runs the first layers
+  while Python builds the rest; 0: the whole chunk at once.
 - ``MLXRUNNER_HOST_PRODUCTS`` (``1``/``0``): on MLX's CPU device off macOS, float32 products
   on the host (numpy's BLAS; quantized weights through the core's C loops, see
   ``mlxrunner.nn.host_quantized``), the decode steps that run enough of them eager, and the
@@ -54,6 +58,8 @@ from .errors import MLXRunnerError
 KERNELS = ("attention", "chains", "deltanet", "embeddings", "norms", "prenorms", "products",
            "topk")
 ATTENTION_MODES = ("kernel", "folded", "mlx")
+#: the largest value a count switch takes
+MAX_COUNT = 1 << 16
 
 
 class SettingsError(MLXRunnerError):
@@ -68,6 +74,8 @@ class Settings:
     row_products: bool = True
     packed_kernels: bool = True
     host_products: bool = True
+    #: None: the device's default (mlxrunner.nn.taps)
+    prompt_submit_layers: int | None = None
     load_plugins: tuple[str, ...] | None = None
     prefix_cache: bool = True
     #: None: scaled to the model and the machine (mlxrunner.cache.prefix_cache_for)
@@ -99,6 +107,8 @@ class Settings:
             row_products=_flag(env, "MLXRUNNER_ROW_PRODUCTS", True),
             packed_kernels=_flag(env, "MLXRUNNER_PACKED_KERNELS", True),
             host_products=_flag(env, "MLXRUNNER_HOST_PRODUCTS", True),
+            prompt_submit_layers=_count(env, "MLXRUNNER_PROMPT_SUBMIT_LAYERS")
+            if env.get("MLXRUNNER_PROMPT_SUBMIT_LAYERS", "").strip() else None,
             load_plugins=None if plugins is None else tuple(
                 p.strip() for p in plugins.split(",") if p.strip()),
             prefix_cache=_flag(env, "MLXRUNNER_PREFIX_CACHE", True),
@@ -119,6 +129,13 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if value not in ("0", "1"):
         raise SettingsError(f"{name}={value!r}: use 0 or 1")
     return value == "1"
+
+
+def _count(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name, "").strip()
+    if not value.isdigit() or int(value) > MAX_COUNT:
+        raise SettingsError(f"{name}={value!r}: use a whole number from 0 to {MAX_COUNT}")
+    return int(value)
 
 
 def _mib(env: Mapping[str, str], name: str) -> int:

@@ -142,3 +142,46 @@ def test_a_prefill_reads_no_logits_of_its_chunks_before_the_last(model, monkeypa
     step = mx.array([[7]])
     np.testing.assert_allclose(np.array(model(step, split_cache)),
                                np.array(model(step, whole_cache)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("every, after_layers", [(1, [0, 1, 2]), (2, [1]), (0, [])])
+def test_a_prompt_chunk_is_handed_to_the_device_every_n_layers(model, monkeypatch, every,
+                                                                after_layers):
+    """With ``prompt_submit_layers`` n, a prefill's chunk of at least SUBMIT_MIN_ROWS rows
+    hands the stream after every n-th layer to ``mx.async_eval`` (shorter chunks and forwards
+    outside a prefill none), and the logits and caches are those of a chunk built whole."""
+    from mlxrunner import settings
+    from mlxrunner.decode import prefill
+
+    submitted: list[tuple[int, ...]] = []
+    real = mx.async_eval
+
+    def spied(*arrays):
+        submitted.extend(tuple(a.shape) for a in arrays)
+        return real(*arrays)
+
+    rows = 64  # (the fewest a chunk submits between layers)
+    prompt = [(7 * i) % 60 + 3 for i in range(rows + 9)]
+    whole_cache, cache = model.make_cache(), model.make_cache()
+    with settings.overridden(prompt_submit_layers=0):
+        whole, _ = prefill(model, prompt, whole_cache, chunk=rows)
+    monkeypatch.setattr(mx, "async_eval", spied)
+    with settings.overridden(prompt_submit_layers=every):
+        logits, _ = prefill(model, prompt, cache, chunk=rows)  # (a chunk of rows, then 9)
+        model(mx.array([prompt]), model.make_cache())  # (no prefill: never submitted)
+    assert submitted == [(1, rows, 32)] * len(after_layers)
+    assert mx.array_equal(logits, whole)
+    for mine, theirs in zip(cache, whole_cache):
+        assert all(mx.array_equal(a, b) for a, b in zip(mine.state, theirs.state))
+
+
+def test_the_prompt_submit_switch_takes_a_whole_number():
+    from mlxrunner import settings
+
+    read = settings.Settings.from_environment
+    assert read({}).prompt_submit_layers is None  # (the device's default)
+    assert read({"MLXRUNNER_PROMPT_SUBMIT_LAYERS": " 3 "}).prompt_submit_layers == 3
+    assert read({"MLXRUNNER_PROMPT_SUBMIT_LAYERS": "0"}).prompt_submit_layers == 0
+    for bad in ("-1", "two", "1.5", str(settings.MAX_COUNT + 1)):
+        with pytest.raises(settings.SettingsError, match="MLXRUNNER_PROMPT_SUBMIT_LAYERS="):
+            read({"MLXRUNNER_PROMPT_SUBMIT_LAYERS": bad})

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
+from .. import settings
+from ..constants import in_compiled
 from .cuda_products import current
 
 _state = threading.local()
@@ -31,6 +33,15 @@ def caches_only() -> Iterator[None]:
         yield
 
 
+#: on a GPU, a prompt chunk's stream is submitted every this many layers (unless
+#: ``prompt_submit_layers`` says otherwise); on the CPU the evaluation would take the
+#: build's cores, and the chunk is submitted whole
+GPU_SUBMIT_LAYERS = 4
+#: a prompt chunk's stream of fewer rows is not submitted between layers (a verify block's,
+#: the rows after a cut: too little device work to wait on)
+SUBMIT_MIN_ROWS = 64
+
+
 @contextmanager
 def _rows_wanted(rows: str) -> Iterator[None]:
     held = getattr(_state, "rows", "all")
@@ -39,6 +50,20 @@ def _rows_wanted(rows: str) -> Iterator[None]:
         yield
     finally:
         _state.rows = held
+
+
+def _submitted(layer: int, hidden: mx.array) -> None:
+    """Inside a prefill's forward (:func:`last_logits_only`, :func:`caches_only`), every
+    ``prompt_submit_layers`` layers (``mlxrunner.settings``): hand the stream after
+    ``layer`` to the device, which runs the layers so far while the rest are built."""
+    if getattr(_state, "rows", "all") == "all":
+        return
+    every = settings.current().prompt_submit_layers
+    if every is None:
+        every = GPU_SUBMIT_LAYERS if mx.default_device() == mx.gpu else 0
+    if every and (layer + 1) % every == 0 and hidden.ndim > 1 \
+            and hidden.size >= SUBMIT_MIN_ROWS * hidden.shape[-1] and not in_compiled():
+        mx.async_eval(hidden)
 
 
 def head_rows(hidden: mx.array) -> mx.array:
@@ -79,6 +104,7 @@ class Taps:
             self._states[tapped] = current(state)
         if layer in self._wanted:
             self._states[layer] = hidden
+        _submitted(layer, hidden)
         return hidden
 
     def result(self, logits: mx.array) -> mx.array | tuple[mx.array, mx.array]:
