@@ -366,13 +366,13 @@ def add_switched_argument(parser: argparse.ArgumentParser, example: str) -> None
                         help="also time a second instance of our model with setting NAME "
                              f"(mlxrunner.settings) at VALUE, e.g. {example}, compile=0, "
                              "attention=folded or mlx, kernels=0 or attention,deltanet, "
-                             "row_products=0; repeatable, one row each")
+                             "row_products=0, prompt_submit_layers=0; repeatable, one row each")
 
 
 #: the settings a bench row may switch (``--switched NAME=VALUE``), each read from
 #: ``MLXRUNNER_<NAME>`` as the environment gives it
 SWITCHABLE = ("attention", "compile", "host_products", "kernels", "packed_kernels",
-              "row_products")
+              "prompt_submit_layers", "row_products")
 
 
 def _switch(text: str) -> str:
