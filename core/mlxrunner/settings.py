@@ -19,7 +19,7 @@ is not noticed halfway through a generation, and a bad value is one clear error 
 - ``MLXRUNNER_PACKED_KERNELS`` (``1``/``0``, default 1): on CUDA, the core's built kernels
   launch as compressed fat binaries where nvFatbin is installed (MLX hashes a kernel's image
   at every launch: see ``mlxrunner.nn.cuda_build``); 0: as the cubins themselves.
-- ``MLXRUNNER_PROMPT_SUBMIT_LAYERS`` (a whole number; default: 4 on a GPU, 0 on the CPU): a
+- ``MLXRUNNER_PROMPT_SUBMIT_LAYERS`` (a whole number; default: 2 on a GPU, 0 on the CPU): a
   prompt chunk's forward hands its residual stream to the device every this many layers
   (``mx.async_eval`` in :class:`mlxrunner.nn.Taps`), so that a GPU runs the first layers
   while Python builds the rest; 0: the whole chunk at once.

@@ -34,9 +34,11 @@ def caches_only() -> Iterator[None]:
 
 
 #: on a GPU, a prompt chunk's stream is submitted every this many layers (unless
-#: ``prompt_submit_layers`` says otherwise); on the CPU the evaluation would take the
+#: ``prompt_submit_layers`` says otherwise; bench/prompt_submit.py, an H100: a 2047-token
+#: Gemma 4 chunk took 19.1 ms at 2, 20.0 at 4, 27.1 whole; a 511-token one, bound by the
+#: host's build and encoding, the same at each); on the CPU the evaluation would take the
 #: build's cores, and the chunk is submitted whole
-GPU_SUBMIT_LAYERS = 4
+GPU_SUBMIT_LAYERS = 2
 #: a prompt chunk's stream of fewer rows is not submitted between layers (a verify block's,
 #: the rows after a cut: too little device work to wait on)
 SUBMIT_MIN_ROWS = 64
