@@ -58,8 +58,8 @@ from .errors import MLXRunnerError
 KERNELS = ("attention", "chains", "deltanet", "embeddings", "norms", "prenorms", "products",
            "topk")
 ATTENTION_MODES = ("kernel", "folded", "mlx")
-#: the largest value a count switch takes
-MAX_COUNT = 1 << 16
+#: the most layers ``MLXRUNNER_PROMPT_SUBMIT_LAYERS`` takes
+MAX_LAYERS = 1 << 16
 
 
 class SettingsError(MLXRunnerError):
@@ -107,7 +107,7 @@ class Settings:
             row_products=_flag(env, "MLXRUNNER_ROW_PRODUCTS", True),
             packed_kernels=_flag(env, "MLXRUNNER_PACKED_KERNELS", True),
             host_products=_flag(env, "MLXRUNNER_HOST_PRODUCTS", True),
-            prompt_submit_layers=_count(env, "MLXRUNNER_PROMPT_SUBMIT_LAYERS")
+            prompt_submit_layers=_layers(env, "MLXRUNNER_PROMPT_SUBMIT_LAYERS")
             if env.get("MLXRUNNER_PROMPT_SUBMIT_LAYERS", "").strip() else None,
             load_plugins=None if plugins is None else tuple(
                 p.strip() for p in plugins.split(",") if p.strip()),
@@ -131,16 +131,16 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return value == "1"
 
 
-def _count(env: Mapping[str, str], name: str) -> int:
+def _layers(env: Mapping[str, str], name: str) -> int:
     value = env.get(name, "").strip()
-    if not value.isdigit() or int(value) > MAX_COUNT:
-        raise SettingsError(f"{name}={value!r}: use a whole number from 0 to {MAX_COUNT}")
+    if not (value.isascii() and value.isdigit()) or int(value) > MAX_LAYERS:
+        raise SettingsError(f"{name}={value!r}: use a whole number from 0 to {MAX_LAYERS}")
     return int(value)
 
 
 def _mib(env: Mapping[str, str], name: str) -> int:
     value = env.get(name, "").strip()
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise SettingsError(f"{name}={value!r}: use a whole number of MiB")
     return int(value)
 

@@ -144,32 +144,36 @@ def test_a_prefill_reads_no_logits_of_its_chunks_before_the_last(model, monkeypa
                                np.array(model(step, whole_cache)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("every, after_layers", [(1, [0, 1, 2]), (2, [1]), (0, [])])
+@pytest.mark.parametrize("every, after_layers", [(1, [0, 1]), (2, [1]), (0, [])])
 def test_a_prompt_chunk_is_handed_to_the_device_every_n_layers(model, monkeypatch, every,
                                                                 after_layers):
-    """With ``prompt_submit_layers`` n, a prefill's chunk of at least SUBMIT_MIN_ROWS rows
-    hands the stream after every n-th layer to ``mx.async_eval`` (shorter chunks and forwards
-    outside a prefill none), and the logits and caches are those of a chunk built whole."""
+    """With ``prompt_submit_layers`` n, a prefill's chunk of at least 64 rows hands the
+    stream after every n-th layer but the last (3 layers here) to ``mx.async_eval``:
+    the streams the prefill's taps give for those layers. Shorter chunks and forwards
+    outside a prefill submit none, and the logits and caches are a chunk built whole's."""
     from mlxrunner import settings
     from mlxrunner.decode import prefill
 
-    submitted: list[tuple[int, ...]] = []
+    submitted: list[mx.array] = []
     real = mx.async_eval
 
     def spied(*arrays):
-        submitted.extend(tuple(a.shape) for a in arrays)
+        submitted.extend(arrays)
         return real(*arrays)
 
-    rows = 64  # (the fewest a chunk submits between layers)
+    rows, layers, hidden = 64, 3, 32  # (64: the fewest rows a chunk submits)
     prompt = [(7 * i) % 60 + 3 for i in range(rows + 9)]
     whole_cache, cache = model.make_cache(), model.make_cache()
     with settings.overridden(prompt_submit_layers=0):
         whole, _ = prefill(model, prompt, whole_cache, chunk=rows)
     monkeypatch.setattr(mx, "async_eval", spied)
     with settings.overridden(prompt_submit_layers=every):
-        logits, _ = prefill(model, prompt, cache, chunk=rows)  # (a chunk of rows, then 9)
+        # (a chunk of 64 rows, then one of 9)
+        logits, tapped = prefill(model, prompt, cache, chunk=rows, taps=range(layers))
         model(mx.array([prompt]), model.make_cache())  # (no prefill: never submitted)
-    assert submitted == [(1, rows, 32)] * len(after_layers)
+    assert tapped is not None and len(submitted) == len(after_layers)
+    for stream, layer in zip(submitted, after_layers):
+        assert mx.array_equal(stream, tapped[:, :rows, layer * hidden:(layer + 1) * hidden])
     assert mx.array_equal(logits, whole)
     for mine, theirs in zip(cache, whole_cache):
         assert all(mx.array_equal(a, b) for a, b in zip(mine.state, theirs.state))
@@ -182,6 +186,6 @@ def test_the_prompt_submit_switch_takes_a_whole_number():
     assert read({}).prompt_submit_layers is None  # (the device's default)
     assert read({"MLXRUNNER_PROMPT_SUBMIT_LAYERS": " 3 "}).prompt_submit_layers == 3
     assert read({"MLXRUNNER_PROMPT_SUBMIT_LAYERS": "0"}).prompt_submit_layers == 0
-    for bad in ("-1", "two", "1.5", str(settings.MAX_COUNT + 1)):
+    for bad in ("-1", "two", "1.5", "\u00b2", str(settings.MAX_LAYERS + 1)):
         with pytest.raises(settings.SettingsError, match="MLXRUNNER_PROMPT_SUBMIT_LAYERS="):
             read({"MLXRUNNER_PROMPT_SUBMIT_LAYERS": bad})

@@ -34,13 +34,12 @@ def caches_only() -> Iterator[None]:
 
 
 #: on a GPU, a prompt chunk's stream is submitted every this many layers (unless
-#: ``prompt_submit_layers`` says otherwise; bench/prompt_submit.py, an H100: a 2047-token
-#: Gemma 4 chunk took 19.1 ms at 2, 20.0 at 4, 27.1 whole; a 511-token one, bound by the
-#: host's build and encoding, the same at each); on the CPU the evaluation would take the
-#: build's cores, and the chunk is submitted whole
+#: ``prompt_submit_layers`` says otherwise; the fastest k in bench/prompt_submit.py); on the
+#: CPU the evaluation would take the build's cores, and the chunk is submitted whole
 GPU_SUBMIT_LAYERS = 2
-#: a prompt chunk's stream of fewer rows is not submitted between layers (a verify block's,
-#: the rows after a cut: too little device work to wait on)
+#: a stream of fewer rows is never submitted: a fused launch of a few rows may still be
+#: joined by the next product's launch, which stands for it (``current``), and submitted it
+#: would run as well; and the rows after an architecture's cut to the last are little work
 SUBMIT_MIN_ROWS = 64
 
 
@@ -54,11 +53,13 @@ def _rows_wanted(rows: str) -> Iterator[None]:
         _state.rows = held
 
 
-def _submitted(layer: int, hidden: mx.array) -> None:
+def _submit_stream(layer: int, layers: int, hidden: mx.array) -> None:
     """Inside a prefill's forward (:func:`last_logits_only`, :func:`caches_only`), every
     ``prompt_submit_layers`` layers (``mlxrunner.settings``): hand the stream after
-    ``layer`` to the device, which runs the layers so far while the rest are built."""
-    if getattr(_state, "rows", "all") == "all":
+    ``layer`` to the device, which runs the layers so far while the rest are built. Never
+    the last layer's: a chunk before a prompt's last reads none of its stream (submitted,
+    its MLP would run for nothing), and the last chunk is evaluated next anyway."""
+    if getattr(_state, "rows", "all") == "all" or layer >= layers - 1:
         return
     every = settings.current().prompt_submit_layers
     if every is None:
@@ -97,6 +98,7 @@ class Taps:
                 raise ValueError(f"tap layers {list(self.requested)} name a layer twice")
         self._states: dict[int, mx.array] = {}
         self._wanted = frozenset(self.requested or ())
+        self._layers = num_layers
 
     def after(self, layer: int, hidden: mx.array) -> mx.array:
         """Record ``hidden`` as the stream after ``layer`` if it is tapped; returns it."""
@@ -106,7 +108,7 @@ class Taps:
             self._states[tapped] = current(state)
         if layer in self._wanted:
             self._states[layer] = hidden
-        _submitted(layer, hidden)
+        _submit_stream(layer, self._layers, hidden)
         return hidden
 
     def result(self, logits: mx.array) -> mx.array | tuple[mx.array, mx.array]:
