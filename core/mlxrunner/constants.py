@@ -15,7 +15,12 @@ from functools import cache, lru_cache
 
 import mlx.core as mx
 
-_compiling = threading.local()
+
+class _Compiling(threading.local):
+    depth = 0  # (class defaults: a missing thread-local attribute raises and catches inside)
+
+
+_compiling = _Compiling()
 
 
 @contextmanager
@@ -24,7 +29,7 @@ def compiling() -> Iterator[None]:
     thread traces it): an array made and evaluated meanwhile is a constant every call
     reuses; one left lazy is an operation every call runs again, and MLX's compile merges
     equal ones."""
-    depth = getattr(_compiling, "depth", 0)
+    depth = _compiling.depth
     _compiling.depth = depth + 1
     try:
         yield
@@ -34,7 +39,7 @@ def compiling() -> Iterator[None]:
 
 def in_compiled() -> bool:
     """Whether this thread is inside :func:`compiling`."""
-    return getattr(_compiling, "depth", 0) > 0
+    return _compiling.depth > 0
 
 
 #: the fewest bytes a constant's buffer holds (see :func:`constant`)

@@ -4,7 +4,6 @@ kernel cases need MLX's CUDA backend; off it, the layers' results are MLX's own)
 
 from __future__ import annotations
 
-import threading
 from contextlib import nullcontext
 
 import mlx.core as mx
@@ -490,7 +489,8 @@ def test_an_eager_forward_keeps_few_renamed_rows(monkeypatch):
     monkeypatch.setattr(cuda_products, "_launch", lambda x, w, res, glu, up=None, post=None:
                         cuda_products._reference(x, w, res, glu, up, post))
     monkeypatch.setattr(cuda_products, "_launch_normed", normed)
-    monkeypatch.setattr(cuda_products, "_noted", threading.local())  # (none remembered yet)
+    # (none remembered yet)
+    monkeypatch.setattr(cuda_products, "_noted", type(cuda_products._noted)())
     o_proj, norm = mnn.Linear(32, 64, bias=False), mnn.RMSNorm(64, 1e-5)
     x, r = mx.random.normal((1, 1, 32)), mx.random.normal((1, 1, 64))
     renamed = 0

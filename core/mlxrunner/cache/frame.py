@@ -158,12 +158,16 @@ def trace_capacity(length: int) -> int:
     return bucket_capacity(length, trace_capacity_step())
 
 
-_local = threading.local()
+class _Local(threading.local):
+    frame: TraceFrame | None = None
+
+
+_local = _Local()
 
 
 def active_frame() -> TraceFrame | None:
     """The frame this thread is tracing a forward in, or None."""
-    return getattr(_local, "frame", None)
+    return _local.frame
 
 
 @contextmanager

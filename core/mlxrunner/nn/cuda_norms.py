@@ -205,20 +205,26 @@ HeadSource = tuple[HeadPart, Rotation, mx.array, int]
 #: heads outputs remembered per thread (a layer's query, keys and values, until its
 #: attention reads the query; each entry holds its output alive)
 NOTED_HEADS = 6
-_sources = threading.local()
+
+
+class _Sources(threading.local):
+    noted: OrderedDict[int, Any] | None = None
+
+
+_sources = _Sources()
 
 
 def head_source(out: mx.array) -> HeadSource | None:
     """How :func:`fused_heads` made ``out`` (this thread, among its last few), or None: a
     reader may do that work itself from the raw heads (the attention kernel does, so that a
     layer whose keys come from another spends no launch on its query)."""
-    noted = getattr(_sources, "noted", None)
+    noted = _sources.noted
     entry = None if noted is None else noted.get(id(out))
     return None if entry is None or entry[0] is not out else entry[1]
 
 
 def _note_source(out: mx.array, source: HeadSource) -> None:
-    noted = getattr(_sources, "noted", None)
+    noted = _sources.noted
     if noted is None:
         noted = _sources.noted = OrderedDict()
     noted[id(out)] = (out, source)  # (out held: its id is not reused meanwhile)

@@ -629,7 +629,15 @@ Shape = tuple[int, ...]
 #: a trace's, without data, where an eager forward's hold theirs
 NOTED_ROWS = 64
 NOTED_RENAMED = 4096
-_noted = threading.local()
+
+
+class _Noted(threading.local):
+    # (class defaults: reading a thread-local's missing attribute raises and catches inside)
+    rows: OrderedDict[int, tuple[Any, ...]] | None = None
+    renamed: OrderedDict[int, tuple[Any, ...]] | None = None
+
+
+_noted = _Noted()
 
 
 class _Launched(NamedTuple):
@@ -656,7 +664,7 @@ def _fits(x: mx.array, in_dims: int) -> bool:
 
 
 def _remember(kind: str, key: mx.array, entry: tuple[Any, ...]) -> None:
-    noted = getattr(_noted, kind, None)
+    noted = getattr(_noted, kind)
     if noted is None:
         noted = OrderedDict()
         setattr(_noted, kind, noted)
@@ -667,7 +675,7 @@ def _remember(kind: str, key: mx.array, entry: tuple[Any, ...]) -> None:
 
 
 def _recalled(kind: str, key: mx.array) -> tuple[Any, ...] | None:
-    noted = getattr(_noted, kind, None)
+    noted = getattr(_noted, kind)
     entry = None if noted is None else noted.get(id(key))
     return None if entry is None or entry[0] is not key else entry[1:]
 

@@ -40,15 +40,20 @@ from .kernels import host_products
 #: them stay in the caches)
 SCORES_MAX_ELEMENTS = 1 << 20
 
-_state = threading.local()
+class _State(threading.local):
+    active = False  # (class defaults: a missing thread-local attribute raises and catches inside)
+    off = 0
+
+
+_state = _State()
 
 
 @contextmanager
 def hosting() -> Iterator[None]:
     """Let the core's layers run on the host in this thread (see the module); whether
     products run on the host is asked once, here, not by every layer's every call."""
-    held = getattr(_state, "active", False)
-    _state.active = not getattr(_state, "off", 0) and host_products()
+    held = _state.active
+    _state.active = not _state.off and host_products()
     try:
         yield
     finally:
@@ -59,7 +64,7 @@ def hosting() -> Iterator[None]:
 def unhosted() -> Iterator[None]:
     """The core's layers as MLX's operations in this thread, even inside :func:`hosting`
     (a check comparing a traced forward with the eager one compares tracing alone)."""
-    held = getattr(_state, "active", False), getattr(_state, "off", 0)
+    held = _state.active, _state.off
     _state.active, _state.off = False, held[1] + 1
     try:
         yield
@@ -70,7 +75,7 @@ def unhosted() -> Iterator[None]:
 def host_active() -> bool:
     """Whether this thread is inside :func:`hosting` (and not :func:`unhosted`) where
     products run on the host (one flag: asked by every layer's every call)."""
-    return getattr(_state, "active", False)
+    return _state.active
 
 
 def host_array(x: mx.array) -> np.ndarray | None:

@@ -162,7 +162,12 @@ def _host_matmul_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.ar
     return cotangent @ weight_t.T, x.T @ cotangent
 
 
-_declined = threading.local()
+class _Declined(threading.local):
+    count = 0
+    run = 0
+
+
+_declined = _Declined()
 _threads_set = False
 
 
@@ -210,7 +215,7 @@ def host_declined() -> int:
     in this thread (each ran as MLX's product inside the trace): a trace that raised this
     by ``HOST_TRACE_MIN_WORK`` or more should not be replayed where speed matters (see
     mlxrunner.decode.step)."""
-    return getattr(_declined, "count", 0)
+    return _declined.count
 
 
 def host_weights_run() -> int:
@@ -218,7 +223,7 @@ def host_weights_run() -> int:
     products run in this thread so far: a forward that raised this by
     ``HOST_TRACE_MIN_WORK`` or more would have been declined traced, one row as many (see
     mlxrunner.decode.step)."""
-    return getattr(_declined, "run", 0)
+    return _declined.run
 
 
 def note_host_run(weights: int) -> None:

@@ -13,7 +13,12 @@ from .. import settings
 from ..constants import in_compiled
 from .cuda_products import current
 
-_state = threading.local()
+
+class _State(threading.local):
+    rows = "all"  # (class defaults: a missing thread-local attribute raises and catches inside)
+
+
+_state = _State()
 
 
 @contextmanager
@@ -45,7 +50,7 @@ SUBMIT_MIN_ROWS = 64
 
 @contextmanager
 def _rows_wanted(rows: str) -> Iterator[None]:
-    held = getattr(_state, "rows", "all")
+    held = _state.rows
     _state.rows = rows
     try:
         yield
@@ -59,7 +64,7 @@ def _submit_stream(layer: int, layers: int, hidden: mx.array) -> None:
     ``layer`` to the device, which runs the layers so far while the rest are built. Never
     the last layer's: a chunk before a prompt's last reads none of its stream (submitted,
     its MLP would run for nothing), and the last chunk is evaluated next anyway."""
-    if getattr(_state, "rows", "all") == "all" or layer >= layers - 1:
+    if _state.rows == "all" or layer >= layers - 1:
         return
     every = settings.current().prompt_submit_layers
     if every is None:
@@ -76,7 +81,7 @@ def head_rows(hidden: mx.array) -> mx.array:
     its final norm and head spares a prompt's chunk the widest product of its forward for
     every row it does not read (optional: without it the core takes the last row of the
     whole logits)."""
-    rows = getattr(_state, "rows", "all")
+    rows = _state.rows
     if rows == "all":
         return hidden
     return hidden[:, -1:] if rows == "last" else hidden[:, :0]
