@@ -60,12 +60,23 @@ def constant(values: tuple[int | float | bool, ...], dtype: mx.Dtype) -> mx.arra
     whose pages the host writes every step (a step's offset), so a kernel reading a small
     constant there may read across the bus; a larger buffer is an allocation of its own,
     which moves to the GPU at its first use and stays."""
+    return _made(values, dtype)
+
+
+def _made(values: tuple[int | float | bool, ...], dtype: mx.Dtype) -> mx.array:
     padding = padding_entries(len(values), dtype)
     array = mx.array(values + (0,) * padding, dtype=dtype)
     if padding:
         array = array[:len(values)]
     mx.eval(array)
     return array
+
+
+@lru_cache(maxsize=8)  # (a prompt chunk's layers share one; each chunk has its own)
+def position_constant(position: int) -> mx.array:
+    """``mx.array([position], int32)`` as :func:`constant` makes it, kept for the last few
+    positions only: a chunk's layers ask it once each, and positions do not recur."""
+    return _made((position,), mx.int32)
 
 
 @cache

@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 import mlxrunner
+from mlxrunner import nn as mnn
 from mlxrunner import settings
 from mlxrunner.nn import arange_constant, constant, kernels
 from mlxrunner_test_support import graph_labels, logged
@@ -70,6 +71,27 @@ def test_constants_are_made_once_and_are_no_operation_in_a_trace():
 
 
 CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_prompt_chunks_rows_take_the_plain_product_on_cuda(monkeypatch, bias):
+    """On CUDA a float layer's product of more rows than row products or fused products
+    take (a prompt chunk's) is MLX's plain one, its bias and residual added; fewer rows
+    still ask the step's paths (here the row products' GatherMM)."""
+    monkeypatch.setattr(kernels, "on_cuda", lambda: True)
+    layer = mnn.Linear(64, 48, bias=bias)
+    for rows in (kernels.ROW_PRODUCT_MAX_ROWS, kernels.ROW_PRODUCT_MAX_ROWS + 1, 40):
+        x = mx.random.normal((1, rows, 64), key=mx.random.key(rows))
+        residual = mx.random.normal((1, rows, 48), key=mx.random.key(rows + 1))
+        want = x @ layer.weight.T + (layer.bias if bias else 0)
+        plain = rows > kernels.ROW_PRODUCT_MAX_ROWS
+        assert kernels.mlx_product_rows(x) == plain
+        assert mx.allclose(layer(x), want, atol=1e-5).item()
+        assert mx.allclose(layer(x, residual), want + residual, atol=1e-5).item()
+        traced = mx.compile(lambda a, r: layer(a, r))
+        assert ("GatherMM" in graph_labels(traced(x, residual))) == (not plain and not bias)
+    monkeypatch.setattr(kernels, "on_cuda", lambda: False)
+    assert not kernels.mlx_product_rows(mx.zeros((1, 40, 64)))
 
 
 @pytest.mark.parametrize("shape", [(2, 64), (1, 8, 96), (16, 128), (17, 64), (3, 40)])

@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..constants import constant
+from ..constants import constant, position_constant
 from .cuda_build import BLOCK_REDUCE, CudaKernel, kernel_code, one_entry
 from .kernels import kernel_allowed, serves
 
@@ -233,8 +233,7 @@ def _note_source(out: mx.array, source: HeadSource) -> None:
 
 
 def _offsets(offset: int | mx.array) -> mx.array:
-    return offset.reshape(-1) if isinstance(offset, mx.array) else \
-        mx.array([offset], dtype=mx.int32)
+    return offset.reshape(-1) if isinstance(offset, mx.array) else position_constant(offset)
 
 
 def fused_heads(parts: Sequence[HeadPart], rotation: Rotation | None,

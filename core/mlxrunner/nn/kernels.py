@@ -120,6 +120,14 @@ def project(x: mx.array, weight_t: mx.array, residual: mx.array | None = None) -
     return out.reshape(*x.shape[:-1], weight_t.shape[-1])
 
 
+def mlx_product_rows(x: mx.array) -> bool:
+    """Whether a float product of rows ``x`` is MLX's plain one whatever else :func:`project`
+    and the fused products ask: on CUDA, more rows than a fused product or row products
+    take (``ROW_PRODUCT_MAX_ROWS``, past the fused products' ``MAX_ROWS``: a prompt chunk's),
+    and the host runs none there."""
+    return x.ndim > 0 and x.size > ROW_PRODUCT_MAX_ROWS * x.shape[-1] and on_cuda()
+
+
 def row_products_serve(rows: int, x: mx.array, weight_t: mx.array) -> bool:
     """Whether :func:`project` runs ``rows`` rows of ``x`` as one-row products on CUDA."""
     top = ROW_PRODUCT_MAX_ROWS if x.dtype == mx.float32 else ROW_PRODUCT_MAX_HALF_ROWS

@@ -34,7 +34,7 @@ from .cuda_products import current, fused_product
 from .derived import derived
 from .host_ops import host_active, host_add, host_split
 from .host_quantized import host_quantized_product
-from .kernels import host_eligible, host_project, kernel_allowed, project
+from .kernels import host_eligible, host_project, kernel_allowed, mlx_product_rows, project
 from .parallel import REDUCE, Parallel
 
 log = logging.getLogger("mlxrunner.nn")
@@ -74,6 +74,9 @@ def apply_linear(layer: nn.Module, x: mx.array, residual: mx.array | None = None
     if _is_float(layer) and "scales" not in layer:
         w_t = _transposed(layer)
         bias = layer.get("bias")
+        if mlx_product_rows(x):  # (a prompt chunk's rows on CUDA: asked first, saving the rest)
+            y = x @ w_t if bias is None else mx.addmm(bias, x, w_t)
+            return y if residual is None else y + residual
         if bias is None:
             fused = fused_product(x, layer["weight"], residual)
             if fused is not None:
