@@ -60,6 +60,15 @@ E2B_TEXT_CONFIG: dict[str, Any] = {
 }
 
 
+def bench_config(quick: bool) -> dict[str, Any]:
+    """The composite config a bench without ``--config`` runs: the CPU-sized layout where
+    ``quick``, else the shared E2B config where it is present, else its built-in copy."""
+    if quick:
+        return composite(QUICK_TEXT_CONFIG)
+    return composite(json.loads(DEFAULT_CONFIG.read_text()) if DEFAULT_CONFIG.is_file()
+                     else E2B_TEXT_CONFIG)
+
+
 def composite(config: dict[str, Any]) -> dict[str, Any]:
     """Hub layout: the text part under ``text_config``."""
     if "text_config" in config:

@@ -65,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--series", action="store_true",
                         help="only each prompt's build and evaluation times in turn")
     args = parser.parse_args(argv)
-    config = gemma4.composite(gemma4.QUICK_TEXT_CONFIG if args.quick else
-                              json.loads(gemma4.DEFAULT_CONFIG.read_text())
-                              if gemma4.DEFAULT_CONFIG.is_file() else gemma4.E2B_TEXT_CONFIG)
+    config = gemma4.bench_config(args.quick)
     model = gemma4.build_ours(config, mx.bfloat16, 0)
     reference = gemma4.build_mlx_lm(config, model)
     ours_row = harness.Ours(model)

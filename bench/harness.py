@@ -636,5 +636,7 @@ def ratio_spread(ours: list[float], theirs: list[float]) -> dict[str, float]:
 def write_json(path: Path | None, results: dict[str, Any]) -> None:
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2) + "\n")
+        partial = path.with_name(path.name + ".partial")  # (no half-written results file)
+        partial.write_text(json.dumps(results, indent=2) + "\n")
+        partial.replace(path)
         print(f"  wrote {path}")

@@ -46,6 +46,13 @@ def random_weights(model: Any, dtype: mx.Dtype, seed: int) -> dict[str, mx.array
     return weights
 
 
+def loaded(cls: type, config: dict[str, Any], weights: dict[str, mx.array]) -> Any:
+    """A ``cls(config)`` model holding ``weights``."""
+    model = cls(config)
+    model.update(tree_unflatten(list(weights.items())))
+    return model
+
+
 def build_mlx_lm(config: dict[str, Any], weights: dict[str, mx.array]) -> Any:
     from mlx_lm.models import llama
 
@@ -84,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = random_weights(example, dtype, args.seed)
 
     def build(cls: type) -> Any:
-        model = cls(config)
-        model.update(tree_unflatten(list(weights.items())))
-        return model
+        return loaded(cls, config, weights)
 
     example = build(ExampleLlama)
     ours = harness.Ours(example)

@@ -16,7 +16,6 @@ per-repeat ratios with their range.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ import gemma4
 import harness
 import llama
 import mlx.core as mx
-from mlx.utils import tree_unflatten
 
 from mlxrunner import settings
 
@@ -60,29 +58,27 @@ def compare(ours: Any, reference: Any, ids: mx.array, ks: list[int], repeats: in
     result: dict[str, Any] = {}
     for name, times in runs.items():
         totals = [t for t, _ in times]
-        ratios = [theirs / mine for (theirs, _), mine in zip(runs["mlx-lm"], totals)]
         result[name] = {"total_ms": statistics.median(totals), "range_ms": [min(totals),
-                        max(totals)], "build_ms": statistics.median(b for _, b in times),
-                        "ratio": statistics.median(ratios),
-                        "ratio_range": [min(ratios), max(ratios)]}
+                        max(totals)], "build_ms": statistics.median(b for _, b in times)}
+        if name != "mlx-lm":  # (a ratio against mlx-lm's own time, per repeat)
+            ratios = [theirs / mine for (theirs, _), mine in zip(runs["mlx-lm"], totals)]
+            result[name].update(ratio=statistics.median(ratios),
+                                ratio_range=[min(ratios), max(ratios)])
     return result
 
 
 def models(which: str, quick: bool) -> tuple[Any, Any, int]:
     """(ours as the core runs it, mlx-lm's, vocabulary size) of one bench shape."""
     if which == "gemma4":
-        config = gemma4.composite(gemma4.QUICK_TEXT_CONFIG if quick else
-                                  json.loads(gemma4.DEFAULT_CONFIG.read_text())
-                                  if gemma4.DEFAULT_CONFIG.is_file() else gemma4.E2B_TEXT_CONFIG)
+        config = gemma4.bench_config(quick)
         model = gemma4.build_ours(config, mx.bfloat16, 0)
         return harness.Ours(model), gemma4.build_mlx_lm(config, model), model.args.vocab_size
     config = dict(llama.LLAMA_3_2_1B)
     if quick:
         config.update(num_hidden_layers=4, hidden_size=256, intermediate_size=512,
                       num_attention_heads=4, num_key_value_heads=1, vocab_size=1024)
-    example = llama.ExampleLlama(config)
-    weights = llama.random_weights(example, mx.bfloat16, 0)
-    example.update(tree_unflatten(list(weights.items())))
+    weights = llama.random_weights(llama.ExampleLlama(config), mx.bfloat16, 0)
+    example = llama.loaded(llama.ExampleLlama, config, weights)
     return harness.Ours(example), llama.build_mlx_lm(config, weights), config["vocab_size"]
 
 
@@ -124,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {row:7s} {r['total_ms']:8.2f} ms ({r['range_ms'][0]:.2f}-"
                       f"{r['range_ms'][1]:.2f})  build {r['build_ms']:6.2f}{ratio}", flush=True)
         del ours, reference
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    harness.write_json(args.json, results)
     return 0
 
 
